@@ -1,0 +1,1 @@
+"""amp_jax: automatic mixed precision for JAX."""
