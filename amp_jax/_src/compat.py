@@ -1,0 +1,251 @@
+"""Every JAX-version difference amp_jax depends on, and nothing else.
+
+Supported: JAX 0.10.x (tested on this machine kind) and 0.11.x (where
+``ClosedJaxpr`` and ``Jaxpr`` merged and some higher-order params changed).
+Only public API is used: ``jax.extend.core``, ``jax.extend.linear_util``,
+``jax.extend.source_info_util``, ``jax.make_jaxpr``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.extend import core as jex_core
+from jax.extend import linear_util as jex_lu
+from jax.extend import source_info_util
+
+JAX_VERSION: tuple[int, ...] = tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())
+
+ClosedJaxpr = jex_core.ClosedJaxpr
+Jaxpr = jex_core.Jaxpr
+Literal = jex_core.Literal
+Var = jex_core.Var
+Tracer = jax.core.Tracer
+
+# In 0.11 the two classes are one: a "closed" jaxpr is a Jaxpr with consts.
+_CLOSED_IS_OPEN = ClosedJaxpr is Jaxpr
+
+
+def is_closed_jaxpr(x: Any) -> bool:
+    return isinstance(x, ClosedJaxpr) and (not _CLOSED_IS_OPEN or hasattr(x, "consts"))
+
+
+def is_open_jaxpr(x: Any) -> bool:
+    return isinstance(x, Jaxpr) and not isinstance(x, ClosedJaxpr)
+
+
+def jaxpr_of(cj: Any) -> Any:
+    """The open jaxpr (eqns, invars, outvars) of a closed jaxpr."""
+    return cj if _CLOSED_IS_OPEN else cj.jaxpr
+
+
+def consts_of(cj: Any) -> list[Any]:
+    return list(cj.consts)
+
+
+def close(jaxpr: Any, consts: Sequence[Any]) -> Any:
+    return ClosedJaxpr(jaxpr, list(consts))
+
+
+def in_avals(cj: Any) -> list[Any]:
+    return list(cj.in_avals)
+
+
+def out_avals(cj: Any) -> list[Any]:
+    return list(cj.out_avals)
+
+
+def aval_of(x: Any) -> Any:
+    return jax.typeof(x)
+
+
+def _sharding_of(x: Any) -> Any:
+    """The sharding to trace ``x`` with: a concrete array's own, if it spans devices."""
+    if isinstance(x, jax.Array) and not isinstance(x, Tracer):
+        try:
+            s = x.sharding
+        except Exception:  # deleted or otherwise unusable arrays
+            return None
+        return s if len(s.device_set) > 1 else None
+    return None
+
+
+def abstractify(x: Any) -> Any:
+    """The abstract value to trace ``fn`` at for argument ``x``."""
+    s = _sharding_of(x)
+    aval = jax.typeof(x)
+    if s is None or not getattr(aval.sharding, "mesh", None) or aval.sharding.mesh.empty:
+        if s is not None:
+            return jax.ShapeDtypeStruct(np.shape(x), aval.dtype, weak_type=aval.weak_type, sharding=s)
+    return aval
+
+
+def abstract_key(x: Any) -> tuple[Any, ...]:
+    """Hashable description of ``x``'s abstract type, for the trace cache."""
+    aval = jax.typeof(x)
+    s = _sharding_of(x)
+    return (aval, s)
+
+
+def trace_to_closed_jaxpr(fn: Callable[..., Any], avals: Sequence[Any]) -> Any:
+    """Traces ``fn`` at abstract values ``avals`` into a closed jaxpr."""
+    return jax.make_jaxpr(fn)(*avals)
+
+
+def trace_with_shape(fn: Callable[..., Any], args: Sequence[Any]) -> tuple[Any, Any]:
+    """Traces ``fn(*args)`` (ShapeDtypeStructs) returning (closed jaxpr, out shape tree)."""
+    return jax.make_jaxpr(fn, return_shape=True)(*args)
+
+
+def closed_to_open_no_consts(cj: Any, what: str) -> Any:
+    """Returns the open jaxpr of ``cj``; it must not capture constants."""
+    if consts_of(cj):
+        raise NotImplementedError(
+            f"amp_jax: rewriting the sub-jaxpr of {what} produced captured constants; "
+            "please report this with the function that triggers it."
+        )
+    return jaxpr_of(cj)
+
+
+def bind_eqn(eqn: Any, invals: Sequence[Any], params: dict[str, Any] | None = None) -> list[Any]:
+    """Binds ``eqn``'s primitive (with ``params`` if given) under the current trace."""
+    prim = eqn.primitive
+    params = eqn.params if params is None else params
+    bind_params = prim.get_bind_params(params)
+    if isinstance(bind_params, tuple):  # (subfuns, params) in some versions
+        subfuns, bind_params = bind_params
+        out = prim.bind(*subfuns, *invals, **bind_params)
+    else:
+        out = prim.bind(*invals, **bind_params)
+    return list(out) if prim.multiple_results else [out]
+
+
+def eqn_context(eqn: Any):
+    """Context managers that reproduce ``eqn``'s source info and ctx while binding."""
+    name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+    return (
+        source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack),
+        eqn.ctx.manager,
+    )
+
+
+def name_stack_str(eqn: Any) -> str:
+    return str(source_info_util.current_name_stack() + eqn.source_info.name_stack)
+
+
+# -- higher-order primitives ------------------------------------------------
+
+JIT_NAMES = frozenset({"jit", "pjit"})
+CUSTOM_JVP_NAMES = frozenset({"custom_jvp_call"})
+CUSTOM_VJP_NAMES = frozenset({"custom_vjp_call", "custom_vjp_call_jaxpr"})
+
+
+def _is_unspecified(s: Any) -> bool:
+    return s is None or type(s).__name__ == "UnspecifiedValue"
+
+
+def jit_is_inlinable(eqn: Any) -> bool:
+    """A ``jit`` eqn without shardings, layouts, donation or compiler options."""
+    if eqn.primitive.name not in JIT_NAMES:
+        return False
+    p = eqn.params
+    return (
+        all(_is_unspecified(s) for s in p.get("in_shardings", ()))
+        and all(_is_unspecified(s) for s in p.get("out_shardings", ()))
+        and all(l is None for l in p.get("in_layouts", ()))
+        and all(l is None for l in p.get("out_layouts", ()))
+        and not any(p.get("donated_invars", ()))
+        and not p.get("compiler_options_kvs", ())
+    )
+
+
+def jit_jaxpr(eqn: Any) -> Any:
+    return eqn.params["jaxpr"]
+
+
+def has_subjaxprs(eqn: Any) -> bool:
+    return any(True for _ in jex_core.jaxprs_in_params(eqn.params)) or (
+        eqn.primitive.name in CUSTOM_JVP_NAMES | CUSTOM_VJP_NAMES
+    )
+
+
+def map_subjaxprs(
+    eqn: Any,
+    rewrite_closed: Callable[[Any], Any],
+) -> dict[str, Any]:
+    """New params for ``eqn`` with every sub-jaxpr rewritten by ``rewrite_closed``.
+
+    ``rewrite_closed`` maps a closed jaxpr to a closed jaxpr with the same
+    input and output avals. Open jaxprs in params are closed (no consts),
+    rewritten and opened again. The thunks of ``custom_jvp_call`` /
+    ``custom_vjp_call`` (the JVP rule's jaxpr, the forward under
+    differentiation) are wrapped so their jaxprs are rewritten too; the user's
+    backward rule is left as it is.
+    """
+    name = eqn.primitive.name
+
+    def one(v: Any) -> Any:
+        if is_closed_jaxpr(v):
+            return rewrite_closed(v)
+        if is_open_jaxpr(v):
+            if v.constvars:
+                return v  # not expected in params; leave untouched
+            return closed_to_open_no_consts(rewrite_closed(close(v, [])), name)
+        if isinstance(v, tuple) and v and any(is_closed_jaxpr(x) or is_open_jaxpr(x) for x in v):
+            return tuple(one(x) for x in v)
+        return v
+
+    params = {k: one(v) for k, v in eqn.params.items()}
+    if name in CUSTOM_JVP_NAMES and "jvp_jaxpr_fun" in params:
+        params["jvp_jaxpr_fun"] = _wrap_thunk(params["jvp_jaxpr_fun"], rewrite_closed, n_extra=1)
+    if name in CUSTOM_VJP_NAMES and "fwd_jaxpr_thunk" in params:
+        params["fwd_jaxpr_thunk"] = _wrap_thunk(params["fwd_jaxpr_thunk"], rewrite_closed, n_extra=0)
+    return params
+
+
+def _wrap_thunk(thunk: Any, rewrite_closed: Callable[[Any], Any], n_extra: int) -> Any:
+    """Wraps a ``(*zeros) -> (jaxpr, consts, *extra)`` thunk to rewrite its jaxpr."""
+    memo: dict[tuple[Any, ...], Any] = {}
+
+    def wrapped(*zeros):
+        key = tuple(zeros)
+        if key not in memo:
+            jaxpr, consts, *extra = thunk.call_wrapped(*zeros)
+            assert len(extra) == n_extra
+            new = rewrite_closed(close(jaxpr, consts))
+            memo[key] = (jaxpr_of(new), consts_of(new), *extra)
+        return memo[key]
+
+    return jex_lu.wrap_init(wrapped, debug_info=thunk.debug_info)
+
+
+SHARD_MAP_NAMES = frozenset({"shard_map"})
+
+
+def bind_shard_map(eqn: Any, invals: Sequence[Any], body: Callable[..., list[Any]]) -> list[Any]:
+    """Re-binds a ``shard_map`` eqn through the public API with a new body.
+
+    The body must be traced inside the manual-axes context (collectives name
+    the mesh axes), so its jaxpr cannot be rewritten on its own like the
+    other sub-jaxprs: ``body(*args)`` evaluates the original body jaxpr.
+    """
+    p = eqn.params
+    kwargs = dict(mesh=p["mesh"], in_specs=tuple(p["in_specs"]),
+                  out_specs=tuple(p["out_specs"]), check_vma=p.get("check_vma", True))
+    axes = p.get("newly_manual_axes", p.get("manual_axes"))
+    if axes is not None and frozenset(axes) != frozenset(p["mesh"].axis_names):
+        kwargs["axis_names"] = set(axes)
+    fn = jax.shard_map(lambda *a: tuple(body(*a)), **kwargs)
+    return list(fn(*invals))
+
+
+def literal_value(lit: Any) -> Any:
+    return lit.val
+
+
+def cast_constant(value: Any, dtype: np.dtype) -> Any:
+    """Casts a literal constant without creating a traced op (stays a literal)."""
+    return np.asarray(value, dtype=dtype)[()] if np.ndim(value) == 0 else np.asarray(value, dtype=dtype)

@@ -1,0 +1,289 @@
+"""Analysis and evaluation of a jaxpr under a mixed-precision policy.
+
+Three steps per jaxpr (and recursively per sub-jaxpr):
+
+1. *Inline* ``jit`` eqns that carry no shardings, so that the analysis sees
+   through ``jax.nn``/``jnp`` helpers that are jitted internally.
+2. *Paint* (:func:`paint`): give every eqn a color -- ``low`` (compute dtype),
+   ``high`` (float32) or ``orig`` (its original dtypes) -- following
+   TensorFlow's auto-mixed-precision passes: allow ops are low; deny ops are
+   high; deny propagates forward through follow ops (and through clear ops
+   that lead to one); follow/clear ops on a path between two allow ops are
+   low; clear ops next to a low op are low.
+3. *Evaluate* (:func:`eval_jaxpr`): bind every primitive under the caller's
+   trace with its operands cast to the eqn's color. Each (value, dtype) cast
+   is made once and shared. Higher-order primitives get their sub-jaxprs
+   rewritten with the same policy and keep their boundary dtypes.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from jax import lax
+
+from amp_jax._src import compat
+from amp_jax._src.policy import FULL_PRECISION_SCOPE, HIGH_DTYPE, Policy, is_managed_float
+from amp_jax._src.rules import RULES, default_allow_rule
+
+LOW, HIGH, ORIG = "low", "high", "orig"
+OPAQUE = "opaque"  # higher-order primitive: recursed into, boundary kept
+SKIP = "skip"      # no managed float operand or result
+
+
+class Context:
+    """What an evaluation needs besides the jaxpr: the policy and backend."""
+
+    def __init__(self, policy: Policy, backend: str):
+        self.policy = policy
+        self.backend = backend
+        self.identity = policy.is_identity
+        self.scopes = (FULL_PRECISION_SCOPE, *policy.full_precision_scopes)
+        self._sub_cache: dict[tuple[int, Any, Any], Any] = {}
+
+    # -- classification -------------------------------------------------
+    def classify(self, eqn: Any) -> str:
+        avals = [v.aval for v in (*eqn.invars, *eqn.outvars)]
+        if not any(is_managed_float(getattr(a, "dtype", None)) for a in avals):
+            return SKIP if not compat.has_subjaxprs(eqn) else OPAQUE
+        if compat.has_subjaxprs(eqn):
+            return OPAQUE
+        if self.identity or self.in_full_precision(eqn):
+            return "never"
+        name = eqn.primitive.name
+        cls = self.policy.effective_class_of(name, self.backend)
+        if cls is None:
+            if self.policy.strict:
+                raise NotImplementedError(
+                    f"amp_jax: primitive {name!r} has no class in the policy and "
+                    "strict=True. Add it to a class, e.g. "
+                    f"Policy(overrides={{{name!r}: 'follow'}})."
+                )
+            cls = "follow"
+        return cls
+
+    def in_full_precision(self, eqn: Any) -> bool:
+        stack = compat.name_stack_str(eqn)
+        return any(s in stack for s in self.scopes)
+
+
+# -- painting ---------------------------------------------------------------
+
+
+def _graph(jaxpr: Any) -> tuple[list[list[int]], list[list[int]]]:
+    """Producer/consumer eqn indices over managed-float vars."""
+    producer: dict[Any, int] = {}
+    for i, eqn in enumerate(jaxpr.eqns):
+        for v in eqn.outvars:
+            producer[v] = i
+    preds: list[list[int]] = [[] for _ in jaxpr.eqns]
+    succs: list[list[int]] = [[] for _ in jaxpr.eqns]
+    for i, eqn in enumerate(jaxpr.eqns):
+        for v in eqn.invars:
+            if isinstance(v, compat.Literal) or not is_managed_float(v.aval.dtype):
+                continue
+            j = producer.get(v)
+            if j is not None:
+                preds[i].append(j)
+                succs[j].append(i)
+    return preds, succs
+
+
+def _reach(starts: Sequence[int], edges: list[list[int]], allowed: set[int]) -> set[int]:
+    """Nodes in ``allowed`` reachable from ``starts`` through ``allowed`` nodes."""
+    seen: set[int] = set()
+    todo = collections.deque(starts)
+    while todo:
+        i = todo.popleft()
+        for j in edges[i]:
+            if j in allowed and j not in seen:
+                seen.add(j)
+                todo.append(j)
+    return seen
+
+
+def paint(classes: list[str], jaxpr: Any) -> list[str]:
+    """Colors (``low``/``high``/``orig``) for each eqn, from their classes."""
+    preds, succs = _graph(jaxpr)
+    idx = {c: {i for i, k in enumerate(classes) if k == c} for c in ("allow", "deny", "follow", "clear")}
+    allow, deny, follow, clear = idx["allow"], idx["deny"], idx["follow"], idx["clear"]
+    # 1. deny propagates forward through follow ops, and through clear ops
+    #    only where a follow op is further downstream.
+    fwd = _reach(sorted(deny), succs, follow | clear)
+    deny_follow = fwd & follow
+    back_from_follow = _reach(sorted(deny_follow), preds, clear)
+    denied = deny | deny_follow | (fwd & clear & back_from_follow)
+    # 2. follow/clear ops on a path between two allow ops become low.
+    free = (follow | clear) - denied
+    down = _reach(sorted(allow), succs, free)
+    up = _reach(sorted(allow), preds, free)
+    low = allow | (down & up)
+    # 3. clear ops connected to a low op through clear ops become low.
+    free_clear = clear - denied - low
+    # Upwards, stop at broadcasts: a parameter broadcast into a low op is cast
+    # after the broadcast, so its gradient is reduced in float32, not bf16.
+    no_bcast = {i for i in free_clear if jaxpr.eqns[i].primitive.name != "broadcast_in_dim"}
+    low |= _reach(sorted(low), succs, free_clear) | _reach(sorted(low), preds, no_bcast)
+    colors = []
+    for i, cls in enumerate(classes):
+        if i in low:
+            colors.append(LOW)
+        elif cls == "deny":
+            colors.append(HIGH)
+        elif cls in (OPAQUE, SKIP):
+            colors.append(cls)
+        else:
+            colors.append(ORIG)
+    return colors
+
+
+# -- evaluation -----------------------------------------------------------------
+
+
+def _target_dtype(aval: Any, color: str, compute_dtype: np.dtype) -> Any:
+    """The dtype an operand of original type ``aval`` is read as under ``color``."""
+    dtype = getattr(aval, "dtype", None)
+    if not is_managed_float(dtype):
+        return None
+    dtype = np.dtype(dtype)
+    if color == LOW:
+        return compute_dtype if dtype.itemsize > compute_dtype.itemsize else dtype
+    if color == HIGH:
+        return HIGH_DTYPE
+    return dtype
+
+
+class _Env:
+    def __init__(self):
+        self.vals: dict[Any, Any] = {}
+        self.casts: dict[tuple[Any, Any], Any] = {}
+
+    def write(self, v: Any, val: Any) -> None:
+        if type(v).__name__ != "DropVar":
+            self.vals[v] = val
+
+    def read(self, atom: Any, dtype: Any) -> Any:
+        if isinstance(atom, compat.Literal):
+            val = compat.literal_value(atom)
+            if dtype is not None and np.dtype(getattr(val, "dtype", type(val))) != dtype:
+                return compat.cast_constant(val, dtype)
+            return val
+        val = self.vals[atom]
+        if dtype is None or np.dtype(val.dtype) == dtype:
+            return val
+        key = (atom, dtype)
+        if key not in self.casts:
+            self.casts[key] = lax.convert_element_type(val, dtype)
+        return self.casts[key]
+
+
+def plan(ctx: Context, jaxpr: Any) -> list[str]:
+    classes = [ctx.classify(e) for e in jaxpr.eqns]
+    if ctx.identity:
+        return [c if c in (OPAQUE, SKIP) else ORIG for c in classes]
+    return paint(classes, jaxpr)
+
+
+def eval_jaxpr(ctx: Context, closed: Any, args: Sequence[Any], colors: list[str] | None = None) -> list[Any]:
+    """Evaluates ``closed`` on ``args`` under the policy; outputs keep their dtypes."""
+    jaxpr = compat.jaxpr_of(closed)
+    if colors is None:
+        colors = plan(ctx, jaxpr)
+    env = _Env()
+    for v, c in zip(jaxpr.constvars, compat.consts_of(closed)):
+        env.write(v, c)
+    for v, a in zip(jaxpr.invars, args):
+        env.write(v, a)
+    cd = ctx.policy.compute_dtype
+    for eqn, color in zip(jaxpr.eqns, colors):
+        managers = compat.eqn_context(eqn)
+        with contextlib.ExitStack() as stack:
+            for m in managers:
+                stack.enter_context(m)
+            if color == OPAQUE:
+                invals = [env.read(v, _target_dtype(v.aval, ORIG, cd)) for v in eqn.invars]
+                if eqn.primitive.name in compat.SHARD_MAP_NAMES:
+                    body = compat.close(eqn.params["jaxpr"], [])
+                    outs = compat.bind_shard_map(
+                        eqn, invals, lambda *a: eval_jaxpr(ctx, inline_jits(body), a))
+                else:
+                    params = compat.map_subjaxprs(eqn, ctx.rewrite_closed)
+                    outs = compat.bind_eqn(eqn, invals, params)
+            elif color == SKIP:
+                outs = compat.bind_eqn(eqn, [env.read(v, None) for v in eqn.invars])
+            elif color == LOW and ctx.policy.class_of(eqn.primitive.name) == "allow":
+                invals = [env.read(v, None) for v in eqn.invars]
+                rule = RULES.get(eqn.primitive.name, default_allow_rule)
+                outs = rule(eqn, invals, cd)
+            else:
+                invals = [env.read(v, _target_dtype(v.aval, color, cd)) for v in eqn.invars]
+                outs = compat.bind_eqn(eqn, invals)
+        for v, o in zip(eqn.outvars, outs):
+            env.write(v, o)
+    return [env.read(v, _orig_dtype(v)) for v in jaxpr.outvars]
+
+
+def _orig_dtype(atom: Any) -> Any:
+    dtype = getattr(atom.aval, "dtype", None)
+    return np.dtype(dtype) if is_managed_float(dtype) else None
+
+
+# -- inlining and sub-jaxprs ------------------------------------------------------------
+
+
+def _has_inlinable_jit(jaxpr: Any) -> bool:
+    return any(compat.jit_is_inlinable(e) for e in jaxpr.eqns)
+
+
+def _eval_inlining(closed: Any, args: Sequence[Any]) -> list[Any]:
+    jaxpr = compat.jaxpr_of(closed)
+    env: dict[Any, Any] = dict(zip(jaxpr.constvars, compat.consts_of(closed)))
+    env.update(zip(jaxpr.invars, args))
+
+    def read(a):
+        return compat.literal_value(a) if isinstance(a, compat.Literal) else env[a]
+
+    for eqn in jaxpr.eqns:
+        invals = [read(v) for v in eqn.invars]
+        with contextlib.ExitStack() as stack:
+            for m in compat.eqn_context(eqn):
+                stack.enter_context(m)
+            if compat.jit_is_inlinable(eqn):
+                outs = _eval_inlining(compat.jit_jaxpr(eqn), invals)
+            else:
+                outs = compat.bind_eqn(eqn, invals)
+        for v, o in zip(eqn.outvars, outs):
+            if type(v).__name__ != "DropVar":
+                env[v] = o
+    return [read(v) for v in jaxpr.outvars]
+
+
+def inline_jits(closed: Any) -> Any:
+    """``closed`` with every sharding-free ``jit`` eqn inlined (recursively)."""
+    if not _has_inlinable_jit(compat.jaxpr_of(closed)):
+        return closed
+    return compat.trace_to_closed_jaxpr(
+        lambda *a: _eval_inlining(closed, a), compat.in_avals(closed)
+    )
+
+
+def _rewrite_closed(self: Context, closed: Any) -> Any:
+    """A closed jaxpr with the same in/out avals as ``closed``, rewritten."""
+    key = id(closed)
+    hit = self._sub_cache.get(key)
+    if hit is not None and hit[0] is closed:
+        return hit[1]
+    flat = inline_jits(closed)
+    colors = plan(self, compat.jaxpr_of(flat))
+    new = compat.trace_to_closed_jaxpr(
+        lambda *a: eval_jaxpr(self, flat, a, colors), compat.in_avals(closed)
+    )
+    self._sub_cache[key] = (closed, new)
+    return new
+
+
+Context.rewrite_closed = _rewrite_closed

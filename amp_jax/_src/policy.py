@@ -1,0 +1,320 @@
+"""The mixed-precision policy: compute dtype and the classification of primitives.
+
+The classification is plain data (frozensets of primitive names) so that users
+can read it, print it, extend it and override it. The five classes follow
+TensorFlow's auto-mixed-precision pass:
+
+* ``allow``  -- performance-critical ops (matmuls, convolutions) that run with
+  compute-dtype operands and float32 accumulation.
+* ``deny``   -- numerically sensitive ops (exp/log/pow, accumulating
+  reductions) that always run in float32.
+* ``follow`` -- elementwise arithmetic that is fine in low precision but
+  should not start a low-precision region on its own ("infer" in TensorFlow).
+* ``clear``  -- data movement and comparisons; numerically neutral.
+* ``never``  -- ops whose operand dtypes are part of their meaning (user
+  casts, bit casts, random bits, custom reductions): never changed.
+
+Primitives absent from every list are treated as ``follow`` (or raise
+``NotImplementedError`` with ``strict=True``). Primitives that carry
+sub-jaxprs (``jit``, ``cond``, ``while``, ``scan``, ``checkpoint``,
+``custom_jvp_call``, ``custom_vjp_call``, ``shard_map``, ...) need no entry:
+they are recursed into and keep their boundary dtypes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+OpClass = Literal["allow", "deny", "follow", "clear", "never"]
+OP_CLASSES: tuple[str, ...] = ("allow", "deny", "follow", "clear", "never")
+
+#: Matmuls and convolutions: compute-dtype operands, float32 accumulation.
+DEFAULT_ALLOW: frozenset[str] = frozenset(
+    {"dot_general", "conv_general_dilated", "ragged_dot_general", "ragged_dot"}
+)
+
+#: Numerically sensitive: always computed in float32.
+DEFAULT_DENY: frozenset[str] = frozenset(
+    {
+        # exp / log / pow family
+        "exp", "exp2", "expm1", "log", "log1p", "pow", "rsqrt",
+        "sinh", "cosh", "tan", "asin", "acos", "acosh", "asinh", "atanh",
+        "erf_inv", "lgamma", "digamma", "igamma", "igammac", "igamma_grad_a",
+        "random_gamma_grad", "polygamma", "zeta", "bessel_i0e", "bessel_i1e",
+        "regularized_incomplete_beta",
+        # accumulating reductions and scans
+        "reduce_sum", "reduce_prod", "cumsum", "cumprod", "cumlogsumexp",
+        "reduce_window_sum", "psum", "psum_invariant", "psum2",
+        # linear algebra that needs the precision
+        "cholesky", "triangular_solve", "lu", "qr", "svd", "eigh", "eig",
+        "householder_product", "tridiagonal_solve", "schur", "hessenberg", "fft",
+    }
+)
+
+#: Elementwise arithmetic: follows its inputs; low between two allow ops.
+DEFAULT_FOLLOW: frozenset[str] = frozenset(
+    {
+        "add", "add_any", "sub", "mul", "div", "neg", "abs", "sign",
+        "integer_pow", "square", "sqrt", "cbrt", "tanh", "logistic", "erf", "erfc",
+        "sin", "cos", "atan", "atan2", "rem", "nextafter", "floor", "ceil", "round",
+        "clamp", "reduce_window", "select_and_scatter_add", "select_and_gather_add",
+        "scatter_add", "scatter_sub", "scatter_mul", "copysign",
+    }
+)
+
+#: Data movement, comparisons, max/min: numerically neutral.
+DEFAULT_CLEAR: frozenset[str] = frozenset(
+    {
+        "reshape", "transpose", "broadcast_in_dim", "squeeze", "expand_dims",
+        "slice", "dynamic_slice", "dynamic_update_slice", "gather", "scatter",
+        "concatenate", "pad", "rev", "select_n", "copy", "copy_p",
+        "stop_gradient", "max", "min", "reduce_max", "reduce_min",
+        "reduce_window_max", "reduce_window_min", "cummax", "cummin",
+        "argmax", "argmin", "eq", "ne", "lt", "le", "gt", "ge", "is_finite",
+        "sort", "top_k", "approx_top_k", "sharding_constraint", "device_put",
+        "scatter_max", "scatter_min", "pmax", "pmin", "all_gather", "all_to_all",
+        "ppermute", "psum_scatter", "reduce_scatter", "optimization_barrier",
+        "real", "imag", "conj", "name", "pvary", "reshard", "mesh_cast",
+        "all_gather_invariant", "axis_index",
+    }
+)
+
+#: Operand dtypes are part of the meaning: never changed.
+DEFAULT_NEVER: frozenset[str] = frozenset(
+    {
+        "convert_element_type", "bitcast_convert_type", "reduce_precision",
+        "random_bits", "random_seed", "random_wrap", "random_unwrap",
+        "random_fold_in", "random_split", "threefry2x32", "rng_bit_generator",
+        "rng_uniform", "iota", "reduce", "reduce_and", "reduce_or", "reduce_xor",
+        "population_count", "clz", "shift_left", "shift_right_logical",
+        "shift_right_arithmetic", "and", "or", "not", "xor", "complex",
+        "linear_solve", "custom_linear_solve",
+    }
+)
+
+_PRESETS: dict[str, Any] = {
+    "bfloat16": jnp.bfloat16,
+    "float16": jnp.float16,
+    "float32": jnp.float32,
+}
+_ALIASES: dict[str, str] = {
+    "bf16": "bfloat16",
+    "f16": "float16",
+    "fp16": "float16",
+    "half": "float16",
+    "f32": "float32",
+    "fp32": "float32",
+    "float": "float32",
+}
+_VALID_COMPUTE = (jnp.bfloat16, jnp.float16, jnp.float32)
+
+#: Named scope that :func:`amp_jax.full_precision` opens; eqns under it are kept.
+FULL_PRECISION_SCOPE = "amp_full_precision"
+
+
+def _as_dtype(value: Any, argname: str) -> np.dtype:
+    try:
+        dtype = np.dtype(value)
+    except TypeError:
+        dtype = None
+    if dtype is None or not any(dtype == np.dtype(d) for d in _VALID_COMPUTE):
+        valid = ", ".join(repr(n) for n in _PRESETS)
+        raise ValueError(
+            f"{argname}={value!r} is not a floating compute dtype amp supports. "
+            f"Use one of {valid} (or jnp.bfloat16 / jnp.float16 / jnp.float32)."
+        )
+    return dtype
+
+
+def _name_set(value: Iterable[str] | None, argname: str) -> frozenset[str]:
+    if value is None:
+        return frozenset()
+    if isinstance(value, str):
+        raise TypeError(
+            f"{argname} must be a collection of primitive names, got the string "
+            f"{value!r}; wrap it in a tuple: ({value!r},)."
+        )
+    names = frozenset(value)
+    for n in names:
+        if not isinstance(n, str):
+            raise TypeError(
+                f"{argname} must contain primitive names (str), got {n!r}; "
+                "use e.g. jax.lax.exp_p.name to get a primitive's name."
+            )
+    return names
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """A mixed-precision policy: the compute dtype and the op classification.
+
+    Frozen and hashable: it is part of :func:`amp_jax.amp`'s trace cache key.
+
+    Attributes:
+      compute_dtype: dtype that ``allow`` ops (and low-precision ``follow`` /
+        ``clear`` regions between them) compute in: ``bfloat16``, ``float16``
+        or ``float32`` (``float32`` makes :func:`amp_jax.amp` the identity).
+      allow: primitive names run with compute-dtype operands and float32
+        accumulation.
+      deny: primitive names always computed in float32.
+      follow: elementwise primitive names that follow their inputs.
+      clear: data-movement primitive names that follow their inputs.
+      never: primitive names whose operands are never cast.
+      overrides: per-primitive class overrides, ``{name: class}``; they win
+        over the lists above. Stored as a sorted tuple of pairs.
+      full_precision_scopes: ``jax.named_scope`` names whose ops are left in
+        their original precision (the scope of :func:`amp_jax.full_precision`
+        is always included).
+      strict: raise ``NotImplementedError`` for a primitive in no class
+        instead of treating it as ``follow``.
+      backend_aware: keep ops in float32 on backends where the compute dtype
+        makes them slower (measured: convolutions on CPU). See the docs.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from amp_jax import Policy
+      >>> p = Policy(jnp.float16, overrides={"tanh": "deny"})
+      >>> p.class_of("tanh"), p.class_of("dot_general")
+      ('deny', 'allow')
+    """
+
+    compute_dtype: Any = jnp.bfloat16
+    allow: frozenset[str] = DEFAULT_ALLOW
+    deny: frozenset[str] = DEFAULT_DENY
+    follow: frozenset[str] = DEFAULT_FOLLOW
+    clear: frozenset[str] = DEFAULT_CLEAR
+    never: frozenset[str] = DEFAULT_NEVER
+    overrides: Any = ()
+    full_precision_scopes: Any = ()
+    strict: bool = False
+    backend_aware: bool = True
+
+    def __post_init__(self):
+        object.__setattr__(self, "compute_dtype", _as_dtype(self.compute_dtype, "compute_dtype"))
+        for field in OP_CLASSES:
+            object.__setattr__(self, field, _name_set(getattr(self, field), field))
+        overrides = self.overrides
+        if isinstance(overrides, Mapping):
+            overrides = overrides.items()
+        pairs = []
+        for name, cls in overrides or ():
+            if cls not in OP_CLASSES:
+                raise ValueError(
+                    f"overrides[{name!r}]={cls!r} is not an op class; use one of {OP_CLASSES}."
+                )
+            pairs.append((str(name), cls))
+        object.__setattr__(self, "overrides", tuple(sorted(pairs)))
+        scopes = self.full_precision_scopes
+        if isinstance(scopes, str):
+            scopes = (scopes,)
+        object.__setattr__(self, "full_precision_scopes", tuple(sorted(set(scopes or ()))))
+        if not isinstance(self.strict, bool) or not isinstance(self.backend_aware, bool):
+            raise TypeError("strict and backend_aware must be bools.")
+
+    # -- queries -----------------------------------------------------------
+    @property
+    def is_identity(self) -> bool:
+        """True when the policy changes nothing (compute dtype float32)."""
+        return self.compute_dtype == np.dtype(np.float32)
+
+    def class_of(self, name: str) -> str | None:
+        """The class of primitive ``name``, or ``None`` when it is in no list."""
+        for n, cls in self.overrides:
+            if n == name:
+                return cls
+        for cls in OP_CLASSES:
+            if name in getattr(self, cls):
+                return cls
+        return None
+
+    def effective_class_of(self, name: str, backend: str) -> str | None:
+        """Like :meth:`class_of`, with the backend-aware adjustments applied."""
+        cls = self.class_of(name)
+        if (
+            cls == "allow"
+            and self.backend_aware
+            and name not in dict(self.overrides)
+            and (name, backend) in BACKEND_SLOW_IN_LOW_PRECISION
+        ):
+            return "never"
+        return cls
+
+    def replace(self, **changes: Any) -> "Policy":
+        """A copy of this policy with some fields changed."""
+        return dataclasses.replace(self, **changes)
+
+    def table(self) -> list[tuple[str, str]]:
+        """``(primitive name, class)`` rows of the whole classification, sorted."""
+        rows = {}
+        for cls in OP_CLASSES:
+            for n in getattr(self, cls):
+                rows[n] = cls
+        rows.update(dict(self.overrides))
+        return sorted(rows.items(), key=lambda r: (OP_CLASSES.index(r[1]), r[0]))
+
+
+#: (primitive, backend) pairs measured slower in low precision than float32;
+#: with ``backend_aware=True`` these stay float32. See benchmarks/RESULTS.md.
+BACKEND_SLOW_IN_LOW_PRECISION: frozenset[tuple[str, str]] = frozenset(
+    {("conv_general_dilated", "cpu")}
+)
+
+
+def get_policy(policy: "Policy | str | Any") -> Policy:
+    """Resolves ``policy`` (a :class:`Policy`, a preset name or a dtype) to a Policy.
+
+    Args:
+      policy: a :class:`Policy`; one of the preset names ``"bfloat16"``,
+        ``"float16"``, ``"float32"`` (aliases ``"bf16"``, ``"f16"``,
+        ``"f32"``...); or a dtype such as ``jnp.bfloat16``.
+
+    Returns:
+      The :class:`Policy`.
+
+    Raises:
+      ValueError: for an unknown name or a dtype that is not a float type amp
+        can compute in; the message lists the valid choices.
+
+    Examples:
+      >>> from amp_jax import get_policy
+      >>> get_policy("bf16").compute_dtype
+      dtype(bfloat16)
+    """
+    if isinstance(policy, Policy):
+        return policy
+    if isinstance(policy, str):
+        key = _ALIASES.get(policy.lower(), policy.lower())
+        if key not in _PRESETS:
+            valid = ", ".join(repr(n) for n in [*_PRESETS, *_ALIASES])
+            raise ValueError(
+                f"policy={policy!r} is not a known policy. Valid names: {valid}; "
+                "or pass an amp_jax.Policy."
+            )
+        return Policy(_PRESETS[key])
+    try:
+        return Policy(policy)
+    except ValueError as e:
+        raise ValueError(
+            f"policy={policy!r} is neither an amp_jax.Policy, a preset name "
+            f"({', '.join(map(repr, _PRESETS))}) nor a supported float dtype."
+        ) from e
+
+
+def is_managed_float(dtype: Any) -> bool:
+    """Floats amp may recast: float32, bfloat16, float16 (never f64, fp8, complex)."""
+    try:
+        return np.dtype(dtype) in _MANAGED
+    except TypeError:  # extended dtypes (PRNG keys) are not numpy dtypes
+        return False
+
+
+_MANAGED = frozenset(np.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16))
+HIGH_DTYPE = np.dtype(np.float32)
+
+del jax

@@ -1,0 +1,209 @@
+"""Rules for ``allow`` primitives: low-precision forward *and* backward.
+
+A rule receives the operands in their current storage dtypes and returns the
+outputs. The default for an ``allow`` primitive (no entry in :data:`RULES`) is
+to bind it with managed float operands cast to the compute dtype and
+``preferred_element_type`` set to float32.
+
+``dot_general`` and ``conv_general_dilated`` get a ``jax.custom_vjp`` so that
+under ``jax.grad`` their cotangent products also take compute-dtype operands
+(JAX's own transpose rules would multiply a float32 cotangent with a bf16
+operand: a mixed, slow, float32 product).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax import lax
+
+from amp_jax._src import compat
+from amp_jax._src.policy import HIGH_DTYPE, is_managed_float
+
+#: ``rule(eqn, invals, compute_dtype) -> list of outputs``.
+Rule = Callable[[Any, Sequence[Any], np.dtype], list[Any]]
+
+RULES: dict[str, Rule] = {}
+
+
+def register_rule(primitive_name: str, rule: Rule) -> None:
+    """Registers the rule amp uses for an ``allow`` primitive.
+
+    Args:
+      primitive_name: the primitive's name, e.g. ``jax.lax.dot_general_p.name``.
+      rule: ``rule(eqn, invals, compute_dtype) -> list`` of outputs. ``invals``
+        are the operands in their current dtypes; ``eqn.params`` are the
+        original params.
+    """
+    if not isinstance(primitive_name, str):
+        raise TypeError(
+            f"primitive_name must be a str such as 'dot_general', got {primitive_name!r}."
+        )
+    RULES[primitive_name] = rule
+
+
+def _lower(x: Any, compute_dtype: np.dtype) -> Any:
+    dt = np.dtype(x.dtype) if hasattr(x, "dtype") else None
+    if dt is not None and is_managed_float(dt) and dt.itemsize > compute_dtype.itemsize:
+        return lax.convert_element_type(x, compute_dtype)
+    return x
+
+
+def _acc_dtype(eqn: Any) -> Any:
+    """float32 accumulation unless the user asked for something wider."""
+    pet = eqn.params.get("preferred_element_type")
+    if pet is not None and not is_managed_float(pet):
+        return pet
+    return HIGH_DTYPE
+
+
+def default_allow_rule(eqn: Any, invals: Sequence[Any], compute_dtype: np.dtype) -> list[Any]:
+    vals = [_lower(v, compute_dtype) for v in invals]
+    params = dict(eqn.params)
+    if "preferred_element_type" in params:
+        params["preferred_element_type"] = _acc_dtype(eqn)
+    return compat.bind_eqn(eqn, vals, params)
+
+
+# -- dot_general ---------------------------------------------------------------
+
+
+def _perm_to(result_dims: list[int]) -> tuple[int, ...]:
+    """Permutation taking a result whose axes are ``result_dims`` to sorted order."""
+    return tuple(int(i) for i in np.argsort(result_dims))
+
+
+def _dot_transpose(
+    ct: Any, other: Any, ndim: int, contract: Sequence[int], batch: Sequence[int],
+    other_contract: Sequence[int], other_batch: Sequence[int], other_ndim: int,
+    ct_is_lhs_side: bool, precision: Any, acc: Any,
+) -> Any:
+    """Cotangent of one dot_general operand ``a`` given ``other``.
+
+    ``a`` has ``ndim`` dims, contracting dims ``contract`` (paired with
+    ``other_contract``) and batch dims ``batch``. ``ct`` has dims
+    [batch, lhs kept, rhs kept]; ``ct_is_lhs_side`` says whether ``a`` was the lhs.
+    """
+    nb = len(batch)
+    a_kept = [d for d in range(ndim) if d not in contract and d not in batch]
+    o_kept = [d for d in range(other_ndim) if d not in other_contract and d not in other_batch]
+    n_lhs_kept = len(a_kept) if ct_is_lhs_side else len(o_kept)
+    if ct_is_lhs_side:
+        ct_a_kept = list(range(nb, nb + len(a_kept)))
+        ct_o_kept = list(range(nb + len(a_kept), nb + len(a_kept) + len(o_kept)))
+    else:
+        ct_o_kept = list(range(nb, nb + n_lhs_kept))
+        ct_a_kept = list(range(nb + n_lhs_kept, nb + n_lhs_kept + len(a_kept)))
+    ct_batch = list(range(nb))
+    # Contract ct's "other kept" axes with other's kept axes; batch over batch.
+    # The leftover axes of `other` are its contracting dims, which pair with ours.
+    o_left_as_a = [contract[list(other_contract).index(d)] for d in sorted(other_contract)]
+    # Option 1: dot(ct, other) -> [batch, a_kept, other's leftover]
+    dims1 = ((tuple(ct_o_kept), tuple(o_kept)), (tuple(ct_batch), tuple(other_batch)))
+    res1 = list(batch) + a_kept + o_left_as_a
+    # Option 2: dot(other, ct) -> [batch, other's leftover, a_kept]
+    dims2 = ((tuple(o_kept), tuple(ct_o_kept)), (tuple(other_batch), tuple(ct_batch)))
+    res2 = list(batch) + o_left_as_a + a_kept
+    perm1, perm2 = _perm_to(res1), _perm_to(res2)
+    ident = tuple(range(ndim))
+    if perm2 == ident and perm1 != ident:
+        out = lax.dot_general(other, ct, dims2, precision=precision, preferred_element_type=acc)
+        return out
+    out = lax.dot_general(ct, other, dims1, precision=precision, preferred_element_type=acc)
+    return out if perm1 == ident else lax.transpose(out, perm1)
+
+
+@functools.lru_cache(maxsize=None)
+def _amp_dot(dims: Any, precision: Any, acc: Any, out_sharding: Any,
+             compute_dtype: np.dtype, x_dtype: np.dtype, y_dtype: np.dtype) -> Callable:
+    (xc, yc), (xb, yb) = dims
+    extra = {} if out_sharding is None else {"out_sharding": out_sharding}
+
+    def cast(v: Any) -> Any:
+        return _lower(v, compute_dtype)
+
+    def primal(x, y):
+        return lax.dot_general(cast(x), cast(y), dims, precision=precision,
+                               preferred_element_type=acc, **extra)
+
+    f = jax.custom_vjp(primal)
+
+    def fwd(x, y):
+        xl, yl = cast(x), cast(y)
+        out = lax.dot_general(xl, yl, dims, precision=precision, preferred_element_type=acc, **extra)
+        return out, (xl, yl)
+
+    def bwd(res, ct):
+        xl, yl = res
+        ctl = _lower(ct, compute_dtype)
+        dx = _dot_transpose(ctl, yl, xl.ndim, xc, xb, yc, yb, yl.ndim, True, precision, acc)
+        dy = _dot_transpose(ctl, xl, yl.ndim, yc, yb, xc, xb, xl.ndim, False, precision, acc)
+        return dx.astype(x_dtype), dy.astype(y_dtype)
+
+    f.defvjp(fwd, bwd)
+    return f
+
+
+def dot_general_rule(eqn: Any, invals: Sequence[Any], compute_dtype: np.dtype) -> list[Any]:
+    x, y = invals
+    if not (is_managed_float(x.dtype) and is_managed_float(y.dtype)):
+        return default_allow_rule(eqn, invals, compute_dtype)
+    p = eqn.params
+    f = _amp_dot(p["dimension_numbers"], p.get("precision"), _acc_dtype(eqn),
+                 p.get("out_sharding"), compute_dtype, np.dtype(x.dtype), np.dtype(y.dtype))
+    return [f(x, y)]
+
+
+# -- conv_general_dilated ------------------------------------------------------
+
+
+def _freeze(params: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
+    return tuple(sorted(params.items()))
+
+
+@functools.lru_cache(maxsize=None)
+def _amp_conv(frozen: tuple[tuple[str, Any], ...], acc: Any, compute_dtype: np.dtype,
+              x_dtype: np.dtype, w_dtype: np.dtype) -> Callable:
+    params = dict(frozen)
+    prim = jax.extend.core.primitives.conv_general_dilated_p
+
+    def conv(x, w, out_dtype):
+        return prim.bind(x, w, **{**params, "preferred_element_type": out_dtype})
+
+    def primal(x, w):
+        return conv(_lower(x, compute_dtype), _lower(w, compute_dtype), acc)
+
+    f = jax.custom_vjp(primal)
+
+    def fwd(x, w):
+        xl, wl = _lower(x, compute_dtype), _lower(w, compute_dtype)
+        return conv(xl, wl, acc), (xl, wl)
+
+    def bwd(res, ct):
+        xl, wl = res
+        # JAX's conv transpose rules, applied to a compute-dtype conv: the
+        # cotangent convolutions take compute-dtype operands.
+        _, vjp = jax.vjp(lambda a, b: conv(a, b, None), xl, wl)
+        dx, dw = vjp(ct.astype(xl.dtype))
+        return dx.astype(x_dtype), dw.astype(w_dtype)
+
+    f.defvjp(fwd, bwd)
+    return f
+
+
+def conv_rule(eqn: Any, invals: Sequence[Any], compute_dtype: np.dtype) -> list[Any]:
+    x, w = invals
+    if not (is_managed_float(x.dtype) and is_managed_float(w.dtype)):
+        return default_allow_rule(eqn, invals, compute_dtype)
+    params = {k: v for k, v in eqn.params.items() if k != "preferred_element_type"}
+    f = _amp_conv(_freeze(params), _acc_dtype(eqn), compute_dtype,
+                  np.dtype(x.dtype), np.dtype(w.dtype))
+    return [f(x, w)]
+
+
+register_rule("dot_general", dot_general_rule)
+register_rule("conv_general_dilated", conv_rule)

@@ -1,0 +1,216 @@
+"""``amp`` and ``full_precision``: the user-facing transformations."""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any, TypeVar, overload
+
+import jax
+import numpy as np
+
+from amp_jax._src import compat
+from amp_jax._src.interpreter import Context, eval_jaxpr, inline_jits, plan
+from amp_jax._src.policy import FULL_PRECISION_SCOPE, Policy, get_policy
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+_CACHE_SIZE = 64
+
+
+def _is_dynamic(leaf: Any) -> bool:
+    return isinstance(leaf, (jax.Array, np.ndarray, np.generic, compat.Tracer))
+
+
+def _static_key(leaf: Any) -> Any:
+    return (type(leaf), leaf)
+
+
+class _Traced:
+    """A traced, inlined and painted jaxpr for one input signature."""
+
+    __slots__ = ("closed", "colors", "out_tree", "ctx")
+
+    def __init__(self, closed, colors, out_tree, ctx):
+        self.closed, self.colors, self.out_tree, self.ctx = closed, colors, out_tree, ctx
+
+
+class AmpFunction:
+    """The callable returned by :func:`amp`; also exposes its trace cache."""
+
+    def __init__(self, fn: Callable[..., Any], policy: Policy):
+        self.fn = fn
+        self.policy = policy
+        self._cache: OrderedDict[Any, _Traced] = OrderedDict()
+        self._lock = threading.Lock()
+        #: number of times ``fn`` was traced (cache misses); for tests/inspection.
+        self.trace_count = 0
+        functools.update_wrapper(self, fn)
+
+    def __repr__(self) -> str:
+        return f"amp({getattr(self.fn, '__qualname__', self.fn)!r}, policy={self.policy.compute_dtype.name!r})"
+
+    def __get__(self, obj, objtype=None):  # behave like a function as a method
+        return self if obj is None else functools.partial(self, obj)
+
+    def _trace(self, treedef, leaves, dyn_mask) -> _Traced:
+        dyn_avals = [compat.abstractify(x) for x, d in zip(leaves, dyn_mask) if d]
+        static = [x for x, d in zip(leaves, dyn_mask) if not d]
+
+        def flat_fn(*dyn):
+            it_dyn, it_static = iter(dyn), iter(static)
+            full = [next(it_dyn) if d else next(it_static) for d in dyn_mask]
+            args, kwargs = jax.tree.unflatten(treedef, full)
+            return self.fn(*args, **kwargs)
+
+        closed, out_shape = compat.trace_with_shape(flat_fn, dyn_avals)
+        self.trace_count += 1
+        out_tree = jax.tree.structure(out_shape)
+        ctx = Context(self.policy, jax.default_backend())
+        flat = inline_jits(closed)
+        colors = plan(ctx, compat.jaxpr_of(flat))
+        return _Traced(flat, colors, out_tree, ctx)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        leaves, treedef = jax.tree.flatten((args, kwargs))
+        dyn_mask = tuple(_is_dynamic(x) for x in leaves)
+        key = None
+        try:
+            key = (
+                treedef,
+                dyn_mask,
+                tuple(
+                    compat.abstract_key(x) if d else _static_key(x)
+                    for x, d in zip(leaves, dyn_mask)
+                ),
+                jax.default_backend(),
+                jax.config.jax_enable_x64,
+            )
+            hash(key)
+        except TypeError:  # an unhashable static leaf: trace every call
+            key = None
+        traced = None
+        if key is not None:
+            with self._lock:
+                traced = self._cache.get(key)
+                if traced is not None:
+                    self._cache.move_to_end(key)
+        if traced is None:
+            traced = self._trace(treedef, leaves, dyn_mask)
+            # A jaxpr that captured tracers of an enclosing transformation is
+            # only valid inside that transformation: don't cache it.
+            if key is not None and not any(isinstance(c, compat.Tracer) for c in compat.consts_of(traced.closed)):
+                with self._lock:
+                    self._cache[key] = traced
+                    while len(self._cache) > _CACHE_SIZE:
+                        self._cache.popitem(last=False)
+        dyn = [x for x, d in zip(leaves, dyn_mask) if d]
+        outs = eval_jaxpr(traced.ctx, traced.closed, dyn, traced.colors)
+        return jax.tree.unflatten(traced.out_tree, outs)
+
+
+@overload
+def amp(fn: F, *, policy: Policy | str | Any = "bfloat16", strict: bool | None = None) -> F: ...
+@overload
+def amp(fn: None = None, *, policy: Policy | str | Any = "bfloat16", strict: bool | None = None) -> Callable[[F], F]: ...
+
+
+def amp(fn=None, *, policy="bfloat16", strict=None):
+    """Automatic mixed precision: runs ``fn`` with its primitives recast by ``policy``.
+
+    ``amp`` traces ``fn`` to a jaxpr once per input signature, decides for
+    every primitive whether it runs in the compute dtype (matmuls,
+    convolutions and the elementwise ops between them), in float32
+    (exp/log/pow, accumulating reductions, normalisation statistics, losses)
+    or in its original dtypes, and evaluates the result under the caller's
+    trace -- so ``jit``, ``grad``, ``vmap`` and friends compose with it. The
+    policy applies inside every higher-order primitive (``jit``, ``cond``,
+    ``while``, ``scan``, ``checkpoint``, ``custom_jvp``/``custom_vjp``,
+    ``shard_map``). Outputs keep the dtypes ``fn`` returns; under ``jax.grad``
+    gradients come back in the parameters' dtypes, and the backward matmuls
+    and convolutions also run with compute-dtype operands.
+
+    Args:
+      fn: the function to transform. Array leaves of its arguments (any
+        pytree, positional or keyword) are traced; other leaves (strings,
+        callables, ``None``, Python scalars) are passed through as static
+        values, as they would be without ``amp``.
+      policy: a :class:`Policy`, a preset name (``"bfloat16"``,
+        ``"float16"``, ``"float32"``) or a dtype. ``"float32"`` is the
+        identity: bitwise the same results and gradients as ``fn``.
+      strict: if true, a primitive that is in no class of the policy raises
+        ``NotImplementedError`` naming it (default: treat it as ``follow``).
+        Overrides ``policy.strict`` when given.
+
+    Returns:
+      A function with the signature and output structure of ``fn``. It can
+      be used as ``@amp``, ``@amp(policy=...)`` or ``amp(fn, policy=...)``.
+
+    Raises:
+      TypeError: ``fn`` is not callable.
+      ValueError: ``policy`` is not a known preset, Policy or float dtype.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> from amp_jax import amp
+      >>> @amp
+      ... def loss(w, x):
+      ...     return jnp.mean(jnp.tanh(x @ w) ** 2)
+      >>> w, x = jnp.ones((4, 3)), jnp.ones((2, 4))
+      >>> jax.grad(loss)(w, x).dtype
+      dtype('float32')
+    """
+    pol = get_policy(policy)
+    if strict is not None:
+        if not isinstance(strict, bool):
+            raise TypeError(f"strict must be a bool, got {strict!r}.")
+        pol = pol.replace(strict=strict)
+    if fn is None:
+        return functools.partial(amp, policy=pol)
+    if not callable(fn):
+        raise TypeError(
+            f"amp(fn) needs a callable, got {type(fn).__name__}: {fn!r}. "
+            "Use @amp or amp(fn, policy=...) on a function."
+        )
+    return AmpFunction(fn, pol)
+
+
+def full_precision(fn: F | None = None) -> F:
+    """Marks ``fn`` to run in its original precision under :func:`amp`.
+
+    The equivalent of ``torch.autocast(enabled=False)``: every primitive traced
+    while ``fn`` runs (including its backward, and anything nested in ``jit``,
+    ``scan`` etc.) keeps its original dtypes. It works through a
+    ``jax.named_scope`` called ``"amp_full_precision"``; outside ``amp`` it
+    changes nothing. Also usable as a decorator.
+
+    Args:
+      fn: the function to keep in full precision.
+
+    Returns:
+      The wrapped function.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from amp_jax import amp, full_precision
+      >>> @full_precision
+      ... def sensitive(a, b):
+      ...     return a @ b
+      >>> amp(lambda a, b: sensitive(a, b) + (a @ b))(jnp.ones((2, 2)), jnp.ones((2, 2))).dtype
+      dtype('float32')
+    """
+    if fn is None:
+        return full_precision
+    if not callable(fn):
+        raise TypeError(
+            f"full_precision(fn) needs a callable, got {type(fn).__name__}: {fn!r}."
+        )
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        with jax.named_scope(FULL_PRECISION_SCOPE):
+            return fn(*args, **kwargs)
+
+    return wrapped
