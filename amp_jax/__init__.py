@@ -17,6 +17,7 @@ from amp_jax._src.policy import (
     Policy as Policy,
     get_policy as get_policy,
 )
+from amp_jax._src.inspect import dtype_report as dtype_report, format_dtype_report as format_dtype_report
 from amp_jax._src.rules import register_rule as register_rule
 from amp_jax._src.transform import amp as amp, full_precision as full_precision
 from amp_jax import optim as optim
@@ -32,6 +33,8 @@ __all__ = [
     "DEFAULT_NEVER",
     "Policy",
     "amp",
+    "dtype_report",
+    "format_dtype_report",
     "full_precision",
     "get_policy",
     "optim",

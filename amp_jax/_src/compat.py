@@ -175,6 +175,7 @@ def has_subjaxprs(eqn: Any) -> bool:
 def map_subjaxprs(
     eqn: Any,
     rewrite_closed: Callable[[Any], Any],
+    rewrite_jvp_rule: Callable[[Any], Any] | None = None,
 ) -> dict[str, Any]:
     """New params for ``eqn`` with every sub-jaxpr rewritten by ``rewrite_closed``.
 
@@ -183,7 +184,9 @@ def map_subjaxprs(
     rewritten and opened again. The thunks of ``custom_jvp_call`` /
     ``custom_vjp_call`` (the JVP rule's jaxpr, the forward under
     differentiation) are wrapped so their jaxprs are rewritten too; the user's
-    backward rule is left as it is.
+    backward rule is left as it is. The JVP rule's jaxpr is rewritten by
+    ``rewrite_jvp_rule`` (it gets transposed by JAX, so it must not contain
+    ``custom_vjp`` calls).
     """
     name = eqn.primitive.name
 
@@ -200,7 +203,8 @@ def map_subjaxprs(
 
     params = {k: one(v) for k, v in eqn.params.items()}
     if name in CUSTOM_JVP_NAMES and "jvp_jaxpr_fun" in params:
-        params["jvp_jaxpr_fun"] = _wrap_thunk(params["jvp_jaxpr_fun"], rewrite_closed, n_extra=1)
+        params["jvp_jaxpr_fun"] = _wrap_thunk(
+            params["jvp_jaxpr_fun"], rewrite_jvp_rule or rewrite_closed, n_extra=1)
     if name in CUSTOM_VJP_NAMES and "fwd_jaxpr_thunk" in params:
         params["fwd_jaxpr_thunk"] = _wrap_thunk(params["fwd_jaxpr_thunk"], rewrite_closed, n_extra=0)
     return params

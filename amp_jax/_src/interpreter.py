@@ -35,15 +35,33 @@ OPAQUE = "opaque"  # higher-order primitive: recursed into, boundary kept
 SKIP = "skip"      # no managed float operand or result
 
 
-class Context:
+class Context:  # noqa: D101
     """What an evaluation needs besides the jaxpr: the policy and backend."""
 
-    def __init__(self, policy: Policy, backend: str):
+    def __init__(self, policy: Policy, backend: str, vjp_rules: bool = True):
         self.policy = policy
         self.backend = backend
+        #: use the custom_vjp rules of allow ops; off in code JAX will transpose
+        #: (custom JVP rules), where a custom_vjp cannot appear.
+        self.vjp_rules = vjp_rules
+        self._linear: Context | None = None
         self.identity = policy.is_identity
         self.scopes = (FULL_PRECISION_SCOPE, *policy.full_precision_scopes)
         self._sub_cache: dict[tuple[int, Any, Any], Any] = {}
+
+    @property
+    def linear(self) -> "Context":
+        """This context without the custom_vjp rules (for JVP-rule jaxprs)."""
+        if not self.vjp_rules:
+            return self
+        if self._linear is None:
+            self._linear = Context(self.policy, self.backend, vjp_rules=False)
+        return self._linear
+
+    def prepare(self, closed: Any) -> Any:
+        """Inlines sharding-free jits (not under the identity policy, which keeps
+        the structure exactly so that results stay bitwise equal)."""
+        return closed if self.identity else inline_jits(closed)
 
     # -- classification -------------------------------------------------
     def classify(self, eqn: Any) -> str:
@@ -166,6 +184,25 @@ class _Env:
         if type(v).__name__ != "DropVar":
             self.vals[v] = val
 
+    def read_broadcast(self, atom: Any, dtype: Any, shape: tuple[int, ...]) -> Any:
+        """Reads ``atom`` broadcast to ``shape`` *before* casting it to ``dtype``.
+
+        For an operand that a low-precision op broadcasts implicitly (a bias
+        of shape [1, n] added to [b, n]): the transpose of the broadcast -- a
+        sum over the batch -- then runs in the operand's float32, not bf16.
+        """
+        if isinstance(atom, compat.Literal) or tuple(atom.aval.shape) == tuple(shape):
+            return self.read(atom, dtype)
+        val = self.vals[atom]
+        if (dtype is None or np.dtype(val.dtype) == dtype or len(shape) != val.ndim
+                or any(a not in (b, 1) for a, b in zip(val.shape, shape))):
+            return self.read(atom, dtype)
+        key = (atom, dtype, tuple(shape))
+        if key not in self.casts:
+            full = lax.broadcast_in_dim(val, shape, tuple(range(val.ndim)))
+            self.casts[key] = lax.convert_element_type(full, dtype)
+        return self.casts[key]
+
     def read(self, atom: Any, dtype: Any) -> Any:
         if isinstance(atom, compat.Literal):
             val = compat.literal_value(atom)
@@ -209,22 +246,34 @@ def eval_jaxpr(ctx: Context, closed: Any, args: Sequence[Any], colors: list[str]
                 if eqn.primitive.name in compat.SHARD_MAP_NAMES:
                     body = compat.close(eqn.params["jaxpr"], [])
                     outs = compat.bind_shard_map(
-                        eqn, invals, lambda *a: eval_jaxpr(ctx, inline_jits(body), a))
+                        eqn, invals, lambda *a: eval_jaxpr(ctx, ctx.prepare(body), a))
                 else:
-                    params = compat.map_subjaxprs(eqn, ctx.rewrite_closed)
+                    params = compat.map_subjaxprs(eqn, ctx.rewrite_closed, ctx.linear.rewrite_closed)
                     outs = compat.bind_eqn(eqn, invals, params)
             elif color == SKIP:
                 outs = compat.bind_eqn(eqn, [env.read(v, None) for v in eqn.invars])
             elif color == LOW and ctx.policy.class_of(eqn.primitive.name) == "allow":
                 invals = [env.read(v, None) for v in eqn.invars]
-                rule = RULES.get(eqn.primitive.name, default_allow_rule)
+                rule = RULES.get(eqn.primitive.name, default_allow_rule) if ctx.vjp_rules else default_allow_rule
                 outs = rule(eqn, invals, cd)
+            elif color == LOW and eqn.primitive.name in _BROADCASTING:
+                shape = tuple(getattr(eqn.outvars[0].aval, "shape", ()))
+                invals = [env.read_broadcast(v, _target_dtype(v.aval, color, cd), shape)
+                          for v in eqn.invars]
+                outs = compat.bind_eqn(eqn, invals)
             else:
                 invals = [env.read(v, _target_dtype(v.aval, color, cd)) for v in eqn.invars]
                 outs = compat.bind_eqn(eqn, invals)
         for v, o in zip(eqn.outvars, outs):
             env.write(v, o)
     return [env.read(v, _orig_dtype(v)) for v in jaxpr.outvars]
+
+
+#: n-ary elementwise primitives that broadcast size-1 dimensions implicitly.
+_BROADCASTING = frozenset({
+    "add", "add_any", "sub", "mul", "div", "max", "min", "atan2", "rem", "pow",
+    "nextafter", "select_n", "clamp", "copysign",
+})
 
 
 def _orig_dtype(atom: Any) -> Any:
@@ -277,7 +326,7 @@ def _rewrite_closed(self: Context, closed: Any) -> Any:
     hit = self._sub_cache.get(key)
     if hit is not None and hit[0] is closed:
         return hit[1]
-    flat = inline_jits(closed)
+    flat = self.prepare(closed)
     colors = plan(self, compat.jaxpr_of(flat))
     new = compat.trace_to_closed_jaxpr(
         lambda *a: eval_jaxpr(self, flat, a, colors), compat.in_avals(closed)

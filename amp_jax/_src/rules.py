@@ -187,8 +187,9 @@ def _amp_conv(frozen: tuple[tuple[str, Any], ...], acc: Any, compute_dtype: np.d
         xl, wl = res
         # JAX's conv transpose rules, applied to a compute-dtype conv: the
         # cotangent convolutions take compute-dtype operands.
-        _, vjp = jax.vjp(lambda a, b: conv(a, b, None), xl, wl)
-        dx, dw = vjp(ct.astype(xl.dtype))
+        ctl = ct.astype(xl.dtype)
+        (dx,) = jax.linear_transpose(lambda a: conv(a, wl, None), xl)(ctl)
+        (dw,) = jax.linear_transpose(lambda b: conv(xl, b, None), wl)(ctl)
         return dx.astype(x_dtype), dw.astype(w_dtype)
 
     f.defvjp(fwd, bwd)

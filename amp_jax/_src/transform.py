@@ -12,7 +12,7 @@ import jax
 import numpy as np
 
 from amp_jax._src import compat
-from amp_jax._src.interpreter import Context, eval_jaxpr, inline_jits, plan
+from amp_jax._src.interpreter import Context, eval_jaxpr, plan
 from amp_jax._src.policy import FULL_PRECISION_SCOPE, Policy, get_policy
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -69,7 +69,7 @@ class AmpFunction:
         self.trace_count += 1
         out_tree = jax.tree.structure(out_shape)
         ctx = Context(self.policy, jax.default_backend())
-        flat = inline_jits(closed)
+        flat = ctx.prepare(closed)
         colors = plan(ctx, compat.jaxpr_of(flat))
         return _Traced(flat, colors, out_tree, ctx)
 

@@ -1,0 +1,63 @@
+"""Seeing what amp did: the dtypes every primitive ran in."""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from jax.extend import core as jex_core
+
+from amp_jax._src import compat
+
+
+def _walk(jaxpr: Any, counts: collections.Counter, path: str) -> None:
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        subs = list(jex_core.jaxprs_in_params(eqn.params))
+        if subs:
+            for sub in subs:
+                _walk(compat.jaxpr_of(sub) if compat.is_closed_jaxpr(sub) else sub, counts,
+                      f"{path}/{name}" if path else name)
+            continue
+        ins = ",".join(str(v.aval.dtype) for v in eqn.invars if hasattr(v.aval, "dtype"))
+        outs = ",".join(str(v.aval.dtype) for v in eqn.outvars if hasattr(v.aval, "dtype"))
+        counts[(name, ins, outs, path or "-")] += 1
+
+
+def dtype_report(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[tuple[str, str, str, str, int]]:
+    """Which primitives ran with which dtypes when calling ``fn(*args, **kwargs)``.
+
+    Traces ``fn`` (typically an :func:`amp_jax.amp`-wrapped function, possibly
+    under ``jax.grad``) and walks the resulting jaxpr, including every
+    sub-jaxpr (``scan`` bodies, ``cond`` branches, ``custom_vjp`` calls, ...).
+
+    Args:
+      fn: the function to inspect.
+      *args: its positional arguments.
+      **kwargs: its keyword arguments.
+
+    Returns:
+      Rows ``(primitive, input dtypes, output dtypes, enclosing primitives,
+      count)``, sorted by primitive name.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from amp_jax import amp, dtype_report
+      >>> rows = dtype_report(amp(lambda a, b: a @ b), jnp.ones((2, 2)), jnp.ones((2, 2)))
+      >>> [r[:3] for r in rows if r[0] == "dot_general"]
+      [('dot_general', 'bfloat16,bfloat16', 'float32')]
+    """
+    closed = jax.make_jaxpr(lambda a, k: fn(*a, **k))(args, kwargs)
+    counts: collections.Counter = collections.Counter()
+    _walk(compat.jaxpr_of(closed), counts, "")
+    return sorted(((*k, n) for k, n in counts.items()), key=lambda r: (r[0], r[3], r[1]))
+
+
+def format_dtype_report(rows: list[tuple[str, str, str, str, int]]) -> str:
+    """Formats :func:`dtype_report` rows as an aligned text table."""
+    header = ("primitive", "inputs", "outputs", "inside", "count")
+    table = [header, *[(a, b, c, d, str(n)) for a, b, c, d, n in rows]]
+    widths = [max(len(r[i]) for r in table) for i in range(5)]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in table)

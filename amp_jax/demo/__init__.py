@@ -1,0 +1,1 @@
+"""The amp_jax demo (``python -m amp_jax.demo``)."""

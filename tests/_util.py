@@ -1,0 +1,32 @@
+"""Helpers shared by the tests: walking jaxprs for structure checks."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.extend import core as jex_core
+
+
+def _open(j):
+    return j.jaxpr if hasattr(j, "jaxpr") and not isinstance(j, jex_core.Jaxpr) else j
+
+
+def eqns(jaxpr, path=()):
+    """Yields (eqn, path of enclosing primitive names) for every eqn, recursively."""
+    for e in _open(jaxpr).eqns:
+        yield e, path
+        for sub in jex_core.jaxprs_in_params(e.params):
+            yield from eqns(sub, path + (e.primitive.name,))
+
+
+def prim_dtypes(jaxpr, name):
+    """[(input dtypes, output dtypes, path)] of every ``name`` eqn."""
+    return [
+        (tuple(np.dtype(v.aval.dtype) for v in e.invars), tuple(np.dtype(v.aval.dtype) for v in e.outvars), p)
+        for e, p in eqns(jaxpr) if e.primitive.name == name
+    ]
+
+
+BF16 = np.dtype(jax.numpy.bfloat16)
+F16 = np.dtype(jax.numpy.float16)
+F32 = np.dtype(np.float32)

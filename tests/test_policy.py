@@ -1,0 +1,64 @@
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import amp_jax
+from amp_jax import Policy, amp, get_policy
+
+
+@pytest.mark.parametrize("name,dtype", [("bfloat16", jnp.bfloat16), ("float16", jnp.float16),
+                                         ("float32", jnp.float32), ("bf16", jnp.bfloat16)])
+def test_presets(name, dtype):
+    assert get_policy(name).compute_dtype == np.dtype(dtype)
+
+
+def test_policy_is_frozen_and_hashable():
+    p = Policy(jnp.bfloat16)
+    assert hash(p) == hash(Policy("bfloat16"))
+    with pytest.raises(Exception):
+        p.compute_dtype = jnp.float16  # type: ignore[misc]
+
+
+def test_bad_policy_string_lists_choices():
+    with pytest.raises(ValueError, match="'bfloat16'.*'float16'.*'float32'"):
+        amp(lambda x: x, policy="bf17")
+
+
+@pytest.mark.parametrize("bad", [jnp.int32, jnp.float64, jnp.complex64, bool])
+def test_non_float_compute_dtype_rejected(bad):
+    with pytest.raises(ValueError, match="compute_dtype|policy"):
+        amp(lambda x: x, policy=bad)
+
+
+def test_non_callable_fn_rejected():
+    with pytest.raises(TypeError, match="callable"):
+        amp(3)
+
+
+def test_overrides_and_table():
+    p = Policy(jnp.float16, overrides={"tanh": "deny"})
+    assert p.class_of("tanh") == "deny"
+    assert p.class_of("dot_general") == "allow"
+    assert ("tanh", "deny") in p.table()
+    with pytest.raises(ValueError, match="op class"):
+        Policy(overrides={"tanh": "sometimes"})
+    with pytest.raises(TypeError, match="tuple"):
+        Policy(allow="dot_general")
+
+
+def test_classification_is_public_data():
+    assert "dot_general" in amp_jax.DEFAULT_ALLOW
+    assert "exp" in amp_jax.DEFAULT_DENY and "reduce_sum" in amp_jax.DEFAULT_DENY
+    assert "convert_element_type" in amp_jax.DEFAULT_NEVER
+    classes = [amp_jax.DEFAULT_ALLOW, amp_jax.DEFAULT_DENY, amp_jax.DEFAULT_FOLLOW,
+               amp_jax.DEFAULT_CLEAR, amp_jax.DEFAULT_NEVER]
+    for i, a in enumerate(classes):
+        for b in classes[i + 1:]:
+            assert not (a & b), a & b
+
+
+def test_backend_aware_conv_on_cpu():
+    p = Policy()
+    assert p.effective_class_of("conv_general_dilated", "cpu") == "never"
+    assert p.effective_class_of("conv_general_dilated", "gpu") == "allow"
+    assert Policy(backend_aware=False).effective_class_of("conv_general_dilated", "cpu") == "allow"

@@ -1,0 +1,347 @@
+"""Structure and values of amp(fn): dtypes in the rewritten jaxpr, composition, errors."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+from amp_jax import Policy, amp, full_precision
+from _util import BF16, F16, F32, eqns, prim_dtypes
+
+KEY = jax.random.PRNGKey(0)
+
+
+def _mlp_params(sizes=(16, 32, 32, 8)):
+    ks = jax.random.split(KEY, len(sizes))
+    return [(jax.random.normal(k, (a, b)) / np.sqrt(a), jnp.full((b,), 0.1))
+            for k, a, b in zip(ks, sizes[:-1], sizes[1:])]
+
+
+def mlp_loss(params, x):
+    h = x
+    for w, b in params[:-1]:
+        h = jax.nn.gelu(h @ w + b)
+    w, b = params[-1]
+    return jnp.mean(jax.nn.log_softmax(h @ w + b) ** 2)
+
+
+X = jax.random.normal(jax.random.PRNGKey(1), (8, 16))
+
+
+def test_dots_low_precision_with_f32_accumulation():
+    jaxpr = jax.make_jaxpr(amp(mlp_loss))(_mlp_params(), X)
+    dots = prim_dtypes(jaxpr, "dot_general")
+    assert len(dots) == 3
+    for ins, outs, _ in dots:
+        assert ins == (BF16, BF16) and outs == (F32,)
+
+
+def test_sensitive_ops_stay_float32():
+    jaxpr = jax.make_jaxpr(amp(mlp_loss))(_mlp_params(), X)
+    for name in ("exp", "log", "reduce_sum"):
+        found = prim_dtypes(jaxpr, name)
+        assert found, name
+        for ins, outs, _ in found:
+            assert all(d == F32 for d in ins + outs), (name, ins, outs)
+
+
+def test_followers_between_dots_are_low_and_no_cancelling_converts():
+    jaxpr = jax.make_jaxpr(amp(mlp_loss))(_mlp_params(), X)
+    tanhs = prim_dtypes(jaxpr, "tanh")
+    # two hidden gelus between dots run in bf16; the last one feeds the f32 softmax
+    assert [i for i, _, _ in tanhs].count((BF16,)) == 2
+    # no convert whose input is itself a convert back to the same dtype
+    producer = {}
+    for e, _ in eqns(jaxpr):
+        for v in e.outvars:
+            producer[v] = e
+    for e, _ in eqns(jaxpr):
+        if e.primitive.name == "convert_element_type":
+            src = producer.get(e.invars[0])
+            if src is not None and src.primitive.name == "convert_element_type":
+                assert np.dtype(src.invars[0].aval.dtype) != np.dtype(e.outvars[0].aval.dtype)
+
+
+def test_values_within_bf16_tolerance():
+    p = _mlp_params()
+    np.testing.assert_allclose(amp(mlp_loss)(p, X), mlp_loss(p, X), rtol=2e-2)
+    g, g0 = jax.grad(amp(mlp_loss))(p, X), jax.grad(mlp_loss)(p, X)
+    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g0)):
+        assert a.dtype == b.dtype == jnp.float32
+        assert float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b)) < 3e-2
+
+
+def test_float32_policy_is_bitwise_identity():
+    p = _mlp_params()
+    f = amp(mlp_loss, policy="float32")
+    assert np.array_equal(f(p, X), mlp_loss(p, X))
+    for a, b in zip(jax.tree.leaves(jax.grad(f)(p, X)), jax.tree.leaves(jax.grad(mlp_loss)(p, X))):
+        assert np.array_equal(a, b)
+    assert np.array_equal(jax.jit(f)(p, X), jax.jit(mlp_loss)(p, X))
+
+
+def test_backward_dots_have_no_mixed_operands():
+    jaxpr = jax.make_jaxpr(jax.grad(amp(mlp_loss)))(_mlp_params(), X)
+    dots = prim_dtypes(jaxpr, "dot_general")
+    assert len(dots) == 3 + 2 * 3  # forward, then dW and dx per layer (make_jaxpr does no DCE)
+    for ins, outs, _ in dots:
+        assert ins == (BF16, BF16), ins
+        assert outs == (F32,)
+
+
+def test_gradients_in_parameter_dtypes():
+    p = [(w.astype(jnp.bfloat16), b) for w, b in _mlp_params()]
+    g = jax.grad(amp(mlp_loss))(p, X)
+    for (gw, gb), (w, b) in zip(g, p):
+        assert gw.dtype == w.dtype and gb.dtype == b.dtype
+
+
+# -- higher-order primitives, nested ----------------------------------------------
+
+
+def nested(w, x):
+    ws = jnp.stack([w, 0.5 * w])
+
+    def body(c, wi):
+        h = lax.cond(c.sum() > 0, lambda h: jnp.tanh(h @ wi), lambda h: h @ wi.T, c)
+        return h, jnp.sum(h)
+
+    h, ys = jax.jit(lambda x: lax.scan(body, x, ws))(x)
+    h = jax.checkpoint(lambda h: jax.nn.relu(h @ w))(h)
+    h = h + lax.stop_gradient(lax.while_loop(
+        lambda c: c[0] < 2, lambda c: (c[0] + 1, jnp.sin(c[1] @ w)), (0, h))[1])
+
+    @jax.custom_vjp
+    def g(a, w):
+        return a @ w
+
+    g.defvjp(lambda a, w: (a @ w, (a, w)), lambda r, ct: (ct @ r[1].T, r[0].T @ ct))
+
+    @jax.custom_jvp
+    def k(a, w):
+        return jnp.tanh(a @ w)
+
+    # (closing over w in the rule would fail under grad(jit) in plain JAX too)
+    k.defjvp(lambda p, t: (k(*p), (1 - k(*p) ** 2) * (t[0] @ p[1] + p[0] @ t[1])))
+    return jnp.sum(g(k(h, w), w) ** 2) + ys.sum()
+
+
+W8 = jax.random.normal(KEY, (8, 8)) * 0.3
+X8 = jax.random.normal(jax.random.PRNGKey(2), (4, 8))
+
+
+def test_every_higher_order_primitive_rewritten():
+    jaxpr = jax.make_jaxpr(amp(nested))(W8, X8)
+    dots = prim_dtypes(jaxpr, "dot_general")
+    paths = {p for _, _, p in dots}
+    for ins, _, p in dots:
+        assert all(d == BF16 for d in ins), (ins, p)
+    joined = [" ".join(p) for p in paths]
+    assert any("scan" in p and "cond" in p for p in joined), joined  # jit inlined; cond in scan
+    assert any("remat" in p or "checkpoint" in p for p in joined), joined
+    assert any("while" in p for p in joined), joined
+    assert any("custom_jvp_call" in p for p in joined), joined
+    assert any("custom_vjp_call" in p for p in joined), joined
+
+
+def test_loop_carries_and_branch_outputs_keep_dtypes():
+    jaxpr = jax.make_jaxpr(amp(nested))(W8, X8)
+    for e, _ in eqns(jaxpr):
+        if e.primitive.name in ("scan", "while", "cond"):
+            for v in e.outvars:
+                assert np.dtype(v.aval.dtype) in (F32, np.dtype(np.int32)), (e.primitive.name, v.aval)
+
+
+def test_nested_values_and_grads():
+    np.testing.assert_allclose(amp(nested)(W8, X8), nested(W8, X8), rtol=3e-2)
+    g, g0 = jax.grad(amp(nested))(W8, X8), jax.grad(nested)(W8, X8)
+    assert float(jnp.linalg.norm(g - g0) / jnp.linalg.norm(g0)) < 5e-2
+
+
+def test_custom_vjp_forward_rewritten_under_grad():
+    jaxpr = jax.make_jaxpr(jax.grad(amp(nested)))(W8, X8)
+    fwd_dots = [(i, p) for i, _, p in prim_dtypes(jaxpr, "dot_general")]
+    assert fwd_dots and all(all(d == BF16 for d in i) for i, p in fwd_dots if "scan" in p or "while" in p)
+    # the user's bwd rule runs as written: float32 dots appear only from it
+    f32_dots = [i for i, _ in fwd_dots if i == (F32, F32)]
+    assert len(f32_dots) == 2, fwd_dots
+
+
+def test_dot_inside_cond_inside_scan_inside_jit_two_levels():
+    def f(w, xs):
+        def body(c, x):
+            return lax.cond(x.sum() > 0, lambda: c @ w, lambda: c @ w.T), None
+        return jax.jit(lambda: lax.scan(body, xs[0], xs)[0])()
+    jaxpr = jax.make_jaxpr(amp(f))(W8, X8)
+    dots = prim_dtypes(jaxpr, "dot_general")
+    assert len(dots) == 2
+    assert all(i == (BF16, BF16) and ("scan" in p and "cond" in p) for i, _, p in dots)
+
+
+# -- composition ---------------------------------------------------------------
+
+
+def test_compositions():
+    p = _mlp_params()
+    ref = jax.grad(mlp_loss)(p, X)
+    f = amp(mlp_loss)
+    outs = {
+        "jit(amp)": jax.jit(f)(p, X),
+        "grad(amp)": jax.grad(f)(p, X),
+        "jit(grad(amp))": jax.jit(jax.grad(f))(p, X),
+        "amp(grad)": amp(jax.grad(mlp_loss))(p, X),
+        "amp(amp)": amp(amp(mlp_loss))(p, X),
+        "checkpoint(amp)": jax.grad(jax.checkpoint(f))(p, X),
+        "amp(checkpoint)": jax.grad(amp(jax.checkpoint(mlp_loss)))(p, X),
+    }
+    v, g = jax.value_and_grad(lambda p, x: (f(p, x), {"aux": 1.0}), has_aux=True)(p, X)
+    assert v[1]["aux"] == 1.0
+    for name in ("grad(amp)", "jit(grad(amp))", "amp(grad)", "checkpoint(amp)", "amp(checkpoint)"):
+        for a, b in zip(jax.tree.leaves(outs[name]), jax.tree.leaves(ref)):
+            assert a.dtype == b.dtype
+            assert float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b)) < 3e-2, name
+    np.testing.assert_allclose(outs["jit(amp)"], mlp_loss(p, X), rtol=2e-2)
+    np.testing.assert_allclose(outs["amp(amp)"], outs["jit(amp)"], rtol=1e-6)
+    # vmap both ways
+    xs = X.reshape(2, 4, 16)
+    np.testing.assert_allclose(jax.vmap(f, in_axes=(None, 0))(p, xs),
+                               jax.vmap(mlp_loss, in_axes=(None, 0))(p, xs), rtol=2e-2)
+    np.testing.assert_allclose(amp(jax.vmap(mlp_loss, in_axes=(None, 0)))(p, xs),
+                               jax.vmap(mlp_loss, in_axes=(None, 0))(p, xs), rtol=2e-2)
+
+
+def test_amp_of_grad_runs_backward_dots_low():
+    jaxpr = jax.make_jaxpr(amp(jax.grad(mlp_loss)))(_mlp_params(), X)
+    assert all(i == (BF16, BF16) for i, _, _ in prim_dtypes(jaxpr, "dot_general"))
+
+
+def test_amp_is_idempotent_structurally():
+    j1 = jax.make_jaxpr(amp(mlp_loss))(_mlp_params(), X)
+    j2 = jax.make_jaxpr(amp(amp(mlp_loss)))(_mlp_params(), X)
+    assert len(prim_dtypes(j1, "dot_general")) == len(prim_dtypes(j2, "dot_general"))
+    assert prim_dtypes(j2, "dot_general")[0][0] == (BF16, BF16)
+
+
+def test_shard_map_over_forced_host_devices():
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    n = len(jax.devices())
+    assert n >= 2, "conftest forces 8 host devices"
+    mesh = jax.make_mesh((n,), ("d",))
+    sm = jax.jit(jax.shard_map(lambda x, w: lax.psum(jnp.sum(jnp.tanh(x @ w)), "d"),
+                               mesh=mesh, in_specs=(P("d"), P()), out_specs=P()))
+    x = jax.device_put(jax.random.normal(KEY, (n * 2, 8)), NamedSharding(mesh, P("d")))
+    with jax.set_mesh(mesh):
+        np.testing.assert_allclose(amp(sm)(x, W8), sm(x, W8), rtol=2e-2)
+        g, g0 = jax.grad(amp(sm), argnums=1)(x, W8), jax.grad(sm, argnums=1)(x, W8)
+        assert float(jnp.linalg.norm(g - g0) / jnp.linalg.norm(g0)) < 3e-2
+        jaxpr = jax.make_jaxpr(jax.grad(amp(sm), argnums=1))(x, W8)
+    dots = prim_dtypes(jaxpr, "dot_general")
+    assert len(dots) == 3 and all(i == (BF16, BF16) and "shard_map" in p for i, _, p in dots)
+
+
+# -- arguments, outputs, caching, errors -----------------------------------------------
+
+
+def test_pytrees_kwargs_and_static_leaves():
+    @amp
+    def f(params, x, *, act=jnp.tanh, name="layer", scale=2.0, extra=None):
+        assert isinstance(name, str) and isinstance(scale, float) and extra is None
+        return {"y": act(x @ params["w"]) * scale, "n": x.shape[0]}
+
+    out = f({"w": W8}, X8, act=jax.nn.relu, name="l1", scale=3.0)
+    assert out["y"].dtype == jnp.float32 and out["y"].shape == (4, 8)
+    assert int(out["n"]) == 4
+    np.testing.assert_allclose(out["y"], jax.nn.relu(X8 @ W8) * 3.0, rtol=2e-2, atol=2e-2)
+    assert f.__name__ == "f"
+
+
+def test_output_dtypes_preserved():
+    def f(x):
+        return x.astype(jnp.bfloat16) @ x.astype(jnp.bfloat16).T, x @ x.T, x.astype(jnp.float16)
+    outs = amp(f)(X8)
+    refs = f(X8)
+    assert [o.dtype for o in outs] == [r.dtype for r in refs]
+
+
+def test_decorator_forms():
+    @amp(policy="float16")
+    def f(a, b):
+        return a @ b
+    j = jax.make_jaxpr(f)(W8, W8)
+    assert prim_dtypes(j, "dot_general")[0][0] == (F16, F16)
+    g = amp(lambda a, b: a @ b, policy=Policy(jnp.float16))
+    assert prim_dtypes(jax.make_jaxpr(g)(W8, W8), "dot_general")[0][0] == (F16, F16)
+
+
+def test_trace_cached_per_signature():
+    f = amp(mlp_loss)
+    p = _mlp_params()
+    f(p, X)
+    f(p, X + 1.0)
+    assert f.trace_count == 1
+    f(p, X[:4])
+    assert f.trace_count == 2
+    jax.jit(f)(p, X)
+    assert f.trace_count == 2  # same avals: cache hit under jit too
+
+
+def test_never_touched_values():
+    def f(x, i, key):
+        y = x.astype(jnp.bfloat16).astype(jnp.float32)  # user-written casts
+        r = jax.random.normal(key, x.shape)
+        return y @ x.T, i * 2, r
+    i = jnp.arange(4, dtype=jnp.int32)
+    outs = amp(f)(X8, i, KEY)
+    refs = f(X8, i, KEY)
+    assert [o.dtype for o in outs] == [r.dtype for r in refs]
+    assert np.array_equal(outs[1], refs[1]) and np.array_equal(outs[2], refs[2])
+    converts = [(i, o) for i, o, _ in prim_dtypes(jax.make_jaxpr(amp(f))(X8, i, KEY), "convert_element_type")]
+    assert ((F32,), (BF16,)) in converts and ((BF16,), (F32,)) in converts
+
+
+def test_strict_mode_names_primitive():
+    f = amp(lambda x: x @ x.T, policy=Policy(jnp.bfloat16, clear=()), strict=True)
+    with pytest.raises(NotImplementedError, match="transpose"):
+        f(X8)
+
+
+def test_full_precision_region():
+    @full_precision
+    def sensitive(a, b):
+        return a @ b
+
+    f = amp(lambda a, b: sensitive(a, b) + a @ b)
+    dots = prim_dtypes(jax.make_jaxpr(f)(W8, W8), "dot_general")
+    assert sorted(i for i, _, _ in dots) == sorted([(F32, F32), (BF16, BF16)])
+    gdots = prim_dtypes(jax.make_jaxpr(jax.grad(lambda a: f(a, W8).sum()))(W8), "dot_general")
+    assert (F32, F32) in [i for i, _, _ in gdots]
+
+
+def test_named_scope_selection():
+    def f(a, b):
+        with jax.named_scope("head"):
+            y = a @ b
+        return y + a @ b
+    pol = Policy(jnp.bfloat16, full_precision_scopes=("head",))
+    dots = prim_dtypes(jax.make_jaxpr(amp(f, policy=pol))(W8, W8), "dot_general")
+    assert sorted(i for i, _, _ in dots) == sorted([(F32, F32), (BF16, BF16)])
+
+
+def test_conv_backend_aware_and_forced():
+    x = jax.random.normal(KEY, (2, 8, 8, 3))
+    w = jax.random.normal(KEY, (3, 3, 3, 4)) * 0.2
+    conv = functools.partial(lax.conv_general_dilated, window_strides=(1, 1), padding="SAME",
+                             dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    j = jax.make_jaxpr(amp(conv))(x, w)
+    expected = F32 if jax.default_backend() == "cpu" else BF16
+    assert prim_dtypes(j, "conv_general_dilated")[0][0] == (expected, expected)
+    forced = amp(conv, policy=Policy(jnp.bfloat16, backend_aware=False))
+    j = jax.make_jaxpr(jax.grad(lambda x, w: forced(x, w).sum(), argnums=(0, 1)))(x, w)
+    convs = prim_dtypes(j, "conv_general_dilated")
+    assert len(convs) == 3 and all(i == (BF16, BF16) for i, _, _ in convs)
+    g = jax.grad(lambda x, w: forced(x, w).sum(), argnums=1)(x, w)
+    g0 = jax.grad(lambda x, w: conv(x, w).sum(), argnums=1)(x, w)
+    assert float(jnp.linalg.norm(g - g0) / jnp.linalg.norm(g0)) < 2e-2
