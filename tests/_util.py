@@ -30,3 +30,19 @@ def prim_dtypes(jaxpr, name):
 BF16 = np.dtype(jax.numpy.bfloat16)
 F16 = np.dtype(jax.numpy.float16)
 F32 = np.dtype(np.float32)
+
+
+def check_dots_low(jaxpr, min_low=1):
+    """Every dot_general has bf16 operands, except batched ones on CPU (float32 there)."""
+    n_low = 0
+    for e, _ in eqns(jaxpr):
+        if e.primitive.name != "dot_general":
+            continue
+        ins = tuple(np.dtype(v.aval.dtype) for v in e.invars)
+        batched = bool(e.params["dimension_numbers"][1][0])
+        if batched and jax.default_backend() == "cpu":
+            assert ins == (F32, F32), ins
+        else:
+            assert ins == (BF16, BF16), ins
+            n_low += 1
+    assert n_low >= min_low, n_low

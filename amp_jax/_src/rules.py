@@ -148,11 +148,20 @@ def _amp_dot(dims: Any, precision: Any, acc: Any, out_sharding: Any,
     return f
 
 
+def _cpu_batched(eqn: Any) -> bool:
+    """XLA:CPU (jaxlib 0.10) has no kernel for a *batched* bf16 x bf16 -> f32 dot
+    (``Unsupported element type for DotThunk``): such dots stay float32 there."""
+    (_, _), (xb, _) = eqn.params["dimension_numbers"]
+    return bool(xb) and jax.default_backend() == "cpu"
+
+
 def dot_general_rule(eqn: Any, invals: Sequence[Any], compute_dtype: np.dtype) -> list[Any]:
     x, y = invals
     if not (is_managed_float(x.dtype) and is_managed_float(y.dtype)):
         return default_allow_rule(eqn, invals, compute_dtype)
     p = eqn.params
+    if _cpu_batched(eqn):
+        return default_allow_rule(eqn, [v.astype(HIGH_DTYPE) for v in invals], HIGH_DTYPE)
     f = _amp_dot(p["dimension_numbers"], p.get("precision"), _acc_dtype(eqn),
                  p.get("out_sharding"), compute_dtype, np.dtype(x.dtype), np.dtype(y.dtype))
     return [f(x, y)]
