@@ -181,22 +181,16 @@ def dynamic_loss_scale(
     if axis_name is not None:
       finite = lax.pmin(finite.astype(jnp.int32), axis_name).astype(bool)
 
-    def do_update(operand):
-      g, inner_state = operand
-      new_updates, new_inner = inner.update(g, inner_state, params,
+    # Select rather than lax.cond: inside shard_map the branch outputs would
+    # differ in their varying-manual-axes type; the non-finite step's
+    # computation is simply discarded (as in optax.apply_if_finite).
+    inner_updates, new_inner = inner.update(grads, state.inner_state, params,
                                             **extra_args)
-      # Keep the state's dtypes stable so both branches agree exactly.
-      new_inner = optax.tree_utils.tree_cast_like(new_inner, inner_state)
-      return new_updates, new_inner
-
-    def skip_update(operand):
-      g, inner_state = operand
-      shapes = jax.eval_shape(do_update, operand)[0]
-      zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-      return zeros, inner_state
-
-    new_updates, new_inner = lax.cond(finite, do_update, skip_update,
-                                      (grads, state.inner_state))
+    new_inner = optax.tree_utils.tree_cast_like(new_inner, state.inner_state)
+    new_updates = jax.tree.map(
+        lambda u: jnp.where(finite, u, jnp.zeros_like(u)), inner_updates)
+    new_inner = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new_inner,
+                             state.inner_state)
 
     good = state.good_steps + 1
     grow = good >= growth_interval
