@@ -164,6 +164,27 @@ def test_multisteps_accumulates_and_skips_whole_step():
   _assert_same(sm.inner_opt_state.inner_state, before)
 
 
+def test_loss_scale_around_multisteps_drops_only_the_bad_micro_batch():
+  # Recommended order: each micro-batch is unscaled and checked on its own; a
+  # non-finite one is dropped without touching the accumulator.
+  params = _params(jnp.float32)
+  tx = optim.dynamic_loss_scale(optax.MultiSteps(optax.sgd(1.0), 2),
+                                init_scale=4.0)
+  state = tx.init(params)
+  bad = jax.tree.map(lambda x: x.at[0].set(jnp.nan), _grads(params, 0))
+  g1, g2 = _grads(params, 1), _grads(params, 2)
+  update = jax.jit(tx.update)
+  _, state = update(jax.tree.map(lambda x: x * 4.0, g1), state, params)
+  _, state = update(bad, state, params)
+  assert int(state.skipped_steps) == 1 and float(state.scale) == 2.0
+  assert int(state.inner_state.mini_step) == 1
+  u, state = update(jax.tree.map(lambda x: x * 2.0, g2), state, params)
+  assert int(state.inner_state.gradient_step) == 1
+  expected = jax.tree.map(lambda a, b: -(a + b) / 2, g1, g2)
+  for a, b in zip(jax.tree.leaves(u), jax.tree.leaves(expected)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
+
+
 def test_full_recipe_loss_scale_master_weights_float16():
   params = _params(jnp.float16)
   tx = optim.dynamic_loss_scale(
