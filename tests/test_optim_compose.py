@@ -2,6 +2,7 @@
 
 import doctest
 import importlib
+import importlib.util
 import inspect
 import json
 import os
@@ -288,3 +289,18 @@ def test_every_public_symbol_is_documented_and_doctests_pass():
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     failures += result.failed
   assert failures == 0
+
+
+def test_docs_bytes_table_matches_the_script():
+  spec = importlib.util.spec_from_file_location(
+      "optim_bytes", ROOT / "benchmarks" / "optim_bytes.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  table = module.markdown_table()
+  assert table in (ROOT / "docs" / "optim.md").read_text()
+  totals = {name: w + g + s for name, w, g, s in module.rows(4096)}
+  assert totals["float32 AdamW"] == pytest.approx(16.0, abs=0.01)
+  assert totals["pure bf16 + Kahan (bf16 moments, bf16 compensation)"] == (
+      pytest.approx(10.0, abs=0.01))
+  assert totals["pure bf16 + stochastic rounding (bf16 moments)"] == (
+      pytest.approx(8.0, abs=0.01))
