@@ -101,7 +101,8 @@ def dynamic_loss_scale(
      step; after ``growth_interval`` consecutive good steps the scale is
      multiplied by ``growth_factor`` (clamped at ``max_scale``, and only if
      the result is finite);
-  4. otherwise: returns zero updates, leaves the inner state untouched,
+  4. otherwise: returns zero updates, leaves the inner state untouched (the
+     choice is a select, so the inner update is computed and discarded),
      multiplies the scale by ``backoff_factor`` (clamped at ``min_scale``),
      resets the good-step counter and increments ``skipped_steps``.
 
