@@ -74,13 +74,17 @@ def _sharding_of(x: Any) -> Any:
 
 
 def abstractify(x: Any) -> Any:
-    """The abstract value to trace ``fn`` at for argument ``x``."""
+    """The abstract value to trace ``fn`` at for argument ``x``.
+
+    The aval carries dtype, weak type and (explicit-mode) sharding; a concrete
+    array spread over several devices also passes its own sharding, which
+    ``shard_map`` checks against its ``in_specs``.
+    """
     s = _sharding_of(x)
     aval = jax.typeof(x)
-    if s is None or not getattr(aval.sharding, "mesh", None) or aval.sharding.mesh.empty:
-        if s is not None:
-            return jax.ShapeDtypeStruct(np.shape(x), aval.dtype, weak_type=aval.weak_type, sharding=s)
-    return aval
+    if s is None:
+        return aval
+    return jax.ShapeDtypeStruct(np.shape(x), aval.dtype, weak_type=aval.weak_type, sharding=s)
 
 
 def abstract_key(x: Any) -> tuple[Any, ...]:

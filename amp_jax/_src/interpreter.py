@@ -63,6 +63,20 @@ class Context:  # noqa: D101
         the structure exactly so that results stay bitwise equal)."""
         return closed if self.identity else inline_jits(closed)
 
+    def rewrite_closed(self, closed: Any) -> Any:
+        """A closed jaxpr with the same in/out avals as ``closed``, rewritten."""
+        key = id(closed)
+        hit = self._sub_cache.get(key)
+        if hit is not None and hit[0] is closed:
+            return hit[1]
+        flat = self.prepare(closed)
+        colors = plan(self, compat.jaxpr_of(flat))
+        new = compat.trace_to_closed_jaxpr(
+            lambda *a: eval_jaxpr(self, flat, a, colors), compat.in_avals(closed)
+        )
+        self._sub_cache[key] = (closed, new)
+        return new
+
     # -- classification -------------------------------------------------
     def classify(self, eqn: Any) -> str:
         avals = [v.aval for v in (*eqn.invars, *eqn.outvars)]
@@ -318,21 +332,3 @@ def inline_jits(closed: Any) -> Any:
     return compat.trace_to_closed_jaxpr(
         lambda *a: _eval_inlining(closed, a), compat.in_avals(closed)
     )
-
-
-def _rewrite_closed(self: Context, closed: Any) -> Any:
-    """A closed jaxpr with the same in/out avals as ``closed``, rewritten."""
-    key = id(closed)
-    hit = self._sub_cache.get(key)
-    if hit is not None and hit[0] is closed:
-        return hit[1]
-    flat = self.prepare(closed)
-    colors = plan(self, compat.jaxpr_of(flat))
-    new = compat.trace_to_closed_jaxpr(
-        lambda *a: eval_jaxpr(self, flat, a, colors), compat.in_avals(closed)
-    )
-    self._sub_cache[key] = (closed, new)
-    return new
-
-
-Context.rewrite_closed = _rewrite_closed

@@ -84,10 +84,8 @@ def kahan_summation(
     https://github.com/pytorch/torchdistx/blob/main/src/python/torchdistx/optimizers/anyprecision_optimizer.py.
   """
   if compensation_dtype is not None:
-    if not jnp.issubdtype(jnp.dtype(compensation_dtype), jnp.floating):
-      raise ValueError(f"`compensation_dtype` must be a floating dtype or "
-                       f"None, got {compensation_dtype!r}.")
-    compensation_dtype = jnp.dtype(compensation_dtype)
+    compensation_dtype = _tree.float_dtype(
+        compensation_dtype, "compensation_dtype", "; use None for the parameter dtype")
   inner = optax.with_extra_args_support(inner)
 
   def comp_init(p):

@@ -99,10 +99,7 @@ def master_weights(
     Micikevicius et al., "Mixed Precision Training", ICLR 2018,
     https://arxiv.org/abs/1710.03740.
   """
-  if not jnp.issubdtype(jnp.dtype(master_dtype), jnp.floating):
-    raise ValueError(f"`master_dtype` must be a floating dtype, got "
-                     f"{master_dtype!r}; use jnp.float32.")
-  master_dtype = jnp.dtype(master_dtype)
+  master_dtype = _tree.float_dtype(master_dtype, "master_dtype", "; use jnp.float32")
   inner = optax.with_extra_args_support(inner)
 
   def to_master(x):

@@ -112,3 +112,10 @@ def state_bytes(tree: Any) -> int:
       continue
     total += int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
   return total
+
+
+def float_dtype(value, argname: str, fix: str = ""):
+  """``value`` as a floating numpy dtype, or a ValueError naming ``argname``."""
+  if not jnp.issubdtype(jnp.dtype(value), jnp.floating):
+    raise ValueError(f"`{argname}` must be a floating dtype, got {value!r}{fix}.")
+  return jnp.dtype(value)
