@@ -202,7 +202,8 @@ def map_subjaxprs(
                 return v  # not expected in params; leave untouched
             return closed_to_open_no_consts(rewrite_closed(close(v, [])), name)
         if isinstance(v, tuple) and v and any(is_closed_jaxpr(x) or is_open_jaxpr(x) for x in v):
-            return tuple(one(x) for x in v)
+            new = [one(x) for x in v]  # keep NamedTuples (custom_linear_solve's jaxprs)
+            return type(v)(*new) if hasattr(v, "_fields") else tuple(new)
         return v
 
     params = {k: one(v) for k, v in eqn.params.items()}
@@ -214,20 +215,27 @@ def map_subjaxprs(
     return params
 
 
-def _wrap_thunk(thunk: Any, rewrite_closed: Callable[[Any], Any], n_extra: int) -> Any:
-    """Wraps a ``(*zeros) -> (jaxpr, consts, *extra)`` thunk to rewrite its jaxpr."""
+def memoized_fun(fn: Callable[..., Any], like: Any) -> Any:
+    """``fn`` (of hashable args) memoized, wrapped like the thunk ``like``."""
     memo: dict[tuple[Any, ...], Any] = {}
 
-    def wrapped(*zeros):
-        key = tuple(zeros)
-        if key not in memo:
-            jaxpr, consts, *extra = thunk.call_wrapped(*zeros)
-            assert len(extra) == n_extra
-            new = rewrite_closed(close(jaxpr, consts))
-            memo[key] = (jaxpr_of(new), consts_of(new), *extra)
-        return memo[key]
+    def wrapped(*args):
+        if args not in memo:
+            memo[args] = fn(*args)
+        return memo[args]
 
-    return jex_lu.wrap_init(wrapped, debug_info=thunk.debug_info)
+    return jex_lu.wrap_init(wrapped, debug_info=like.debug_info)
+
+
+def _wrap_thunk(thunk: Any, rewrite_closed: Callable[[Any], Any], n_extra: int) -> Any:
+    """Wraps a ``(*zeros) -> (jaxpr, consts, *extra)`` thunk to rewrite its jaxpr."""
+    def rewrite(*zeros):
+        jaxpr, consts, *extra = thunk.call_wrapped(*zeros)
+        assert len(extra) == n_extra
+        new = rewrite_closed(close(jaxpr, consts))
+        return (jaxpr_of(new), consts_of(new), *extra)
+
+    return memoized_fun(rewrite, thunk)
 
 
 SHARD_MAP_NAMES = frozenset({"shard_map"})

@@ -48,6 +48,7 @@ class Context:  # noqa: D101
         self.identity = policy.is_identity
         self.scopes = (FULL_PRECISION_SCOPE, *policy.full_precision_scopes)
         self._sub_cache: dict[tuple[int, Any, Any], Any] = {}
+        self._transparent: dict[int, tuple[Any, bool]] = {}
 
     @property
     def linear(self) -> "Context":
@@ -82,10 +83,10 @@ class Context:  # noqa: D101
         avals = [v.aval for v in (*eqn.invars, *eqn.outvars)]
         if not any(is_managed_float(getattr(a, "dtype", None)) for a in avals):
             return SKIP if not compat.has_subjaxprs(eqn) else OPAQUE
-        if compat.has_subjaxprs(eqn):
-            return OPAQUE
         if self.identity or self.in_full_precision(eqn):
-            return "never"
+            return OPAQUE if compat.has_subjaxprs(eqn) else "never"
+        if compat.has_subjaxprs(eqn):
+            return "follow" if self.is_transparent(eqn) else OPAQUE
         name = eqn.primitive.name
         cls = self.policy.effective_class_of(name, self.backend)
         if cls is None:
@@ -97,6 +98,23 @@ class Context:  # noqa: D101
                 )
             cls = "follow"
         return cls
+
+    def is_transparent(self, eqn: Any) -> bool:
+        """A ``custom_jvp_call`` whose body only has follow/clear ops (``jax.nn.relu``).
+
+        Such a call is painted like a follow op, so an activation between two
+        matmuls runs in the compute dtype; its JVP rule still applies.
+        """
+        if eqn.primitive.name not in compat.CUSTOM_JVP_NAMES or eqn.params.get("num_consts", 0):
+            return False
+        body = eqn.params["call_jaxpr"]
+        hit = self._transparent.get(id(body))
+        if hit is not None and hit[0] is body:
+            return hit[1]
+        classes = [self.classify(e) for e in compat.jaxpr_of(self.prepare(body)).eqns]
+        ok = all(c in ("follow", "clear", SKIP) for c in classes)
+        self._transparent[id(body)] = (body, ok)
+        return ok
 
     def in_full_precision(self, eqn: Any) -> bool:
         stack = compat.name_stack_str(eqn)
@@ -239,8 +257,10 @@ def plan(ctx: Context, jaxpr: Any) -> list[str]:
     return paint(classes, jaxpr)
 
 
-def eval_jaxpr(ctx: Context, closed: Any, args: Sequence[Any], colors: list[str] | None = None) -> list[Any]:
-    """Evaluates ``closed`` on ``args`` under the policy; outputs keep their dtypes."""
+def eval_jaxpr(ctx: Context, closed: Any, args: Sequence[Any], colors: list[str] | None = None,
+               cast_outputs: bool = True) -> list[Any]:
+    """Evaluates ``closed`` on ``args`` under the policy; outputs keep their
+    dtypes (unless ``cast_outputs`` is false: then they are as computed)."""
     jaxpr = compat.jaxpr_of(closed)
     if colors is None:
         colors = plan(ctx, jaxpr)
@@ -255,7 +275,10 @@ def eval_jaxpr(ctx: Context, closed: Any, args: Sequence[Any], colors: list[str]
         with contextlib.ExitStack() as stack:
             for m in managers:
                 stack.enter_context(m)
-            if color == OPAQUE:
+            if color == LOW and eqn.primitive.name in compat.CUSTOM_JVP_NAMES:
+                invals = [env.read(v, _target_dtype(v.aval, color, cd)) for v in eqn.invars]
+                outs = _custom_jvp_low(ctx, eqn, invals)
+            elif color == OPAQUE or (color == ORIG and compat.has_subjaxprs(eqn)):
                 invals = [env.read(v, _target_dtype(v.aval, ORIG, cd)) for v in eqn.invars]
                 if eqn.primitive.name in compat.SHARD_MAP_NAMES:
                     body = compat.close(eqn.params["jaxpr"], [])
@@ -280,7 +303,54 @@ def eval_jaxpr(ctx: Context, closed: Any, args: Sequence[Any], colors: list[str]
                 outs = compat.bind_eqn(eqn, invals)
         for v, o in zip(eqn.outvars, outs):
             env.write(v, o)
-    return [env.read(v, _orig_dtype(v)) for v in jaxpr.outvars]
+    return [env.read(v, _orig_dtype(v) if cast_outputs else None) for v in jaxpr.outvars]
+
+
+def _custom_jvp_low(ctx: Context, eqn: Any, invals: Sequence[Any]) -> list[Any]:
+    """Binds a transparent ``custom_jvp_call`` on compute-dtype operands.
+
+    The body is evaluated with every op low. The JVP rule is the user's,
+    evaluated in the original dtypes: primals and tangents are cast up, the
+    output tangents cast back down to the dtypes of the low primal outputs.
+    The primal outputs of the rule are the low body's, so the forward values
+    are the same with and without differentiation.
+    """
+    body = ctx.prepare(eqn.params["call_jaxpr"])
+    colors = [c if c == SKIP else LOW for c in (ctx.classify(e) for e in compat.jaxpr_of(body).eqns)]
+    low_avals = [compat.aval_of(x) for x in invals]
+    orig_avals = [v.aval for v in eqn.invars]
+
+    def primal(*xs):
+        return eval_jaxpr(ctx, body, xs, colors, cast_outputs=False)
+
+    new_call = compat.trace_to_closed_jaxpr(primal, low_avals)
+    rule_fun = eqn.params["jvp_jaxpr_fun"]
+
+    def jvp_jaxpr(*zeros):
+        jaxpr, consts, out_zeros = rule_fun.call_wrapped(*zeros)
+        rule = compat.close(jaxpr, consts)
+        tan_in = [(lo.to_tangent_aval(), hi.to_tangent_aval())
+                  for lo, hi, z in zip(low_avals, orig_avals, zeros) if not z]
+
+        def jvp(*xs):
+            prims, tans = xs[:len(low_avals)], xs[len(low_avals):]
+            p_out = primal(*prims)
+            up = [_cast(x, hi.dtype) for x, hi in zip(prims, orig_avals)]
+            up += [_cast(t, hi.dtype) for t, (_, hi) in zip(tans, tan_in)]
+            t_out = eval_jaxpr(ctx.linear, rule, up)[len(out_zeros):]
+            nz = [p for p, z in zip(p_out, out_zeros) if not z]
+            return [*p_out, *(_cast(t, compat.aval_of(p).to_tangent_aval().dtype) for t, p in zip(t_out, nz))]
+
+        new = compat.trace_to_closed_jaxpr(jvp, [*low_avals, *(lo for lo, _ in tan_in)])
+        return compat.jaxpr_of(new), compat.consts_of(new), out_zeros
+
+    params = dict(eqn.params, call_jaxpr=new_call,
+                  jvp_jaxpr_fun=compat.memoized_fun(jvp_jaxpr, rule_fun))
+    return compat.bind_eqn(eqn, invals, params)
+
+
+def _cast(x: Any, dtype: Any) -> Any:
+    return x if np.dtype(x.dtype) == np.dtype(dtype) else lax.convert_element_type(x, dtype)
 
 
 #: n-ary elementwise primitives that broadcast size-1 dimensions implicitly.
