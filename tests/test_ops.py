@@ -24,7 +24,7 @@ import pytest
 from jax import lax
 
 from amp_jax import amp
-from tests._util import BF16, F32, prim_dtypes
+from _util import BF16, F32, prim_dtypes
 
 KEY = jax.random.PRNGKey(0)
 k1, k2, k3, k4 = jax.random.split(KEY, 4)

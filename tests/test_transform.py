@@ -9,7 +9,7 @@ import pytest
 from jax import lax
 
 from amp_jax import Policy, amp, full_precision
-from _util import BF16, F16, F32, eqns, prim_dtypes
+from _util import BF16, F16, F32, check_dots_low, eqns, prim_dtypes
 
 KEY = jax.random.PRNGKey(0)
 
@@ -345,3 +345,37 @@ def test_conv_backend_aware_and_forced():
     g = jax.grad(lambda x, w: forced(x, w).sum(), argnums=1)(x, w)
     g0 = jax.grad(lambda x, w: conv(x, w).sum(), argnums=1)(x, w)
     assert float(jnp.linalg.norm(g - g0) / jnp.linalg.norm(g0)) < 2e-2
+
+
+# -- custom_jvp calls with only follow/clear ops are transparent -------------------
+
+
+def test_custom_jvp_follow_body_runs_low_and_keeps_its_rule():
+    @jax.custom_jvp
+    def ste_round(h):  # a straight-through estimator: only follow/clear ops
+        return jnp.round(h * 4) / 4
+
+    ste_round.defjvp(lambda p, t: (ste_round(*p), 0.5 * t[0]))
+
+    def f(w, x):
+        return jnp.sum(ste_round(jax.nn.relu(x @ w)) @ w)
+
+    jaxpr = jax.make_jaxpr(amp(f))(W8, X8)
+    for name in ("round", "max"):  # ste_round's and relu's bodies
+        assert {o[0] for _, o, p in prim_dtypes(jaxpr, name) if "custom_jvp_call" in p} == {BF16}
+    check_dots_low(jax.make_jaxpr(jax.grad(amp(f)))(W8, X8), min_low=3)
+    # The user's rule (slope 0.5) and relu's (slope 0 at 0) still define the gradient.
+    g, g32 = jax.grad(amp(f))(W8, X8), jax.grad(f)(W8, X8)
+    np.testing.assert_allclose(g, g32, rtol=5e-2, atol=5e-2 * float(jnp.abs(g32).max()))
+    z = jnp.zeros_like(X8)
+    np.testing.assert_array_equal(jax.grad(amp(f), argnums=1)(W8, z), jax.grad(f, argnums=1)(W8, z))
+
+
+def test_custom_jvp_with_sensitive_body_stays_a_boundary():
+    @jax.custom_jvp
+    def soft(h):
+        return jnp.log1p(jnp.exp(h))
+
+    soft.defjvp(lambda p, t: (soft(*p), jax.nn.sigmoid(p[0]) * t[0]))
+    jaxpr = jax.make_jaxpr(amp(lambda w, x: soft(x @ w) @ w))(W8, X8)
+    assert {i[0] for i, _, p in prim_dtypes(jaxpr, "exp") if "custom_jvp_call" in p} == {F32}
