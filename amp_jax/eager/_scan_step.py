@@ -95,6 +95,31 @@ def _abstract(tree: Any) -> Any:
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype), tree)
 
 
+def _ordered_after(i: jax.Array, *trees: Any) -> jax.Array:
+  """``i`` itself, made data-dependent on every leaf of ``trees``.
+
+  XLA updates a loop-carried stack in place with dynamic-update-slice only if
+  every other reader of the stack in the loop body is a data ancestor of the
+  update; otherwise copy insertion copies the whole stack (all parameters or
+  all optimizer state) on every iteration. Fusions that read the old layer
+  slice straight from the stack (e.g. the cotangent matmul) are not ancestors
+  of the write. Indexing the write with ``i + 0``, where the ``0`` is computed
+  from one element of each result (its sign bit shifted out twice, which XLA
+  does not fold and which is 0 for every value, NaN included), orders all
+  reads before the writes at the cost of a few scalar operations.
+  """
+  z = jnp.zeros((), jnp.uint32)
+  for leaf in jax.tree.leaves(trees):
+    if jnp.size(leaf) == 0 or not (jnp.issubdtype(leaf.dtype, jnp.number)
+                                   or leaf.dtype == jnp.bool_):
+      continue
+    v = jnp.ravel(leaf)[0].astype(jnp.float32)
+    u = lax.bitcast_convert_type(v, jnp.uint32)
+    z = z + lax.shift_right_logical(
+        lax.shift_right_logical(u, jnp.uint32(31)), jnp.uint32(1))
+  return i + z.astype(i.dtype)
+
+
 _GOLDEN = 0x9E3779B9
 
 
@@ -323,8 +348,9 @@ class ScanStep:
         vjp_fn = jax.tree.unflatten(treedef, leaves)
       g_i, ct_prev = vjp_fn(ct)
       new_p, new_s = self._apply(g_i, s_i, p_i)
-      return (ct_prev, _set_layer(blocks, new_p, i),
-              _set_layer(states, new_s, i)), None
+      j = _ordered_after(i, ct_prev, new_p, new_s)
+      return (ct_prev, _set_layer(blocks, new_p, j),
+              _set_layer(states, new_s, j)), None
 
     (ct0, new_blocks, blocks_state), _ = lax.scan(
         bwd, (ct, p_blocks, opt_state.blocks),
