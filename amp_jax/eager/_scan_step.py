@@ -95,31 +95,6 @@ def _abstract(tree: Any) -> Any:
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype), tree)
 
 
-def _ordered_after(i: jax.Array, *trees: Any) -> jax.Array:
-  """``i`` itself, made data-dependent on every leaf of ``trees``.
-
-  XLA updates a loop-carried stack in place with dynamic-update-slice only if
-  every other reader of the stack in the loop body is a data ancestor of the
-  update; otherwise copy insertion copies the whole stack (all parameters or
-  all optimizer state) on every iteration. Fusions that read the old layer
-  slice straight from the stack (e.g. the cotangent matmul) are not ancestors
-  of the write. Indexing the write with ``i + 0``, where the ``0`` is computed
-  from one element of each result (its sign bit shifted out twice, which XLA
-  does not fold and which is 0 for every value, NaN included), orders all
-  reads before the writes at the cost of a few scalar operations.
-  """
-  z = jnp.zeros((), jnp.uint32)
-  for leaf in jax.tree.leaves(trees):
-    if jnp.size(leaf) == 0 or not (jnp.issubdtype(leaf.dtype, jnp.number)
-                                   or leaf.dtype == jnp.bool_):
-      continue
-    v = jnp.ravel(leaf)[0].astype(jnp.float32)
-    u = lax.bitcast_convert_type(v, jnp.uint32)
-    z = z + lax.shift_right_logical(
-        lax.shift_right_logical(u, jnp.uint32(31)), jnp.uint32(1))
-  return i + z.astype(i.dtype)
-
-
 _GOLDEN = 0x9E3779B9
 
 
@@ -329,11 +304,16 @@ class ScanStep:
     # for its update at once and written back into the carried stacks.
     zeros_h = jax.tree.map(jnp.zeros_like, h0)
 
+    # The loop is software-pipelined: the carry holds layer i's parameter and
+    # state slices, read from the stacks in the previous iteration *after*
+    # that iteration's in-place write. Every read of a stack is then ordered
+    # after its write by data dependence, which lets XLA update the stacks in
+    # place; reading the slice in the same iteration as the write makes XLA's
+    # copy insertion copy every stack on every iteration (the update
+    # arithmetic fused into one stack's write reads the other stacks).
     def bwd(carry, xs):
-      ct, blocks, states = carry
+      ct, blocks, states, p_i, s_i = carry
       i, saved = xs
-      p_i = _layer(blocks, i)
-      s_i = _layer(states, i)
       if mask is None:
         _, vjp_fn = jax.vjp(self.block_fn, p_i, saved)
       else:
@@ -348,12 +328,16 @@ class ScanStep:
         vjp_fn = jax.tree.unflatten(treedef, leaves)
       g_i, ct_prev = vjp_fn(ct)
       new_p, new_s = self._apply(g_i, s_i, p_i)
-      j = _ordered_after(i, ct_prev, new_p, new_s)
-      return (ct_prev, _set_layer(blocks, new_p, j),
-              _set_layer(states, new_s, j)), None
+      blocks = _set_layer(blocks, new_p, i)
+      states = _set_layer(states, new_s, i)
+      nxt = jnp.maximum(i - 1, 0)
+      return (ct_prev, blocks, states, _layer(blocks, nxt),
+              _layer(states, nxt)), None
 
-    (ct0, new_blocks, blocks_state), _ = lax.scan(
-        bwd, (ct, p_blocks, opt_state.blocks),
+    last = num_layers - 1
+    (ct0, new_blocks, blocks_state, _, _), _ = lax.scan(
+        bwd, (ct, p_blocks, opt_state.blocks, _layer(p_blocks, last),
+              _layer(opt_state.blocks, last)),
         (jnp.arange(num_layers), stored), reverse=True)
 
     (g_embed,) = embed_vjp(ct0)
