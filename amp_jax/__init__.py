@@ -4,7 +4,8 @@
 float32 model runs its matmuls and convolutions in bfloat16 or float16 while
 numerically sensitive ops stay in float32. ``amp_jax.optim`` holds the optax
 transformations low precision needs (loss scaling, master weights, Kahan
-summation, stochastic rounding, any-precision AdamW).
+summation, stochastic rounding, any-precision AdamW); ``amp_jax.eager`` applies the optimizer inside the
+backward pass of scanned models so the full gradient never exists.
 """
 
 from amp_jax._src.policy import (
@@ -21,6 +22,7 @@ from amp_jax._src.inspect import dtype_report as dtype_report, format_dtype_repo
 from amp_jax._src.rules import register_rule as register_rule
 from amp_jax._src.transform import amp as amp, full_precision as full_precision
 from amp_jax import optim as optim
+from amp_jax import eager as eager
 
 __version__ = "0.1.0"
 
@@ -34,6 +36,7 @@ __all__ = [
     "Policy",
     "amp",
     "dtype_report",
+    "eager",
     "format_dtype_report",
     "full_precision",
     "get_policy",

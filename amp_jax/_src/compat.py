@@ -265,3 +265,17 @@ def literal_value(lit: Any) -> Any:
 def cast_constant(value: Any, dtype: np.dtype) -> Any:
     """Casts a literal constant without creating a traced op (stays a literal)."""
     return np.asarray(value, dtype=dtype)[()] if np.ndim(value) == 0 else np.asarray(value, dtype=dtype)
+
+
+def vjp_residuals(vjp_fn: Any) -> tuple[list[Any], Any] | None:
+    """The residual arrays of a ``jax.vjp`` pullback and its treedef, or None.
+
+    In JAX 0.10-0.11 the pullback returned by ``jax.vjp`` is a pytree whose
+    leaves are the residuals (``jax.tree.unflatten`` rebuilds a working
+    pullback from new leaves). Where it is not (an opaque callable), None:
+    callers then recompute the forward pass instead of storing residuals.
+    """
+    leaves, treedef = jax.tree.flatten(vjp_fn)
+    if not all(isinstance(x, (jax.Array, Tracer)) for x in leaves):
+        return None
+    return leaves, treedef
