@@ -44,15 +44,27 @@ def test_demo_tiny_run(tmp_path):
     assert modes["amp-f16"]["skipped_steps"] >= 0 and modes["amp-f16"]["final_loss_scale"] > 0
 
 
+def test_demo_unknown_mode_exits_nonzero():
+    proc = _run("--modes", "f32,fp8", timeout=120)
+    assert proc.returncode == 2
+    assert "unknown mode(s) 'fp8'" in proc.stderr
+    assert "valid modes: f32, amp-bf16, amp-f16, bf16-kahan" in proc.stderr, proc.stderr
+
+
 @pytest.mark.parametrize("args, message", [
-    (["--modes", "f32,fp8"], "valid modes: f32, amp-bf16, amp-f16, bf16-kahan"),
+    (["--modes", ","], "valid modes:"),
+    (["--modes", "f32,f32"], "lists a mode twice"),
     (["--steps", "0"], "--steps must be a positive integer"),
     (["--d-model", "abc"], "--d-model must be a positive integer"),
     (["--d-model", "30", "--heads", "4"], "must be a multiple of --heads"),
+    (["--lr", "-1"], "--lr must be a positive number"),
     (["--frobnicate"], "unrecognized arguments"),
 ])
-def test_demo_bad_flags(args, message):
-    proc = _run(*args, timeout=120)
-    assert proc.returncode == 2
-    assert message in proc.stderr, proc.stderr
-    assert "usage:" in proc.stderr
+def test_demo_bad_flags(args, message, capsys):
+    from amp_jax.demo.__main__ import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(args)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "usage:" in err, err
