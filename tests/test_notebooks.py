@@ -26,7 +26,7 @@ def test_notebook_stored_without_outputs(path):
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_runs(path):
     nb = nbformat.read(path, as_version=4)
-    env = {**os.environ, "AMP_JAX_NB_STEPS": "12", "MPLBACKEND": "Agg", "JUPYTER_PLATFORM_DIRS": "1",
+    env = {**os.environ, "AMP_JAX_NB_STEPS": "12", "JUPYTER_PLATFORM_DIRS": "1",
            "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
     env.pop("XLA_FLAGS", None)  # the conftest's forced host devices are not for notebooks
     client = NotebookClient(nb, timeout=300, kernel_name="python3",
