@@ -38,6 +38,7 @@ OP_CLASSES: tuple[str, ...] = ("allow", "deny", "follow", "clear", "never")
 DEFAULT_ALLOW: frozenset[str] = frozenset(
     {"dot_general", "conv_general_dilated", "ragged_dot_general", "ragged_dot"}
 )
+"""Matmuls and convolutions: run with compute-dtype operands and float32 accumulation."""
 
 #: Numerically sensitive: always computed in float32.
 DEFAULT_DENY: frozenset[str] = frozenset(
@@ -56,6 +57,7 @@ DEFAULT_DENY: frozenset[str] = frozenset(
         "householder_product", "tridiagonal_solve", "schur", "hessenberg", "fft",
     }
 )
+"""Numerically sensitive primitives (exp/log/pow, accumulating reductions, linear algebra): always computed in float32."""
 
 #: Elementwise arithmetic: follows its inputs; low between two allow ops.
 DEFAULT_FOLLOW: frozenset[str] = frozenset(
@@ -67,6 +69,7 @@ DEFAULT_FOLLOW: frozenset[str] = frozenset(
         "scatter_add", "scatter_sub", "scatter_mul", "copysign",
     }
 )
+"""Elementwise arithmetic: follows its inputs; runs low between two allow ops."""
 
 #: Data movement, comparisons, max/min: numerically neutral.
 DEFAULT_CLEAR: frozenset[str] = frozenset(
@@ -84,6 +87,7 @@ DEFAULT_CLEAR: frozenset[str] = frozenset(
         "all_gather_invariant", "axis_index",
     }
 )
+"""Data movement, comparisons, max/min: numerically neutral, follows its inputs."""
 
 #: Operand dtypes are part of the meaning: never changed.
 DEFAULT_NEVER: frozenset[str] = frozenset(
@@ -97,6 +101,7 @@ DEFAULT_NEVER: frozenset[str] = frozenset(
         "linear_solve", "custom_linear_solve",
     }
 )
+"""Primitives whose operand dtypes are part of their meaning (casts, bit casts, random bits, custom reductions): never changed."""
 
 _PRESETS: dict[str, Any] = {
     "bfloat16": jnp.bfloat16,
@@ -264,6 +269,7 @@ class Policy:
 BACKEND_SLOW_IN_LOW_PRECISION: frozenset[tuple[str, str]] = frozenset(
     {("conv_general_dilated", "cpu")}
 )
+"""(primitive, backend) pairs measured slower in low precision than in float32; with ``Policy(backend_aware=True)`` they stay float32."""
 
 
 def get_policy(policy: "Policy | str | Any") -> Policy:

@@ -1,68 +1,212 @@
-"""A first look at amp: one MLP train step in float32 and under ``amp``.
+"""Train a small byte-level transformer on the Python standard library in
+several precision modes and compare speed, memory and loss.
 
-Prints which primitives ran in which dtype (forward and backward) and how far
-the bf16 loss and gradients are from float32. The full demo (a character-level
-transformer trained in several precision modes) replaces this script.
+Same model, same data, same seed in every mode: float32 (``f32``), amp with
+bfloat16 (``amp-bf16``), amp with float16 and dynamic loss scaling
+(``amp-f16``) and pure bfloat16 parameters with Kahan-compensated AdamW
+(``bf16-kahan``). Writes ``results.json`` and ``loss_curves.png`` to ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
+import os
+import pathlib
+import platform
 import sys
+import time
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+from amp_jax.demo import _data, _model
+from amp_jax.demo._modes import MODES, RunResult, train
 
-from amp_jax import amp, dtype_report, format_dtype_report
-
-
-def init_mlp(key: jax.Array, sizes: list[int]) -> list[tuple[jax.Array, jax.Array]]:
-    keys = jax.random.split(key, len(sizes) - 1)
-    return [
-        (jax.random.normal(k, (a, b)) / np.sqrt(a), jnp.zeros((b,)))
-        for k, a, b in zip(keys, sizes[:-1], sizes[1:])
-    ]
+DEFAULTS = dict(steps=120, d_model=128, layers=2, heads=4, seq=64, batch=16, lr=3e-3, seed=0,
+                val_batches=4, out="amp_jax_demo_out")
 
 
-def loss_fn(params, x, y):
-    h = x
-    for w, b in params[:-1]:
-        h = jax.nn.gelu(h @ w + b)
-    w, b = params[-1]
-    logits = h @ w + b
-    return -jnp.mean(jnp.sum(jax.nn.log_softmax(logits) * y, axis=-1))
+def _positive(name):
+    def parse(text):
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a positive integer, got {text!r}") from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{name} must be a positive integer, got {value}")
+        return value
+    return parse
+
+
+def _positive_float(text):
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--lr must be a positive number, got {text!r}") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"--lr must be a positive number, got {text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = DEFAULTS
+    p = argparse.ArgumentParser(prog="python -m amp_jax.demo", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=_positive("--steps"), default=d["steps"],
+                   help=f"training steps per mode (default {d['steps']})")
+    p.add_argument("--modes", default=",".join(MODES),
+                   help=f"comma-separated modes to run (default all: {','.join(MODES)})")
+    p.add_argument("--d-model", type=_positive("--d-model"), default=d["d_model"],
+                   help=f"model width, a multiple of --heads (default {d['d_model']})")
+    p.add_argument("--layers", type=_positive("--layers"), default=d["layers"],
+                   help=f"transformer blocks (default {d['layers']})")
+    p.add_argument("--heads", type=_positive("--heads"), default=d["heads"],
+                   help=f"attention heads (default {d['heads']})")
+    p.add_argument("--seq", type=_positive("--seq"), default=d["seq"],
+                   help=f"context length in bytes (default {d['seq']})")
+    p.add_argument("--batch", type=_positive("--batch"), default=d["batch"],
+                   help=f"sequences per step (default {d['batch']})")
+    p.add_argument("--lr", type=_positive_float, default=d["lr"],
+                   help=f"peak learning rate, warmup + cosine (default {d['lr']})")
+    p.add_argument("--val-batches", type=_positive("--val-batches"), default=d["val_batches"],
+                   help=f"validation batches per evaluation (default {d['val_batches']})")
+    p.add_argument("--seed", type=int, default=d["seed"], help=f"seed for init, split and batches (default {d['seed']})")
+    p.add_argument("--out", default=d["out"], help=f"output folder (default ./{d['out']})")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    return p
+
+
+def parse_args(argv):
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown or not modes:
+        parser.error(f"unknown mode(s) {', '.join(map(repr, unknown)) or '(none given)'} in --modes; "
+                     f"valid modes: {', '.join(MODES)}")
+    if len(set(modes)) != len(modes):
+        parser.error(f"--modes lists a mode twice: {args.modes!r}")
+    args.modes = modes
+    if args.d_model % args.heads:
+        parser.error(f"--d-model {args.d_model} must be a multiple of --heads {args.heads}")
+    return args
+
+
+def _fmt_bytes(n):
+    return "n/a" if n is None else f"{n / 2**20:.1f}"
+
+
+def format_table(results: list[RunResult]) -> str:
+    header = ("mode", "tokens/s", "step ms", "compile s", "step mem MiB", "opt state MiB",
+              "train loss", "val loss")
+    rows = [header]
+    for r in results:
+        rows.append((r.mode, f"{r.tokens_per_s:,.0f}", f"{1e3 * r.median_step_s:.1f}", f"{r.compile_s:.1f}",
+                     _fmt_bytes(r.step_memory_bytes), _fmt_bytes(r.opt_state_bytes),
+                     f"{r.final_train_loss:.3f}", f"{r.final_val_loss:.3f}"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+             for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def plot(results: list[RunResult], path: pathlib.Path, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, (ax_t, ax_v) = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+    for i, r in enumerate(results):
+        color = f"C{i}"
+        loss = np.asarray(r.train_loss)
+        ax_t.plot(r.train_steps, loss, color=color, alpha=0.2, lw=0.8)
+        ema, smooth = loss[0], []
+        for v in loss:  # exponential moving average, as most training dashboards show
+            ema = 0.9 * ema + 0.1 * v
+            smooth.append(ema)
+        # the first mode (f32, the reference) is drawn wide underneath: modes that
+        # match it closely (amp-f16 usually does) would otherwise hide it.
+        lw = 4.0 if i == 0 else 1.6
+        alpha = 0.45 if i == 0 else 1.0
+        ax_t.plot(r.train_steps, smooth, color=color, lw=lw, alpha=alpha, label=r.mode)
+        ax_v.plot(r.val_steps, r.val_loss, color=color, marker="o", ms=3.5, lw=lw, alpha=alpha,
+                  label=f"{r.mode} ({r.final_val_loss:.3f})")
+    ax_t.set_title("train loss (faint: per step, solid: EMA 0.9; y zoomed)", fontsize=10)
+    ax_v.set_title("validation loss (held-out stdlib files)", fontsize=10)
+    for ax in (ax_t, ax_v):
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    ax_t.set_ylabel("cross-entropy (nats / byte)")
+    lo = min(min(min(r.train_loss), min(r.val_loss)) for r in results)
+    hi = max(r.val_loss[0] for r in results) if all(len(r.val_loss) > 1 for r in results) else None
+    top = max(hi, lo + 0.5) + 0.3 if hi is not None else None
+    ax_t.set_ylim(max(0.0, lo - 0.2), top)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="amp-jax-demo", description=__doc__)
-    parser.add_argument("--width", type=int, default=256, help="hidden width (default 256)")
-    parser.add_argument("--policy", default="bfloat16", help="amp policy (default bfloat16)")
-    args = parser.parse_args(argv)
-    if args.width < 1:
-        parser.error("--width must be a positive integer")
-    key = jax.random.PRNGKey(0)
-    params = init_mlp(key, [64, args.width, args.width, 10])
-    x = jax.random.normal(key, (32, 64))
-    y = jax.nn.one_hot(jnp.arange(32) % 10, 10)
-    try:
-        amp_loss = amp(loss_fn, policy=args.policy)
-    except ValueError as e:
-        parser.error(str(e))
-    step32 = jax.jit(jax.value_and_grad(loss_fn))
-    step_amp = jax.jit(jax.value_and_grad(amp_loss))
-    l32, g32 = step32(params, x, y)
-    lamp, gamp = step_amp(params, x, y)
-    print(f"amp_jax demo: one MLP train step, policy={args.policy!r}, JAX {jax.__version__} on {jax.default_backend()}")
-    print("\nPrimitives of jax.value_and_grad(amp(loss)) and their dtypes:")
-    print(format_dtype_report(dtype_report(jax.value_and_grad(amp_loss), params, x, y)))
-    rel = max(
-        float(jnp.linalg.norm(a - b) / (jnp.linalg.norm(b) + 1e-12))
-        for a, b in zip(jax.tree.leaves(gamp), jax.tree.leaves(g32))
-    )
-    print(f"\nloss float32 {float(l32):.6f}  amp {float(lamp):.6f}")
-    print(f"largest relative gradient difference vs float32: {rel:.2e}")
-    print("gradient dtypes:", sorted({str(g.dtype) for g in jax.tree.leaves(gamp)}))
+    args = parse_args(argv)
+    import jax
+    from tqdm.auto import tqdm
+
+    cfg = _model.Config(d_model=args.d_model, layers=args.layers, heads=args.heads, seq=args.seq,
+                        batch=args.batch)
+    out = pathlib.Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    t_start = time.perf_counter()
+    corpus = _data.load_corpus(args.seed)
+    n_params = sum(x.size for x in jax.tree.leaves(jax.eval_shape(
+        lambda: _model.init_params(jax.random.PRNGKey(0), cfg))))
+    print(f"amp_jax demo: byte-level transformer, {n_params:,} parameters "
+          f"(d_model={cfg.d_model}, layers={cfg.layers}, heads={cfg.heads}, seq={cfg.seq}, batch={cfg.batch}), "
+          f"{args.steps} steps per mode")
+    print(f"data: {corpus.n_train_files} train / {corpus.n_val_files} validation files from {corpus.root} "
+          f"({len(corpus.train) / 1e6:.1f} MB / {len(corpus.val) / 1e6:.1f} MB)")
+    print(f"JAX {jax.__version__} on {jax.default_backend()} ({jax.devices()[0].device_kind}), "
+          f"{os.cpu_count()} CPU cores visible")
+    eval_every = max(1, args.steps // 10)
+    results = []
+    for name in args.modes:
+        bar = None
+        if not args.no_progress:
+            def bar(it, name=name):
+                return tqdm(it, desc=f"{name:>10}", unit="step", dynamic_ncols=True, leave=True)
+        results.append(train(MODES[name], cfg, corpus, steps=args.steps, lr=args.lr, seed=args.seed,
+                             eval_every=eval_every, val_batches=args.val_batches, progress=bar))
+    table = format_table(results)
+    print()
+    print(table)
+    print("\nstep ms: median wall time of one compiled train step; step mem: temp + argument bytes of the "
+          "compiled step (XLA memory_analysis); opt state: amp_jax.optim.state_bytes; train loss: mean of "
+          "the last 10% of steps; val loss: last evaluation.")
+    for r in results:
+        if r.extra:
+            print(f"{r.mode}: " + ", ".join(f"{k}={v:g}" for k, v in r.extra.items()))
+    title = (f"amp_jax demo: {n_params:,}-parameter byte-level transformer on the Python stdlib, "
+             f"{args.steps} steps, JAX {jax.__version__} on {jax.default_backend()}")
+    plot(results, out / "loss_curves.png", title)
+    payload = {
+        "config": {**{k: v for k, v in vars(args).items() if k != "no_progress"}, "n_params": n_params,
+                   "eval_every": eval_every},
+        "environment": {"jax": jax.__version__, "backend": jax.default_backend(),
+                        "device": jax.devices()[0].device_kind, "python": platform.python_version(),
+                        "cpu_count": os.cpu_count()},
+        "data": {"root": corpus.root, "train_files": corpus.n_train_files, "val_files": corpus.n_val_files,
+                 "train_bytes": int(len(corpus.train)), "val_bytes": int(len(corpus.val))},
+        "modes": {r.mode: {"description": r.description, **r.summary(), **r.extra,
+                           "train_steps": r.train_steps, "train_loss": r.train_loss,
+                           "val_steps": r.val_steps, "val_loss": r.val_loss,
+                           "step_times_s": r.step_times_s} for r in results},
+        "wall_time_s": time.perf_counter() - t_start,
+    }
+    (out / "results.json").write_text(json.dumps(payload, indent=1))
+    print(f"\ntotal {payload['wall_time_s']:.0f} s; wrote results.json and loss_curves.png to {out}")
+    print(out)
     return 0
 
 

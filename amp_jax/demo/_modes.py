@@ -1,0 +1,177 @@
+"""The precision modes the demo compares, and one training run per mode.
+
+Every mode trains the same model from the same float32 initialisation on the
+same batches; only the precision recipe changes:
+
+* ``f32``: float32 everything, AdamW.
+* ``amp-bf16``: float32 parameters, ``amp(loss, policy="bfloat16")``, AdamW.
+* ``amp-f16``: float32 parameters, ``amp(loss, policy="float16")``, AdamW
+  inside :func:`amp_jax.optim.dynamic_loss_scale`.
+* ``bf16-kahan``: pure bfloat16 parameters (no float32 copy),
+  ``amp(loss, policy="bfloat16")`` for float32 softmax/norm statistics,
+  AdamW with bfloat16 moments and Kahan-compensated updates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from amp_jax import amp, optim
+from amp_jax.demo import _data, _model
+
+
+@dataclasses.dataclass(frozen=True)
+class Mode:
+    name: str
+    description: str
+    policy: str | None  # amp policy, None for plain float32
+    param_dtype: Any
+    make_tx: Callable[[optax.Schedule], optax.GradientTransformation]
+    loss_scaled: bool = False
+
+
+MODES: dict[str, Mode] = {
+    m.name: m
+    for m in (
+        Mode("f32", "float32 params and compute, AdamW", None, jnp.float32,
+             lambda lr: optim.adamw(lr)),
+        Mode("amp-bf16", "float32 params, amp bfloat16, AdamW", "bfloat16", jnp.float32,
+             lambda lr: optim.adamw(lr)),
+        Mode("amp-f16", "float32 params, amp float16, AdamW + dynamic loss scale", "float16",
+             jnp.float32, lambda lr: optim.dynamic_loss_scale(optim.adamw(lr)), loss_scaled=True),
+        Mode("bf16-kahan", "bfloat16 params, amp bfloat16, AdamW (bf16 moments) + Kahan",
+             "bfloat16", jnp.bfloat16,
+             lambda lr: optim.adamw(lr, mu_dtype=jnp.bfloat16, nu_dtype=jnp.bfloat16, kahan=True)),
+    )
+}
+
+
+@dataclasses.dataclass
+class RunResult:
+    mode: str
+    description: str
+    train_steps: list[int]
+    train_loss: list[float]
+    val_steps: list[int]
+    val_loss: list[float]
+    step_times_s: list[float]
+    compile_s: float
+    step_memory_bytes: int | None
+    opt_state_bytes: int
+    param_bytes: int
+    tokens_per_step: int
+    extra: dict[str, Any]
+
+    @property
+    def median_step_s(self) -> float:
+        times = self.step_times_s[1:] or self.step_times_s  # first step warms caches
+        return float(np.median(times))
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step / self.median_step_s
+
+    @property
+    def final_train_loss(self) -> float:
+        k = max(1, len(self.train_loss) // 10)
+        return float(np.mean(self.train_loss[-k:]))
+
+    @property
+    def final_val_loss(self) -> float:
+        return float(self.val_loss[-1])
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "tokens_per_s": self.tokens_per_s,
+            "median_step_ms": 1e3 * self.median_step_s,
+            "compile_s": self.compile_s,
+            "step_memory_bytes": self.step_memory_bytes,
+            "opt_state_bytes": self.opt_state_bytes,
+            "param_bytes": self.param_bytes,
+            "final_train_loss": self.final_train_loss,
+            "final_val_loss": self.final_val_loss,
+        }
+
+
+def schedule(lr: float, steps: int) -> optax.Schedule:
+    warmup = max(1, steps // 10)
+    return optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(steps, warmup + 1), lr * 0.1)
+
+
+def _memory_bytes(compiled) -> int | None:
+    try:
+        stats = compiled.memory_analysis()
+    except Exception:  # not every backend/version implements it
+        return None
+    if stats is None:
+        return None
+    return int(stats.temp_size_in_bytes + stats.argument_size_in_bytes)
+
+
+def train(mode: Mode, cfg: _model.Config, corpus: _data.Corpus, *, steps: int, lr: float, seed: int,
+          eval_every: int, val_batches: int, progress: Callable[..., Any] | None = None) -> RunResult:
+    """Trains one mode and measures it. ``progress`` wraps the step range (e.g. tqdm)."""
+    loss = functools.partial(_model.loss_fn, heads=cfg.heads)
+    if mode.policy is not None:
+        loss = amp(loss, policy=mode.policy)
+    params = jax.tree.map(lambda p: p.astype(mode.param_dtype),
+                          _model.init_params(jax.random.PRNGKey(seed), cfg))
+    tx = mode.make_tx(schedule(lr, steps))
+    opt_state = tx.init(params)
+
+    def step(params, opt_state, x, y):
+        if mode.loss_scaled:
+            value, grads = optim.scaled_value_and_grad(loss, opt_state)(params, x, y)
+        else:
+            value, grads = jax.value_and_grad(loss)(params, x, y)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    offsets = _data.batch_offsets(len(corpus.train), cfg.seq, cfg.batch, steps, seed + 1)
+    val_offsets = _data.batch_offsets(len(corpus.val), cfg.seq, cfg.batch, val_batches, seed + 2)
+    val = [_data.windows(corpus.val, o, cfg.seq) for o in val_offsets]
+    x0, y0 = _data.windows(corpus.train, offsets[0], cfg.seq)
+
+    t0 = time.perf_counter()
+    compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, opt_state, x0, y0).compile()
+    compile_s = time.perf_counter() - t0
+    eval_loss = jax.jit(loss)
+
+    def evaluate(p):
+        return float(np.mean([float(eval_loss(p, x, y)) for x, y in val]))
+
+    result = RunResult(mode.name, mode.description, [], [], [], [], [], compile_s,
+                       _memory_bytes(compiled), optim.state_bytes(opt_state),
+                       optim.state_bytes(params), cfg.seq * cfg.batch, {})
+    it = range(1, steps + 1)
+    it = progress(it) if progress is not None else it
+    for i in it:
+        x, y = _data.windows(corpus.train, offsets[i - 1], cfg.seq)
+        t = time.perf_counter()
+        params, opt_state, value = compiled(params, opt_state, x, y)
+        value = float(value)  # blocks until the step is done
+        result.step_times_s.append(time.perf_counter() - t)
+        result.train_steps.append(i)
+        result.train_loss.append(value)
+        if i % eval_every == 0 or i == steps:
+            result.val_steps.append(i)
+            result.val_loss.append(evaluate(params))
+        if hasattr(it, "set_postfix"):
+            post = {"loss": f"{value:.3f}"}
+            if result.val_loss:
+                post["val"] = f"{result.val_loss[-1]:.3f}"
+            it.set_postfix(post, refresh=False)
+    if mode.loss_scaled:
+        ls = [s for s in jax.tree.leaves(opt_state, is_leaf=lambda s: isinstance(s, optim.DynamicLossScaleState))
+              if isinstance(s, optim.DynamicLossScaleState)][0]
+        result.extra = {"final_loss_scale": float(ls.scale), "skipped_steps": int(ls.skipped_steps)}
+    return result

@@ -1,0 +1,91 @@
+"""mkdocs hook: pages generated from the library's own data.
+
+* ``<!-- amp:op-table -->`` is replaced by the op classification of
+  ``amp_jax.get_policy("bfloat16")`` (``Policy.table()``), so the table in the
+  docs is the table the code uses.
+* ``<!-- amp:backend-table -->`` by ``amp_jax.BACKEND_SLOW_IN_LOW_PRECISION``.
+* ``<!-- amp:benchmark-results -->`` by ``benchmarks/RESULTS.md`` when it
+  exists (relative links in it are turned into plain text, as they point
+  outside the docs), or by a note on how to produce it.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import re
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+_CLASS_DOC = {
+    "allow": "compute dtype operands, float32 accumulation (matmuls, convolutions)",
+    "deny": "always float32 (exp/log/pow, accumulating reductions, linear algebra)",
+    "follow": "elementwise arithmetic: follows its inputs; low between two allow ops",
+    "clear": "data movement, comparisons, max/min: numerically neutral",
+    "never": "operand dtypes are part of the meaning: never cast",
+}
+
+
+def op_table() -> str:
+    from amp_jax import get_policy
+    from amp_jax._src.policy import OP_CLASSES
+
+    policy = get_policy("bfloat16")
+    by_class: dict[str, list[str]] = {c: [] for c in OP_CLASSES}
+    for name, cls in policy.table():
+        by_class[cls].append(name)
+    missing = set(OP_CLASSES) - set(_CLASS_DOC)
+    if missing:
+        raise RuntimeError(f"docs/hooks/amp_docs.py: describe the new op class(es) {sorted(missing)}")
+    lines = ["| class | what amp does | primitives |", "|---|---|---|"]
+    for cls in OP_CLASSES:
+        names = ", ".join(f"`{n}`" for n in by_class[cls])
+        lines.append(f"| `{cls}` ({len(by_class[cls])}) | {_CLASS_DOC[cls]} | {names} |")
+    return "\n".join(lines)
+
+
+def backend_table() -> str:
+    from amp_jax import BACKEND_SLOW_IN_LOW_PRECISION
+
+    lines = ["| primitive | backend |", "|---|---|"]
+    lines += [f"| `{p}` | {b} |" for p, b in sorted(BACKEND_SLOW_IN_LOW_PRECISION)]
+    return "\n".join(lines)
+
+
+_LINK = re.compile(r"(!?)\[([^\]]*)\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
+
+
+def _unlink_relative(text: str) -> str:
+    def repl(m):
+        bang, label, target = m.groups()
+        if re.match(r"^[a-z]+://|^#|^mailto:", target):
+            return m.group(0)
+        shown = f"benchmarks/{target}" if not target.startswith("/") else target
+        return f"{label} (`{shown}`)" if label else f"`{shown}`"
+    return _LINK.sub(repl, text)
+
+
+def benchmark_results() -> str:
+    path = ROOT / "benchmarks" / "RESULTS.md"
+    if not path.exists():
+        return ("!!! note \"No results yet\"\n    `benchmarks/RESULTS.md` has not been generated in this checkout. "
+                "Run `python benchmarks/run.py` to produce it.")
+    text = path.read_text()
+    text = re.sub(r"^(#+)", r"#\1", text, flags=re.M)  # nest its headings under this page's title
+    return _unlink_relative(text)
+
+
+_MARKERS = {
+    "<!-- amp:op-table -->": op_table,
+    "<!-- amp:backend-table -->": backend_table,
+    "<!-- amp:benchmark-results -->": benchmark_results,
+}
+
+
+def on_page_markdown(markdown, page, config, files, **kwargs):
+    for marker, make in _MARKERS.items():
+        if marker in markdown:
+            markdown = markdown.replace(marker, make())
+    return markdown

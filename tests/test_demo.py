@@ -1,0 +1,70 @@
+"""``python -m amp_jax.demo`` end to end with tiny sizes, and its flag errors."""
+
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TINY = ["--steps", "4", "--d-model", "32", "--layers", "1", "--heads", "2", "--seq", "32", "--batch", "4",
+        "--val-batches", "1", "--no-progress"]
+
+
+def _run(*args, timeout=600):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env.pop("XLA_FLAGS", None)  # conftest's 8 forced host devices are not needed here
+    return subprocess.run([sys.executable, "-m", "amp_jax.demo", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_demo_tiny_run(tmp_path):
+    out = tmp_path / "demo"
+    proc = _run(*TINY, "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == str(out.resolve())
+    assert (out / "loss_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    results = json.loads((out / "results.json").read_text())
+    assert list(results["modes"]) == ["f32", "amp-bf16", "amp-f16", "bf16-kahan"]
+    for name, r in results["modes"].items():
+        assert name in proc.stdout  # the summary table
+        for key in ("tokens_per_s", "median_step_ms", "compile_s", "final_train_loss", "final_val_loss"):
+            assert math.isfinite(r[key]) and r[key] > 0, (name, key, r[key])
+        assert r["opt_state_bytes"] > 0 and r["param_bytes"] > 0
+        assert r["step_memory_bytes"] is None or r["step_memory_bytes"] > 0
+        assert len(r["train_loss"]) == 4 and all(math.isfinite(v) for v in r["train_loss"])
+        assert r["val_steps"] and all(math.isfinite(v) for v in r["val_loss"])
+    modes = results["modes"]
+    # bf16 parameters and bf16 moments + bf16 Kahan buffer: 6 bytes/param of state vs 8
+    assert modes["bf16-kahan"]["opt_state_bytes"] < modes["f32"]["opt_state_bytes"]
+    assert modes["bf16-kahan"]["param_bytes"] * 2 == modes["f32"]["param_bytes"]
+    assert modes["amp-f16"]["skipped_steps"] >= 0 and modes["amp-f16"]["final_loss_scale"] > 0
+
+
+def test_demo_unknown_mode_exits_nonzero():
+    proc = _run("--modes", "f32,fp8", timeout=120)
+    assert proc.returncode == 2
+    assert "unknown mode(s) 'fp8'" in proc.stderr
+    assert "valid modes: f32, amp-bf16, amp-f16, bf16-kahan" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--modes", ","], "valid modes:"),
+    (["--modes", "f32,f32"], "lists a mode twice"),
+    (["--steps", "0"], "--steps must be a positive integer"),
+    (["--d-model", "abc"], "--d-model must be a positive integer"),
+    (["--d-model", "30", "--heads", "4"], "must be a multiple of --heads"),
+    (["--lr", "-1"], "--lr must be a positive number"),
+    (["--frobnicate"], "unrecognized arguments"),
+])
+def test_demo_bad_flags(args, message, capsys):
+    from amp_jax.demo.__main__ import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(args)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "usage:" in err, err

@@ -1,0 +1,229 @@
+"""Training a few steps under amp with each supported library.
+
+Each test checks the structure (dot_general operands are bfloat16 inside the
+amp-rewritten step, except batched dots on CPU, see ``_util.check_dots_low``),
+that gradients come back in the parameters' dtype, and that the loss goes down.
+The code mirrors the examples in docs/integrations.md.
+"""
+
+import os
+
+os.environ["KERAS_BACKEND"] = "jax"  # before keras is imported anywhere
+
+import equinox as eqx
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import keras
+import optax
+import pytest
+from flax import linen as nn
+from flax import nnx
+
+from amp_jax import amp, optim
+from _util import F16, check_dots_low, prim_dtypes
+
+KEY = jax.random.PRNGKey(0)
+STEPS = 25
+
+
+def _data(n=128, d=16, classes=4):
+    kx, kw = jax.random.split(jax.random.PRNGKey(1))
+    x = jax.random.normal(kx, (n, d))
+    y = jnp.argmax(x @ jax.random.normal(kw, (d, classes)), -1)  # a learnable labelling
+    return x, y
+
+
+def _ce(logits, y):
+    return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), y).mean()
+
+
+def _assert_decreases(losses):
+    losses = [float(l) for l in losses]
+    assert all(jnp.isfinite(jnp.asarray(losses))), losses
+    assert losses[-1] < 0.7 * losses[0], losses
+
+
+# --- Haiku -------------------------------------------------------------------
+
+def test_haiku_transform_with_state():
+    def forward(x, is_training):
+        h = hk.Linear(64)(x)
+        h = hk.BatchNorm(create_scale=True, create_offset=True, decay_rate=0.9)(h, is_training)
+        return hk.Linear(4)(jax.nn.relu(h))
+
+    model = hk.transform_with_state(forward)
+    x, y = _data()
+    params, state = model.init(KEY, x, is_training=True)
+    state_dtypes = jax.tree.map(lambda s: s.dtype, state)
+
+    @amp
+    def loss_fn(params, state, x, y):
+        logits, state = model.apply(params, state, None, x, is_training=True)
+        return _ce(logits, y), state
+
+    tx = optax.adam(1e-2)
+    opt_state = tx.init(params)
+
+    @jax.jit
+    def step(params, state, opt_state, x, y):
+        (loss, state), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, state, x, y)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), state, opt_state, loss, grads
+
+    losses = []
+    for _ in range(STEPS):
+        params, state, opt_state, loss, grads = step(params, state, opt_state, x, y)
+        losses.append(loss)
+    _assert_decreases(losses)
+    assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(grads))
+    assert jax.tree.map(lambda s: s.dtype, state) == state_dtypes  # float32 BatchNorm statistics
+    check_dots_low(jax.make_jaxpr(jax.grad(loss_fn, has_aux=True))(params, state, x, y), min_low=4)
+
+
+# --- Keras 3 (JAX backend) -----------------------------------------------------
+
+def test_keras_stateless_call():
+    assert keras.backend.backend() == "jax"
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([
+        keras.Input((16,)),
+        keras.layers.Dense(64, activation="gelu"),
+        keras.layers.BatchNormalization(),
+        keras.layers.Dense(4),
+    ])
+    x, y = _data()
+    trainable = [v.value for v in model.trainable_variables]
+    non_trainable = [v.value for v in model.non_trainable_variables]
+
+    @amp
+    def loss_fn(trainable, non_trainable, x, y):
+        logits, non_trainable = model.stateless_call(trainable, non_trainable, x, training=True)
+        return _ce(logits, y), non_trainable
+
+    tx = optax.adam(1e-2)
+    opt_state = tx.init(trainable)
+
+    @jax.jit
+    def step(trainable, non_trainable, opt_state, x, y):
+        (loss, non_trainable), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable, non_trainable, x, y)
+        updates, opt_state = tx.update(grads, opt_state, trainable)
+        return optax.apply_updates(trainable, updates), non_trainable, opt_state, loss, grads
+
+    losses = []
+    for _ in range(STEPS):
+        trainable, non_trainable, opt_state, loss, grads = step(trainable, non_trainable, opt_state, x, y)
+        losses.append(loss)
+    _assert_decreases(losses)
+    assert all(g.dtype == jnp.float32 for g in grads)
+    check_dots_low(jax.make_jaxpr(jax.grad(loss_fn, has_aux=True))(trainable, non_trainable, x, y), min_low=4)
+    # write the trained values back into the Keras model and use it as usual
+    for v, value in zip(model.trainable_variables, trainable):
+        v.assign(value)
+    for v, value in zip(model.non_trainable_variables, non_trainable):
+        v.assign(value)
+    assert float(_ce(model(x, training=False), y)) < float(losses[0])
+
+
+# --- Flax linen -----------------------------------------------------------------
+
+def test_flax_linen_train_state():
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x, train: bool):
+            h = nn.Dense(64)(x)
+            h = nn.BatchNorm(use_running_average=not train, momentum=0.9)(h)
+            return nn.Dense(4)(nn.gelu(h))
+
+    model = MLP()
+    x, y = _data()
+    variables = model.init(KEY, x, train=False)
+    params, batch_stats = variables["params"], variables["batch_stats"]
+
+    @amp
+    def loss_fn(params, batch_stats, x, y):
+        logits, updates = model.apply({"params": params, "batch_stats": batch_stats}, x, train=True,
+                                      mutable=["batch_stats"])
+        return _ce(logits, y), updates["batch_stats"]
+
+    tx = optax.adamw(1e-2)
+    opt_state = tx.init(params)
+
+    @jax.jit
+    def step(params, batch_stats, opt_state, x, y):
+        (loss, batch_stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch_stats, x, y)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), batch_stats, opt_state, loss
+
+    losses = []
+    for _ in range(STEPS):
+        params, batch_stats, opt_state, loss = step(params, batch_stats, opt_state, x, y)
+        losses.append(loss)
+    _assert_decreases(losses)
+    check_dots_low(jax.make_jaxpr(jax.grad(loss_fn, has_aux=True))(params, batch_stats, x, y), min_low=4)
+
+
+# --- Flax NNX: split/merge, nnx.Optimizer, dynamic loss scaling -----------------
+
+def test_flax_nnx_optimizer_loss_scaling():
+    class MLP(nnx.Module):
+        def __init__(self, rngs):
+            self.l1 = nnx.Linear(16, 64, rngs=rngs)
+            self.ln = nnx.LayerNorm(64, rngs=rngs)
+            self.l2 = nnx.Linear(64, 4, rngs=rngs)
+
+        def __call__(self, x):
+            return self.l2(nnx.gelu(self.ln(self.l1(x))))
+
+    model = MLP(nnx.Rngs(0))
+    graphdef, _, _ = nnx.split(model, nnx.Param, ...)
+    optimizer = nnx.Optimizer(model, optim.dynamic_loss_scale(optax.adamw(1e-2)), wrt=nnx.Param)
+    x, y = _data()
+
+    @amp(policy="float16")
+    def loss_fn(params, rest, x, y):
+        return _ce(nnx.merge(graphdef, params, rest)(x), y)
+
+    @nnx.jit
+    def step(model, optimizer, x, y):
+        _, params, rest = nnx.split(model, nnx.Param, ...)
+        loss, grads = optim.scaled_value_and_grad(loss_fn, optimizer.opt_state)(params, rest, x, y)
+        optimizer.update(model, grads)  # unscales, skips non-finite steps
+        return loss
+
+    losses = [step(model, optimizer, x, y) for _ in range(STEPS)]
+    _assert_decreases(losses)
+    assert float(optim.loss_scale(optimizer.opt_state)) == 2.0**15
+    assert model.l1.kernel[...].dtype == jnp.float32
+    _, params, rest = nnx.split(model, nnx.Param, ...)
+    jaxpr = jax.make_jaxpr(jax.grad(loss_fn))(params, rest, x, y)
+    dots = prim_dtypes(jaxpr, "dot_general")
+    assert len(dots) >= 6 and all(ins == (F16, F16) for ins, _, _ in dots), dots
+
+
+# --- Equinox: filtered transformations, modules as arguments --------------------
+
+def test_equinox_filter_training():
+    x, y = _data()
+    model = eqx.nn.MLP(16, 4, 64, 2, activation=jax.nn.gelu, key=KEY)
+    tx = optax.adam(1e-2)
+    opt_state = tx.init(eqx.filter(model, eqx.is_inexact_array))
+
+    @amp
+    def loss_fn(model, x, y):
+        return _ce(jax.vmap(model)(x), y)
+
+    @eqx.filter_jit
+    def step(model, opt_state, x, y):
+        loss, grads = eqx.filter_value_and_grad(loss_fn)(model, x, y)
+        updates, opt_state = tx.update(grads, opt_state, eqx.filter(model, eqx.is_inexact_array))
+        return eqx.apply_updates(model, updates), opt_state, loss
+
+    losses = []
+    for _ in range(STEPS):
+        model, opt_state, loss = step(model, opt_state, x, y)
+        losses.append(loss)
+    _assert_decreases(losses)
+    arrays, static = eqx.partition(model, eqx.is_array)
+    jaxpr = jax.make_jaxpr(lambda a: eqx.filter_grad(loss_fn)(eqx.combine(a, static), x, y))(arrays)
+    check_dots_low(jaxpr, min_low=3)
