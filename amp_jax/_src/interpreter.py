@@ -173,11 +173,14 @@ def paint(classes: list[str], jaxpr: Any) -> list[str]:
     up = _reach(sorted(allow), preds, free)
     low = allow | (down & up)
     # 3. clear ops connected to a low op through clear ops become low.
+    #    Downwards only from ops with low outputs: an allow op accumulates and
+    #    returns float32, so a reshape or max of its result stays float32 (a
+    #    cast there would only be undone further down).
     free_clear = clear - denied - low
     # Upwards, stop at broadcasts: a parameter broadcast into a low op is cast
     # after the broadcast, so its gradient is reduced in float32, not bf16.
     no_bcast = {i for i in free_clear if jaxpr.eqns[i].primitive.name != "broadcast_in_dim"}
-    low |= _reach(sorted(low), succs, free_clear) | _reach(sorted(low), preds, no_bcast)
+    low |= _reach(sorted(low - allow), succs, free_clear) | _reach(sorted(low), preds, no_bcast)
     colors = []
     for i, cls in enumerate(classes):
         if i in low:
