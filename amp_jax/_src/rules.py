@@ -111,10 +111,80 @@ def _dot_transpose(
     perm1, perm2 = _perm_to(res1), _perm_to(res2)
     ident = tuple(range(ndim))
     if perm2 == ident and perm1 != ident:
-        out = lax.dot_general(other, ct, dims2, precision=precision, preferred_element_type=acc)
-        return out
-    out = lax.dot_general(ct, other, dims1, precision=precision, preferred_element_type=acc)
+        return _dot(other, ct, dims2, precision, acc)
+    out = _dot(ct, other, dims1, precision, acc)
     return out if perm1 == ident else lax.transpose(out, perm1)
+
+
+def _split_factor(n: int) -> int:
+    for f in (8, 4, 2, 3, 5, 7):
+        if n % f == 0 and n > f:
+            return f
+    return 0
+
+
+def materialized_transpose(x: Any, perm: Sequence[int]) -> Any:
+    """``lax.transpose(x, perm)`` in a form XLA keeps as a copy.
+
+    XLA folds a plain ``transpose`` that feeds a ``dot`` back into the dot's
+    dimension numbers, which on XLA:CPU turns a fast bf16 dot into a slow
+    one (see :func:`_dot`). A transpose written as reshape -> transpose ->
+    reshape (one dimension split in two) is left alone by the jaxlib 0.10
+    simplifier and becomes one copy fusion (measured: benchmarks/RESULTS.md).
+    Falls back to a plain transpose when no dimension can be split.
+    """
+    perm = tuple(int(p) for p in perm)
+    if perm == tuple(range(x.ndim)):
+        return x
+    shape = tuple(x.shape)
+    split = next((d for d in perm if _split_factor(shape[d])), None)
+    if split is None:
+        return lax.transpose(x, perm)
+    f = _split_factor(shape[split])
+    shape3 = shape[:split] + (shape[split] // f, f) + shape[split + 1:]
+    # dims of the split array: d < split -> d, split -> (split, split+1), d > split -> d+1
+    new_perm: list[int] = []
+    for d in perm:
+        if d < split:
+            new_perm.append(d)
+        elif d == split:
+            new_perm += [split, split + 1]
+        else:
+            new_perm.append(d + 1)
+    out_shape = tuple(shape[d] for d in perm)
+    return lax.reshape(lax.transpose(lax.reshape(x, shape3), tuple(new_perm)), out_shape)
+
+
+def _cpu_fast_layouts() -> bool:
+    return jax.default_backend() == "cpu"
+
+
+def _dot(a: Any, b: Any, dims: Any, precision: Any, acc: Any) -> Any:
+    """A backward-pass dot_general, with operand layouts XLA:CPU runs fast.
+
+    XLA:CPU (jaxlib 0.10) runs a bf16 x bf16 -> f32 dot in its fast kernel only
+    when the lhs contracts over its trailing dims and the rhs over its
+    leading or trailing dims; otherwise (e.g. the weight gradient ``x.T @ g``,
+    which contracts dim 0 of ``x``) it upcasts both operands to f32 and uses
+    a ~5x slower kernel. There, such an operand is transposed explicitly with
+    :func:`materialized_transpose` (a memory-bound copy of a bf16 array).
+    Batched and non-bf16 dots are left as they are.
+    """
+    (ca, cb), (ba, bb) = dims
+    if (ba or bb or not _cpu_fast_layouts() or np.dtype(a.dtype) != np.dtype(jax.numpy.bfloat16)
+            or np.dtype(b.dtype) != np.dtype(jax.numpy.bfloat16)):
+        return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=acc)
+    ca, cb = tuple(ca), tuple(cb)
+    na, nb, k = a.ndim, b.ndim, len(ca)
+    if ca != tuple(range(na - k, na)):
+        a_kept = [d for d in range(na) if d not in ca]
+        a = materialized_transpose(a, (*a_kept, *ca))
+        ca = tuple(range(na - k, na))
+    if cb != tuple(range(k)) and cb != tuple(range(nb - k, nb)):
+        b_kept = [d for d in range(nb) if d not in cb]
+        b = materialized_transpose(b, (*cb, *b_kept))
+        cb = tuple(range(k))
+    return lax.dot_general(a, b, ((ca, cb), ((), ())), precision=precision, preferred_element_type=acc)
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,0 +1,150 @@
+"""Structure behind amp's speed (never timings; those live in benchmarks/run.py).
+
+Uses the benchmark models (``benchmarks/models.py``) at small sizes:
+
+* backward dots are never mixed-dtype, and non-batched ones take bf16 operands
+  in the layouts XLA:CPU runs fast;
+* the optimized HLO of the amp train step has no more ``convert``s than the
+  hand-written bf16 version of the same model;
+* every parameter is cast to bf16 at most once per step.
+
+The trace cache (one trace per input signature) is tested in
+``tests/test_transform.py::test_trace_cached_per_signature``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import re
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.extend import core as jex_core
+
+from amp_jax import amp
+from amp_jax._src.rules import materialized_transpose
+
+from _util import BF16, F32, _open, eqns
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("bench_models", ROOT / "benchmarks" / "models.py")
+M = importlib.util.module_from_spec(_spec)
+sys.modules["bench_models"] = M  # dataclasses look their module up
+_spec.loader.exec_module(M)
+
+SMALL = {"mlp": M.mlp(small=True), "gpt": M.gpt(small=True), "cnn": M.cnn(small=True)}
+
+
+def _args(model):
+    return (model.init(jax.random.PRNGKey(0)), *model.batch(jax.random.PRNGKey(1)))
+
+
+def _grad_jaxpr(fn, args):
+    return jax.make_jaxpr(jax.value_and_grad(fn))(*args)
+
+
+def _is_fast_cpu_layout(e) -> bool:
+    """lhs contracts its trailing dims; rhs its leading or trailing dims."""
+    (ca, cb), _ = e.params["dimension_numbers"]
+    na, nb, k = e.invars[0].aval.ndim, e.invars[1].aval.ndim, len(ca)
+    return tuple(ca) == tuple(range(na - k, na)) and tuple(cb) in (
+        tuple(range(k)), tuple(range(nb - k, nb)))
+
+
+@pytest.mark.parametrize("name", ["mlp", "gpt"])
+def test_no_mixed_dtype_dots_in_backward(name):
+    model = SMALL[name]
+    jaxpr = _grad_jaxpr(amp(model.loss), _args(model))
+    n_low = 0
+    for e, _ in eqns(jaxpr):
+        if e.primitive.name != "dot_general":
+            continue
+        ins = tuple(np.dtype(v.aval.dtype) for v in e.invars)
+        assert ins[0] == ins[1], f"mixed-dtype dot {ins}"
+        batched = bool(e.params["dimension_numbers"][1][0])
+        if not batched or jax.default_backend() != "cpu":
+            assert ins == (BF16, BF16), ins
+            assert np.dtype(e.outvars[0].aval.dtype) == F32
+            n_low += 1
+            if jax.default_backend() == "cpu":
+                assert _is_fast_cpu_layout(e), e.params["dimension_numbers"]
+    # forward + two backward dots per dense layer (the GPT: 4 dense dots in the
+    # scan body, which appears once, and its tied head)
+    assert n_low >= {"mlp": 3 * 3, "gpt": 3 * 4 + 3}[name], n_low
+
+
+_CONVERT = re.compile(r"=\s*\S+\s+convert\(")
+
+#: allowed excess of amp's converts over the hand-written bf16 model's (none today).
+CONVERT_SLACK = 0
+
+
+@pytest.mark.parametrize("name", ["mlp", "gpt"])
+def test_hlo_converts_not_more_than_hand_bf16(name):
+    model = SMALL[name]
+    args = _args(model)
+
+    def converts(fn):
+        text = jax.jit(jax.value_and_grad(fn)).lower(*args).compile().as_text()
+        return len(_CONVERT.findall(text))
+
+    n_amp = converts(amp(model.loss))
+    n_hand = converts(lambda *a: model.loss(*a, dtype=jnp.bfloat16))
+    assert n_amp <= n_hand + CONVERT_SLACK, (n_amp, n_hand)
+
+
+def _param_bf16_casts(closed, n_params):
+    """{param index: number of convert_element_type-to-bf16 of it}, through sub-jaxprs
+    whose invars are the eqn's operands one-to-one (scan, jit, remat, custom_vjp)."""
+    counts = {i: 0 for i in range(n_params)}
+
+    def walk(jaxpr, origin):  # origin: var -> param index
+        for e in _open(jaxpr).eqns:
+            if e.primitive.name == "convert_element_type":
+                v = e.invars[0]
+                if not isinstance(v, jex_core.Literal) and v in origin and np.dtype(e.params["new_dtype"]) == BF16:
+                    counts[origin[v]] += 1
+            for sub in jex_core.jaxprs_in_params(e.params):
+                sub_open = _open(sub)
+                if len(sub_open.invars) == len(e.invars):
+                    sub_origin = {sv: origin[v] for sv, v in zip(sub_open.invars, e.invars)
+                                  if not isinstance(v, jex_core.Literal) and v in origin}
+                else:
+                    sub_origin = {}
+                walk(sub_open, sub_origin)
+
+    j = _open(closed)
+    walk(j, {v: i for i, v in enumerate(j.invars[:n_params])})
+    return counts
+
+
+@pytest.mark.parametrize("name", ["mlp", "gpt"])
+def test_params_cast_once_per_step(name):
+    model = SMALL[name]
+    args = _args(model)
+    n_params = len(jax.tree.leaves(args[0]))
+    counts = _param_bf16_casts(_grad_jaxpr(amp(model.loss), args), n_params)
+    assert max(counts.values()) <= 1, counts
+    assert sum(counts.values()) >= 3, counts  # the matmul weights are cast (once)
+
+
+def test_materialized_transpose_is_a_transpose():
+    x = jnp.arange(2 * 6 * 40, dtype=F32).reshape(2, 6, 40)
+    for perm in [(2, 0, 1), (1, 0, 2), (2, 1, 0), (0, 1, 2)]:
+        assert np.array_equal(materialized_transpose(x, perm), jnp.transpose(x, perm))
+    odd = jnp.ones((3, 5))  # no dimension can be split: a plain transpose
+    assert materialized_transpose(odd, (1, 0)).shape == (5, 3)
+
+
+def test_weight_gradient_values_match_float32_within_bf16_tolerance():
+    model = SMALL["mlp"]
+    args = _args(model)
+    g_amp = jax.jit(jax.grad(amp(model.loss)))(*args)
+    g_ref = jax.jit(jax.grad(model.loss))(*args)
+    for a, b in zip(jax.tree.leaves(g_amp), jax.tree.leaves(g_ref)):
+        assert a.dtype == b.dtype
+        np.testing.assert_allclose(a, b, rtol=0.1, atol=0.05 * float(jnp.max(jnp.abs(b))) + 1e-6)
