@@ -238,6 +238,20 @@ def _wrap_thunk(thunk: Any, rewrite_closed: Callable[[Any], Any], n_extra: int) 
     return memoized_fun(rewrite, thunk)
 
 
+def scan_xs(eqn: Any) -> tuple[Any, range] | None:
+    """(body closed jaxpr, indices of the scanned-over inputs) of a ``scan`` eqn."""
+    if eqn.primitive.name != "scan":
+        return None
+    p = eqn.params
+    start = p["num_consts"] + p["num_carry"]
+    return p["jaxpr"], range(start, len(eqn.invars))
+
+
+def scan_params_with_body(eqn: Any, body: Any) -> dict[str, Any]:
+    """``eqn``'s params with the body jaxpr replaced (its input types may differ)."""
+    return dict(eqn.params, jaxpr=body)
+
+
 SHARD_MAP_NAMES = frozenset({"shard_map"})
 
 

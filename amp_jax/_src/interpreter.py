@@ -28,7 +28,7 @@ from jax import lax
 
 from amp_jax._src import compat
 from amp_jax._src.policy import FULL_PRECISION_SCOPE, HIGH_DTYPE, Policy, is_managed_float
-from amp_jax._src.rules import RULES, default_allow_rule
+from amp_jax._src.rules import RULES, _cpu_batched, default_allow_rule
 
 LOW, HIGH, ORIG = "low", "high", "orig"
 OPAQUE = "opaque"  # higher-order primitive: recursed into, boundary kept
@@ -287,6 +287,8 @@ def eval_jaxpr(ctx: Context, closed: Any, args: Sequence[Any], colors: list[str]
                     body = compat.close(eqn.params["jaxpr"], [])
                     outs = compat.bind_shard_map(
                         eqn, invals, lambda *a: eval_jaxpr(ctx, ctx.prepare(body), a))
+                elif (hoisted := _scan_with_hoisted_casts(ctx, eqn, invals)) is not None:
+                    outs = hoisted
                 else:
                     params = compat.map_subjaxprs(eqn, ctx.rewrite_closed, ctx.linear.rewrite_closed)
                     outs = compat.bind_eqn(eqn, invals, params)
@@ -350,6 +352,56 @@ def _custom_jvp_low(ctx: Context, eqn: Any, invals: Sequence[Any]) -> list[Any]:
     params = dict(eqn.params, call_jaxpr=new_call,
                   jvp_jaxpr_fun=compat.memoized_fun(jvp_jaxpr, rule_fun))
     return compat.bind_eqn(eqn, invals, params)
+
+
+def _reads_low(ctx: Context, eqn: Any, color: str, v: Any) -> bool:
+    """Whether ``eqn`` (painted ``color``) reads ``v`` only in the compute dtype."""
+    if color != LOW or compat.has_subjaxprs(eqn) and eqn.primitive.name not in compat.CUSTOM_JVP_NAMES:
+        return False
+    if eqn.primitive.name == "dot_general" and _cpu_batched(eqn):
+        return False  # upcast to float32 by its rule
+    out_shape = tuple(getattr(eqn.outvars[0].aval, "shape", ()))
+    if eqn.primitive.name in _BROADCASTING and tuple(v.aval.shape) != out_shape:
+        return False  # broadcast before the cast: its gradient is reduced in float32
+    return True
+
+
+def _scan_with_hoisted_casts(ctx: Context, eqn: Any, invals: list[Any]) -> list[Any] | None:
+    """A ``scan`` whose scanned-over inputs read only in the compute dtype
+    (stacked per-layer weights) are cast once, outside the loop.
+
+    Cast inside the body, each layer's low copy of its weights would be a
+    new value that the backward pass saves: a stacked copy of all weights.
+    Cast outside, the residual is the (already low) input slice. As with
+    hand-cast bf16 models and ``torch.autocast``, each layer's weight
+    gradient then leaves its matmul rounded to the compute dtype before it is
+    cast back to the parameter's dtype. None when nothing can be hoisted.
+    """
+    found = compat.scan_xs(eqn)
+    if found is None or ctx.identity:
+        return None
+    body, xs = found
+    flat = ctx.prepare(body)
+    bj = compat.jaxpr_of(flat)
+    colors = plan(ctx, bj)
+    cd = ctx.policy.compute_dtype
+    hoist = []
+    for i in xs:
+        v = bj.invars[i]
+        if _target_dtype(v.aval, LOW, cd) in (None, np.dtype(v.aval.dtype)) or v in bj.outvars:
+            continue
+        uses = [(e, c) for e, c in zip(bj.eqns, colors) if any(v is a for a in e.invars)]
+        if uses and all(_reads_low(ctx, e, c, v) for e, c in uses):
+            hoist.append(i)
+    if not hoist:
+        return None
+    invals = list(invals)
+    for i in hoist:
+        invals[i] = lax.convert_element_type(invals[i], cd)
+    avals = compat.in_avals(flat)
+    avals = [a.update(dtype=cd) if i in hoist else a for i, a in enumerate(avals)]
+    new_body = compat.trace_to_closed_jaxpr(lambda *a: eval_jaxpr(ctx, flat, a, colors), avals)
+    return compat.bind_eqn(eqn, invals, compat.scan_params_with_body(eqn, new_body))
 
 
 def _cast(x: Any, dtype: Any) -> Any:
