@@ -44,6 +44,26 @@ def _assert_decreases(losses):
     assert losses[-1] < 0.7 * losses[0], losses
 
 
+def _train_with_state(loss_fn, params, state, x, y):
+    """STEPS of adam on ``loss_fn(params, state, x, y) -> (loss, state)``."""
+    tx = optax.adam(1e-2)
+    opt_state = tx.init(params)
+
+    @jax.jit
+    def step(params, state, opt_state):
+        (loss, state), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, state, x, y)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), state, opt_state, loss, grads
+
+    losses = []
+    for _ in range(STEPS):
+        params, state, opt_state, loss, grads = step(params, state, opt_state)
+        losses.append(loss)
+    _assert_decreases(losses)
+    assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(grads))
+    return params, state, losses
+
+
 # --- Haiku -------------------------------------------------------------------
 
 def test_haiku_transform_with_state():
@@ -62,21 +82,7 @@ def test_haiku_transform_with_state():
         logits, state = model.apply(params, state, None, x, is_training=True)
         return _ce(logits, y), state
 
-    tx = optax.adam(1e-2)
-    opt_state = tx.init(params)
-
-    @jax.jit
-    def step(params, state, opt_state, x, y):
-        (loss, state), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, state, x, y)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), state, opt_state, loss, grads
-
-    losses = []
-    for _ in range(STEPS):
-        params, state, opt_state, loss, grads = step(params, state, opt_state, x, y)
-        losses.append(loss)
-    _assert_decreases(losses)
-    assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(grads))
+    params, state, _ = _train_with_state(loss_fn, params, state, x, y)
     assert jax.tree.map(lambda s: s.dtype, state) == state_dtypes  # float32 BatchNorm statistics
     check_dots_low(jax.make_jaxpr(jax.grad(loss_fn, has_aux=True))(params, state, x, y), min_low=4)
 
@@ -101,21 +107,7 @@ def test_keras_stateless_call():
         logits, non_trainable = model.stateless_call(trainable, non_trainable, x, training=True)
         return _ce(logits, y), non_trainable
 
-    tx = optax.adam(1e-2)
-    opt_state = tx.init(trainable)
-
-    @jax.jit
-    def step(trainable, non_trainable, opt_state, x, y):
-        (loss, non_trainable), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable, non_trainable, x, y)
-        updates, opt_state = tx.update(grads, opt_state, trainable)
-        return optax.apply_updates(trainable, updates), non_trainable, opt_state, loss, grads
-
-    losses = []
-    for _ in range(STEPS):
-        trainable, non_trainable, opt_state, loss, grads = step(trainable, non_trainable, opt_state, x, y)
-        losses.append(loss)
-    _assert_decreases(losses)
-    assert all(g.dtype == jnp.float32 for g in grads)
+    trainable, non_trainable, losses = _train_with_state(loss_fn, trainable, non_trainable, x, y)
     check_dots_low(jax.make_jaxpr(jax.grad(loss_fn, has_aux=True))(trainable, non_trainable, x, y), min_low=4)
     # write the trained values back into the Keras model and use it as usual
     for v, value in zip(model.trainable_variables, trainable):
