@@ -21,7 +21,7 @@ import time
 from amp_jax.demo import _data, _model
 from amp_jax.demo._modes import MODES, RunResult, train
 
-DEFAULTS = dict(steps=120, d_model=128, layers=2, heads=4, seq=64, batch=16, lr=3e-3, seed=0,
+DEFAULTS = dict(steps=120, d_model=256, layers=2, heads=4, seq=64, batch=16, lr=3e-3, seed=0,
                 val_batches=4, out="amp_jax_demo_out")
 
 
