@@ -18,6 +18,7 @@ Shapes are module constants so that the benchmark and the structural tests
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Callable
 
@@ -177,14 +178,22 @@ def _norm(x, scale, bias):
     return ((xf - mean) * lax.rsqrt(var + 1e-5) * scale.astype(F32) + bias.astype(F32)).astype(x.dtype)
 
 
+def conv_w(key, k, cin, cout):
+    """He-initialised HWIO kernel."""
+    return jax.random.normal(key, (k, k, cin, cout), F32) * math.sqrt(2.0 / (k * k * cin))
+
+
+def _image_batch(key, *, batch, size, classes):
+    kx, ky = jax.random.split(key)
+    return (jax.random.normal(kx, (batch, size, size, 3), F32),
+            jax.random.randint(ky, (batch,), 0, classes))
+
+
 def cnn(small: bool = False, batch: int = 16, size: int = 32, widths: tuple[int, ...] = (64, 128, 256),
         blocks_per_stage: int = 1, classes: int = 10) -> Model:
     """ResNet-style NHWC CNN: 3x3 stem, basic residual blocks, global pooling, dense head."""
     if small:
         batch, size, widths = 2, 8, (8, 16)
-
-    def conv_w(key, k, cin, cout):
-        return jax.random.normal(key, (k, k, cin, cout), F32) * math.sqrt(2.0 / (k * k * cin))
 
     def init(key):
         keys = iter(jax.random.split(key, 64))
@@ -205,10 +214,7 @@ def cnn(small: bool = False, batch: int = 16, size: int = 32, widths: tuple[int,
         params["head"] = jax.random.normal(next(keys), (cin, classes), F32) / math.sqrt(cin)
         return params
 
-    def make_batch(key):
-        kx, ky = jax.random.split(key)
-        return (jax.random.normal(kx, (batch, size, size, 3), F32),
-                jax.random.randint(ky, (batch,), 0, classes))
+    make_batch = functools.partial(_image_batch, batch=batch, size=size, classes=classes)
 
     def loss(params, images, labels, dtype=F32, acc=None):
         p, x = _cast(params, dtype), images.astype(dtype)
@@ -234,9 +240,6 @@ def resnet50(batch: int = 1, size: int = 64, classes: int = 1000) -> Model:
     """ResNet-50 topology: 7x7 stem + bottleneck blocks [3, 4, 6, 3] (53 convs), for compile time."""
     stages = [(3, 64, 256), (4, 128, 512), (6, 256, 1024), (3, 512, 2048)]
 
-    def conv_w(key, k, cin, cout):
-        return jax.random.normal(key, (k, k, cin, cout), F32) * math.sqrt(2.0 / (k * k * cin))
-
     def init(key):
         keys = iter(jax.random.split(key, 128))
         params = {"stem": conv_w(next(keys), 7, 3, 64), "stages": []}
@@ -257,10 +260,7 @@ def resnet50(batch: int = 1, size: int = 64, classes: int = 1000) -> Model:
         params["head"] = jax.random.normal(next(keys), (cin, classes), F32) / math.sqrt(cin)
         return params
 
-    def make_batch(key):
-        kx, ky = jax.random.split(key)
-        return (jax.random.normal(kx, (batch, size, size, 3), F32),
-                jax.random.randint(ky, (batch,), 0, classes))
+    make_batch = functools.partial(_image_batch, batch=batch, size=size, classes=classes)
 
     def loss(params, images, labels, dtype=F32, acc=None):
         p, x = _cast(params, dtype), images.astype(dtype)
