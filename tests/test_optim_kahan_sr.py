@@ -150,3 +150,15 @@ def test_stochastic_rounding_non_finite():
   new = optax.apply_updates(params, u)
   assert np.isnan(float(new[0]))
   assert float(new[1]) == np.inf and float(new[2]) == -np.inf
+
+
+def test_bfloat16_stochastic_rounding_never_overflows_a_finite_value():
+  """Round-to-nearest of 0x1.fe02p+127 is bfloat16's maximum; rounding up must
+  not give inf (it did 0.4% of the time before the clamp)."""
+  from amp_jax.optim._stochastic import _round_bf16
+  x = jnp.full((20000,), float.fromhex("0x1.fe02p+127"), jnp.float32)
+  bits = jax.random.bits(jax.random.key(0), x.shape, jnp.uint32)
+  for sign in (1.0, -1.0):
+    out = _round_bf16(sign * x, bits)
+    assert bool(jnp.all(jnp.isfinite(out)))
+    assert float(out[0]) == sign * float(jnp.finfo(jnp.bfloat16).max)

@@ -147,13 +147,14 @@ def test_low_precision_gradients(dtype):
   g = jnp.array([0.5, -0.125, 3.0, 2.0**-10], dtype)
   updates, state = jax.jit(tx.update)(g * jnp.asarray(2.0**8, dtype), state,
                                       params)
-  assert updates.dtype == dtype
+  # Unscaled into float32 (not back to float16, where small values flush).
+  assert updates.dtype == jnp.float32
   np.testing.assert_array_equal(np.asarray(updates, np.float32),
                                 -np.asarray(g, np.float32))
   # An overflowing float16/bfloat16 gradient is caught.
   bad = g.at[0].set(jnp.asarray(jnp.inf, dtype))
   updates, state = jax.jit(tx.update)(bad, state, params)
-  assert updates.dtype == dtype
+  assert updates.dtype == jnp.float32
   assert int(state.skipped_steps) == 1 and float(state.scale) == 2.0**7
 
 
@@ -249,3 +250,17 @@ def test_loss_scale_errors():
   nested = optim.dynamic_loss_scale(optim.static_loss_scale(optax.sgd(1), 2.0))
   with pytest.raises(ValueError, match="exactly one"):
     optim.loss_scale(nested.init(jnp.ones(2)))
+
+
+def test_float16_gradients_below_float16_range_survive_unscaling():
+  """1e-9 is below float16's smallest subnormal (6e-8): only the scaled value
+  is representable, and unscaling must not cast it back to float16."""
+  tx = optim.dynamic_loss_scale(optim.master_weights(optax.sgd(1.0)),
+                                init_scale=2.0**15)
+  params = jnp.zeros(3, jnp.float16)  # (the float32 master of 0 - 1e-9 is exact)
+  state = tx.init(params)
+  true = np.array([1e-9, 3e-8, 1e-6], np.float32)
+  scaled = jnp.asarray(true * 2.0**15, jnp.float16)
+  _, state = tx.update(scaled, state, params)
+  master = optim.master_params(state)
+  np.testing.assert_allclose(-np.asarray(master), true, rtol=2e-3)

@@ -1,3 +1,5 @@
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -15,7 +17,7 @@ def test_presets(name, dtype):
 def test_policy_is_frozen_and_hashable():
     p = Policy(jnp.bfloat16)
     assert hash(p) == hash(Policy("bfloat16"))
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         p.compute_dtype = jnp.float16  # type: ignore[misc]
 
 
@@ -62,3 +64,12 @@ def test_backend_aware_conv_on_cpu():
     assert p.effective_class_of("conv_general_dilated", "cpu") == "never"
     assert p.effective_class_of("conv_general_dilated", "gpu") == "allow"
     assert Policy(backend_aware=False).effective_class_of("conv_general_dilated", "cpu") == "allow"
+
+
+def test_overlapping_lists_rejected_and_table_agrees_with_class_of():
+    from amp_jax import DEFAULT_DENY
+    with pytest.raises(ValueError, match=r"both `allow` and `deny`.*overrides=\{'dot_general': 'deny'\}"):
+        Policy(jnp.bfloat16, deny=DEFAULT_DENY | {"dot_general"})
+    p = Policy(jnp.bfloat16, overrides={"dot_general": "deny", "my_prim": "follow"})
+    assert dict(p.table()) == {n: p.class_of(n) for n, _ in p.table()}
+    assert dict(p.table())["dot_general"] == "deny" and dict(p.table())["my_prim"] == "follow"

@@ -379,3 +379,62 @@ def test_custom_jvp_with_sensitive_body_stays_a_boundary():
     soft.defjvp(lambda p, t: (soft(*p), jax.nn.sigmoid(p[0]) * t[0]))
     jaxpr = jax.make_jaxpr(amp(lambda w, x: soft(x @ w) @ w))(W8, X8)
     assert {i[0] for i, _, p in prim_dtypes(jaxpr, "exp") if "custom_jvp_call" in p} == {F32}
+
+
+# -- regressions: caching, full_precision with shared sub-jaxprs, clear ops ---------------
+
+
+def _br_low(x):
+    return jnp.tanh(x @ W8)
+
+
+def _br_other(x):
+    return jnp.sin(x @ W8)
+
+
+@pytest.mark.parametrize("scoped_first", [False, True])
+def test_full_precision_with_a_branch_jaxpr_shared_outside(scoped_first):
+    """JAX reuses one branch jaxpr for both conds; the scope must still hold."""
+    def plain(x):
+        return lax.cond(x.sum() > 0, _br_low, _br_other, x)
+
+    scoped = full_precision(plain)
+    f = amp(lambda x: (scoped(x) - plain(x)) if scoped_first else (-plain(x) + scoped(x)))
+    ins = [i for i, _, p in prim_dtypes(jax.make_jaxpr(f)(X8), "dot_general")]
+    assert sorted(ins) == sorted([(F32, F32)] * 2 + [(BF16, BF16)] * 2), ins
+
+
+def test_repeated_calls_reuse_the_rewrite():
+    """Eager and grad calls after the first build nothing new (no retrace, no leak)."""
+    @jax.custom_jvp
+    def soft(h):
+        return jnp.log1p(jnp.exp(h))  # not transparent: an opaque custom_jvp_call
+
+    soft.defjvp(lambda p, t: (soft(*p), jax.nn.sigmoid(p[0]) * t[0]))
+    ws = jnp.stack([W8, 0.5 * W8])
+
+    def loss(ws, x):
+        h = lax.scan(lambda c, w: (jax.nn.relu(c @ w), None), x, ws)[0]
+        return jnp.sum(soft(h @ W8))
+
+    f = amp(loss)
+    g = jax.grad(f)
+    sizes = []
+    for _ in range(3):
+        f(ws, X8)
+        g(ws, X8)
+        (traced,) = f._cache.values()
+        sizes.append(len(traced.ctx._memo) + len(traced.ctx.linear._memo))
+    assert f.trace_count == 1  # grad hits the same trace (same avals)
+    assert sizes[0] == sizes[1] == sizes[2], sizes
+
+
+def test_clear_op_feeding_a_dot_and_a_deny_op_stays_float32():
+    def f(x, w):
+        t = x.T
+        return jnp.sum(jnp.log(jnp.abs(t) + 1.0)), t @ w
+
+    jaxpr = jax.make_jaxpr(amp(f))(X8, W8[:4])
+    assert {o[0] for _, o, _ in prim_dtypes(jaxpr, "transpose")} == {F32}
+    assert {i[0] for i, _, _ in prim_dtypes(jaxpr, "log")} == {F32}
+    np.testing.assert_allclose(jax.jit(amp(f))(X8, W8[:4])[0], jax.jit(f)(X8, W8[:4])[0], rtol=1e-6)

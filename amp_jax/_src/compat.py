@@ -255,8 +255,8 @@ def scan_params_with_body(eqn: Any, body: Any) -> dict[str, Any]:
 SHARD_MAP_NAMES = frozenset({"shard_map"})
 
 
-def bind_shard_map(eqn: Any, invals: Sequence[Any], body: Callable[..., list[Any]]) -> list[Any]:
-    """Re-binds a ``shard_map`` eqn through the public API with a new body.
+def shard_map_of(eqn: Any, body: Callable[..., list[Any]]) -> Callable[..., list[Any]]:
+    """A ``shard_map`` eqn as a public ``jax.shard_map`` function with a new body.
 
     The body must be traced inside the manual-axes context (collectives name
     the mesh axes), so its jaxpr cannot be rewritten on its own like the
@@ -269,7 +269,7 @@ def bind_shard_map(eqn: Any, invals: Sequence[Any], body: Callable[..., list[Any
     if axes is not None and frozenset(axes) != frozenset(p["mesh"].axis_names):
         kwargs["axis_names"] = set(axes)
     fn = jax.shard_map(lambda *a: tuple(body(*a)), **kwargs)
-    return list(fn(*invals))
+    return lambda *invals: list(fn(*invals))
 
 
 def literal_value(lit: Any) -> Any:

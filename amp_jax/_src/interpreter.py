@@ -33,9 +33,10 @@ from amp_jax._src.rules import RULES, _cpu_batched, default_allow_rule
 LOW, HIGH, ORIG = "low", "high", "orig"
 OPAQUE = "opaque"  # higher-order primitive: recursed into, boundary kept
 SKIP = "skip"      # no managed float operand or result
+KEEP = "keep"      # higher-order primitive bound as written (identity policy, full_precision)
 
 
-class Context:  # noqa: D101
+class Context:
     """What an evaluation needs besides the jaxpr: the policy and backend."""
 
     def __init__(self, policy: Policy, backend: str, vjp_rules: bool = True):
@@ -47,8 +48,18 @@ class Context:  # noqa: D101
         self._linear: Context | None = None
         self.identity = policy.is_identity
         self.scopes = (FULL_PRECISION_SCOPE, *policy.full_precision_scopes)
-        self._sub_cache: dict[tuple[int, Any, Any], Any] = {}
-        self._transparent: dict[int, tuple[Any, bool]] = {}
+        # Everything derived from a jaxpr or an eqn is made once per context
+        # (per trace of the amp function), keyed by (kind, id(object)); the
+        # object is kept with its entry so that the id stays unique.
+        self._memo: dict[tuple[str, int], tuple[Any, Any]] = {}
+
+    def cached(self, kind: str, obj: Any, make: Any) -> Any:
+        """``make()``, computed once per ``obj`` (by identity) and ``kind``."""
+        key = (kind, id(obj))
+        hit = self._memo.get(key)
+        if hit is None or hit[0] is not obj:
+            hit = self._memo[key] = (obj, make())
+        return hit[1]
 
     @property
     def linear(self) -> "Context":
@@ -66,26 +77,24 @@ class Context:  # noqa: D101
 
     def rewrite_closed(self, closed: Any) -> Any:
         """A closed jaxpr with the same in/out avals as ``closed``, rewritten."""
-        key = id(closed)
-        hit = self._sub_cache.get(key)
-        if hit is not None and hit[0] is closed:
-            return hit[1]
-        flat = self.prepare(closed)
-        colors = plan(self, compat.jaxpr_of(flat))
-        new = compat.trace_to_closed_jaxpr(
-            lambda *a: eval_jaxpr(self, flat, a, colors), compat.in_avals(closed)
-        )
-        self._sub_cache[key] = (closed, new)
-        return new
+        def make():
+            flat = self.prepare(closed)
+            colors = plan(self, compat.jaxpr_of(flat))
+            return compat.trace_to_closed_jaxpr(
+                lambda *a: eval_jaxpr(self, flat, a, colors), compat.in_avals(closed))
+
+        return self.cached("rewrite", closed, make)
 
     # -- classification -------------------------------------------------
     def classify(self, eqn: Any) -> str:
+        sub = compat.has_subjaxprs(eqn)
+        if self.identity or self.in_full_precision(eqn):
+            # (everything an eqn in a full_precision scope holds is in it too)
+            return KEEP if sub else "never"
         avals = [v.aval for v in (*eqn.invars, *eqn.outvars)]
         if not any(is_managed_float(getattr(a, "dtype", None)) for a in avals):
-            return SKIP if not compat.has_subjaxprs(eqn) else OPAQUE
-        if self.identity or self.in_full_precision(eqn):
-            return OPAQUE if compat.has_subjaxprs(eqn) else "never"
-        if compat.has_subjaxprs(eqn):
+            return OPAQUE if sub else SKIP
+        if sub:
             return "follow" if self.is_transparent(eqn) else OPAQUE
         name = eqn.primitive.name
         cls = self.policy.effective_class_of(name, self.backend)
@@ -108,13 +117,9 @@ class Context:  # noqa: D101
         if eqn.primitive.name not in compat.CUSTOM_JVP_NAMES or eqn.params.get("num_consts", 0):
             return False
         body = eqn.params["call_jaxpr"]
-        hit = self._transparent.get(id(body))
-        if hit is not None and hit[0] is body:
-            return hit[1]
-        classes = [self.classify(e) for e in compat.jaxpr_of(self.prepare(body)).eqns]
-        ok = all(c in ("follow", "clear", SKIP) for c in classes)
-        self._transparent[id(body)] = (body, ok)
-        return ok
+        return self.cached("transparent", body, lambda: all(
+            c in ("follow", "clear", SKIP)
+            for c in (self.classify(e) for e in compat.jaxpr_of(self.prepare(body)).eqns)))
 
     def in_full_precision(self, eqn: Any) -> bool:
         stack = compat.name_stack_str(eqn)
@@ -180,14 +185,26 @@ def paint(classes: list[str], jaxpr: Any) -> list[str]:
     # Upwards, stop at broadcasts: a parameter broadcast into a low op is cast
     # after the broadcast, so its gradient is reduced in float32, not bf16.
     no_bcast = {i for i in free_clear if jaxpr.eqns[i].primitive.name != "broadcast_in_dim"}
-    low |= _reach(sorted(low - allow), succs, free_clear) | _reach(sorted(low), preds, no_bcast)
+    low |= _reach(sorted(low - allow), succs, free_clear)
+    #    Upwards only where every consumer is low too: a transpose feeding a
+    #    dot *and* a log stays float32 (the log would get a rounded input).
+    up = _reach(sorted(low), preds, no_bcast)
+    outs = {v for v in jaxpr.outvars if not isinstance(v, compat.Literal)}
+    while True:
+        ok = low | up
+        drop = {i for i in up if any(j not in ok for j in succs[i])
+                or any(v in outs for v in jaxpr.eqns[i].outvars)}
+        if not drop:
+            break
+        up -= drop
+    low |= up
     colors = []
     for i, cls in enumerate(classes):
         if i in low:
             colors.append(LOW)
         elif cls == "deny":
             colors.append(HIGH)
-        elif cls in (OPAQUE, SKIP):
+        elif cls in (OPAQUE, SKIP, KEEP):
             colors.append(cls)
         else:
             colors.append(ORIG)
@@ -256,7 +273,7 @@ class _Env:
 def plan(ctx: Context, jaxpr: Any) -> list[str]:
     classes = [ctx.classify(e) for e in jaxpr.eqns]
     if ctx.identity:
-        return [c if c in (OPAQUE, SKIP) else ORIG for c in classes]
+        return [c if c in (OPAQUE, SKIP, KEEP) else ORIG for c in classes]
     return paint(classes, jaxpr)
 
 
@@ -280,17 +297,21 @@ def eval_jaxpr(ctx: Context, closed: Any, args: Sequence[Any], colors: list[str]
                 stack.enter_context(m)
             if color == LOW and eqn.primitive.name in compat.CUSTOM_JVP_NAMES:
                 invals = [env.read(v, _target_dtype(v.aval, color, cd)) for v in eqn.invars]
-                outs = _custom_jvp_low(ctx, eqn, invals)
+                avals = tuple(compat.aval_of(x) for x in invals)
+                params = ctx.cached(("custom_jvp_low", avals), eqn, lambda: _custom_jvp_low(ctx, eqn, avals))
+                outs = compat.bind_eqn(eqn, invals, params)
             elif color == OPAQUE or (color == ORIG and compat.has_subjaxprs(eqn)):
                 invals = [env.read(v, _target_dtype(v.aval, ORIG, cd)) for v in eqn.invars]
                 if eqn.primitive.name in compat.SHARD_MAP_NAMES:
-                    body = compat.close(eqn.params["jaxpr"], [])
-                    outs = compat.bind_shard_map(
-                        eqn, invals, lambda *a: eval_jaxpr(ctx, ctx.prepare(body), a))
-                elif (hoisted := _scan_with_hoisted_casts(ctx, eqn, invals)) is not None:
-                    outs = hoisted
+                    outs = ctx.cached("shard_map", eqn, lambda: _shard_map_fn(ctx, eqn))(*invals)
+                elif (hoisted := ctx.cached("hoist", eqn, lambda: _plan_hoisted_casts(ctx, eqn))):
+                    hoist, new_params = hoisted
+                    for i in hoist:
+                        invals[i] = lax.convert_element_type(invals[i], cd)
+                    outs = compat.bind_eqn(eqn, invals, new_params)
                 else:
-                    params = compat.map_subjaxprs(eqn, ctx.rewrite_closed, ctx.linear.rewrite_closed)
+                    params = ctx.cached("params", eqn, lambda: compat.map_subjaxprs(
+                        eqn, ctx.rewrite_closed, ctx.linear.rewrite_closed))
                     outs = compat.bind_eqn(eqn, invals, params)
             elif color == SKIP:
                 outs = compat.bind_eqn(eqn, [env.read(v, None) for v in eqn.invars])
@@ -311,8 +332,8 @@ def eval_jaxpr(ctx: Context, closed: Any, args: Sequence[Any], colors: list[str]
     return [env.read(v, _orig_dtype(v) if cast_outputs else None) for v in jaxpr.outvars]
 
 
-def _custom_jvp_low(ctx: Context, eqn: Any, invals: Sequence[Any]) -> list[Any]:
-    """Binds a transparent ``custom_jvp_call`` on compute-dtype operands.
+def _custom_jvp_low(ctx: Context, eqn: Any, low_avals: Sequence[Any]) -> dict[str, Any]:
+    """Params to bind a transparent ``custom_jvp_call`` on compute-dtype operands.
 
     The body is evaluated with every op low. The JVP rule is the user's,
     evaluated in the original dtypes: primals and tangents are cast up, the
@@ -322,7 +343,6 @@ def _custom_jvp_low(ctx: Context, eqn: Any, invals: Sequence[Any]) -> list[Any]:
     """
     body = ctx.prepare(eqn.params["call_jaxpr"])
     colors = [c if c == SKIP else LOW for c in (ctx.classify(e) for e in compat.jaxpr_of(body).eqns)]
-    low_avals = [compat.aval_of(x) for x in invals]
     orig_avals = [v.aval for v in eqn.invars]
 
     def primal(*xs):
@@ -349,9 +369,15 @@ def _custom_jvp_low(ctx: Context, eqn: Any, invals: Sequence[Any]) -> list[Any]:
         new = compat.trace_to_closed_jaxpr(jvp, [*low_avals, *(lo for lo, _ in tan_in)])
         return compat.jaxpr_of(new), compat.consts_of(new), out_zeros
 
-    params = dict(eqn.params, call_jaxpr=new_call,
-                  jvp_jaxpr_fun=compat.memoized_fun(jvp_jaxpr, rule_fun))
-    return compat.bind_eqn(eqn, invals, params)
+    return dict(eqn.params, call_jaxpr=new_call,
+                jvp_jaxpr_fun=compat.memoized_fun(jvp_jaxpr, rule_fun))
+
+
+def _shard_map_fn(ctx: Context, eqn: Any) -> Any:
+    """The public ``jax.shard_map`` of ``eqn``'s body, evaluated under the policy."""
+    body = ctx.prepare(compat.close(eqn.params["jaxpr"], []))
+    colors = plan(ctx, compat.jaxpr_of(body))
+    return compat.shard_map_of(eqn, lambda *a: eval_jaxpr(ctx, body, a, colors))
 
 
 def _reads_low(ctx: Context, eqn: Any, color: str, v: Any) -> bool:
@@ -366,16 +392,18 @@ def _reads_low(ctx: Context, eqn: Any, color: str, v: Any) -> bool:
     return True
 
 
-def _scan_with_hoisted_casts(ctx: Context, eqn: Any, invals: list[Any]) -> list[Any] | None:
-    """A ``scan`` whose scanned-over inputs read only in the compute dtype
-    (stacked per-layer weights) are cast once, outside the loop.
+def _plan_hoisted_casts(ctx: Context, eqn: Any) -> tuple[list[int], dict[str, Any]] | None:
+    """For a ``scan`` whose scanned-over inputs are read only in the compute
+    dtype (stacked per-layer weights): the indices of those inputs, to be cast
+    once outside the loop, and the scan's params with the body retyped.
 
     Cast inside the body, each layer's low copy of its weights would be a
     new value that the backward pass saves: a stacked copy of all weights.
     Cast outside, the residual is the (already low) input slice. As with
     hand-cast bf16 models and ``torch.autocast``, each layer's weight
     gradient then leaves its matmul rounded to the compute dtype before it is
-    cast back to the parameter's dtype. None when nothing can be hoisted.
+    cast back to the parameter's dtype. None when nothing can be hoisted
+    (the caller then rewrites the body as for any higher-order primitive).
     """
     found = compat.scan_xs(eqn)
     if found is None or ctx.identity:
@@ -395,13 +423,10 @@ def _scan_with_hoisted_casts(ctx: Context, eqn: Any, invals: list[Any]) -> list[
             hoist.append(i)
     if not hoist:
         return None
-    invals = list(invals)
-    for i in hoist:
-        invals[i] = lax.convert_element_type(invals[i], cd)
     avals = compat.in_avals(flat)
     avals = [a.update(dtype=cd) if i in hoist else a for i, a in enumerate(avals)]
     new_body = compat.trace_to_closed_jaxpr(lambda *a: eval_jaxpr(ctx, flat, a, colors), avals)
-    return compat.bind_eqn(eqn, invals, compat.scan_params_with_body(eqn, new_body))
+    return hoist, compat.scan_params_with_body(eqn, new_body)
 
 
 def _cast(x: Any, dtype: Any) -> Any:

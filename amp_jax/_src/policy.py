@@ -215,6 +215,15 @@ class Policy:
                 )
             pairs.append((str(name), cls))
         object.__setattr__(self, "overrides", tuple(sorted(pairs)))
+        for i, a in enumerate(OP_CLASSES):
+            for b in OP_CLASSES[i + 1:]:
+                both = getattr(self, a) & getattr(self, b)
+                if both:
+                    name = sorted(both)[0]
+                    raise ValueError(
+                        f"Policy: {sorted(both)} are in both `{a}` and `{b}`; a primitive has one "
+                        f"class. To move one, keep the default lists and use "
+                        f"overrides={{{name!r}: {b!r}}} (or remove it from `{a}`).")
         scopes = self.full_precision_scopes
         if isinstance(scopes, str):
             scopes = (scopes,)
@@ -256,11 +265,8 @@ class Policy:
 
     def table(self) -> list[tuple[str, str]]:
         """``(primitive name, class)`` rows of the whole classification, sorted."""
-        rows = {}
-        for cls in OP_CLASSES:
-            for n in getattr(self, cls):
-                rows[n] = cls
-        rows.update(dict(self.overrides))
+        names = set(dict(self.overrides)).union(*(getattr(self, c) for c in OP_CLASSES))
+        rows = {n: self.class_of(n) for n in names}
         return sorted(rows.items(), key=lambda r: (OP_CLASSES.index(r[1]), r[0]))
 
 

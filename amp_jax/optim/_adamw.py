@@ -13,12 +13,8 @@ from amp_jax.optim import _kahan, _tree
 
 
 def _check_dtype(name: str, dtype: Any) -> Any:
-  if dtype is None:
-    return None
-  if not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
-    raise ValueError(f"`{name}` must be a floating dtype or None, got "
-                     f"{dtype!r}; use e.g. jnp.bfloat16 or jnp.float32.")
-  return jnp.dtype(dtype)
+  return None if dtype is None else _tree.float_dtype(
+      dtype, name, "; use e.g. jnp.bfloat16 or jnp.float32, or None")
 
 
 def scale_by_any_precision_adam(

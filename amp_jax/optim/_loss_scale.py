@@ -59,10 +59,12 @@ def _check_positive(name: str, value: float) -> float:
 
 
 def _unscale(grads: Any, scale: jax.Array) -> Any:
+  """``grads / scale`` in at least float32, and left there: cast back to
+  float16, the small gradients the scale exists to keep would flush to 0."""
   def one(g):
     if not _tree.is_float(g):
       return g
-    return (g.astype(_tree.work_dtype(g.dtype)) / scale).astype(g.dtype)
+    return g.astype(_tree.work_dtype(g.dtype)) / scale
   return jax.tree.map(one, grads)
 
 
@@ -92,8 +94,10 @@ def dynamic_loss_scale(
   ``update``. Each ``update``:
 
   1. divides every floating gradient by exactly the scale stored in the state,
-     i.e. the scale the loss was multiplied with (the division happens in
-     float32, the result is cast back to the gradient's dtype);
+     i.e. the scale the loss was multiplied with (in float32; float16 and
+     bfloat16 gradients are unscaled *to* float32, so values below float16's
+     range survive; ``inner`` sees float32 gradients, ``apply_updates`` casts
+     the updates back to the parameters' dtype);
   2. checks that all unscaled gradients are finite (across the devices of
      ``axis_name`` when given; a sharded ``jax.Array`` under ``jit`` is
      already checked globally);
@@ -176,7 +180,7 @@ def dynamic_loss_scale(
         inner_state=inner.init(params))
 
   def update_fn(updates, state, params=None, **extra_args):
-    scale = jnp.asarray(state.scale, jnp.float32)
+    scale = state.scale
     grads = _unscale(updates, scale)
     finite = _all_finite(grads)
     if axis_name is not None:
@@ -220,8 +224,9 @@ def static_loss_scale(
 ) -> optax.GradientTransformationExtraArgs:
   """A constant loss scale, as an optax wrapper.
 
-  ``update`` divides every floating gradient by ``scale`` (in float32, cast
-  back to the gradient's dtype) and runs ``inner``. Unlike
+  ``update`` divides every floating gradient by ``scale`` (in float32; low
+  precision gradients stay float32, as in :func:`dynamic_loss_scale`) and runs
+  ``inner``. Unlike
   :func:`dynamic_loss_scale` no step is skipped (as in apex and jmp); chain
   ``optax.apply_if_finite`` inside if you want non-finite steps dropped.
 
@@ -258,9 +263,11 @@ def static_loss_scale(
                                 inner_state=inner.init(params))
 
   def update_fn(updates, state, params=None, **extra_args):
-    grads = _unscale(updates, jnp.asarray(state.scale, jnp.float32))
+    grads = _unscale(updates, state.scale)
     new_updates, new_inner = inner.update(grads, state.inner_state, params,
                                           **extra_args)
+    # (float32 gradients must not promote a low-precision inner state)
+    new_inner = optax.tree_utils.tree_cast_like(new_inner, state.inner_state)
     return new_updates, StaticLossScaleState(state.scale, new_inner)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -33,7 +33,12 @@ def _round_bf16(x: jax.Array, bits: jax.Array) -> jax.Array:
   # bits rounds away from zero with probability (dropped bits) / 2**16.
   rounded = (raw + (bits >> 16)) & jnp.uint32(0xFFFF0000)
   out = lax.bitcast_convert_type(rounded, jnp.float32).astype(jnp.bfloat16)
-  return jnp.where(jnp.isfinite(x), out, x.astype(jnp.bfloat16))
+  # Rounding up from just below the bfloat16 maximum would give inf where
+  # round-to-nearest gives a finite value: clamp to the largest finite one.
+  nearest = x.astype(jnp.bfloat16)
+  big = jnp.asarray(jnp.finfo(jnp.bfloat16).max, jnp.bfloat16)
+  out = jnp.where(jnp.isfinite(nearest) & ~jnp.isfinite(out), jnp.copysign(big, out), out)
+  return jnp.where(jnp.isfinite(x), out, nearest)
 
 
 def _round_generic(x: jax.Array, uniform: jax.Array, dtype: Any) -> jax.Array:

@@ -105,10 +105,9 @@ def state_bytes(tree: Any) -> int:
     if dtype is None or shape is None:
       continue
     if jnp.issubdtype(dtype, jax.dtypes.prng_key):
-      if isinstance(leaf, jax.Array):
-        total += int(jax.random.key_data(leaf).nbytes)
-      else:
-        total += int(np.prod(shape, dtype=np.int64)) * 8
+      # (the bytes of a key depend on its PRNG implementation)
+      data = jax.eval_shape(jax.random.key_data, leaf)
+      total += int(np.prod(data.shape, dtype=np.int64)) * np.dtype(data.dtype).itemsize
       continue
     total += int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
   return total
