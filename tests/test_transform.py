@@ -197,9 +197,13 @@ def test_compositions():
         "checkpoint(amp)": jax.grad(jax.checkpoint(f))(p, X),
         "amp(checkpoint)": jax.grad(amp(jax.checkpoint(mlp_loss)))(p, X),
     }
-    v, g = jax.value_and_grad(lambda p, x: (f(p, x), {"aux": 1.0}), has_aux=True)(p, X)
-    assert v[1]["aux"] == 1.0
-    for name in ("grad(amp)", "jit(grad(amp))", "amp(grad)", "checkpoint(amp)", "amp(checkpoint)"):
+    with_aux = amp(lambda p, x: (mlp_loss(p, x), {"h": x @ p[0][0]}))
+    (v, aux), g = jax.value_and_grad(with_aux, has_aux=True)(p, X)
+    assert aux["h"].dtype == F32  # computed by a bf16 dot, returned in its original dtype
+    np.testing.assert_allclose(aux["h"], X @ p[0][0], rtol=2e-2, atol=2e-2)
+    outs["value_and_grad(amp, has_aux)"] = g
+    for name in ("grad(amp)", "jit(grad(amp))", "amp(grad)", "checkpoint(amp)", "amp(checkpoint)",
+                 "value_and_grad(amp, has_aux)"):
         for a, b in zip(jax.tree.leaves(outs[name]), jax.tree.leaves(ref)):
             assert a.dtype == b.dtype
             assert float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b)) < 3e-2, name
@@ -211,11 +215,14 @@ def test_compositions():
                                jax.vmap(mlp_loss, in_axes=(None, 0))(p, xs), rtol=2e-2)
     np.testing.assert_allclose(amp(jax.vmap(mlp_loss, in_axes=(None, 0)))(p, xs),
                                jax.vmap(mlp_loss, in_axes=(None, 0))(p, xs), rtol=2e-2)
+    check_dots_low(jax.make_jaxpr(jax.vmap(f, in_axes=(None, 0)))(p, xs), min_low=3)
+    check_dots_low(jax.make_jaxpr(amp(jax.vmap(mlp_loss, in_axes=(None, 0))))(p, xs), min_low=3)
 
 
 def test_amp_of_grad_runs_backward_dots_low():
     jaxpr = jax.make_jaxpr(amp(jax.grad(mlp_loss)))(_mlp_params(), X)
-    assert all(i == (BF16, BF16) for i, _, _ in prim_dtypes(jaxpr, "dot_general"))
+    # 3 forward dots, 3 weight gradients, 2 input gradients: all bf16
+    check_dots_low(jaxpr, min_low=8)
 
 
 def test_amp_is_idempotent_structurally():
@@ -292,12 +299,15 @@ def test_never_touched_values():
     def f(x, i, key):
         y = x.astype(jnp.bfloat16).astype(jnp.float32)  # user-written casts
         r = jax.random.normal(key, x.shape)
-        return y @ x.T, i * 2, r
+        return y @ x.T, i * 2, r, y - x
     i = jnp.arange(4, dtype=jnp.int32)
     outs = amp(f)(X8, i, KEY)
     refs = f(X8, i, KEY)
     assert [o.dtype for o in outs] == [r.dtype for r in refs]
     assert np.array_equal(outs[1], refs[1]) and np.array_equal(outs[2], refs[2])
+    # the user's round trip through bf16 is kept exactly (not cancelled, not moved)
+    assert float(jnp.abs(refs[3]).max()) > 0
+    np.testing.assert_array_equal(outs[3], refs[3])
     converts = [(i, o) for i, o, _ in prim_dtypes(jax.make_jaxpr(amp(f))(X8, i, KEY), "convert_element_type")]
     assert ((F32,), (BF16,)) in converts and ((BF16,), (F32,)) in converts
 

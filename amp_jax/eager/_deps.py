@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
+import warnings
+
 import jax
 import optax
 from jax.extend import core as jex_core
@@ -141,21 +143,28 @@ def refuse_cross_parameter(optimizer: Any, probe_params: Any) -> None:
 
   def fn(grads, params):
     state = tx.init(params)
-    updates, _ = tx.update(grads, state, params)
-    return updates
+    return tx.update(grads, state, params)
 
   try:
-    closed = jax.make_jaxpr(fn)(probe_params, probe_params)
-  except Exception:  # pylint: disable=broad-except
+    closed, (upd_shape, state_shape) = jax.make_jaxpr(fn, return_shape=True)(
+        probe_params, probe_params)
+  except Exception as e:  # pylint: disable=broad-except
+    warnings.warn(
+        f"scan_step: `optimizer` could not be traced on a probe tree of the "
+        f"parameters ({type(e).__name__}: {e}); the check that refuses "
+        f"optimizers mixing parameters (global-norm clipping, ...) was "
+        f"skipped. Make sure yours updates each parameter on its own.",
+        stacklevel=3)
     return
   leaves = jax.tree.leaves(probe_params)
   n = len(leaves)
   labels = [frozenset({i}) for i in range(n)]
   outs = dependencies(closed.jaxpr, labels + labels)
-  if len(outs) != n:
+  n_state = len(jax.tree.leaves(state_shape))
+  if len(outs) != n + n_state:
     return
   names = _labelled_paths(probe_params)
-  for i, deps in enumerate(outs):
+  for i, deps in enumerate(outs[:n]):
     others = sorted(deps - {i})
     if others:
       raise ValueError(
@@ -164,3 +173,14 @@ def refuse_cross_parameter(optimizer: Any, probe_params: Any) -> None:
           f"params{names[others[0]]} (a different parameter), as in "
           f"optax.clip_by_global_norm, optax.apply_if_finite or a global-norm "
           f"scaling. {_FIX_GLOBAL}")
+  # The state too: a statistic of all gradients kept for the next step (an
+  # EMA of the global norm) would be computed per layer instead.
+  state_names = _labelled_paths(state_shape)
+  for name, deps in zip(state_names, outs[n:]):
+    if len(deps) > 1:
+      a, b = sorted(deps)[:2]
+      raise ValueError(
+          f"scan_step: `optimizer` keeps state{name}, computed from "
+          f"params{names[a]} and params{names[b]} together (a statistic of "
+          f"several parameters), which eager updates would compute per layer. "
+          f"{_FIX_GLOBAL}")

@@ -99,15 +99,23 @@ _GOLDEN = 0x9E3779B9
 
 
 def _decorrelate_keys(state: Any, salt: Any) -> Any:
-  """XOR ``salt`` into every stochastic-rounding key so parts draw different bits."""
+  """Gives every part (and, with a per-layer ``salt``, every layer) its own
+  random keys: ``salt`` is XORed into the data of every typed PRNG key
+  (``optax.add_noise``, ...) and of stochastic rounding's raw uint32 keys.
+  Without it, ``vmap(init)`` would copy one key to every layer."""
+
+  def xor(data):
+    s = jnp.asarray(salt, jnp.uint32)
+    s = s.reshape(s.shape + (1,) * (data.ndim - s.ndim))
+    return (data ^ (s * jnp.uint32(_GOLDEN))).astype(data.dtype)
 
   def fix(node):
     if isinstance(node, _stochastic.StochasticRoundingState):
-      key = node.key
-      s = jnp.asarray(salt, jnp.uint32).reshape(
-          jnp.shape(salt) + (1,) * (key.ndim - jnp.ndim(salt)))
-      return node._replace(key=(key ^ (s * jnp.uint32(_GOLDEN))).astype(key.dtype),
+      return node._replace(key=xor(node.key),
                            inner_state=_decorrelate_keys(node.inner_state, salt))
+    if isinstance(node, jax.Array) and jnp.issubdtype(node.dtype, jax.dtypes.prng_key):
+      return jax.random.wrap_key_data(xor(jax.random.key_data(node)),
+                                      impl=jax.random.key_impl(node))
     return node
 
   return jax.tree.map(
@@ -255,7 +263,7 @@ class ScanStep:
     p_embed, p_blocks, p_head = params["embed"], params["blocks"], params["head"]
 
     static = _tree.find_states(opt_state.head, _loss_scale.StaticLossScaleState)
-    scale = static[0][1].scale if static else None
+    scale = _loss_scale.loss_scale(opt_state.head) if static else None
 
     h0, embed_vjp = jax.vjp(lambda p: self.embed_fn(p, batch), p_embed)
     layer_aval = jax.tree.map(
