@@ -12,6 +12,7 @@ benchmarks/EAGER_MEMORY.md.
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
 import platform
 
@@ -129,8 +130,8 @@ def main():
   lines = [
       "# Eager updates: compiled peak memory",
       "",
-      f"Machine: {platform.machine()} CPU, 2 cores (shared), JAX {jax.__version__}, "
-      f"optax {optax.__version__}, backend {jax.default_backend()}; date 2026-11-21.",
+      f"Machine: {platform.machine()} CPU, {os.cpu_count()} cores, JAX {jax.__version__}, "
+      f"optax {optax.__version__}, backend {jax.default_backend()}; date {datetime.date.today()}.",
       f"Model: {a.layers} MLP blocks `h + tanh(h @ w1 + b1) @ w2`, width {a.width}, "
       f"batch {a.seq} x {a.width}; embed and head are {a.width}x{a.width} matrices.",
       "Numbers are XLA's `memory_analysis()` of the compiled step "

@@ -206,7 +206,7 @@ def cnn(small: bool = False, batch: int = 16, size: int = 32, widths: tuple[int,
                     "w1": conv_w(next(keys), 3, cin, cout), "n1": (jnp.ones(cout), jnp.zeros(cout)),
                     "w2": conv_w(next(keys), 3, cout, cout), "n2": (jnp.ones(cout), jnp.zeros(cout)),
                 }
-                if cin != cout:
+                if cin != cout or (s > 0 and b == 0):  # (the strided block needs it too)
                     blk["proj"] = conv_w(next(keys), 1, cin, cout)
                 stage.append(blk)
                 cin = cout

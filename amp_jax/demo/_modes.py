@@ -171,7 +171,6 @@ def train(mode: Mode, cfg: _model.Config, corpus: _data.Corpus, *, steps: int, l
                 post["val"] = f"{result.val_loss[-1]:.3f}"
             it.set_postfix(post, refresh=False)
     if mode.loss_scaled:
-        ls = [s for s in jax.tree.leaves(opt_state, is_leaf=lambda s: isinstance(s, optim.DynamicLossScaleState))
-              if isinstance(s, optim.DynamicLossScaleState)][0]
+        ls = optim._tree.find_states(opt_state, optim.DynamicLossScaleState)[0][1]
         result.extra = {"final_loss_scale": float(ls.scale), "skipped_steps": int(ls.skipped_steps)}
     return result
