@@ -256,6 +256,7 @@ def test_shard_map_with_axis_name_skips_on_every_device(tmp_path):
   env = dict(os.environ)
   env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
   env.pop("XLA_FLAGS", None)
+  env["JAX_PLATFORMS"] = "cpu"  # forced host devices: pin the CPU platform (not a GPU)
   proc = subprocess.run([sys.executable, str(script)], capture_output=True,
                         text=True, env=env, timeout=120)
   assert proc.returncode == 0, proc.stderr[-3000:]

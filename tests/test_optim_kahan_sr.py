@@ -162,3 +162,47 @@ def test_bfloat16_stochastic_rounding_never_overflows_a_finite_value():
     out = _round_bf16(sign * x, bits)
     assert bool(jnp.all(jnp.isfinite(out)))
     assert float(out[0]) == sign * float(jnp.finfo(jnp.bfloat16).max)
+
+
+# ------------------------------------------------- rounding XLA keeps ---
+
+def _sweep(n=20_000):
+  rng = np.random.default_rng(0)
+  x = rng.standard_normal(n) * 10.0 ** rng.integers(-46, 39, n)
+  edge = [1e-39, 3e-40, 1e-45, 6e-5, 3e-8, 2.9802322e-08, 1e-7, 7e4, 65519.0,
+          65520.0, 3.4e38, 0.0, np.inf, np.nan]
+  x = np.concatenate([x, edge]).astype(np.float32)
+  return np.concatenate([x, -x])
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16],
+                         ids=["bf16", "f16"])
+def test_round_nearest_is_the_cast_under_jit(dtype):
+  # The explicit rounding equals NumPy's round-to-nearest-even cast, with
+  # subnormals, overflow and NaN, compiled on the default backend.
+  from amp_jax.optim._rounding import round_nearest
+  x = _sweep()
+  with np.errstate(over="ignore"):
+    ref = x.astype(dtype).astype(np.float32)
+  got = np.asarray(jax.jit(lambda v: round_nearest(v, dtype))(x))
+  same = (got == ref) & (np.signbit(got) == np.signbit(ref))
+  same |= np.isnan(got) & np.isnan(ref)
+  assert same.all(), (x[~same][:5], got[~same][:5], ref[~same][:5])
+
+
+@pytest.mark.parametrize("make", [
+    lambda: optim.kahan_summation(optax.sgd(1.0)),
+    lambda: optim.adamw(1e-3, kahan=True),
+    lambda: optim.stochastic_rounding(optax.sgd(1.0), 0),
+    lambda: optim.master_weights(optax.sgd(1.0)),
+], ids=["kahan", "adamw-kahan", "stochastic-f16", "master"])
+def test_rounding_survives_in_the_optimized_hlo(make):
+  # Under excess precision (XLA's default on GPU) a float32 -> low -> float32
+  # convert pair is dropped; the rounding these algorithms measure must be a
+  # reduce-precision op in the program XLA runs.
+  dtype = jnp.float16
+  params = jnp.ones(64, dtype)
+  tx = make()
+  state = tx.init(params)
+  hlo = jax.jit(tx.update).lower(params, state, params).compile().as_text()
+  assert "reduce-precision" in hlo, hlo[-2000:]

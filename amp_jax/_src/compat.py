@@ -242,9 +242,20 @@ def scan_xs(eqn: Any) -> tuple[Any, range] | None:
     """(body closed jaxpr, indices of the scanned-over inputs) of a ``scan`` eqn."""
     if eqn.primitive.name != "scan":
         return None
-    p = eqn.params
-    start = p["num_consts"] + p["num_carry"]
-    return p["jaxpr"], range(start, len(eqn.invars))
+    return eqn.params["jaxpr"], range(len(eqn.invars) - scan_num_xs(eqn.params), len(eqn.invars))
+
+
+def scan_num_xs(params: dict[str, Any]) -> int:
+    """How many of a ``scan``'s operands are scanned over (the trailing ones).
+
+    JAX 0.10 gives ``num_consts``/``num_carry`` and the operand count; JAX 0.11
+    describes the operands by a flat tree ``ft_in`` of (consts, carry, xs).
+    """
+    if "ft_in" in params:
+        _, _, xs = params["ft_in"].unpack()
+        return len(xs)
+    n_in = len(jaxpr_of(params["jaxpr"]).invars)
+    return n_in - params["num_consts"] - params["num_carry"]
 
 
 def scan_params_with_body(eqn: Any, body: Any) -> dict[str, Any]:

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import optax
 from jax.typing import DTypeLike
 
-from amp_jax.optim import _tree
+from amp_jax.optim import _rounding, _tree
 
 
 class KahanSummationState(NamedTuple):
@@ -108,9 +108,12 @@ def kahan_summation(
       if not _tree.is_float(p):
         return u, c
       wd = _tree.work_dtype(p.dtype)
+      p_wd = p.astype(wd)
       y = c.astype(wd) + u.astype(wd)
-      p_new = (p + y).astype(p.dtype)
-      c_new = (y - (p_new.astype(wd) - p.astype(wd))).astype(c.dtype)
+      # The new parameter as apply_updates will round it, with the rounding
+      # explicit: a plain cast pair would be dropped under excess precision.
+      p_new = _rounding.round_nearest(p_wd + y, p.dtype)
+      c_new = (y - (p_new - p_wd)).astype(c.dtype)
       return y, c_new
 
     # Map over params (leaves), comp may hold MaskedNode at non-float leaves.

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import optax
 from jax.typing import DTypeLike
 
-from amp_jax.optim import _tree
+from amp_jax.optim import _rounding, _tree
 
 
 class MasterWeightsState(NamedTuple):
@@ -29,14 +29,20 @@ class MasterWeightsState(NamedTuple):
 def landing_update(target: jax.Array, param: jax.Array) -> jax.Array:
   """An update ``u`` with ``optax.apply_updates(param, u) == target``.
 
-  ``target`` has ``param``'s dtype. ``u = target - param`` is computed in (at
+  ``target`` has ``param``'s dtype, or a wider one: then it lands on its
+  round-to-nearest value in ``param``'s dtype. ``u = target - param`` is computed in (at
   least) float32: for bfloat16/float16 the difference of two such numbers is
   exact in float32 whenever their magnitudes are within a factor ~2**15 of
   each other, so ``param + u`` is exactly ``target`` and the cast in
   ``apply_updates`` is exact.
   """
   wd = _tree.work_dtype(param.dtype)
-  t, p = target.astype(wd), param.astype(wd)
+  p = param.astype(wd)
+  t = target.astype(wd)
+  if jnp.dtype(target.dtype).itemsize > jnp.dtype(param.dtype).itemsize:
+    # A wide target lands on its rounding to param's dtype; the rounding is
+    # explicit (a cast pair would be dropped under excess precision).
+    t = _rounding.round_nearest(t, param.dtype)
   # Equal values (infinities included) need a zero update, not inf - inf.
   return jnp.where(t == p, jnp.zeros_like(t), t - p)
 
@@ -124,7 +130,7 @@ def master_weights(
         return u
       if p.dtype == master_dtype:
         return u
-      return landing_update(m_new.astype(p.dtype), p)
+      return landing_update(m_new, p)
 
     def keep(p, m_old, m_new):
       return m_new if _tree.is_float(p) else jnp.asarray(p)

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from amp_jax.optim import _master, _tree
+from amp_jax.optim import _master, _rounding, _tree
 
 
 class StochasticRoundingState(NamedTuple):
@@ -43,8 +43,8 @@ def _round_bf16(x: jax.Array, bits: jax.Array) -> jax.Array:
 
 def _round_generic(x: jax.Array, uniform: jax.Array, dtype: Any) -> jax.Array:
   """Stochastically round ``x`` (float32) to ``dtype`` using neighbours."""
-  nearest = x.astype(dtype)
-  near32 = nearest.astype(x.dtype)
+  near32 = _rounding.round_nearest(x, dtype)
+  nearest = near32.astype(dtype)  # exact
   toward = jnp.where(near32 > x, jnp.asarray(-jnp.inf, dtype),
                      jnp.asarray(jnp.inf, dtype))
   other = jnp.nextafter(nearest, toward)
