@@ -128,7 +128,9 @@ def test_chain_and_inject_hyperparams_schedule_match_plain_optimizer():
   pp = pw = params
   for i in range(6):
     g = _grads(params, i)
-    up, sp = plain.update(g, sp, pp)
+    # Both under jit: eager op-by-op and fused code may round differently
+    # (XLA:GPU contracts a*b+c into one FMA).
+    up, sp = jax.jit(plain.update)(g, sp, pp)
     pp = optax.apply_updates(pp, up)
     scale = optim.loss_scale(sw)
     uw, sw = jax.jit(wrapped.update)(jax.tree.map(lambda x: x * scale, g), sw,
