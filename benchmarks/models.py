@@ -133,7 +133,9 @@ def gpt(small: bool = False, batch: int = 2, seq: int = 256, d: int = 512, layer
 
     mask = jnp.tril(jnp.ones((seq, seq), bool))
 
-    def loss(params, tokens, targets, dtype=F32, acc=None):
+    def loss(params, tokens, targets, dtype=F32, acc=None, attention=None):
+        """``attention``: None writes it out (einsum, mask, softmax, einsum);
+        "cudnn"/"xla" calls ``jax.nn.dot_product_attention`` with that implementation."""
         p = _cast(params, dtype)
         x = p["embed"][tokens] + p["pos"]
 
@@ -141,10 +143,14 @@ def gpt(small: bool = False, batch: int = 2, seq: int = 256, d: int = 512, layer
             h = _layer_norm(x, w["ln1_s"], w["ln1_b"])
             qkv = _dense(h, w["wqkv"], acc).reshape(batch, seq, 3, heads, hd)
             q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-            logits = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(F32) / math.sqrt(hd)
-            logits = jnp.where(mask, logits, -1e9)
-            probs = jax.nn.softmax(logits, axis=-1).astype(dtype)
-            att = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(batch, seq, d)
+            if attention is None:
+                logits = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(F32) / math.sqrt(hd)
+                logits = jnp.where(mask, logits, -1e9)
+                probs = jax.nn.softmax(logits, axis=-1).astype(dtype)
+                att = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(batch, seq, d)
+            else:
+                att = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=attention)
+                att = att.reshape(batch, seq, d)
             x = x + _dense(att, w["wo"], acc)
             h = _layer_norm(x, w["ln2_s"], w["ln2_b"])
             h = jax.nn.gelu(_dense(h, w["w1"], acc) + w["b1"])
@@ -281,3 +287,10 @@ def resnet50(batch: int = 1, size: int = 64, classes: int = 1000) -> Model:
 
 
 MODELS: dict[str, Callable[..., Model]] = {"mlp": mlp, "gpt": gpt, "cnn": cnn}
+
+#: GPU-scale sizes (``benchmarks/run.py --scale gpu``, the default on a GPU).
+GPU_SIZES: dict[str, dict[str, Any]] = {
+    "mlp": dict(batch=8192, width=4096, depth=7),
+    "gpt": dict(batch=8, seq=1024, d=1024, layers=12, heads=16, vocab=8192),
+    "cnn": dict(batch=64, size=56, widths=(256,), blocks_per_stage=6),
+}

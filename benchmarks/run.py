@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import functools
 import os
 import platform
@@ -42,10 +43,13 @@ import sys
 import time
 from typing import Any, Callable
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-from jax import lax
+# The PyTorch peer shares the GPU: let JAX allocate as it goes, not 75% up front.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax import lax  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -62,6 +66,11 @@ TARGET_STEP_VS_F32 = 0.5
 TARGET_STEP_VS_HAND = 1.0
 TARGET_TEMP_VS_F32 = 0.6
 TARGET_COMPILE_VS_F32 = 1.3
+#: targets of issue 14 (GPU, H100)
+GPU_TARGETS = {"gpt_vs_hand_cudnn": 1.1, "gpt_vs_torch_sdpa": 1.4, "gpt_vs_f32": 0.3,
+               "gpt_temp_vs_hand_cudnn": 1.1, "mlp_vs_hand": 1.0, "cnn_vs_hand": 1.05}
+#: dense bf16 peak used for MFU: H100 SXM datasheet (989 TFLOP/s).
+GPU_PEAK_FLOPS = 989e12
 
 
 # -- measuring -----------------------------------------------------------------------
@@ -101,6 +110,32 @@ def scan_output_bytes(fn: Callable[..., Any], args: tuple[Any, ...]) -> int:
     return total
 
 
+def matmul_flops(fn: Callable[..., Any], args: tuple[Any, ...]) -> float:
+    """FLOPs of the dot_general and conv eqns of ``fn``'s jaxpr (2 per multiply-add),
+    recursively, a scan body counted ``length`` times."""
+    from jax.extend import core as jex_core
+
+    def walk(jaxpr, mult):
+        total = 0.0
+        for e in jaxpr.eqns:
+            name = e.primitive.name
+            if name == "dot_general":
+                (lc, _), _ = e.params["dimension_numbers"]
+                k = math.prod(e.invars[0].aval.shape[d] for d in lc)
+                total += mult * 2.0 * k * math.prod(e.outvars[0].aval.shape)
+            elif name == "conv_general_dilated":
+                w = e.invars[1].aval.shape
+                total += mult * 2.0 * math.prod(e.outvars[0].aval.shape) * math.prod(w) / max(
+                    w[e.params["dimension_numbers"].rhs_spec[0]], 1)
+            inner = mult * (e.params["length"] if name == "scan" else 1)
+            for sub in jex_core.jaxprs_in_params(e.params):
+                total += walk(sub.jaxpr if hasattr(sub, "jaxpr") and not isinstance(sub, jex_core.Jaxpr)
+                              else sub, inner)
+        return total
+
+    return walk(jax.make_jaxpr(fn)(*args).jaxpr, 1)
+
+
 def variants(model: M.Model, which: tuple[str, ...]) -> dict[str, Callable[..., Any]]:
     loss = model.loss
     table = {
@@ -109,7 +144,9 @@ def variants(model: M.Model, which: tuple[str, ...]) -> dict[str, Callable[..., 
         "hand": functools.partial(loss, dtype=BF16),
         "hand_acc": functools.partial(loss, dtype=BF16, acc=F32),
     }
-    return {k: table[k] for k in which}
+    if model.name == "gpt":  # hand bf16 + jax.nn.dot_product_attention(implementation="cudnn")
+        table["hand_cudnn"] = functools.partial(loss, dtype=BF16, attention="cudnn")
+    return {k: table[k] for k in which if k in table}
 
 
 def bench_model(model: M.Model, which: tuple[str, ...], rounds: int, warmup: int) -> dict[str, dict[str, float]]:
@@ -118,6 +155,7 @@ def bench_model(model: M.Model, which: tuple[str, ...], rounds: int, warmup: int
     args = (params, *batch)
     res: dict[str, dict[str, float]] = {}
     fns = {}
+    flops = matmul_flops(jax.value_and_grad(model.loss), args)
     for name, loss in variants(model, which).items():
         compiled, ct, lt = compile_step(train_step(loss), args)
         mem = compiled.memory_analysis()
@@ -133,6 +171,7 @@ def bench_model(model: M.Model, which: tuple[str, ...], rounds: int, warmup: int
         out = compiled(*args)
         jax.block_until_ready(out)
         res[name]["loss"] = float(out[0])
+        res[name]["flops"] = flops
     for _ in range(warmup):
         for f in fns.values():
             jax.block_until_ready(f(*args))
@@ -257,21 +296,50 @@ def _mb(b: float) -> str:
 
 
 def model_table(name: str, res: dict[str, dict[str, float]]) -> list[str]:
+    """One row per variant; rows of the PyTorch peer have no XLA columns ("-")."""
     lines = [
-        "| variant | step ms | vs f32 | amp vs this | lower+compile s (lower) | temp MiB | temp vs f32 | arg MiB | converts | loss |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| variant | step ms | vs f32 | amp vs this | MFU | lower+compile s (lower) | temp MiB | temp vs f32 "
+        "| arg MiB | converts | loss |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     f32 = res.get("f32")
     a = res.get("amp")
+    gpu = jax.default_backend() == "gpu"
     for v, r in res.items():
         vs = f"{r['step_s'] / f32['step_s']:.2f}" if f32 else "-"
         amp_vs = f"{a['step_s'] / r['step_s']:.2f}" if a else "-"
-        lines.append(
-            f"| {v} | {r['step_s'] * 1e3:.1f} | {vs} | {amp_vs} | {r['compile_s']:.2f} ({r['lower_s']:.2f}) | "
-            f"{_mb(r['temp_bytes'])} | {r['temp_bytes'] / f32['temp_bytes']:.2f} | {_mb(r['arg_bytes'])} | "
-            f"{int(r['converts'])} | {r['loss']:.4f} |"
-        )
+        flops = r.get("flops") or (f32 or {}).get("flops")
+        mfu = f"{flops / r['step_s'] / GPU_PEAK_FLOPS:.0%}" if (gpu and flops) else "-"
+        if "compile_s" in r:
+            xla = (f"{r['compile_s']:.2f} ({r['lower_s']:.2f}) | {_mb(r['temp_bytes'])} | "
+                   f"{r['temp_bytes'] / f32['temp_bytes']:.2f} | {_mb(r['arg_bytes'])} | {int(r['converts'])}")
+        else:
+            xla = f"- | peak {_mb(r.get('peak_bytes', float('nan')))} | - | - | -"
+        lines.append(f"| {v} | {r['step_s'] * 1e3:.1f} | {vs} | {amp_vs} | {mfu} | {xla} | {r['loss']:.4f} |")
     return lines
+
+
+def gpu_targets(all_res: dict[str, dict[str, dict[str, float]]]) -> list[str]:
+    rows = ["| target | measured | met |", "|---|---:|:---:|"]
+
+    def add(desc, num, den, limit, key="step_s"):
+        if num is None or den is None:
+            return
+        ratio = num[key] / den[key]
+        rows.append(f"| {desc} <= {limit}x | {ratio:.2f}x | {'met' if ratio <= limit else 'NOT met'} |")
+
+    g, m, c = all_res.get("gpt", {}), all_res.get("mlp", {}), all_res.get("cnn", {})
+    t = GPU_TARGETS
+    add("gpt: amp step vs hand bf16 + cuDNN attention", g.get("amp"), g.get("hand_cudnn"), t["gpt_vs_hand_cudnn"])
+    add("gpt: amp step vs torch autocast + SDPA", g.get("amp"), g.get("torch_autocast_sdpa"), t["gpt_vs_torch_sdpa"])
+    add("gpt: amp step vs f32", g.get("amp"), g.get("f32"), t["gpt_vs_f32"])
+    add("gpt: amp temp bytes vs hand + cuDNN", g.get("amp"), g.get("hand_cudnn"), t["gpt_temp_vs_hand_cudnn"],
+        key="temp_bytes")
+    add("mlp: amp step vs hand", m.get("amp"), m.get("hand"), t["mlp_vs_hand"])
+    add("cnn: amp step vs hand", c.get("amp"), c.get("hand"), t["cnn_vs_hand"])
+    for name, r in all_res.items():
+        add(f"{name}: amp compile vs f32", r.get("amp"), r.get("f32"), TARGET_COMPILE_VS_F32, key="compile_s")
+    return rows
 
 
 def targets(all_res: dict[str, dict[str, dict[str, float]]], r50: dict[str, float] | None) -> list[str]:
@@ -324,7 +392,14 @@ def report(args, all_res, descs, conv_rows, dw_rows, r50) -> str:
         if any(r.get("scan_out_bytes") for r in res.values()):
             out += ["Forward-scan outputs (stacked residuals kept for the backward, from the jaxpr): "
                     + ", ".join(f"{v} {_mb(r['scan_out_bytes'])} MiB" for v, r in res.items()), ""]
-    out += ["## Targets (CPU)", ""] + targets(all_res, r50) + [""]
+    if jax.default_backend() == "gpu":
+        out += ["## Targets (GPU)", "", f"MFU: matmul/conv FLOPs of the step (from the jaxpr) per second, "
+                f"over {GPU_PEAK_FLOPS / 1e12:.0f} TFLOP/s dense bf16. Rows `torch_*`: the same GPT in "
+                "PyTorch (`benchmarks/torch_peer.py`), autocast bf16, einsum attention or "
+                "`F.scaled_dot_product_attention`; their memory column is the CUDA peak allocation.", ""]
+        out += gpu_targets(all_res) + [""]
+    else:
+        out += ["## Targets (CPU)", ""] + targets(all_res, r50) + [""]
     if r50:
         out += ["## ResNet-50-sized compile time", "",
                 "`jax.jit(jax.grad(f)).lower(...).compile()` wall time (median of "
@@ -361,25 +436,47 @@ def main(argv: list[str] | None = None) -> None:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="fewer rounds; skip the ResNet-50 compile study")
     p.add_argument("--models", default="mlp,gpt,cnn", help="comma-separated subset of mlp,gpt,cnn")
-    p.add_argument("--variants", default="f32,amp,hand,hand_acc", help="comma-separated variants")
-    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md"))
+    p.add_argument("--variants", default=None,
+                   help="comma-separated variants (default: f32,amp,hand,hand_acc on CPU; "
+                        "f32,amp,hand,hand_cudnn on GPU)")
+    p.add_argument("--scale", choices=("auto", "cpu", "gpu"), default="auto",
+                   help="model sizes: CPU-sized, or GPU-sized (models.GPU_SIZES); auto: by backend")
+    p.add_argument("--no-torch", action="store_true", help="skip the PyTorch peer on GPU")
+    p.add_argument("--out", default=None,
+                   help="report file (default: benchmarks/RESULTS.md, or RESULTS_GPU.md on a GPU)")
     p.add_argument("--no-write", action="store_true", help="print the report, don't write it")
     p.add_argument("--no-extras", action="store_true", help="skip conv / dW / ResNet-50 studies")
     args = p.parse_args(argv)
+    gpu = jax.default_backend() == "gpu"
+    big = args.scale == "gpu" or (args.scale == "auto" and gpu)
+    here = os.path.dirname(os.path.abspath(__file__))
+    args.out = args.out or os.path.join(here, "RESULTS_GPU.md" if gpu else "RESULTS.md")
+    args.variants = args.variants or ("f32,amp,hand,hand_cudnn" if gpu else "f32,amp,hand,hand_acc")
     args.rounds = 5 if args.quick else 10
     warmup = 1 if args.quick else 3
     args.r50_reps = 2
     which = tuple(args.variants.split(","))
     all_res, descs = {}, {}
     for name in args.models.split(","):
-        model = M.MODELS[name]()
+        model = M.MODELS[name](**(M.GPU_SIZES[name] if big else {}))
         t0 = time.perf_counter()
         all_res[name] = bench_model(model, which, args.rounds, warmup)
         descs[name] = model.description
+        if name == "gpt" and gpu and not args.no_torch:
+            try:
+                import torch_peer
+            except ImportError as e:
+                print(f"# no PyTorch peer: {e}", flush=True)
+            else:
+                if torch_peer.available():
+                    sizes = M.GPU_SIZES["gpt"] if big else {}
+                    all_res[name].update(torch_peer.bench_gpt(**{**dict(
+                        batch=2, seq=256, d=512, layers=4, heads=8, vocab=1024), **sizes},
+                        rounds=args.rounds, warmup=warmup))
         print(f"# {name} ({time.perf_counter() - t0:.0f} s)", flush=True)
         print("\n".join(model_table(name, all_res[name])), flush=True)
     conv_rows = dw_rows = r50 = None
-    if not args.no_extras:
+    if not args.no_extras and not gpu:
         reps = 5 if args.quick else 11
         dw_rows = bench_dw(reps)
         conv_rows = bench_conv(reps)
