@@ -141,6 +141,8 @@ def variants(model: M.Model, which: tuple[str, ...]) -> dict[str, Callable[..., 
     table = {
         "f32": loss,
         "amp": amp(loss, policy="bfloat16"),
+        # amp with float32 allow-op results on every backend (the CPU default)
+        "amp_f32out": amp(loss, policy=Policy(BF16, allow_outputs="float32")),
         "hand": functools.partial(loss, dtype=BF16),
         "hand_acc": functools.partial(loss, dtype=BF16, acc=F32),
     }

@@ -46,3 +46,9 @@ def check_dots_low(jaxpr, min_low=1):
             assert ins == (BF16, BF16), ins
             n_low += 1
     assert n_low >= min_low, n_low
+
+
+def allow_out_dtype(policy="bfloat16"):
+    """The dtype amp's dots and convs write on this backend (float32 on CPU, bf16 on GPU)."""
+    from amp_jax import get_policy
+    return np.dtype(get_policy(policy).allow_output_dtype(jax.default_backend()))

@@ -9,7 +9,7 @@ import pytest
 from jax import lax
 
 from amp_jax import Policy, amp, full_precision
-from _util import BF16, F16, F32, check_dots_low, eqns, prim_dtypes
+from _util import BF16, F16, F32, allow_out_dtype, check_dots_low, eqns, prim_dtypes
 
 KEY = jax.random.PRNGKey(0)
 
@@ -32,11 +32,13 @@ X = jax.random.normal(jax.random.PRNGKey(1), (8, 16))
 
 
 def test_dots_low_precision_with_f32_accumulation():
+    # (the result dtype is the backend's: float32 on CPU, bf16 on GPU; the
+    # accumulation is float32 inside the kernel either way)
     jaxpr = jax.make_jaxpr(amp(mlp_loss))(_mlp_params(), X)
     dots = prim_dtypes(jaxpr, "dot_general")
     assert len(dots) == 3
     for ins, outs, _ in dots:
-        assert ins == (BF16, BF16) and outs == (F32,)
+        assert ins == (BF16, BF16) and outs == (allow_out_dtype(),)
 
 
 def test_sensitive_ops_stay_float32():
@@ -89,7 +91,7 @@ def test_backward_dots_have_no_mixed_operands():
     assert len(dots) == 3 + 2 * 3  # forward, then dW and dx per layer (make_jaxpr does no DCE)
     for ins, outs, _ in dots:
         assert ins == (BF16, BF16), ins
-        assert outs == (F32,)
+        assert outs == (allow_out_dtype(),)
 
 
 def test_gradients_in_parameter_dtypes():
@@ -449,3 +451,30 @@ def test_clear_op_feeding_a_dot_and_a_deny_op_stays_float32():
     assert {o[0] for _, o, _ in prim_dtypes(jaxpr, "transpose")} == {F32}
     assert {i[0] for i, _, _ in prim_dtypes(jaxpr, "log")} == {F32}
     np.testing.assert_allclose(jax.jit(amp(f))(X8, W8[:4])[0], jax.jit(f)(X8, W8[:4])[0], rtol=1e-6)
+
+
+# -- the dtype allow ops write ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("outputs, want", [("compute", BF16), ("float32", F32)])
+def test_allow_outputs_sets_the_dot_result_dtype_forward_and_backward(outputs, want):
+    params = _mlp_params()
+    pol = Policy(jnp.bfloat16, allow_outputs=outputs)
+    jaxpr = jax.make_jaxpr(jax.grad(amp(mlp_loss, policy=pol)))(params, X)
+    dots = prim_dtypes(jaxpr, "dot_general")
+    assert len(dots) == 9  # 3 forward, 6 backward
+    assert all(ins == (BF16, BF16) and outs == (want,) for ins, outs, _ in dots), dots
+    g, g32 = jax.grad(amp(mlp_loss, policy=pol))(params, X), jax.grad(mlp_loss)(params, X)
+    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g32)):
+        assert a.dtype == F32
+        np.testing.assert_allclose(a, b, rtol=0, atol=0.05 * float(jnp.max(jnp.abs(b))))
+
+
+def test_allow_outputs_auto_is_per_backend():
+    pol = Policy(jnp.bfloat16)
+    assert pol.allow_outputs == "auto"
+    assert pol.allow_output_dtype("gpu") == BF16
+    assert pol.allow_output_dtype("cpu") == F32 and pol.allow_output_dtype("tpu") == F32
+    assert Policy(jnp.float16, allow_outputs="compute").allow_output_dtype("cpu") == F16
+    with pytest.raises(ValueError, match="allow_outputs='bf16'.*'auto'"):
+        Policy(allow_outputs="bf16")

@@ -318,7 +318,7 @@ def eval_jaxpr(ctx: Context, closed: Any, args: Sequence[Any], colors: list[str]
             elif color == LOW and ctx.policy.class_of(eqn.primitive.name) == "allow":
                 invals = [env.read(v, None) for v in eqn.invars]
                 rule = RULES.get(eqn.primitive.name, default_allow_rule) if ctx.vjp_rules else default_allow_rule
-                outs = rule(eqn, invals, cd)
+                outs = rule(eqn, invals, cd, ctx.policy.allow_output_dtype(ctx.backend))
             elif color == LOW and eqn.primitive.name in _BROADCASTING:
                 shape = tuple(getattr(eqn.outvars[0].aval, "shape", ()))
                 invals = [env.read_broadcast(v, _target_dtype(v.aval, color, cd), shape)

@@ -180,6 +180,13 @@ class Policy:
         instead of treating it as ``follow``.
       backend_aware: keep ops in float32 on backends where the compute dtype
         makes them slower (measured: convolutions on CPU). See the docs.
+      allow_outputs: the dtype ``allow`` ops write (they accumulate in
+        float32 either way): ``"auto"`` (default) takes it per backend from
+        :data:`BACKEND_LOW_OUTPUTS` -- the compute dtype on GPU, where cuBLAS
+        and cuDNN accumulate in float32 internally and a bf16 result halves
+        the activation traffic, float32 elsewhere (XLA:CPU runs bf16 dots
+        fastest with a float32 result); ``"float32"`` or ``"compute"`` force
+        one.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -199,6 +206,7 @@ class Policy:
     full_precision_scopes: Any = ()
     strict: bool = False
     backend_aware: bool = True
+    allow_outputs: str = "auto"
 
     def __post_init__(self):
         object.__setattr__(self, "compute_dtype", _as_dtype(self.compute_dtype, "compute_dtype"))
@@ -230,6 +238,10 @@ class Policy:
         object.__setattr__(self, "full_precision_scopes", tuple(sorted(set(scopes or ()))))
         if not isinstance(self.strict, bool) or not isinstance(self.backend_aware, bool):
             raise TypeError("strict and backend_aware must be bools.")
+        if self.allow_outputs not in _ALLOW_OUTPUTS:
+            raise ValueError(
+                f"Policy(allow_outputs={self.allow_outputs!r}) is not one of {_ALLOW_OUTPUTS}: "
+                "'auto' picks per backend, 'float32' or 'compute' force the dtype allow ops write.")
 
     # -- queries -----------------------------------------------------------
     @property
@@ -259,6 +271,12 @@ class Policy:
             return "never"
         return cls
 
+    def allow_output_dtype(self, backend: str) -> np.dtype:
+        """The dtype ``allow`` ops write on ``backend`` (see ``allow_outputs``)."""
+        low = self.allow_outputs == "compute" or (
+            self.allow_outputs == "auto" and backend in BACKEND_LOW_OUTPUTS)
+        return self.compute_dtype if low else HIGH_DTYPE
+
     def replace(self, **changes: Any) -> "Policy":
         """A copy of this policy with some fields changed."""
         return dataclasses.replace(self, **changes)
@@ -276,6 +294,15 @@ BACKEND_SLOW_IN_LOW_PRECISION: frozenset[tuple[str, str]] = frozenset(
     {("conv_general_dilated", "cpu")}
 )
 """(primitive, backend) pairs measured slower in low precision than in float32; with ``Policy(backend_aware=True)`` they stay float32."""
+
+
+#: Backends where ``allow`` ops write the compute dtype under
+#: ``Policy(allow_outputs="auto")``; elsewhere they write float32.
+#: Measured: benchmarks/RESULTS_GPU.md (H100) and benchmarks/RESULTS.md (CPU).
+BACKEND_LOW_OUTPUTS: frozenset[str] = frozenset({"gpu"})
+"""Backends where ``allow`` ops write the compute dtype (bf16 results, float32 accumulation inside the kernel) under ``Policy(allow_outputs="auto")``."""
+
+_ALLOW_OUTPUTS = ("auto", "float32", "compute")
 
 
 def get_policy(policy: "Policy | str | Any") -> Policy:

@@ -24,8 +24,8 @@ from jax import lax
 from amp_jax._src import compat
 from amp_jax._src.policy import HIGH_DTYPE, is_managed_float
 
-#: ``rule(eqn, invals, compute_dtype) -> list of outputs``.
-Rule = Callable[[Any, Sequence[Any], np.dtype], list[Any]]
+#: ``rule(eqn, invals, compute_dtype, out_dtype) -> list of outputs``.
+Rule = Callable[[Any, Sequence[Any], np.dtype, np.dtype], list[Any]]
 
 RULES: dict[str, Rule] = {}
 
@@ -35,9 +35,12 @@ def register_rule(primitive_name: str, rule: Rule) -> None:
 
     Args:
       primitive_name: the primitive's name, e.g. ``jax.lax.dot_general_p.name``.
-      rule: ``rule(eqn, invals, compute_dtype) -> list`` of outputs. ``invals``
-        are the operands in their current dtypes; ``eqn.params`` are the
-        original params.
+      rule: ``rule(eqn, invals, compute_dtype, out_dtype) -> list`` of
+        outputs. ``invals`` are the operands in their current dtypes;
+        ``eqn.params`` are the original params; ``out_dtype`` is the dtype
+        the policy wants the op to write on this backend
+        (:meth:`Policy.allow_output_dtype`), e.g. its
+        ``preferred_element_type``.
     """
     if not isinstance(primitive_name, str):
         raise TypeError(
@@ -53,19 +56,21 @@ def _lower(x: Any, compute_dtype: np.dtype) -> Any:
     return x
 
 
-def _acc_dtype(eqn: Any) -> Any:
-    """float32 accumulation unless the user asked for something wider."""
+def _acc_dtype(eqn: Any, out_dtype: Any = HIGH_DTYPE) -> Any:
+    """The result dtype: ``out_dtype`` unless the user asked for a non-float
+    one (integer dots) or a wider one (float64)."""
     pet = eqn.params.get("preferred_element_type")
     if pet is not None and not is_managed_float(pet):
         return pet
-    return HIGH_DTYPE
+    return out_dtype
 
 
-def default_allow_rule(eqn: Any, invals: Sequence[Any], compute_dtype: np.dtype) -> list[Any]:
+def default_allow_rule(eqn: Any, invals: Sequence[Any], compute_dtype: np.dtype,
+                       out_dtype: np.dtype = HIGH_DTYPE) -> list[Any]:
     vals = [_lower(v, compute_dtype) for v in invals]
     params = dict(eqn.params)
     if "preferred_element_type" in params:
-        params["preferred_element_type"] = _acc_dtype(eqn)
+        params["preferred_element_type"] = _acc_dtype(eqn, out_dtype)
     return compat.bind_eqn(eqn, vals, params)
 
 
@@ -225,14 +230,15 @@ def _cpu_batched(eqn: Any) -> bool:
     return bool(xb) and jax.default_backend() == "cpu"
 
 
-def dot_general_rule(eqn: Any, invals: Sequence[Any], compute_dtype: np.dtype) -> list[Any]:
+def dot_general_rule(eqn: Any, invals: Sequence[Any], compute_dtype: np.dtype,
+                     out_dtype: np.dtype = HIGH_DTYPE) -> list[Any]:
     x, y = invals
     if not (is_managed_float(x.dtype) and is_managed_float(y.dtype)):
-        return default_allow_rule(eqn, invals, compute_dtype)
+        return default_allow_rule(eqn, invals, compute_dtype, out_dtype)
     p = eqn.params
     if _cpu_batched(eqn):
         return default_allow_rule(eqn, [v.astype(HIGH_DTYPE) for v in invals], HIGH_DTYPE)
-    f = _amp_dot(p["dimension_numbers"], p.get("precision"), _acc_dtype(eqn),
+    f = _amp_dot(p["dimension_numbers"], p.get("precision"), _acc_dtype(eqn, out_dtype),
                  p.get("out_sharding"), compute_dtype, np.dtype(x.dtype), np.dtype(y.dtype))
     return [f(x, y)]
 
@@ -275,12 +281,13 @@ def _amp_conv(frozen: tuple[tuple[str, Any], ...], acc: Any, compute_dtype: np.d
     return f
 
 
-def conv_rule(eqn: Any, invals: Sequence[Any], compute_dtype: np.dtype) -> list[Any]:
+def conv_rule(eqn: Any, invals: Sequence[Any], compute_dtype: np.dtype,
+              out_dtype: np.dtype = HIGH_DTYPE) -> list[Any]:
     x, w = invals
     if not (is_managed_float(x.dtype) and is_managed_float(w.dtype)):
-        return default_allow_rule(eqn, invals, compute_dtype)
+        return default_allow_rule(eqn, invals, compute_dtype, out_dtype)
     params = {k: v for k, v in eqn.params.items() if k != "preferred_element_type"}
-    f = _amp_conv(_freeze(params), _acc_dtype(eqn), compute_dtype,
+    f = _amp_conv(_freeze(params), _acc_dtype(eqn, out_dtype), compute_dtype,
                   np.dtype(x.dtype), np.dtype(w.dtype))
     return [f(x, w)]
 
