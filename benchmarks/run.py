@@ -393,7 +393,8 @@ def report(args, all_res, descs, conv_rows, dw_rows, r50) -> str:
         out += [f"### {name}: {descs[name]}", ""] + model_table(name, res) + [""]
         if any(r.get("scan_out_bytes") for r in res.values()):
             out += ["Forward-scan outputs (stacked residuals kept for the backward, from the jaxpr): "
-                    + ", ".join(f"{v} {_mb(r['scan_out_bytes'])} MiB" for v, r in res.items()), ""]
+                    + ", ".join(f"{v} {_mb(r['scan_out_bytes'])} MiB" for v, r in res.items()
+                               if "scan_out_bytes" in r), ""]
     if jax.default_backend() == "gpu":
         out += ["## Targets (GPU)", "", f"MFU: matmul/conv FLOPs of the step (from the jaxpr) per second, "
                 f"over {GPU_PEAK_FLOPS / 1e12:.0f} TFLOP/s dense bf16. Rows `torch_*`: the same GPT in "

@@ -108,7 +108,7 @@ def bench_gpt(*, batch, seq, d, layers, heads, vocab, rounds=10, warmup=3) -> di
         torch.cuda.reset_peak_memory_stats()
         step()
         torch.cuda.synchronize()
-        out[name] = {"step_s": statistics.median(times), "loss": float(loss),
+        out[name] = {"step_s": statistics.median(times), "loss": float(loss.detach()),
                      "peak_bytes": float(torch.cuda.max_memory_allocated())}
     del p, leaves
     torch.cuda.empty_cache()
