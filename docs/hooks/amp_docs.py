@@ -68,13 +68,18 @@ def _unlink_relative(text: str) -> str:
 
 
 def benchmark_results() -> str:
-    path = ROOT / "benchmarks" / "RESULTS.md"
-    if not path.exists():
+    """benchmarks/RESULTS.md (CPU) and, when present, RESULTS_GPU.md."""
+    parts = []
+    for name in ("RESULTS.md", "RESULTS_GPU.md"):
+        path = ROOT / "benchmarks" / name
+        if path.exists():
+            text = path.read_text()
+            text = re.sub(r"^(#+)", r"#\1", text, flags=re.M)  # nest its headings under this page's title
+            parts.append(_unlink_relative(text))
+    if not parts:
         return ("!!! note \"No results yet\"\n    `benchmarks/RESULTS.md` has not been generated in this checkout. "
                 "Run `python benchmarks/run.py` to produce it.")
-    text = path.read_text()
-    text = re.sub(r"^(#+)", r"#\1", text, flags=re.M)  # nest its headings under this page's title
-    return _unlink_relative(text)
+    return "\n\n".join(parts)
 
 
 _MARKERS = {
