@@ -1,0 +1,136 @@
+"""Named mutants of amp_jax: does some test fail when a feature is gone?
+
+    python tests/mutants.py                 # every mutant, against the core test files
+    python tests/mutants.py hoisting_off    # one mutant
+    python tests/mutants.py --list
+
+Each mutant replaces one feature by a no-op (monkeypatched at import time
+through ``tests/conftest.py`` when ``AMP_JAX_MUTANT`` is set) and runs the
+core test files with ``-x``: the mutant is *killed* when a test fails,
+*survives* when all pass. The script exits non-zero if any mutant survives.
+A killed mutant stops at its first failing test, so a full run takes a few
+minutes; the last result is recorded in docs/how-amp-works.md.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+CORE_TESTS = [
+    "tests/test_transform.py", "tests/test_speed_structure.py", "tests/test_policy.py",
+    "tests/test_compat.py", "tests/test_optim_kahan_sr.py", "tests/test_optim_master.py",
+    "tests/test_random_programs.py", "tests/test_ops.py", "tests/test_eager.py",
+]
+
+
+def _amp_identity():
+    from amp_jax._src import transform
+
+    def call(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
+    transform.AmpFunction.__call__ = call
+
+
+def _hoisting_off():
+    from amp_jax._src import interpreter
+    interpreter._plan_hoisted_casts = lambda ctx, eqn: None
+
+
+def _broadcast_reads_off():
+    from amp_jax._src import interpreter
+    interpreter._Env.read_broadcast = lambda self, atom, dtype, shape: self.read(atom, dtype)
+
+
+def _cache_off():
+    from amp_jax._src import interpreter
+    interpreter.Context.cached = lambda self, kind, obj, make: make()
+
+
+def _cpu_layouts_off():
+    from amp_jax._src import rules
+    rules._cpu_fast_layouts = lambda *a, **k: False
+
+
+def _painting_off():
+    from amp_jax._src import interpreter
+    orig = interpreter.paint
+
+    def paint(classes, jaxpr, *args, **kwargs):
+        colors = orig(classes, jaxpr, *args, **kwargs)
+        return [interpreter.ORIG if c == interpreter.LOW and k != "allow" else c
+                for c, k in zip(colors, classes)]
+    interpreter.paint = paint
+
+
+def _custom_jvp_transparency_off():
+    from amp_jax._src import interpreter
+    interpreter.Context.is_transparent = lambda self, eqn: False
+
+
+def _low_backward_off():
+    from amp_jax._src import rules
+    rules.RULES.pop("dot_general", None)
+    rules.RULES.pop("conv_general_dilated", None)
+
+
+def _explicit_rounding_off():
+    from amp_jax.optim import _rounding
+    _rounding.round_nearest = lambda x, dtype: x.astype(dtype).astype(x.dtype)
+
+
+def _low_outputs_off():
+    from amp_jax._src import policy
+    policy.Policy.allow_output_dtype = lambda self, backend: policy.HIGH_DTYPE
+
+
+MUTANTS = {
+    "amp_identity": _amp_identity,
+    "hoisting_off": _hoisting_off,
+    "broadcast_reads_off": _broadcast_reads_off,
+    "cache_off": _cache_off,
+    "cpu_layouts_off": _cpu_layouts_off,
+    "painting_off": _painting_off,
+    "custom_jvp_transparency_off": _custom_jvp_transparency_off,
+    "low_backward_off": _low_backward_off,
+    "explicit_rounding_off": _explicit_rounding_off,
+    "low_outputs_off": _low_outputs_off,
+}
+
+
+def apply(name: str) -> None:
+    """Applies mutant ``name`` (called from conftest.py before any test runs)."""
+    if name not in MUTANTS:
+        raise SystemExit(f"AMP_JAX_MUTANT={name!r} is not a mutant; choose from {sorted(MUTANTS)}")
+    MUTANTS[name]()
+
+
+def main(argv: list[str]) -> int:
+    if "--list" in argv:
+        print("\n".join(MUTANTS))
+        return 0
+    names = [a for a in argv if not a.startswith("-")] or list(MUTANTS)
+    survived = []
+    print("| mutant | result | first failing test | seconds |\n|---|---|---|---:|", flush=True)
+    for name in names:
+        env = {**os.environ, "AMP_JAX_MUTANT": name}
+        t0 = time.perf_counter()
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
+                               *CORE_TESTS], cwd=ROOT, env=env, capture_output=True, text=True)
+        failed = [line.split()[1] for line in proc.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))]
+        killed = proc.returncode != 0
+        if not killed:
+            survived.append(name)
+        first = failed[0] if failed else ("-" if not killed else f"(exit {proc.returncode})")
+        print(f"| {name} | {'killed' if killed else 'SURVIVED'} | {first} | "
+              f"{time.perf_counter() - t0:.0f} |", flush=True)
+    return 1 if survived else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
