@@ -9,6 +9,7 @@ backward pass of scanned models so the full gradient never exists.
 """
 
 from amp_jax._src.policy import (
+    BACKEND_LOW_OUTPUTS as BACKEND_LOW_OUTPUTS,
     BACKEND_SLOW_IN_LOW_PRECISION as BACKEND_SLOW_IN_LOW_PRECISION,
     DEFAULT_ALLOW as DEFAULT_ALLOW,
     DEFAULT_CLEAR as DEFAULT_CLEAR,
@@ -27,6 +28,7 @@ from amp_jax import eager as eager
 __version__ = "0.1.0"
 
 __all__ = [
+    "BACKEND_LOW_OUTPUTS",
     "BACKEND_SLOW_IN_LOW_PRECISION",
     "DEFAULT_ALLOW",
     "DEFAULT_CLEAR",
