@@ -478,3 +478,38 @@ def test_allow_outputs_auto_is_per_backend():
     assert Policy(jnp.float16, allow_outputs="compute").allow_output_dtype("cpu") == F16
     with pytest.raises(ValueError, match="allow_outputs='bf16'.*'auto'"):
         Policy(allow_outputs="bf16")
+
+
+# -- tests that pin two structural features (tests/mutants.py kills them here) -----------
+
+
+def test_bias_gradient_is_reduced_in_float32():
+    # The bias is broadcast *before* its cast to bf16, so the transpose of the
+    # broadcast -- the sum over the batch -- runs in float32.
+    def f(w, b, w2, x):
+        return jnp.sum((jnp.tanh(x @ w + b) @ w2) ** 2)
+
+    x, w, b, w2 = jnp.ones((8, 16)), jnp.ones((16, 32)) * 0.1, jnp.ones(32), jnp.ones((32, 4))
+    jaxpr = jax.make_jaxpr(jax.grad(amp(f), argnums=1))(w, b, w2, x)
+    sums = prim_dtypes(jaxpr, "reduce_sum")
+    assert sums and all(ins == (F32,) for ins, _, _ in sums), sums
+    assert prim_dtypes(jaxpr, "add")[0][0] == (BF16, BF16)  # the add itself runs low
+
+
+def test_scanned_weights_are_cast_once_outside_the_loop():
+    def f(ws, x):
+        return jnp.sum(lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)[0])
+
+    ws, x = jnp.ones((3, 16, 16)) * 0.1, jnp.ones((4, 16))
+    fwd = amp(f)
+    for fn in (fwd, jax.grad(fwd)):
+        jaxpr = jax.make_jaxpr(fn)(ws, x)
+        scans = [e for e, _ in eqns(jaxpr) if e.primitive.name == "scan"]
+        # the stacked weights enter the (forward) scan already in bf16
+        assert any(v.aval.shape == (3, 16, 16) and v.aval.dtype == BF16 for v in scans[0].invars), scans[0]
+        if fn is not fwd:  # (in the backward loop, dW is cast to the bf16 input's dtype)
+            continue
+        body_converts = [e for e, path in eqns(jaxpr) if "scan" in path
+                         and e.primitive.name == "convert_element_type"
+                         and e.invars[0].aval.shape == (16, 16)]
+        assert not body_converts  # no per-layer cast of the weights inside the loop
