@@ -430,16 +430,32 @@ def test_repeated_calls_reuse_the_rewrite():
         h = lax.scan(lambda c, w: (jax.nn.relu(c @ w), None), x, ws)[0]
         return jnp.sum(soft(h @ W8))
 
+    from amp_jax._src import compat
+    traces = []
+    trace = compat.trace_to_closed_jaxpr
+
+    def counting(fn, avals):
+        traces.append(fn)
+        return trace(fn, avals)
+
     f = amp(loss)
     g = jax.grad(f)
-    sizes = []
-    for _ in range(3):
-        f(ws, X8)
-        g(ws, X8)
-        (traced,) = f._cache.values()
-        sizes.append(len(traced.ctx._memo) + len(traced.ctx.linear._memo))
+    sizes, counts = [], []
+    compat.trace_to_closed_jaxpr = counting
+    try:
+        for _ in range(3):
+            f(ws, X8)
+            g(ws, X8)
+            (traced,) = f._cache.values()
+            sizes.append(len(traced.ctx._memo) + len(traced.ctx.linear._memo))
+            counts.append(len(traces))
+    finally:
+        compat.trace_to_closed_jaxpr = trace
     assert f.trace_count == 1  # grad hits the same trace (same avals)
-    assert sizes[0] == sizes[1] == sizes[2], sizes
+    assert sizes[0] == sizes[1] == sizes[2] > 0, sizes
+    # the sub-jaxprs (scan body, custom_jvp rule) were rewritten on the first
+    # round only: later calls trace nothing
+    assert counts[0] > 0 and counts[0] == counts[1] == counts[2], counts
 
 
 def test_clear_op_feeding_a_dot_and_a_deny_op_stays_float32():
