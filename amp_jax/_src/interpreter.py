@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 from jax import lax
 
-from amp_jax._src import compat
+from amp_jax._src import attention, compat
 from amp_jax._src.policy import FULL_PRECISION_SCOPE, HIGH_DTYPE, Policy, is_managed_float
 from amp_jax._src.rules import RULES, _cpu_batched, default_allow_rule
 
@@ -52,6 +52,9 @@ class Context:
         # (per trace of the amp function), keyed by (kind, id(object)); the
         # object is kept with its entry so that the id stays unique.
         self._memo: dict[tuple[str, int], tuple[Any, Any]] = {}
+        #: (source line of the scores matmul, implementation or None, reason)
+        #: for every attention recognised while rewriting (see attention.py).
+        self.attention_log: list[tuple[str, str | None, str]] = []
 
     def cached(self, kind: str, obj: Any, make: Any) -> Any:
         """``make()``, computed once per ``obj`` (by identity) and ``kind``."""
@@ -290,12 +293,19 @@ def eval_jaxpr(ctx: Context, closed: Any, args: Sequence[Any], colors: list[str]
     for v, a in zip(jaxpr.invars, args):
         env.write(v, a)
     cd = ctx.policy.compute_dtype
-    for eqn, color in zip(jaxpr.eqns, colors):
+    fused = ctx.cached("attention", closed, lambda: _plan_attention(ctx, closed))
+    skip = frozenset().union(*(m.skip for m, _ in fused.values())) if fused else frozenset()
+    for idx, (eqn, color) in enumerate(zip(jaxpr.eqns, colors)):
+        if idx in skip and idx not in fused:
+            continue
         managers = compat.eqn_context(eqn)
         with contextlib.ExitStack() as stack:
             for m in managers:
                 stack.enter_context(m)
-            if color == LOW and eqn.primitive.name in compat.CUSTOM_JVP_NAMES:
+            if idx in fused:
+                match, impl = fused[idx]
+                outs = [match.evaluate(env.read, cd, impl)]
+            elif color == LOW and eqn.primitive.name in compat.CUSTOM_JVP_NAMES:
                 invals = [env.read(v, _target_dtype(v.aval, color, cd)) for v in eqn.invars]
                 avals = tuple(compat.aval_of(x) for x in invals)
                 params = ctx.cached(("custom_jvp_low", avals), eqn, lambda: _custom_jvp_low(ctx, eqn, avals))
@@ -330,6 +340,25 @@ def eval_jaxpr(ctx: Context, closed: Any, args: Sequence[Any], colors: list[str]
         for v, o in zip(eqn.outvars, outs):
             env.write(v, o)
     return [env.read(v, _orig_dtype(v) if cast_outputs else None) for v in jaxpr.outvars]
+
+
+def _plan_attention(ctx: Context, closed: Any) -> dict[int, tuple[Any, str]]:
+    """The attentions of ``closed`` to run fused: {index of the second matmul: (match, impl)}."""
+    if ctx.identity or ctx.policy.attention == "off" or not ctx.vjp_rules:
+        return {}
+    jaxpr = compat.jaxpr_of(closed)
+    consts = dict(zip(jaxpr.constvars, compat.consts_of(closed)))
+    plan_ = {}
+    for i, match in attention.find(jaxpr, consts).items():
+        where = compat.source_line(match.source)
+        if ctx.in_full_precision(match.source) or ctx.in_full_precision(jaxpr.eqns[i]):
+            ctx.attention_log.append((where, None, "in a full_precision scope"))
+            continue
+        impl, reason = attention.decide(match, ctx.policy.attention, ctx.backend, ctx.policy.compute_dtype)
+        ctx.attention_log.append((where, impl, reason))
+        if impl is not None:
+            plan_[i] = (match, impl)
+    return plan_
 
 
 def _custom_jvp_low(ctx: Context, eqn: Any, low_avals: Sequence[Any]) -> dict[str, Any]:

@@ -187,6 +187,13 @@ class Policy:
         the activation traffic, float32 elsewhere (XLA:CPU runs bf16 dots
         fastest with a float32 result); ``"float32"`` or ``"compute"`` force
         one.
+      attention: attention written out (``einsum`` -> scale -> mask ->
+        softmax -> ``einsum``, or ``jax.nn.dot_product_attention`` on float32
+        inputs) is recognised and run as one fused attention in the compute
+        dtype: ``"auto"`` (default) uses cuDNN flash attention on GPU where
+        cuDNN takes it and leaves it as written elsewhere; ``"off"`` never
+        rewrites; ``"cudnn"`` or ``"xla"`` force that implementation. See
+        "How amp works".
 
     Examples:
       >>> import jax.numpy as jnp
@@ -207,6 +214,7 @@ class Policy:
     strict: bool = False
     backend_aware: bool = True
     allow_outputs: str = "auto"
+    attention: str = "auto"
 
     def __post_init__(self):
         object.__setattr__(self, "compute_dtype", _as_dtype(self.compute_dtype, "compute_dtype"))
@@ -238,6 +246,10 @@ class Policy:
         object.__setattr__(self, "full_precision_scopes", tuple(sorted(set(scopes or ()))))
         if not isinstance(self.strict, bool) or not isinstance(self.backend_aware, bool):
             raise TypeError("strict and backend_aware must be bools.")
+        if self.attention not in _ATTENTION:
+            raise ValueError(
+                f"Policy(attention={self.attention!r}) is not one of {_ATTENTION}: 'auto' fuses "
+                "attention with cuDNN on GPU, 'off' never rewrites, 'cudnn'/'xla' force one.")
         if self.allow_outputs not in _ALLOW_OUTPUTS:
             raise ValueError(
                 f"Policy(allow_outputs={self.allow_outputs!r}) is not one of {_ALLOW_OUTPUTS}: "
@@ -303,6 +315,7 @@ BACKEND_LOW_OUTPUTS: frozenset[str] = frozenset({"gpu"})
 """Backends where ``allow`` ops write the compute dtype (bf16 results, float32 accumulation inside the kernel) under ``Policy(allow_outputs="auto")``."""
 
 _ALLOW_OUTPUTS = ("auto", "float32", "compute")
+_ATTENTION = ("auto", "off", "cudnn", "xla")
 
 
 def get_policy(policy: "Policy | str | Any") -> Policy:

@@ -1,0 +1,262 @@
+"""Attention written out is recognised and run fused (amp_jax/_src/attention.py).
+
+On CPU there is no cuDNN: ``Policy(attention="xla")`` forces the rewrite with
+JAX's XLA implementation, which checks the recognition, the layouts, masks,
+scales and gradients. The cuDNN tests run where a GPU is the default backend
+(``python tests/accelerator_suite.py``).
+"""
+
+import functools
+import math
+import sys
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from amp_jax import Policy, amp, full_precision
+from _util import BF16, eqns
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+
+B, T, N, H = 2, 16, 4, 8
+KQ, KK, KV, KX = jax.random.split(jax.random.PRNGKey(0), 4)
+Q = jax.random.normal(KQ, (B, T, N, H))
+K = jax.random.normal(KK, (B, T, N, H))
+V = jax.random.normal(KV, (B, T, N, H))
+CAUSAL = jnp.tril(jnp.ones((T, T), bool))
+XLA = Policy(jnp.bfloat16, attention="xla")
+GPU = jax.default_backend() == "gpu"
+
+
+def einsum_attention(q, k, v, *, mask=None, fill=-1e9, scale="div", layout="bthd"):
+    if layout == "bhtd":  # heads before positions
+        q, k, v = (jnp.swapaxes(a, 1, 2) for a in (q, k, v))
+        s = jnp.einsum("bhqd,bhkd->bhqk", q, k)
+    else:
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k)
+    s = s / math.sqrt(H) if scale == "div" else s * (1 / math.sqrt(H)) if scale == "mul" else s
+    if mask is not None:
+        s = jnp.where(mask, s, fill)
+    p = jax.nn.softmax(s, axis=-1)
+    if layout == "bhtd":
+        return jnp.swapaxes(jnp.einsum("bhqk,bhkd->bhqd", p, v), 1, 2)
+    return jnp.einsum("bhqk,bkhd->bqhd", p, v)
+
+
+def _log(fn):
+    (traced,) = fn._cache.values()
+    return traced.ctx.attention_log
+
+
+def _fused(jaxpr):
+    """Whether the rewritten program has the softmax of dot_product_attention on bf16 q/k.
+
+    The XLA implementation of jax.nn.dot_product_attention computes its scores
+    with a bf16 x bf16 dot_general on 5-D (grouped) operands; a hand-written
+    attention in float32 has 4-D float32 ones.
+    """
+    dots = [e for e, _ in eqns(jaxpr) if e.primitive.name == "dot_general"]
+    return any(e.invars[0].aval.ndim == 5 and e.invars[0].aval.dtype == BF16 for e in dots)
+
+
+def _check_close(fn, ref, *args, atol_rel=3e-2):
+    out, want = fn(*args), ref(*args)
+    assert out.dtype == want.dtype and out.shape == want.shape
+    scale = float(jnp.max(jnp.abs(want)))
+    np.testing.assert_allclose(out, want, rtol=0, atol=atol_rel * scale)
+    loss = lambda f: lambda *a: jnp.sum(jnp.sin(f(*a)))  # noqa: E731
+    grads = jax.grad(loss(fn), argnums=(0, 1, 2))(*args)
+    wants = jax.grad(loss(ref), argnums=(0, 1, 2))(*args)
+    for g, w in zip(grads, wants):
+        assert g.dtype == w.dtype
+        np.testing.assert_allclose(g, w, rtol=0, atol=2 * atol_rel * float(jnp.max(jnp.abs(w))))
+
+
+CASES = {
+    "causal-const-div": functools.partial(einsum_attention, mask=CAUSAL),
+    "causal-inf-mul": functools.partial(einsum_attention, mask=CAUSAL, fill=-jnp.inf, scale="mul"),
+    "no-mask-no-scale": functools.partial(einsum_attention, scale=None),
+    "heads-first": functools.partial(einsum_attention, mask=CAUSAL, layout="bhtd"),
+    "finfo-min-fill": functools.partial(einsum_attention, mask=CAUSAL, fill=jnp.finfo(jnp.float32).min),
+    "jax.nn causal": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True),
+    "jax.nn plain": lambda q, k, v: jax.nn.dot_product_attention(q, k, v),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_recognised_and_close_to_float32(name):
+    fn = CASES[name]
+    a = amp(fn, policy=XLA)
+    _check_close(a, fn, Q, K, V)
+    (log,) = _log(a)
+    assert log[1] == "xla", log
+    assert _fused(jax.make_jaxpr(a)(Q, K, V))
+    assert not _fused(jax.make_jaxpr(fn)(Q, K, V))
+
+
+def test_constant_causal_mask_becomes_is_causal_and_a_padding_mask_is_passed():
+    from amp_jax._src import attention, compat
+    from amp_jax._src.interpreter import inline_jits
+    pad = jnp.arange(T)[None, :] < jnp.array([[T], [T // 2]])  # [B, Tk] valid keys
+
+    def padded(q, k, v, pad):
+        return einsum_attention(q, k, v, mask=pad[:, None, None, :])
+
+    for fn, args, causal in [(CASES["causal-const-div"], (Q, K, V), True), (padded, (Q, K, V, pad), False)]:
+        closed = inline_jits(jax.make_jaxpr(fn)(*args))
+        jaxpr = compat.jaxpr_of(closed)
+        (m,) = attention.find(jaxpr, dict(zip(jaxpr.constvars, compat.consts_of(closed)))).values()
+        assert m.causal_const is causal and m.pred is not None
+        assert math.isclose(m.scale, 1 / math.sqrt(H), rel_tol=1e-6)
+    a = amp(padded, policy=XLA)
+    out = a(Q, K, V, pad)
+    np.testing.assert_allclose(out, padded(Q, K, V, pad), atol=3e-2 * float(jnp.max(jnp.abs(out))))
+    assert _log(a)[0][1] == "xla"
+
+
+def _near_misses():
+    def no_softmax(q, k, v):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k)
+        return jnp.einsum("bhqk,bkhd->bqhd", jnp.tanh(s), v)
+
+    def softmax_wrong_axis(q, k, v):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k)
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-2), v)
+
+    def mask_from_values(q, k, v):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k)
+        s = jnp.where(s > 0, s, -1e9)  # depends on the scores
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+
+    def mask_from_inputs(q, k, v):
+        mask = (q[:, :, 0, 0] > 0)[:, None, :, None]  # computed from q's values
+        return einsum_attention(q, k, v, mask=mask)
+
+    def dropout_between(q, k, v):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k)
+        p = jax.nn.softmax(s, axis=-1)
+        keep = jax.random.bernoulli(jax.random.PRNGKey(3), 0.9, p.shape)
+        return jnp.einsum("bhqk,bkhd->bqhd", jnp.where(keep, p / 0.9, 0.0), v)
+
+    def probs_also_returned(q, k, v):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k)
+        p = jax.nn.softmax(s, axis=-1)
+        return jnp.einsum("bhqk,bkhd->bqhd", p, v) + jnp.sum(p)
+
+    def small_fill(q, k, v):
+        return einsum_attention(q, k, v, mask=CAUSAL, fill=-10.0)
+
+    return {f.__name__: f for f in (no_softmax, softmax_wrong_axis, mask_from_values, mask_from_inputs,
+                                    dropout_between, probs_also_returned, small_fill)}
+
+
+@pytest.mark.parametrize("name", list(_near_misses()))
+def test_near_misses_are_left_alone(name):
+    fn = _near_misses()[name]
+    a = amp(fn, policy=XLA)
+    jaxpr = jax.make_jaxpr(a)(Q, K, V)
+    assert not _log(a) and not _fused(jaxpr)
+    np.testing.assert_allclose(a(Q, K, V), fn(Q, K, V), atol=5e-2 * float(jnp.max(jnp.abs(fn(Q, K, V)))))
+
+
+@pytest.mark.parametrize("policy, reason", [
+    (Policy(jnp.bfloat16, attention="off"), "off"),
+    (Policy(jnp.float16, attention="auto"), None),
+])
+def test_off_and_auto_without_a_gpu_leave_it_as_written(policy, reason):
+    fn = CASES["causal-const-div"]
+    a = amp(fn, policy=policy)
+    jaxpr = jax.make_jaxpr(a)(Q, K, V)
+    if GPU and reason is None:
+        pytest.skip("auto fuses on GPU")
+    assert not _fused(jaxpr)
+    if reason == "off":  # not even looked for
+        assert _log(a) == []
+        return
+    ((_, impl, why),) = _log(a)
+    assert impl is None and jax.default_backend() in why
+
+
+def test_float32_policy_and_full_precision_are_untouched():
+    fn = CASES["causal-const-div"]
+    f32 = amp(fn, policy="float32")
+    np.testing.assert_array_equal(f32(Q, K, V), fn(Q, K, V))
+    a = amp(full_precision(fn), policy=XLA)
+    np.testing.assert_array_equal(a(Q, K, V), fn(Q, K, V))
+    ((_, impl, why),) = _log(a)
+    assert impl is None and "full_precision" in why
+
+
+def test_bad_attention_option_names_the_choices():
+    with pytest.raises(ValueError, match="attention='flash'.*'auto'"):
+        Policy(attention="flash")
+
+
+def test_real_layers_are_recognised():
+    import equinox as eqx
+    import flax.linen as nn
+    from flax import nnx
+    import models as M
+    x = jax.random.normal(KX, (B, T, 32))
+    linen = nn.MultiHeadDotProductAttention(num_heads=4)
+    variables = linen.init(jax.random.PRNGKey(0), x)
+    causal = nn.make_causal_mask(jnp.ones((B, T)))
+    mha = nnx.MultiHeadAttention(num_heads=4, in_features=32, decode=False, rngs=nnx.Rngs(0))
+    emha = eqx.nn.MultiheadAttention(4, 32, key=jax.random.PRNGKey(0))
+    gpt = M.gpt(small=True)
+    gp, gb = gpt.init(jax.random.PRNGKey(0)), gpt.batch(jax.random.PRNGKey(1))
+    cases = {
+        "flax linen + causal mask": (lambda v, x: linen.apply(v, x, mask=causal), (variables, x)),
+        "flax nnx": (lambda x: mha(x), (x,)),
+        "equinox under vmap": (lambda m, x: jax.vmap(lambda xi: m(xi, xi, xi))(x), (emha, x)),
+        "scanned GPT (benchmarks)": (gpt.loss, (gp, *gb)),
+    }
+    for name, (fn, args) in cases.items():
+        a = amp(fn, policy=XLA)
+        out, want = a(*args), fn(*args)
+        np.testing.assert_allclose(out, want, rtol=0, atol=3e-2 * float(jnp.max(jnp.abs(want))), err_msg=name)
+        assert [impl for _, impl, _ in _log(a)] == ["xla"], (name, _log(a))
+
+
+# -- on a GPU: cuDNN flash attention -----------------------------------------------------
+
+
+@pytest.mark.skipif(not GPU, reason="cuDNN fused attention needs a GPU")
+@pytest.mark.parametrize("name", ["causal-const-div", "jax.nn causal", "heads-first"])
+def test_cudnn_flash_attention_on_gpu(name):
+    q, k, v = (jax.random.normal(kk, (2, 128, 4, 64)) for kk in (KQ, KK, KV))
+    mask = jnp.tril(jnp.ones((128, 128), bool))
+    fn = {"causal-const-div": lambda q, k, v: _scaled(q, k, v, mask),
+          "jax.nn causal": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True),
+          "heads-first": lambda q, k, v: _scaled(q, k, v, mask, heads_first=True)}[name]
+    a = amp(fn, policy="bfloat16")
+    _check_close(a, fn, q, k, v)
+    assert [impl for _, impl, _ in _log(a)] == ["cudnn"], _log(a)
+    hlo = jax.jit(jax.grad(lambda *x: jnp.sum(a(*x)), argnums=(0, 1, 2))).lower(q, k, v).compile().as_text()
+    assert "__cudnn$fmha" in hlo
+
+
+def _scaled(q, k, v, mask, heads_first=False):
+    d = q.shape[-1]
+    if heads_first:
+        q, k, v = (jnp.swapaxes(a, 1, 2) for a in (q, k, v))
+        s = jnp.einsum("bhqd,bhkd->bhqk", q, k) / math.sqrt(d)
+    else:
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(d)
+    p = jax.nn.softmax(jnp.where(mask, s, -1e9), axis=-1)
+    if heads_first:
+        return jnp.swapaxes(jnp.einsum("bhqk,bhkd->bhqd", p, v), 1, 2)
+    return jnp.einsum("bhqk,bkhd->bqhd", p, v)
+
+
+@pytest.mark.skipif(not GPU, reason="cuDNN limits are checked on a GPU")
+def test_cudnn_refusal_falls_back_with_a_reason():
+    q = jax.random.normal(KQ, (2, 16, 2, 12))  # head dim 12: not a multiple of 8
+    fn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
+    a = amp(fn, policy="bfloat16")
+    _check_close(a, fn, q, q, q)
+    ((_, impl, why),) = _log(a)
+    assert impl is None and "head dim 12" in why
