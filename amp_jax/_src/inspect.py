@@ -12,6 +12,20 @@ from jax.extend import core as jex_core
 from amp_jax._src import compat
 
 
+def _why(eqn: Any) -> str:
+    """Why amp left this eqn in its original precision, from its name stack."""
+    from amp_jax._src.interpreter import KEEP_REASONS, KEEP_SCOPE
+    from amp_jax._src.policy import FULL_PRECISION_SCOPE
+
+    stack = str(eqn.source_info.name_stack)
+    for tag, text in KEEP_REASONS.items():
+        if f"{KEEP_SCOPE}.{tag}" in stack:
+            return text
+    if FULL_PRECISION_SCOPE in stack:
+        return "full_precision scope"
+    return ""
+
+
 def _walk(jaxpr: Any, counts: collections.Counter, path: str) -> None:
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
@@ -23,10 +37,10 @@ def _walk(jaxpr: Any, counts: collections.Counter, path: str) -> None:
             continue
         ins = ",".join(str(v.aval.dtype) for v in eqn.invars if hasattr(v.aval, "dtype"))
         outs = ",".join(str(v.aval.dtype) for v in eqn.outvars if hasattr(v.aval, "dtype"))
-        counts[(name, ins, outs, path or "-")] += 1
+        counts[(name, ins, outs, path or "-", _why(eqn))] += 1
 
 
-def dtype_report(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[tuple[str, str, str, str, int]]:
+def dtype_report(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[tuple[str, str, str, str, int, str]]:
     """Which primitives ran with which dtypes when calling ``fn(*args, **kwargs)``.
 
     Traces ``fn`` (typically an :func:`amp_jax.amp`-wrapped function, possibly
@@ -40,7 +54,10 @@ def dtype_report(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[tupl
 
     Returns:
       Rows ``(primitive, input dtypes, output dtypes, enclosing primitives,
-      count)``, sorted by primitive name.
+      count, why)``, sorted by primitive name. ``why`` says why amp kept a
+      matmul or convolution in its original precision (a float64/complex
+      operand, an explicit ``precision=``, too small to pay, a
+      ``full_precision`` scope), else it is empty.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -52,12 +69,13 @@ def dtype_report(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[tupl
     closed = jax.make_jaxpr(lambda a, k: fn(*a, **k))(args, kwargs)
     counts: collections.Counter = collections.Counter()
     _walk(compat.jaxpr_of(closed), counts, "")
-    return sorted(((*k, n) for k, n in counts.items()), key=lambda r: (r[0], r[3], r[1]))
+    return sorted(((*k[:4], n, k[4]) for k, n in counts.items()), key=lambda r: (r[0], r[3], r[1], r[5]))
 
 
-def format_dtype_report(rows: list[tuple[str, str, str, str, int]]) -> str:
+def format_dtype_report(rows: list[tuple[str, str, str, str, int, str]]) -> str:
     """Formats :func:`dtype_report` rows as an aligned text table."""
-    header = ("primitive", "inputs", "outputs", "inside", "count")
-    table = [header, *[(a, b, c, d, str(n)) for a, b, c, d, n in rows]]
-    widths = [max(len(r[i]) for r in table) for i in range(5)]
+    header = ("primitive", "inputs", "outputs", "inside", "count", "why")
+    table = [header, *[(a, b, c, d, str(n), *rest) for a, b, c, d, n, *rest in rows]]
+    table = [r if len(r) == 6 else (*r, "") for r in table]
+    widths = [max(len(r[i]) for r in table) for i in range(6)]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in table)

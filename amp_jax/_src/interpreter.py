@@ -23,6 +23,7 @@ import contextlib
 from collections.abc import Sequence
 from typing import Any
 
+import jax
 import numpy as np
 from jax import lax
 
@@ -55,6 +56,10 @@ class Context:
         #: (source line of the scores matmul, implementation or None, reason)
         #: for every attention recognised while rewriting (see attention.py).
         self.attention_log: list[tuple[str, str | None, str]] = []
+        #: allow eqns kept in their original precision, with the reason tag
+        #: (see :func:`stays_high`); bound under a ``named_scope`` of the tag
+        #: so that dtype_report can say why.
+        self.kept_high: dict[int, str] = {}
 
     def cached(self, kind: str, obj: Any, make: Any) -> Any:
         """``make()``, computed once per ``obj`` (by identity) and ``kind``."""
@@ -109,6 +114,11 @@ class Context:
                     f"Policy(overrides={{{name!r}: 'follow'}})."
                 )
             cls = "follow"
+        if cls == "allow":
+            why = stays_high(eqn, self.policy)
+            if why is not None:
+                self.kept_high[id(eqn)] = why  # (the eqn lives as long as its cached jaxpr)
+                return "never"
         return cls
 
     def is_transparent(self, eqn: Any) -> bool:
@@ -127,6 +137,47 @@ class Context:
     def in_full_precision(self, eqn: Any) -> bool:
         stack = compat.name_stack_str(eqn)
         return any(s in stack for s in self.scopes)
+
+
+# -- allow ops that stay in float32 ---------------------------------------------
+
+#: reason tags of :func:`stays_high`, and what dtype_report prints for them.
+KEEP_REASONS = {
+    "wide_operand": "float64/complex operand: not ours to lower",
+    "explicit_precision": "explicit precision=HIGH/HIGHEST (or an algorithm) asked for",
+    "too_small": "too small to pay (Policy.min_low_contraction / min_low_flops)",
+}
+KEEP_SCOPE = "amp_keep_f32"
+
+
+def _contraction_and_flops(eqn: Any) -> tuple[int, int] | None:
+    name = eqn.primitive.name
+    out = eqn.outvars[0].aval
+    if name == "dot_general":
+        (lc, _), _ = eqn.params["dimension_numbers"]
+        k = int(np.prod([eqn.invars[0].aval.shape[d] for d in lc], dtype=np.int64))
+    elif name == "conv_general_dilated":
+        w = eqn.invars[1].aval.shape
+        rhs_spec = eqn.params["dimension_numbers"].rhs_spec
+        k = int(np.prod(w, dtype=np.int64)) // max(int(w[rhs_spec[0]]), 1)  # in-features x window
+    else:
+        return None
+    return k, 2 * k * int(np.prod(out.shape, dtype=np.int64))
+
+
+def stays_high(eqn: Any, policy: Policy) -> str | None:
+    """Why an ``allow`` eqn stays in its original precision, or None to lower it."""
+    dtypes = [getattr(v.aval, "dtype", None) for v in eqn.invars]
+    if any(d is not None and np.issubdtype(d, np.inexact) and not is_managed_float(d) for d in dtypes):
+        return "wide_operand"
+    precision = eqn.params.get("precision")
+    parts = precision if isinstance(precision, tuple) else (precision,)
+    if any(p is not None and getattr(p, "name", str(p)) != "DEFAULT" for p in parts):
+        return "explicit_precision"
+    sizes = _contraction_and_flops(eqn)
+    if sizes is not None and (sizes[0] < policy.min_low_contraction or sizes[1] < policy.min_low_flops):
+        return "too_small"
+    return None
 
 
 # -- painting ---------------------------------------------------------------
@@ -302,6 +353,8 @@ def eval_jaxpr(ctx: Context, closed: Any, args: Sequence[Any], colors: list[str]
         with contextlib.ExitStack() as stack:
             for m in managers:
                 stack.enter_context(m)
+            if id(eqn) in ctx.kept_high:
+                stack.enter_context(jax.named_scope(f"{KEEP_SCOPE}.{ctx.kept_high[id(eqn)]}"))
             if idx in fused:
                 match, impl = fused[idx]
                 outs = [match.evaluate(env.read, cd, impl)]

@@ -24,6 +24,8 @@ they are recursed into and keep their boundary dtypes.
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import functools
 from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
@@ -84,7 +86,7 @@ DEFAULT_CLEAR: frozenset[str] = frozenset(
         "scatter_max", "scatter_min", "pmax", "pmin", "all_gather", "all_to_all",
         "ppermute", "psum_scatter", "reduce_scatter", "optimization_barrier",
         "real", "imag", "conj", "name", "pvary", "reshard", "mesh_cast",
-        "all_gather_invariant", "axis_index",
+        "all_gather_invariant", "axis_index", "split",
     }
 )
 """Data movement, comparisons, max/min: numerically neutral, follows its inputs."""
@@ -99,6 +101,8 @@ DEFAULT_NEVER: frozenset[str] = frozenset(
         "population_count", "clz", "shift_left", "shift_right_logical",
         "shift_right_arithmetic", "and", "or", "not", "xor", "complex",
         "linear_solve", "custom_linear_solve",
+        # host callbacks see the dtypes the user's code declared
+        "pure_callback", "io_callback", "debug_callback", "debug_print",
     }
 )
 """Primitives whose operand dtypes are part of their meaning (casts, bit casts, random bits, custom reductions): never changed."""
@@ -145,14 +149,50 @@ def _name_set(value: Iterable[str] | None, argname: str) -> frozenset[str]:
             f"{argname} must be a collection of primitive names, got the string "
             f"{value!r}; wrap it in a tuple: ({value!r},)."
         )
-    names = frozenset(value)
+    try:
+        names = frozenset(value)
+    except TypeError:
+        raise TypeError(
+            f"{argname}={value!r} must be a collection of primitive names, e.g. ('exp', 'log')."
+        ) from None
     for n in names:
         if not isinstance(n, str):
             raise TypeError(
                 f"{argname} must contain primitive names (str), got {n!r}; "
                 "use e.g. jax.lax.exp_p.name to get a primitive's name."
             )
+        _check_spelling(n, argname)
     return names
+
+
+@functools.lru_cache(maxsize=1)
+def _known_primitives() -> frozenset[str]:
+    """Names of the primitives JAX exports, and of the default classes."""
+    from jax.extend.core import primitives
+
+    names = set().union(DEFAULT_ALLOW, DEFAULT_DENY, DEFAULT_FOLLOW, DEFAULT_CLEAR, DEFAULT_NEVER)
+    for module in (primitives, jax.lax):
+        for attr in dir(module):
+            prim = getattr(module, attr, None)
+            if attr.endswith("_p") and isinstance(getattr(prim, "name", None), str):
+                names.add(prim.name)
+    return frozenset(names)
+
+
+def _check_spelling(name: str, argname: str) -> None:
+    """A name JAX does not know but that is close to one it knows is a typo.
+
+    (Names far from every known one are accepted: they may be a library's
+    own primitives.)
+    """
+    known = _known_primitives()
+    if name in known:
+        return
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.8)
+    if close:
+        raise ValueError(
+            f"{argname}: {name!r} is not a JAX primitive; did you mean {close[0]!r}? "
+            "(amp_jax.get_policy('bfloat16').table() lists the classified ones.)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,6 +227,15 @@ class Policy:
         the activation traffic, float32 elsewhere (XLA:CPU runs bf16 dots
         fastest with a float32 result); ``"float32"`` or ``"compute"`` force
         one.
+      min_low_contraction: an ``allow`` op whose contraction (the product of
+        a dot's contracting dims; a convolution's input features times its
+        window) is shorter than this stays float32. Default 8.
+      min_low_flops: an ``allow`` op of fewer multiply-adds times two than
+        this stays float32 (vector-vector and tiny matrix products). Default
+        1024. Together these keep a solver's own small contractions (a
+        Runge-Kutta step's 7 stage weights, a 32-long dot product) out of
+        bf16, where they buy no speed and can cost the solver its accuracy;
+        see "How amp works". ``0`` lowers everything.
       attention: attention written out (``einsum`` -> scale -> mask ->
         softmax -> ``einsum``, or ``jax.nn.dot_product_attention`` on float32
         inputs) is recognised and run as one fused attention in the compute
@@ -215,6 +264,8 @@ class Policy:
     backend_aware: bool = True
     allow_outputs: str = "auto"
     attention: str = "auto"
+    min_low_contraction: int = 8
+    min_low_flops: int = 1024
 
     def __post_init__(self):
         object.__setattr__(self, "compute_dtype", _as_dtype(self.compute_dtype, "compute_dtype"))
@@ -223,8 +274,13 @@ class Policy:
         overrides = self.overrides
         if isinstance(overrides, Mapping):
             overrides = overrides.items()
+        elif overrides and not all(isinstance(o, tuple) and len(o) == 2 for o in overrides):
+            raise TypeError(
+                f"overrides={self.overrides!r} must map primitive names to classes, e.g. "
+                "overrides={'exp': 'follow'}.")
         pairs = []
         for name, cls in overrides or ():
+            _check_spelling(str(name), "overrides")
             if cls not in OP_CLASSES:
                 raise ValueError(
                     f"overrides[{name!r}]={cls!r} is not an op class; use one of {OP_CLASSES}."
@@ -243,9 +299,18 @@ class Policy:
         scopes = self.full_precision_scopes
         if isinstance(scopes, str):
             scopes = (scopes,)
+        if scopes and (not isinstance(scopes, Iterable) or not all(isinstance(x, str) for x in scopes)):
+            raise TypeError(
+                f"full_precision_scopes={self.full_precision_scopes!r} must be jax.named_scope names "
+                "(a str or a tuple of str), e.g. full_precision_scopes=('head',).")
         object.__setattr__(self, "full_precision_scopes", tuple(sorted(set(scopes or ()))))
         if not isinstance(self.strict, bool) or not isinstance(self.backend_aware, bool):
             raise TypeError("strict and backend_aware must be bools.")
+        for name in ("min_low_contraction", "min_low_flops"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+                raise ValueError(f"Policy({name}={value!r}) must be an int >= 0 (0 lowers every allow op).")
+            object.__setattr__(self, name, int(value))
         if self.attention not in _ATTENTION:
             raise ValueError(
                 f"Policy(attention={self.attention!r}) is not one of {_ATTENTION}: 'auto' fuses "
@@ -369,4 +434,3 @@ def is_managed_float(dtype: Any) -> bool:
 _MANAGED = frozenset(np.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16))
 HIGH_DTYPE = np.dtype(np.float32)
 
-del jax

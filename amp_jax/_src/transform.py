@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import threading
+import types
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, TypeVar, overload
@@ -25,7 +27,68 @@ def _is_dynamic(leaf: Any) -> bool:
 
 
 def _static_key(leaf: Any) -> Any:
+    # (repr tells 0.0 from -0.0 and one NaN from another, which compare equal
+    # or unequal the wrong way for a cache)
+    if isinstance(leaf, float):
+        return (float, repr(leaf))
     return (type(leaf), leaf)
+
+
+_VALUE_TYPES = (str, bytes, int, float, complex, bool, type(None), type, np.dtype, range, slice)
+
+
+def _held_array(obj: Any, depth: int = 3) -> str | None:
+    """The attribute path of a jax/NumPy array held by the plain object ``obj``, or None."""
+    if isinstance(obj, _VALUE_TYPES) or depth == 0 or isinstance(obj, types.ModuleType):
+        return None
+    if isinstance(obj, (types.FunctionType, types.BuiltinFunctionType)):
+        return None
+    if isinstance(obj, types.MethodType):
+        inner = _held_array(obj.__self__, depth - 1)
+        return None if inner is None else f".__self__{inner}"
+    if isinstance(obj, functools.partial):
+        for i, a in enumerate((*obj.args, *obj.keywords.values())):
+            if any(_is_dynamic(x) for x in jax.tree.leaves(a)):
+                return f".args[{i}]"
+            if (inner := _held_array(a, depth - 1)) is not None:
+                return f".args[{i}]{inner}"
+        return None
+    attrs: dict[str, Any] = {}
+    try:
+        attrs.update(vars(obj))
+    except TypeError:
+        pass
+    for name in getattr(type(obj), "__slots__", ()):
+        if hasattr(obj, name):
+            attrs[name] = getattr(obj, name)
+    for name, value in attrs.items():
+        if isinstance(value, (list, tuple, dict)):
+            if any(_is_dynamic(x) for x in jax.tree.leaves(value)):
+                return f".{name}"
+        elif _is_dynamic(value):
+            return f".{name}"
+        elif not isinstance(value, type) and (inner := _held_array(value, depth - 1)) is not None:
+            return f".{name}{inner}"
+    return None
+
+
+def _arg_name(fn: Any, path: tuple[Any, ...]) -> str:
+    """``path`` (into ``(args, kwargs)``) as the user wrote the argument."""
+    keys = [getattr(k, "idx", getattr(k, "key", k)) for k in path]
+    if not keys:
+        return "?"
+    rest = "".join(f"[{k!r}]" for k in keys[2:])
+    if keys[0] == 1:
+        return f"{keys[1]}{rest}"
+    try:
+        params = list(inspect.signature(fn).parameters)
+        return f"{params[keys[1]]}{rest}"
+    except (TypeError, ValueError, IndexError):
+        return f"args[{keys[1]}]{rest}"
+
+
+def _fn_name(fn: Any) -> str:
+    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
 
 
 class _Traced:
@@ -54,6 +117,23 @@ class AmpFunction:
 
     def __get__(self, obj, objtype=None):  # behave like a function as a method
         return self if obj is None else functools.partial(self, obj)
+
+    def _check_static(self, args, kwargs, leaves, dyn_mask) -> None:
+        """Refuses plain (non-pytree) objects that hold arrays: amp would bake
+        the arrays into its cached trace, as constants."""
+        for (path, leaf), dyn in zip(jax.tree_util.tree_flatten_with_path((args, kwargs))[0], dyn_mask):
+            held = None if dyn else _held_array(leaf)
+            if held is None:
+                continue
+            name = _arg_name(self.fn, path)
+            kind = type(leaf).__name__
+            raise TypeError(
+                f"amp({_fn_name(self.fn)}): argument `{name}` is a {kind} that holds arrays "
+                f"(`{name}{held}`) but is not a pytree, so amp would bake them into its cached "
+                f"trace and return stale results once they change. Make {kind} a pytree "
+                "(jax.tree_util.register_dataclass or register_pytree_node_class, an "
+                "equinox.Module, a flax.struct.dataclass), or pass the arrays as arguments. "
+                "(jax.jit refuses this argument too.)")
 
     def _trace(self, treedef, leaves, dyn_mask) -> _Traced:
         dyn_avals = [compat.abstractify(x) for x, d in zip(leaves, dyn_mask) if d]
@@ -98,6 +178,7 @@ class AmpFunction:
                 if traced is not None:
                     self._cache.move_to_end(key)
         if traced is None:
+            self._check_static(args, kwargs, leaves, dyn_mask)
             traced = self._trace(treedef, leaves, dyn_mask)
             # A jaxpr that captured tracers of an enclosing transformation is
             # only valid inside that transformation: don't cache it.
