@@ -26,6 +26,7 @@ CORE_TESTS = [
     "tests/test_transform.py", "tests/test_speed_structure.py", "tests/test_policy.py",
     "tests/test_compat.py", "tests/test_optim_kahan_sr.py", "tests/test_optim_master.py",
     "tests/test_random_programs.py", "tests/test_ops.py", "tests/test_eager.py",
+    "tests/test_attention.py", "tests/test_errors.py", "tests/test_solver.py",
 ]
 
 
@@ -84,6 +85,21 @@ def _explicit_rounding_off():
     _rounding.round_nearest = lambda x, dtype: x.astype(dtype).astype(x.dtype)
 
 
+def _thresholds_off():
+    from amp_jax._src import interpreter
+    orig = interpreter.stays_high
+
+    def stays_high(eqn, policy):
+        why = orig(eqn, policy)
+        return None if why == "too_small" else why
+    interpreter.stays_high = stays_high
+
+
+def _attention_off():
+    from amp_jax._src import attention
+    attention.find = lambda jaxpr, consts: {}
+
+
 def _low_outputs_off():
     from amp_jax._src import policy
     policy.Policy.allow_output_dtype = lambda self, backend: policy.HIGH_DTYPE
@@ -100,6 +116,8 @@ MUTANTS = {
     "low_backward_off": _low_backward_off,
     "explicit_rounding_off": _explicit_rounding_off,
     "low_outputs_off": _low_outputs_off,
+    "thresholds_off": _thresholds_off,
+    "attention_off": _attention_off,
 }
 
 
