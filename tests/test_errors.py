@@ -164,3 +164,29 @@ def test_strict_accepts_common_primitives():
 
     x, w = jnp.ones((8, 32)), jnp.ones((32, 32))
     np.testing.assert_allclose(amp(fn, strict=True)(x, w), fn(x, w), rtol=1e-2)
+
+
+# -- constants the compute dtype cannot represent ---------------------------------------
+
+
+def test_float16_constants_out_of_range_keep_their_op_float32():
+    x = w = jnp.ones((512, 512))
+    f = lambda x, w: ((x @ w) * 1e-8) @ w  # noqa: E731  (1e-8 is 0 in float16)
+    out = amp(f, policy="float16")(x, w)
+    np.testing.assert_allclose(out, f(x, w), rtol=0.03)  # 0.0026, not 0
+    why = [r for r in dtype_report(amp(f, policy="float16"), x, w) if r[5]]
+    assert [(r[0], r[1], r[5]) for r in why] == [
+        ("mul", "float32,float32", "reads a constant the compute dtype cannot represent")]
+
+    def masked_pool(x, w):
+        h = x @ w
+        h = jnp.where(jnp.arange(h.shape[-1]) % 3 == 0, h, -1e9)  # the usual mask fill
+        p = lax.reduce_window(h, -jnp.inf, lax.max, (1, 4), (1, 4), "VALID")
+        return p @ w[: p.shape[-1]]
+
+    x, w = jax.random.normal(jax.random.PRNGKey(0), (8, 64)), jax.random.normal(jax.random.PRNGKey(1), (64, 64)) / 8
+    out = amp(masked_pool, policy="float16")(x, w)
+    assert bool(jnp.all(jnp.isfinite(out)))
+    np.testing.assert_allclose(out, masked_pool(x, w), atol=0.02 * float(jnp.max(jnp.abs(out))))
+    # bfloat16 represents both constants: nothing is kept
+    assert not [r for r in dtype_report(amp(masked_pool), x, w) if r[5]]

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
@@ -146,6 +147,7 @@ KEEP_REASONS = {
     "wide_operand": "float64/complex operand: not ours to lower",
     "explicit_precision": "explicit precision=HIGH/HIGHEST (or an algorithm) asked for",
     "too_small": "too small to pay (Policy.min_low_contraction / min_low_flops)",
+    "constant_range": "reads a constant the compute dtype cannot represent",
 }
 KEEP_SCOPE = "amp_keep_f32"
 
@@ -328,7 +330,51 @@ def plan(ctx: Context, jaxpr: Any) -> list[str]:
     classes = [ctx.classify(e) for e in jaxpr.eqns]
     if ctx.identity:
         return [c if c in (OPAQUE, SKIP, KEEP) else ORIG for c in classes]
+    for i in _reads_unrepresentable_constant(jaxpr, ctx.policy.compute_dtype):
+        if classes[i] in ("allow", "follow", "clear"):
+            classes[i] = "never"
+            ctx.kept_high[id(jaxpr.eqns[i])] = "constant_range"
     return paint(classes, jaxpr)
+
+
+def _unrepresentable(value: Any, dtype: np.dtype) -> bool:
+    """A float constant that ``dtype`` turns into inf, 0 or a subnormal (off by more than its eps)."""
+    v = np.asarray(value)
+    if not np.issubdtype(v.dtype, np.floating) or v.size > 64:
+        return False
+    v = v.astype(np.float64)
+    with np.errstate(over="ignore", under="ignore"):
+        c = v.astype(dtype).astype(np.float64)
+    finite = np.isfinite(v)
+    bad = finite & ~np.isfinite(c)
+    # (more than normal rounding: flushed to zero or a subnormal's lost digits)
+    bad |= finite & (v != 0) & (np.abs(c - v) > float(jnp.finfo(dtype).eps) * np.abs(v))
+    return bool(bad.any())
+
+
+_CONSTANT_PASSTHROUGH = frozenset({"broadcast_in_dim", "reshape", "convert_element_type", "copy", "squeeze",
+                                   "expand_dims"})
+
+
+def _reads_unrepresentable_constant(jaxpr: Any, dtype: np.dtype) -> list[int]:
+    """Eqns that read a constant (a literal, or a broadcast of one) that
+    ``dtype`` cannot represent: they keep their original precision."""
+    if np.dtype(dtype).itemsize >= 4:
+        return []
+    bad: set[Any] = set()
+    found = []
+    for i, eqn in enumerate(jaxpr.eqns):
+        reads_bad = any(
+            (isinstance(v, compat.Literal) and _unrepresentable(compat.literal_value(v), dtype))
+            or (not isinstance(v, compat.Literal) and v in bad)
+            for v in eqn.invars)
+        if not reads_bad:
+            continue
+        if eqn.primitive.name in _CONSTANT_PASSTHROUGH and len(eqn.invars) == 1:
+            bad.update(eqn.outvars)  # still a constant: judged where it is used
+        else:
+            found.append(i)
+    return found
 
 
 def eval_jaxpr(ctx: Context, closed: Any, args: Sequence[Any], colors: list[str] | None = None,
