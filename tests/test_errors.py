@@ -190,3 +190,16 @@ def test_float16_constants_out_of_range_keep_their_op_float32():
     np.testing.assert_allclose(out, masked_pool(x, w), atol=0.02 * float(jnp.max(jnp.abs(out))))
     # bfloat16 represents both constants: nothing is kept
     assert not [r for r in dtype_report(amp(masked_pool), x, w) if r[5]]
+
+
+def test_cache_size_is_an_option_and_checked():
+    f = amp(lambda x: x * 2, cache_size=2)
+    for n in (1, 2, 3, 1):
+        f(jnp.ones(n))
+    assert f.trace_count == 4  # the LRU of 2 dropped shape (1,)
+    g = amp(lambda x: x * 2, cache_size=8)
+    for n in (1, 2, 3, 1):
+        g(jnp.ones(n))
+    assert g.trace_count == 3
+    with pytest.raises(ValueError, match="cache_size=0"):
+        amp(lambda x: x, cache_size=0)

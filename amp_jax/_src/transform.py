@@ -103,9 +103,10 @@ class _Traced:
 class AmpFunction:
     """The callable returned by :func:`amp`; also exposes its trace cache."""
 
-    def __init__(self, fn: Callable[..., Any], policy: Policy):
+    def __init__(self, fn: Callable[..., Any], policy: Policy, cache_size: int = _CACHE_SIZE):
         self.fn = fn
         self.policy = policy
+        self.cache_size = cache_size
         self._cache: OrderedDict[Any, _Traced] = OrderedDict()
         self._lock = threading.Lock()
         #: number of times ``fn`` was traced (cache misses); for tests/inspection.
@@ -185,7 +186,7 @@ class AmpFunction:
             if key is not None and not any(isinstance(c, compat.Tracer) for c in compat.consts_of(traced.closed)):
                 with self._lock:
                     self._cache[key] = traced
-                    while len(self._cache) > _CACHE_SIZE:
+                    while len(self._cache) > self.cache_size:
                         self._cache.popitem(last=False)
         dyn = [x for x, d in zip(leaves, dyn_mask) if d]
         outs = eval_jaxpr(traced.ctx, traced.closed, dyn, traced.colors)
@@ -193,12 +194,14 @@ class AmpFunction:
 
 
 @overload
-def amp(fn: F, *, policy: Policy | str | Any = "bfloat16", strict: bool | None = None) -> F: ...
+def amp(fn: F, *, policy: Policy | str | Any = "bfloat16", strict: bool | None = None,
+        cache_size: int = _CACHE_SIZE) -> F: ...
 @overload
-def amp(fn: None = None, *, policy: Policy | str | Any = "bfloat16", strict: bool | None = None) -> Callable[[F], F]: ...
+def amp(fn: None = None, *, policy: Policy | str | Any = "bfloat16", strict: bool | None = None,
+        cache_size: int = _CACHE_SIZE) -> Callable[[F], F]: ...
 
 
-def amp(fn=None, *, policy="bfloat16", strict=None):
+def amp(fn=None, *, policy="bfloat16", strict=None, cache_size=_CACHE_SIZE):
     """Automatic mixed precision: runs ``fn`` with its primitives recast by ``policy``.
 
     ``amp`` traces ``fn`` to a jaxpr once per input signature, decides for
@@ -224,6 +227,8 @@ def amp(fn=None, *, policy="bfloat16", strict=None):
       strict: if true, a primitive that is in no class of the policy raises
         ``NotImplementedError`` naming it (default: treat it as ``follow``).
         Overrides ``policy.strict`` when given.
+      cache_size: how many input signatures keep their trace (an LRU,
+        default 64); a program that cycles through more shapes retraces.
 
     Returns:
       A function with the signature and output structure of ``fn``. It can
@@ -248,14 +253,16 @@ def amp(fn=None, *, policy="bfloat16", strict=None):
         if not isinstance(strict, bool):
             raise TypeError(f"strict must be a bool, got {strict!r}.")
         pol = pol.replace(strict=strict)
+    if isinstance(cache_size, bool) or not isinstance(cache_size, int) or cache_size < 1:
+        raise ValueError(f"amp(cache_size={cache_size!r}) must be an int >= 1 (default {_CACHE_SIZE}).")
     if fn is None:
-        return functools.partial(amp, policy=pol)
+        return functools.partial(amp, policy=pol, cache_size=cache_size)
     if not callable(fn):
         raise TypeError(
             f"amp(fn) needs a callable, got {type(fn).__name__}: {fn!r}. "
             "Use @amp or amp(fn, policy=...) on a function."
         )
-    return AmpFunction(fn, pol)
+    return AmpFunction(fn, pol, cache_size)
 
 
 def full_precision(fn: F | None = None) -> F:
