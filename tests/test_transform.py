@@ -177,7 +177,8 @@ def test_dot_inside_cond_inside_scan_inside_jit_two_levels():
         def body(c, x):
             return lax.cond(x.sum() > 0, lambda: c @ w, lambda: c @ w.T), None
         return jax.jit(lambda: lax.scan(body, xs[0], xs)[0])()
-    jaxpr = jax.make_jaxpr(amp(f))(W8, X8)
+    # (an 8-vector times an 8x8 matrix is below the size thresholds: lower everything)
+    jaxpr = jax.make_jaxpr(amp(f, policy=Policy(min_low_contraction=0, min_low_flops=0)))(W8, X8)
     dots = prim_dtypes(jaxpr, "dot_general")
     assert len(dots) == 2
     assert all(i == (BF16, BF16) and ("scan" in p and "cond" in p) for i, _, p in dots)

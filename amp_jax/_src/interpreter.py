@@ -179,6 +179,12 @@ def stays_high(eqn: Any, policy: Policy) -> str | None:
     sizes = _contraction_and_flops(eqn)
     if sizes is not None and (sizes[0] < policy.min_low_contraction or sizes[1] < policy.min_low_flops):
         return "too_small"
+    if eqn.primitive.name == "dot_general" and policy.min_low_flops:
+        (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+        free = [eqn.invars[0].aval.shape[d] for d in range(eqn.invars[0].aval.ndim) if d not in (*lc, *lb)]
+        free += [eqn.invars[1].aval.shape[d] for d in range(eqn.invars[1].aval.ndim) if d not in (*rc, *rb)]
+        if int(np.prod(free, dtype=np.int64)) == 1:  # a (batch of) vector-vector dot product(s)
+            return "too_small"
     return None
 
 
@@ -343,12 +349,13 @@ def _unrepresentable(value: Any, dtype: np.dtype) -> bool:
     if not np.issubdtype(v.dtype, np.floating) or v.size > 64:
         return False
     v = v.astype(np.float64)
-    with np.errstate(over="ignore", under="ignore"):
-        c = v.astype(dtype).astype(np.float64)
     finite = np.isfinite(v)
-    bad = finite & ~np.isfinite(c)
-    # (more than normal rounding: flushed to zero or a subnormal's lost digits)
-    bad |= finite & (v != 0) & (np.abs(c - v) > float(jnp.finfo(dtype).eps) * np.abs(v))
+    v = np.where(finite, v, 0.0)  # inf/nan constants are what they are in any dtype
+    with np.errstate(all="ignore"):
+        c = v.astype(dtype).astype(np.float64)
+        bad = ~np.isfinite(c)
+        # (more than normal rounding: flushed to zero or a subnormal's lost digits)
+        bad |= (v != 0) & (np.abs(c - v) > float(jnp.finfo(dtype).eps) * np.abs(v))
     return bool(bad.any())
 
 

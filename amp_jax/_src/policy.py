@@ -230,12 +230,13 @@ class Policy:
       min_low_contraction: an ``allow`` op whose contraction (the product of
         a dot's contracting dims; a convolution's input features times its
         window) is shorter than this stays float32. Default 8.
-      min_low_flops: an ``allow`` op of fewer multiply-adds times two than
-        this stays float32 (vector-vector and tiny matrix products). Default
-        1024. Together these keep a solver's own small contractions (a
-        Runge-Kutta step's 7 stage weights, a 32-long dot product) out of
-        bf16, where they buy no speed and can cost the solver its accuracy;
-        see "How amp works". ``0`` lowers everything.
+      min_low_flops: an ``allow`` op of fewer FLOPs (twice its multiply-adds)
+        than this stays float32, and so does a vector-vector dot product
+        while this is nonzero. Default 256. Together these keep a solver's
+        own small contractions (a Runge-Kutta step's 7 stage weights, a dot
+        product of two state vectors) out of bf16, where they buy no speed
+        and can cost the solver its accuracy; see "How amp works". ``0`` for
+        both lowers everything.
       attention: attention written out (``einsum`` -> scale -> mask ->
         softmax -> ``einsum``, or ``jax.nn.dot_product_attention`` on float32
         inputs) is recognised and run as one fused attention in the compute
@@ -265,7 +266,7 @@ class Policy:
     allow_outputs: str = "auto"
     attention: str = "auto"
     min_low_contraction: int = 8
-    min_low_flops: int = 1024
+    min_low_flops: int = 256
 
     def __post_init__(self):
         object.__setattr__(self, "compute_dtype", _as_dtype(self.compute_dtype, "compute_dtype"))
