@@ -58,8 +58,10 @@ def main(argv=None):
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--rounds", type=int, default=20)
+    p.add_argument("--heads", type=int, default=None, help="default: d_model // 64")
     args = p.parse_args(argv)
-    cfg = _model.Config(d_model=args.d_model, layers=args.layers, heads=max(args.d_model // 64, 1),
+    heads = args.heads or max(args.d_model // 64, 1)
+    cfg = _model.Config(d_model=args.d_model, layers=args.layers, heads=heads,
                         seq=args.seq, batch=args.batch)
     loss = functools.partial(_model.loss_fn, heads=cfg.heads)
     params32 = _model.init_params(jax.random.key(0), cfg)
@@ -68,6 +70,9 @@ def main(argv=None):
     tokens, targets = toks[:, :-1], toks[:, 1:]
     sgd = optax.sgd(1e-3)
     kahan = optim.adamw(1e-3, mu_dtype=BF16, nu_dtype=BF16, kahan=True)
+    from amp_jax.demo import _modes
+    sched = _modes.schedule(1e-3, 300)  # the demo's warmup-cosine schedule
+    kahan_sched = optim.adamw(sched, mu_dtype=BF16, nu_dtype=BF16, kahan=True)
     variants = {
         "f32 params, amp, adamw": (params32, amp(loss), optim.adamw(1e-3), True),
         "bf16 params, no amp, sgd": (params16, loss, sgd, True),
@@ -76,6 +81,8 @@ def main(argv=None):
         "bf16 params, amp, adamw+kahan (demo bf16-kahan)": (params16, amp(loss), kahan, True),
         "bf16 params, no amp, sgd, f32 gather": (params16, f32_gather(loss), sgd, True),
         "bf16 params, amp, adamw+kahan, f32 gather": (params16, amp(f32_gather(loss)), kahan, True),
+        "bf16 params, amp, adamw+kahan, demo schedule": (params16, amp(loss), kahan_sched, True),
+        "f32 params, amp, adamw, demo schedule": (params32, amp(loss), optim.adamw(sched), True),
     }
     rows = []
     for name, (params, lfn, tx, donate) in variants.items():
@@ -95,7 +102,8 @@ def main(argv=None):
             ts.append(time.perf_counter() - t0)
         rows.append((name, statistics.median(ts) * 1e3, ",".join(scatters) or "-"))
         print(f"{name}: {rows[-1][1]:.1f} ms, scatter types {rows[-1][2]}", flush=True)
-    print(f"\n{jax.devices()[0].device_kind}, JAX {jax.__version__}, d={cfg.d_model}, layers={cfg.layers}, "
+    print(f"\n{jax.devices()[0].device_kind}, JAX {jax.__version__}, d={cfg.d_model}, heads={cfg.heads}, "
+          f"layers={cfg.layers}, "
           f"seq={cfg.seq}, batch={cfg.batch}\n")
     print("| variant | step ms | scatter element types |\n|---|---:|---|")
     for name, ms, sc in rows:
