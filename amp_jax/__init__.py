@@ -20,10 +20,17 @@ from amp_jax._src.policy import (
     get_policy as get_policy,
 )
 from amp_jax._src.inspect import dtype_report as dtype_report, format_dtype_report as format_dtype_report
+from amp_jax._src.explain import (
+    Explanation as Explanation,
+    ExplainRow as ExplainRow,
+    ExplainSummary as ExplainSummary,
+    explain as explain,
+)
 from amp_jax._src.rules import register_rule as register_rule
 from amp_jax._src.transform import amp as amp, full_precision as full_precision
 from amp_jax import optim as optim
 from amp_jax import eager as eager
+from amp_jax import debug as debug
 
 __version__ = "0.1.0"
 
@@ -35,10 +42,15 @@ __all__ = [
     "DEFAULT_DENY",
     "DEFAULT_FOLLOW",
     "DEFAULT_NEVER",
+    "ExplainRow",
+    "ExplainSummary",
+    "Explanation",
     "Policy",
     "amp",
+    "debug",
     "dtype_report",
     "eager",
+    "explain",
     "format_dtype_report",
     "full_precision",
     "get_policy",

@@ -102,3 +102,7 @@ def test_resume_is_bitwise_identical(name, tmp_path):
   if dynamic:
     found = optim._tree.find_states(s, optim.DynamicLossScaleState)
     assert int(found[0][1].skipped_steps) == 1
+    # the telemetry counters survive the checkpoint: 6 steps, the third skipped
+    stats = {k: float(v) for k, v in optim.loss_scale_stats(s).items()}
+    assert stats["steps"] == n + m and stats["skipped_steps"] == 1
+    assert stats["last_skipped_step"] == 3

@@ -45,8 +45,8 @@ def test_state_fields_and_dtypes():
   tx = optim.dynamic_loss_scale(optax.adam(1e-3))
   state = tx.init({"w": jnp.zeros(3)})
   assert isinstance(state, optim.DynamicLossScaleState)
-  assert state._fields == ("scale", "good_steps", "skipped_steps",
-                           "inner_state")
+  assert state._fields == ("scale", "good_steps", "skipped_steps", "steps",
+                           "last_skipped_step", "inner_state")
   assert state.scale.dtype == jnp.float32 and state.scale.shape == ()
   assert state.good_steps.dtype == jnp.int32
   assert state.skipped_steps.dtype == jnp.int32
@@ -264,3 +264,26 @@ def test_float16_gradients_below_float16_range_survive_unscaling():
   _, state = tx.update(scaled, state, params)
   master = optim.master_params(state)
   np.testing.assert_allclose(-np.asarray(master), true, rtol=2e-3)
+
+
+def test_loss_scale_stats_count_steps_and_skips_under_jit():
+  tx = optim.dynamic_loss_scale(optax.sgd(0.1), init_scale=2.0**4,
+                                growth_interval=100)
+  state = tx.init(jnp.zeros(2))
+  update = jax.jit(tx.update)
+  stats_fn = jax.jit(optim.loss_scale_stats)
+  bad = {2, 5}
+  for i in range(1, 8):
+    g = jnp.array([1.0, jnp.inf if i in bad else 1.0])
+    _, state = update(g, state)
+    stats = {k: float(v) for k, v in stats_fn(state).items()}
+    assert stats["steps"] == i
+    assert stats["skipped_steps"] == len([b for b in bad if b <= i])
+    assert stats["last_skipped_step"] == max([0] + [b for b in bad if b <= i])
+    assert stats["scale"] == 2.0**4 / 2**stats["skipped_steps"]
+  assert stats["good_steps"] == 2 and abs(stats["skip_rate"] - 2 / 7) < 1e-6
+  static = optim.static_loss_scale(optax.sgd(0.1), 8.0).init(jnp.zeros(2))
+  assert {k: float(v) for k, v in optim.loss_scale_stats(static).items()} == {
+      "scale": 8.0}
+  with pytest.raises(ValueError, match="loss_scale_stats"):
+    optim.loss_scale_stats(optax.sgd(0.1).init(jnp.zeros(2)))

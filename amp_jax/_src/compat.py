@@ -312,3 +312,19 @@ def vjp_residuals(vjp_fn: Any) -> tuple[list[Any], Any] | None:
     if not all(isinstance(x, (jax.Array, Tracer)) for x in leaves):
         return None
     return leaves, treedef
+
+
+def scan_split(params: dict[str, Any]) -> tuple[int, int]:
+    """``(num_consts, num_carry)`` of a ``scan`` eqn's operands (then the xs)."""
+    if "ft_in" in params:
+        consts, carry, _ = params["ft_in"].unpack()
+        return len(consts), len(carry)
+    return params["num_consts"], params["num_carry"]
+
+
+def source_line(eqn: Any) -> str:
+    """The user's source line of ``eqn`` (``file:line:col (function)``), or ``"-"``."""
+    try:
+        return source_info_util.summarize(eqn.source_info) or "-"
+    except Exception:  # an eqn without a traceback
+        return "-"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -26,18 +26,32 @@ def _why(eqn: Any) -> str:
     return ""
 
 
-def _walk(jaxpr: Any, counts: collections.Counter, path: str) -> None:
+def iter_eqns(jaxpr: Any, path: str = "", times: int = 1,
+              stack: tuple[str, ...] = ()) -> Iterator[tuple[Any, str, int, tuple[str, ...]]]:
+    """``(eqn, enclosing primitives, times it runs, enclosing eqns' name
+    stacks)`` for every first-order eqn of ``jaxpr`` and of its sub-jaxprs (a
+    ``scan`` body runs ``length`` times; a ``while`` body is counted once,
+    every ``cond`` branch once). A sub-jaxpr's name stacks are relative to
+    the eqn that holds it: the full stack is ``(*stack, eqn's own)``."""
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
         subs = list(jex_core.jaxprs_in_params(eqn.params))
         if subs:
+            inner = times * int(eqn.params.get("length", 1)) if name == "scan" else times
+            inner_stack = (*stack, str(eqn.source_info.name_stack))
             for sub in subs:
-                _walk(compat.jaxpr_of(sub) if compat.is_closed_jaxpr(sub) else sub, counts,
-                      f"{path}/{name}" if path else name)
+                yield from iter_eqns(compat.jaxpr_of(sub) if compat.is_closed_jaxpr(sub) else sub,
+                                     f"{path}/{name}" if path else name, inner, inner_stack)
             continue
+        yield eqn, path, times, stack
+
+
+def _walk(jaxpr: Any, counts: collections.Counter, path: str) -> None:
+    for eqn, where, _, _ in iter_eqns(jaxpr, path):
+        name = eqn.primitive.name
         ins = ",".join(str(v.aval.dtype) for v in eqn.invars if hasattr(v.aval, "dtype"))
         outs = ",".join(str(v.aval.dtype) for v in eqn.outvars if hasattr(v.aval, "dtype"))
-        counts[(name, ins, outs, path or "-", _why(eqn))] += 1
+        counts[(name, ins, outs, where or "-", _why(eqn))] += 1
 
 
 def dtype_report(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[tuple[str, str, str, str, int, str]]:

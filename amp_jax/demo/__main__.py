@@ -110,13 +110,45 @@ def format_table(results: list[RunResult]) -> str:
     return "\n".join(lines)
 
 
+#: the demo's optional dependencies (the ``demo`` extra), by import name.
+EXTRAS = {"tqdm": "tqdm", "matplotlib": "matplotlib"}
+
+
+def check_extras(progress: bool = True) -> None:
+    """Exits with the install command when a dependency of the demo is missing.
+
+    Checked before training, so a missing plotting library does not surface
+    as a raw ``ModuleNotFoundError`` after minutes of work.
+    """
+    import importlib
+
+    missing = []
+    for module, package in EXTRAS.items():
+        if module == "tqdm" and not progress:
+            continue
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            missing.append(package)
+    if missing:
+        raise SystemExit(
+            f"python -m amp_jax.demo needs {' and '.join(missing)}, which a plain `pip install amp_jax` "
+            f"does not install. Install the demo extra:\n    pip install \"amp_jax[demo]\"\n"
+            f"(or: pip install {' '.join(missing)})")
+
+
 def plot(results: list[RunResult], path: pathlib.Path, title: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
 
-    fig, (ax_t, ax_v) = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+    scaled = [(i, r) for i, r in enumerate(results) if r.loss_scale]
+    if scaled:
+        fig, (ax_t, ax_v, ax_s) = plt.subplots(1, 3, figsize=(16, 4.2))
+        ax_v.sharey(ax_t)
+    else:
+        fig, (ax_t, ax_v) = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
     for i, r in enumerate(results):
         color = f"C{i}"
         loss = np.asarray(r.train_loss)
@@ -143,6 +175,17 @@ def plot(results: list[RunResult], path: pathlib.Path, title: str) -> None:
     hi = max(r.val_loss[0] for r in results) if all(len(r.val_loss) > 1 for r in results) else None
     top = max(hi, lo + 0.5) + 0.3 if hi is not None else None
     ax_t.set_ylim(max(0.0, lo - 0.2), top)
+    for i, r in scaled:
+        ax_s.step(r.train_steps, r.loss_scale, where="post", color=f"C{i}", label=f"{r.mode} loss scale")
+        if r.skipped_at:
+            ys = [r.loss_scale[s - 1] for s in r.skipped_at]
+            ax_s.plot(r.skipped_at, ys, "x", color="red", ms=7,
+                      label=f"skipped steps ({len(r.skipped_at)})")
+        ax_s.set_yscale("log", base=2)
+        ax_s.set_title("dynamic loss scale (x: skipped, non-finite step)", fontsize=10)
+        ax_s.set_xlabel("step")
+        ax_s.grid(alpha=0.3)
+        ax_s.legend()
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -151,8 +194,8 @@ def plot(results: list[RunResult], path: pathlib.Path, title: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    check_extras(progress=not args.no_progress)
     import jax
-    from tqdm.auto import tqdm
 
     cfg = _model.Config(d_model=args.d_model, layers=args.layers, heads=args.heads, seq=args.seq,
                         batch=args.batch)
@@ -174,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.modes:
         bar = None
         if not args.no_progress:
+            from tqdm.auto import tqdm
+
             def bar(it, name=name):
                 return tqdm(it, desc=f"{name:>10}", unit="step", dynamic_ncols=True, leave=True)
         results.append(train(MODES[name], cfg, corpus, steps=args.steps, lr=args.lr, seed=args.seed,
@@ -201,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         "modes": {r.mode: {"description": r.description, **r.summary(), **r.extra,
                            "train_steps": r.train_steps, "train_loss": r.train_loss,
                            "val_steps": r.val_steps, "val_loss": r.val_loss,
+                           **({"loss_scale": r.loss_scale, "skipped_at": r.skipped_at} if r.loss_scale else {}),
                            "step_times_s": r.step_times_s} for r in results},
         "wall_time_s": time.perf_counter() - t_start,
     }

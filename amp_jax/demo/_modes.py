@@ -70,6 +70,10 @@ class RunResult:
     param_bytes: int
     tokens_per_step: int
     extra: dict[str, Any]
+    #: per step, for loss-scaled modes: the scale after the step (else empty)
+    loss_scale: list[float] = dataclasses.field(default_factory=list)
+    #: steps whose update was skipped (non-finite gradients)
+    skipped_at: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def median_step_s(self) -> float:
@@ -162,6 +166,11 @@ def train(mode: Mode, cfg: _model.Config, corpus: _data.Corpus, *, steps: int, l
         result.step_times_s.append(time.perf_counter() - t)
         result.train_steps.append(i)
         result.train_loss.append(value)
+        if mode.loss_scaled:
+            stats = optim.loss_scale_stats(opt_state)
+            result.loss_scale.append(float(stats["scale"]))
+            if int(stats["last_skipped_step"]) == int(stats["steps"]):
+                result.skipped_at.append(i)
         if i % eval_every == 0 or i == steps:
             result.val_steps.append(i)
             result.val_loss.append(evaluate(params))
@@ -171,6 +180,6 @@ def train(mode: Mode, cfg: _model.Config, corpus: _data.Corpus, *, steps: int, l
                 post["val"] = f"{result.val_loss[-1]:.3f}"
             it.set_postfix(post, refresh=False)
     if mode.loss_scaled:
-        ls = optim._tree.find_states(opt_state, optim.DynamicLossScaleState)[0][1]
-        result.extra = {"final_loss_scale": float(ls.scale), "skipped_steps": int(ls.skipped_steps)}
+        stats = optim.loss_scale_stats(opt_state)
+        result.extra = {"final_loss_scale": float(stats["scale"]), "skipped_steps": int(stats["skipped_steps"])}
     return result

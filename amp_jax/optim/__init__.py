@@ -13,6 +13,7 @@ from amp_jax.optim._loss_scale import DynamicLossScaleState as DynamicLossScaleS
 from amp_jax.optim._loss_scale import StaticLossScaleState as StaticLossScaleState
 from amp_jax.optim._loss_scale import dynamic_loss_scale as dynamic_loss_scale
 from amp_jax.optim._loss_scale import loss_scale as loss_scale
+from amp_jax.optim._loss_scale import loss_scale_stats as loss_scale_stats
 from amp_jax.optim._loss_scale import scaled_value_and_grad as scaled_value_and_grad
 from amp_jax.optim._loss_scale import static_loss_scale as static_loss_scale
 from amp_jax.optim._master import MasterWeightsState as MasterWeightsState
@@ -32,6 +33,7 @@ __all__ = [
     "dynamic_loss_scale",
     "kahan_summation",
     "loss_scale",
+    "loss_scale_stats",
     "master_params",
     "master_weights",
     "scale_by_any_precision_adam",

@@ -23,6 +23,10 @@ class DynamicLossScaleState(NamedTuple):
     good_steps: number of consecutive steps with finite gradients since the
       last growth or backoff (int32 scalar, reset on growth and on backoff).
     skipped_steps: total number of skipped (non-finite) steps (int32 scalar).
+    steps: total number of ``update`` calls, skipped ones included (int32
+      scalar).
+    last_skipped_step: the 1-based index (in ``steps``) of the last skipped
+      step, 0 when none was skipped (int32 scalar).
     inner_state: the state of the wrapped transformation; left untouched by a
       skipped step.
   """
@@ -30,6 +34,8 @@ class DynamicLossScaleState(NamedTuple):
   scale: jax.Array
   good_steps: jax.Array
   skipped_steps: jax.Array
+  steps: jax.Array
+  last_skipped_step: jax.Array
   inner_state: optax.OptState
 
 
@@ -177,6 +183,8 @@ def dynamic_loss_scale(
         scale=jnp.asarray(init_scale, jnp.float32),
         good_steps=jnp.zeros([], jnp.int32),
         skipped_steps=jnp.zeros([], jnp.int32),
+        steps=jnp.zeros([], jnp.int32),
+        last_skipped_step=jnp.zeros([], jnp.int32),
         inner_state=inner.init(params))
 
   def update_fn(updates, state, params=None, **extra_args):
@@ -208,11 +216,15 @@ def dynamic_loss_scale(
                             jnp.float32(min_scale))
     skipped = state.skipped_steps
     bad_skipped = jnp.where(skipped < _INT32_MAX, skipped + 1, skipped)
+    steps = optax.safe_increment(state.steps)
     new_state = DynamicLossScaleState(
         scale=jnp.where(finite, ok_scale, bad_scale).astype(jnp.float32),
         good_steps=jnp.where(finite, ok_good, 0).astype(jnp.int32),
         skipped_steps=jnp.where(finite, skipped, bad_skipped).astype(
             jnp.int32),
+        steps=steps.astype(jnp.int32),
+        last_skipped_step=jnp.where(finite, state.last_skipped_step,
+                                    steps).astype(jnp.int32),
         inner_state=new_inner)
     return new_updates, new_state
 
@@ -370,3 +382,58 @@ def scaled_value_and_grad(
     return ((loss, aux) if has_aux else loss), grads
 
   return wrapped
+
+
+def loss_scale_stats(opt_state: Any) -> dict[str, jax.Array]:
+  """The loss-scale counters of an optimizer state, to log.
+
+  Finds the single loss-scale state nested in ``opt_state`` (like
+  :func:`loss_scale`) and returns its counters as scalar arrays; works under
+  ``jit`` (convert with ``{k: float(v) for k, v in stats.items()}`` on the
+  host).
+
+  Args:
+    opt_state: an optimizer state containing exactly one loss-scale state.
+
+  Returns:
+    For a :class:`DynamicLossScaleState`: ``scale`` (float32), ``steps``,
+    ``skipped_steps``, ``good_steps`` (consecutive finite steps since the
+    last growth or backoff), ``last_skipped_step`` (1-based, 0 when none;
+    all int32) and ``skip_rate`` (float32, ``skipped_steps / steps``). For a
+    :class:`StaticLossScaleState`: ``scale`` only.
+
+  Raises:
+    ValueError: if no loss-scale state or more than one is found.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, optax
+    >>> from amp_jax import optim
+    >>> tx = optim.dynamic_loss_scale(optax.sgd(0.1), init_scale=8.0)
+    >>> state = tx.init(jnp.zeros(2))
+    >>> _, state = tx.update(jnp.ones(2), state)
+    >>> _, state = tx.update(jnp.array([1.0, jnp.inf]), state)
+    >>> {k: float(v) for k, v in optim.loss_scale_stats(state).items()}
+    {'scale': 4.0, 'steps': 2.0, 'skipped_steps': 1.0, 'good_steps': 0.0, \
+'last_skipped_step': 2.0, 'skip_rate': 0.5}
+
+  References:
+    Micikevicius et al., "Mixed Precision Training", ICLR 2018,
+    https://arxiv.org/abs/1710.03740.
+  """
+  state = _tree.find_one(opt_state, (DynamicLossScaleState,
+                                     StaticLossScaleState),
+                         caller="loss_scale_stats", fix=_FIX)
+  scale = jnp.asarray(state.scale, jnp.float32)
+  if isinstance(state, StaticLossScaleState):
+    return {"scale": scale}
+  steps = jnp.asarray(state.steps, jnp.int32)
+  skipped = jnp.asarray(state.skipped_steps, jnp.int32)
+  return {
+      "scale": scale,
+      "steps": steps,
+      "skipped_steps": skipped,
+      "good_steps": jnp.asarray(state.good_steps, jnp.int32),
+      "last_skipped_step": jnp.asarray(state.last_skipped_step, jnp.int32),
+      "skip_rate": skipped.astype(jnp.float32)
+                   / jnp.maximum(steps, 1).astype(jnp.float32),
+  }

@@ -1,0 +1,438 @@
+"""Finding where low precision overflowed or underflowed.
+
+:func:`first_nonfinite` traces the program :func:`amp` runs and the original
+one (``jax.make_jaxpr``) and evaluates both eagerly, eqn by eqn (``scan``,
+``while``, ``cond`` and call-like primitives such as ``jit``, ``checkpoint``,
+``custom_jvp``/``custom_vjp`` are entered, so the op found is a first-order
+one with its source line). ``jax.experimental.checkify``'s ``nan_checks``
+would stop at the first NaN only, not at the overflow to inf that precedes it
+in float16, and does not know the float32 program; ``jax_debug_nans`` the
+same. :func:`underflow_report` compares float32 gradients with what float16
+keeps of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import core as jex_core
+
+from amp_jax._src import compat
+from amp_jax._src.explain import _check_grad, _flat_call, _full_stack, _is_backward, _scope, _split_fn, ran_in
+from amp_jax._src.policy import is_managed_float
+from amp_jax._src.transform import AmpFunction
+
+
+class _Stop(Exception):
+    pass
+
+
+def _is_float_array(x: Any) -> bool:
+    return hasattr(x, "dtype") and is_managed_float(x.dtype)
+
+
+def _finite(x: Any) -> bool:
+    return bool(jnp.all(jnp.isfinite(x)))
+
+
+def _max_abs(xs: Sequence[Any]) -> float | None:
+    vals = [float(jnp.max(jnp.where(jnp.isfinite(x), jnp.abs(x), 0).astype(jnp.float32)))
+            for x in xs if _is_float_array(x) and x.size]
+    return max(vals) if vals else None
+
+
+class _Probe:
+    """Watches every first-order eqn's outputs during an eager evaluation."""
+
+    def __init__(self, stop_at_first: bool):
+        self.stop_at_first = stop_at_first
+        self.first: dict[str, Any] | None = None
+        #: (source line, primitive) -> [max |finite output|, any non-finite output]
+        self.ranges: dict[tuple[str, str], list[Any]] = {}
+        #: id(value) -> (value, the first-order eqn that produced it), to trace
+        #: a cast back to the op whose result it casts (values keep their
+        #: identity through calls and bodies; the value is kept alive with it)
+        self.producer: dict[int, tuple[Any, Any]] = {}
+
+    def check(self, eqn: Any, stack: str, invals: Sequence[Any], outs: Sequence[Any]) -> None:
+        floats = [o for o in outs if _is_float_array(o)]
+        if not floats:
+            return
+        key = (compat.source_line(eqn), eqn.primitive.name)
+        finite = all(_finite(o) for o in floats)
+        entry = self.ranges.setdefault(key, [0.0, False])
+        entry[0] = max(entry[0], _max_abs(floats) or 0.0)
+        entry[1] = entry[1] or not finite
+        if finite or self.first is not None:
+            return
+        if not all(_finite(x) for x in invals if _is_float_array(x)):
+            return  # propagated from an earlier op
+        bad = next(o for o in floats if not _finite(o))
+        kinds = [k for k, f in (("inf", jnp.isinf), ("nan", jnp.isnan)) if bool(jnp.any(f(bad)))]
+        src = None
+        if eqn.primitive.name == "convert_element_type" and invals:
+            src = self.producer.get(id(invals[0]), (None, None))[1]
+        self.first = dict(eqn=eqn, src=src, stack=stack, kind=" and ".join(kinds),
+                          input_max_abs=_max_abs(invals), out_dtype=str(bad.dtype))
+        if self.stop_at_first:
+            raise _Stop
+
+
+def _eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], stack: tuple[str, ...],
+          probe: _Probe) -> list[Any]:
+    env: dict[Any, Any] = {}
+
+    def read(a):
+        return compat.literal_value(a) if isinstance(a, compat.Literal) else env[a]
+
+    for v, c in zip(jaxpr.constvars, consts):
+        env[v] = c
+    for v, a in zip(jaxpr.invars, args):
+        env[v] = a
+    for eqn in jaxpr.eqns:
+        invals = [read(v) for v in eqn.invars]
+        inner = (*stack, str(eqn.source_info.name_stack))
+        outs = _eval_eqn(eqn, invals, inner, probe)
+        if outs is None:
+            outs = compat.bind_eqn(eqn, invals)
+            probe.check(eqn, _full_stack(eqn, stack), invals, outs)
+        for v, o in zip(eqn.outvars, outs):
+            if type(v).__name__ != "DropVar":
+                env[v] = o
+                probe.producer.setdefault(id(o), (o, eqn))
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _run_closed(closed: Any, args: Sequence[Any], stack: tuple[str, ...], probe: _Probe) -> list[Any]:
+    if compat.is_closed_jaxpr(closed):
+        return _eval(compat.jaxpr_of(closed), compat.consts_of(closed), args, stack, probe)
+    return _eval(closed, [], args, stack, probe)
+
+
+def _eval_eqn(eqn: Any, invals: list[Any], stack: tuple[str, ...], probe: _Probe) -> list[Any] | None:
+    """Evaluates a higher-order eqn by entering its body; None for a first-order one
+    (or one this evaluator does not enter: it is then bound whole)."""
+    name, p = eqn.primitive.name, eqn.params
+    subs = list(jex_core.jaxprs_in_params(p))
+    if not subs:
+        return None
+    if name == "scan":
+        nc, ncarry = compat.scan_split(p)
+        length = int(p["length"])
+        if length == 0:
+            return None
+        consts, carry, xs = invals[:nc], invals[nc:nc + ncarry], invals[nc + ncarry:]
+        ys: list[list[Any]] = []
+        for i in (reversed(range(length)) if p.get("reverse") else range(length)):
+            outs = _run_closed(p["jaxpr"], [*consts, *carry, *(x[i] for x in xs)], stack, probe)
+            carry, y = outs[:ncarry], outs[ncarry:]
+            ys.append(y)
+        if p.get("reverse"):
+            ys.reverse()
+        stacked = [jnp.stack([y[j] for y in ys]) for j in range(len(ys[0]))] if ys and ys[0] else []
+        return [*carry, *stacked]
+    if name == "while":
+        cn, bn = p["cond_nconsts"], p["body_nconsts"]
+        cconsts, bconsts, carry = invals[:cn], invals[cn:cn + bn], invals[cn + bn:]
+        while bool(_run_closed(p["cond_jaxpr"], [*cconsts, *carry], stack, probe)[0]):
+            carry = _run_closed(p["body_jaxpr"], [*bconsts, *carry], stack, probe)
+        return carry
+    if name == "cond":
+        index = int(invals[0])
+        return _run_closed(p["branches"][index], invals[1:], stack, probe)
+    if len(subs) == 1:  # call-like: jit, checkpoint, custom_jvp/vjp calls, closed_call
+        sub = subs[0]
+        j = compat.jaxpr_of(sub) if compat.is_closed_jaxpr(sub) else sub
+        if len(j.invars) == len(invals) and len(j.outvars) == len(eqn.outvars):
+            return _run_closed(sub, invals, stack, probe)
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class FirstNonfinite:
+    """The first op whose output became inf or NaN (see :func:`first_nonfinite`).
+
+    Attributes:
+      where: its source line, ``file:line:col (function)``.
+      scope: its ``named_scope`` path (``-`` when none).
+      backward: whether it belongs to the backward pass.
+      primitive: the JAX primitive (``convert_element_type`` for a cast to a
+        low-precision dtype that overflowed).
+      cast_of: for a cast, the source line and primitive of the op whose
+        (float32) result did not fit (``where`` is then that op's line too);
+        None otherwise.
+      dtype: the dtype it ran in (``a->b`` for a cast).
+      kind: ``"inf"``, ``"nan"`` or ``"inf and nan"``.
+      input_max_abs: the largest finite magnitude among its inputs.
+      dtype_max: the largest finite value of its output dtype.
+      float32_max_abs: the largest magnitude the same source line's ops reached
+        in the original float32 program (None when unknown).
+      float32_finite: whether the original program stayed finite there.
+      fix: what to do about it, in words.
+    """
+
+    where: str
+    scope: str
+    backward: bool
+    primitive: str
+    cast_of: str | None
+    dtype: str
+    kind: str
+    input_max_abs: float | None
+    dtype_max: float
+    float32_max_abs: float | None
+    float32_finite: bool
+    fix: str
+
+    def __str__(self) -> str:
+        f32 = ("unknown" if self.float32_max_abs is None else
+               f"max |x| = {self.float32_max_abs:.4g}" + ("" if self.float32_finite else ", non-finite too"))
+        ins = "-" if self.input_max_abs is None else f"{self.input_max_abs:.4g}"
+        return "\n".join([
+            f"first non-finite value ({self.kind}) at {self.where}",
+            f"  op: {self.primitive} in {self.dtype} ({'backward' if self.backward else 'forward'} pass, "
+            f"scope {self.scope})" + (f", casting the result of {self.cast_of}" if self.cast_of else ""),
+            f"  largest finite input |x| = {ins}; the output dtype's finite range is +-{self.dtype_max:.4g}",
+            f"  the float32 program at this line: {f32}",
+            f"  fix: {self.fix}",
+        ])
+
+
+def _fix_text(prim: str, where: str, dtype: str, backward: bool, f32_finite: bool,
+              f32_max: float | None, dtype_max: float, cast: bool) -> str:
+    if not f32_finite:
+        return ("the float32 program is non-finite here too: this is not a precision problem "
+                "(check the inputs, the learning rate, a log or division of 0).")
+    low = dtype.split("->")[-1]
+    if backward:
+        return (f"the backward pass overflowed {low}: lower the loss scale (amp_jax.optim."
+                "dynamic_loss_scale skips such a step and halves the scale; a static scale must be "
+                f"smaller), or keep the forward code at {where} in float32 with amp_jax.full_precision.")
+    fits = f32_max is not None and f32_max <= dtype_max
+    ranges = (f"the values reach {f32_max:.4g} in float32, beyond {low}'s {dtype_max:.4g}; "
+              if f32_max is not None and not fits else "")
+    override = ("" if cast else
+                f"or make the op float32 with Policy(overrides={{{prim!r}: 'deny'}}), ")
+    what = "its result and the ops that read it" if cast else "the code"
+    return (f"{ranges}wrap {what} at {where} in amp_jax.full_precision (or "
+            f"Policy(full_precision_scopes=...) with a jax.named_scope), {override}"
+            "or use policy='bfloat16' (float32's range); "
+            "scaling the values down (e.g. by 1/sqrt(d) before a matmul) also helps.")
+
+
+def first_nonfinite(fn: Callable[..., Any], *args: Any, policy: Any = None,
+                    grad: bool | int | tuple[int, ...] = False, **kwargs: Any) -> FirstNonfinite | None:
+    """Runs the program :func:`amp` makes of ``fn`` and finds its first non-finite op.
+
+    Both the rewritten and the original float32 program are traced and
+    evaluated eagerly, op by op, entering ``scan``/``while``/``cond`` bodies
+    and ``jit``/``checkpoint``/``custom_jvp``/``custom_vjp`` calls. The first
+    first-order op whose floating outputs hold an inf or NaN while its inputs
+    were finite is reported with its source line, the dtype it ran in, the
+    value range its source line reached in float32, and a fix. Meant for
+    debugging: every op is dispatched separately (slow for big programs;
+    shrink the batch first).
+
+    Args:
+      fn: the float32 function, or an :func:`amp`-wrapped one (whose policy
+        is used unless ``policy`` is given).
+      *args: its positional arguments (concrete arrays).
+      policy: the policy (default: ``fn``'s, else ``"float16"``).
+      grad: ``True`` or argnums: run ``jax.value_and_grad`` of ``fn`` (a
+        non-scalar output is summed), to also search the backward pass.
+      **kwargs: keyword arguments of ``fn``.
+
+    Returns:
+      A :class:`FirstNonfinite`, or ``None`` when every value stayed finite.
+
+    Raises:
+      TypeError: ``fn`` is not callable or ``grad`` is not a bool/int/tuple.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from amp_jax import debug
+      >>> def f(x, w):
+      ...     h = x @ w                    # 4 * 100 * 200 = 80000 > float16's 65504
+      ...     return jnp.sum(h @ w)
+      >>> x, w = jnp.full((2, 4), 100.0), jnp.full((4, 4), 200.0)
+      >>> found = debug.first_nonfinite(f, x, w, policy="float16")
+      >>> found.primitive, found.dtype, found.float32_finite
+      ('convert_element_type', 'float32->float16', True)
+      >>> debug.first_nonfinite(f, x / 100, w, policy="float16") is None
+      True
+    """
+    base, pol = _split_fn(fn, "float16" if policy is None and not isinstance(fn, AmpFunction) else policy)
+    g = _check_grad(grad)
+    run, dyn = _flat_call(AmpFunction(base, pol), args, kwargs, g)
+    orig, _ = _flat_call(base, args, kwargs, g)
+    new = jax.make_jaxpr(run)(*dyn)
+    old = jax.make_jaxpr(orig)(*dyn)
+    probe = _Probe(stop_at_first=True)
+    try:
+        _run_closed(new, dyn, (), probe)
+    except _Stop:
+        pass
+    if probe.first is None:
+        return None
+    ref = _Probe(stop_at_first=False)
+    _run_closed(old, dyn, (), ref)
+    hit = probe.first
+    eqn, stack = hit["eqn"], hit["stack"]
+    where, prim = compat.source_line(eqn), eqn.primitive.name
+    src = hit["src"]
+    cast_of = None
+    key = (where, prim)
+    if src is not None:
+        key = (compat.source_line(src), src.primitive.name)
+        where, cast_of = key[0], f"{src.primitive.name} at {key[0]}"
+    same = ref.ranges.get(key)
+    line = [r for (w, _), r in ref.ranges.items() if w == where]
+    if same is None and line:
+        same = [max(r[0] for r in line), any(r[1] for r in line)]
+    f32_max, f32_finite = (same[0], not same[1]) if same else (None, True)
+    dtype_max = float(jnp.finfo(hit["out_dtype"]).max)
+    backward = _is_backward(stack)
+    dtype = ran_in(eqn)
+    return FirstNonfinite(
+        where=where, scope=_scope(stack), backward=backward, primitive=prim, cast_of=cast_of, dtype=dtype,
+        kind=hit["kind"], input_max_abs=hit["input_max_abs"], dtype_max=dtype_max,
+        float32_max_abs=f32_max, float32_finite=f32_finite,
+        fix=_fix_text(prim, where, dtype, backward, f32_finite, f32_max, dtype_max, src is not None))
+
+
+@dataclasses.dataclass(frozen=True)
+class UnderflowRow:
+    """Underflow of one gradient leaf (see :func:`underflow_report`).
+
+    Attributes:
+      path: the leaf's path in the parameters (``jax.tree_util.keystr``).
+      nonzero: how many of its float32 gradient values are nonzero.
+      flushed: share of those that become 0 when the scaled float32 gradient
+        is stored in the low dtype.
+      subnormal: share that land in the low dtype's subnormal range (fewer
+        significant bits).
+      lost_in_amp: share that are 0 in the gradient the amp program computed
+        (scaled, then unscaled in float32) where float32 has a nonzero value.
+      max_abs: the largest float32 gradient magnitude (unscaled).
+    """
+
+    path: str
+    nonzero: int
+    flushed: float
+    subnormal: float
+    lost_in_amp: float
+    max_abs: float
+
+
+@dataclasses.dataclass(frozen=True)
+class UnderflowReport:
+    """What :func:`underflow_report` returns.
+
+    Attributes:
+      dtype: the low-precision dtype.
+      loss_scale: the loss scale that was applied.
+      rows: one :class:`UnderflowRow` per floating gradient leaf.
+      flushed: share of all nonzero float32 gradient values that flush to 0.
+      lost_in_amp: share of them that are 0 in the amp program's gradient.
+      suggested_scale: a power of two that puts the largest gradient a factor
+        of 2 below the dtype's maximum (a starting point: activation
+        gradients inside the backward pass can be larger).
+    """
+
+    dtype: str
+    loss_scale: float
+    rows: list[UnderflowRow]
+    flushed: float
+    lost_in_amp: float
+    suggested_scale: float
+
+    def __str__(self) -> str:
+        width = max([len(r.path) for r in self.rows] + [9])
+        lines = [f"{'parameter':<{width}}  {'nonzero':>9}  {'flushed':>8}  {'subnorm':>8}  "
+                 f"{'lost amp':>8}  {'max |g|':>9}"]
+        for r in self.rows:
+            lines.append(f"{r.path:<{width}}  {r.nonzero:>9}  {100 * r.flushed:>7.2f}%  "
+                         f"{100 * r.subnormal:>7.2f}%  {100 * r.lost_in_amp:>7.2f}%  {r.max_abs:>9.3g}")
+        lines.append(f"{self.dtype}, loss scale {self.loss_scale:g}: {100 * self.flushed:.2f}% of nonzero "
+                     f"float32 gradient values flush to 0 in {self.dtype}; {100 * self.lost_in_amp:.2f}% are "
+                     f"0 in the amp gradient; suggested loss scale {self.suggested_scale:g}")
+        return "\n".join(lines)
+
+
+def underflow_report(loss_fn: Callable[..., Any], params: Any, *args: Any, policy: Any = "float16",
+                     loss_scale: float = 1.0, **kwargs: Any) -> UnderflowReport:
+    """How much of a loss's gradient the low-precision dtype flushes to zero.
+
+    Computes the float32 gradient of ``loss_fn`` with respect to ``params``
+    and, per leaf, the share of its nonzero values that become 0 (or
+    subnormal) when multiplied by ``loss_scale`` and stored in the policy's
+    dtype -- what a float16 gradient without enough loss scale loses -- and
+    the share that is 0 in the gradient the amp program computes with the
+    same scale (unscaled in float32 afterwards).
+
+    Args:
+      loss_fn: the float32 loss (or an :func:`amp`-wrapped one), returning
+        a scalar; ``params`` is its first argument.
+      params: the parameters (a pytree of float32 arrays).
+      *args: the other positional arguments of ``loss_fn``.
+      policy: the policy of the amp program (default ``"float16"``).
+      loss_scale: the loss scale to evaluate (> 0), e.g. the value
+        :func:`amp_jax.optim.loss_scale` returns.
+      **kwargs: keyword arguments of ``loss_fn``.
+
+    Returns:
+      An :class:`UnderflowReport` (print it for a table).
+
+    Raises:
+      ValueError: ``loss_scale`` is not a finite positive number.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from amp_jax import debug
+      >>> loss = lambda w, x: 1e-7 * jnp.sum(x @ w)
+      >>> w, x = jnp.ones((4, 2)), jnp.full((3, 4), 1e-2)
+      >>> debug.underflow_report(loss, w, x).flushed
+      1.0
+      >>> debug.underflow_report(loss, w, x, loss_scale=2.0**12).flushed
+      0.0
+    """
+    scale = float(loss_scale)
+    if not np.isfinite(scale) or scale <= 0:
+        raise ValueError(f"loss_scale must be a finite number > 0, got {loss_scale!r}; e.g. 2.0**12.")
+    base, pol = _split_fn(loss_fn, policy)
+    low = pol.compute_dtype
+    g32 = jax.grad(lambda p: jnp.asarray(base(p, *args, **kwargs), jnp.float32))(params)
+    amp_loss = AmpFunction(base, pol)
+    gamp = jax.grad(lambda p: jnp.asarray(amp_loss(p, *args, **kwargs), jnp.float32) * scale)(params)
+    info = jnp.finfo(low)
+    rows = []
+    tot_nz = tot_flushed = tot_lost = 0
+    max_all = 0.0
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g32), jax.tree.leaves(gamp)):
+        if not _is_float_array(a):
+            continue
+        a32 = jnp.asarray(a, jnp.float32)
+        nz = a32 != 0
+        scaled = a32 * scale
+        stored = scaled.astype(low)
+        n = int(jnp.sum(nz))
+        flushed = int(jnp.sum(nz & (stored == 0)))
+        sub = int(jnp.sum(nz & (stored != 0) & (jnp.abs(scaled) < float(info.tiny))))
+        lost = int(jnp.sum(nz & (jnp.asarray(b, jnp.float32) == 0)))
+        mx = float(jnp.max(jnp.abs(a32))) if a32.size else 0.0
+        max_all = max(max_all, mx)
+        rows.append(UnderflowRow(jax.tree_util.keystr(path) or "(params)", n,
+                                 flushed / n if n else 0.0, sub / n if n else 0.0,
+                                 lost / n if n else 0.0, mx))
+        tot_nz, tot_flushed, tot_lost = tot_nz + n, tot_flushed + flushed, tot_lost + lost
+    if max_all > 0:
+        suggested = float(2.0 ** np.clip(np.floor(np.log2(float(info.max) / max_all)) - 1, 0, 24))
+    else:
+        suggested = 1.0
+    return UnderflowReport(str(np.dtype(low)), scale, rows, tot_flushed / tot_nz if tot_nz else 0.0,
+                           tot_lost / tot_nz if tot_nz else 0.0, suggested)

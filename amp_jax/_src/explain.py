@@ -1,0 +1,585 @@
+"""``explain``: what amp did to every op of a program, and why.
+
+Two views of one call are joined:
+
+* the *decisions*: the traced, inlined and painted jaxpr that :func:`amp`
+  evaluates (``Context.classify`` and ``paint``), walked like the interpreter
+  walks it, give each op's class, color and the reason for them;
+* the *result*: the jaxpr of the rewritten program (``jax.make_jaxpr`` of the
+  amp function, or of its gradient), walked with :func:`iter_eqns` like
+  :func:`dtype_report`, gives the dtype every op ran in, its FLOPs and the
+  bytes it moved; the same walk of the original program gives the casts amp
+  inserted and the bytes it saved.
+
+Ops are matched between the two by their user source line and primitive (the
+rewritten program keeps the source info of the op it replaces; the backward
+ops of ``jax.grad`` carry the line of their forward op).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import html
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.extend import core as jex_core
+
+from amp_jax._src import compat
+from amp_jax._src.inspect import iter_eqns
+from amp_jax._src.interpreter import HIGH, KEEP, LOW, OPAQUE, ORIG, SKIP, Context, plan
+from amp_jax._src.policy import FULL_PRECISION_SCOPE, Policy, get_policy, is_managed_float
+from amp_jax._src.transform import AmpFunction, _is_dynamic
+
+#: primitives that move data without arithmetic (0 FLOPs).
+_NO_FLOPS = frozenset({
+    "reshape", "broadcast_in_dim", "transpose", "convert_element_type", "squeeze",
+    "expand_dims", "slice", "dynamic_slice", "dynamic_update_slice", "concatenate",
+    "gather", "scatter", "pad", "rev", "copy", "copy_p", "iota", "select_n",
+    "reduce_precision", "stop_gradient", "device_put", "bitcast_convert_type",
+    "sharding_constraint", "split", "optimization_barrier",
+})
+#: primitives whose FLOPs are one per *input* element.
+_REDUCTIONS = frozenset({
+    "reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax", "argmin",
+    "cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp", "reduce_and", "reduce_or",
+})
+MATMULS = frozenset({"dot_general", "conv_general_dilated", "ragged_dot", "ragged_dot_general"})
+
+
+# -- per-eqn measures -----------------------------------------------------------------
+
+
+def _size(aval: Any) -> int:
+    return int(math.prod(getattr(aval, "shape", ())))
+
+
+def _nbytes(aval: Any) -> int:
+    dtype = getattr(aval, "dtype", None)
+    try:
+        return _size(aval) * np.dtype(dtype).itemsize
+    except TypeError:  # key types, tokens
+        return 0
+
+
+def eqn_flops(eqn: Any) -> int:
+    """Floating-point operations of one first-order eqn (a multiply-add is 2)."""
+    name = eqn.primitive.name
+    out = eqn.outvars[0].aval if eqn.outvars else None
+    if name == "dot_general":
+        (lc, _), _ = eqn.params["dimension_numbers"]
+        lhs = eqn.invars[0].aval
+        return 2 * _size(out) * int(math.prod(lhs.shape[i] for i in lc))
+    if name == "conv_general_dilated":
+        rhs = eqn.invars[1].aval
+        dn = eqn.params.get("dimension_numbers")
+        out_dim = dn.rhs_spec[0] if dn is not None and hasattr(dn, "rhs_spec") else 0
+        return 2 * _size(out) * (_size(rhs) // max(1, rhs.shape[out_dim]))
+    if name in _NO_FLOPS or out is None or not is_managed_float(getattr(out, "dtype", None)):
+        if name not in _REDUCTIONS:
+            return 0
+    if name in _REDUCTIONS:
+        return _size(eqn.invars[0].aval)
+    return _size(out)
+
+
+def _float_dtypes(atoms: Sequence[Any]) -> list[str]:
+    seen: list[str] = []
+    for a in atoms:
+        d = getattr(a.aval, "dtype", None)
+        if is_managed_float(d) and str(np.dtype(d)) not in seen:
+            seen.append(str(np.dtype(d)))
+    return seen
+
+
+def ran_in(eqn: Any) -> str:
+    """The dtype an eqn computed in: its floating operands' (``a->b`` for a cast)."""
+    ins, outs = _float_dtypes(eqn.invars), _float_dtypes(eqn.outvars)
+    if eqn.primitive.name == "convert_element_type" and ins and outs and ins != outs:
+        return f"{ins[0]}->{outs[0]}"
+    return ",".join(ins or outs) or "-"
+
+
+def _is_float_cast(eqn: Any) -> bool:
+    return (eqn.primitive.name == "convert_element_type"
+            and bool(_float_dtypes(eqn.invars)) and bool(_float_dtypes(eqn.outvars))
+            and _float_dtypes(eqn.invars) != _float_dtypes(eqn.outvars))
+
+
+def _touches_float(eqn: Any) -> bool:
+    return bool(_float_dtypes(eqn.invars) or _float_dtypes(eqn.outvars))
+
+
+def _full_stack(eqn: Any, outer: tuple[str, ...]) -> str:
+    return "/".join(s for s in (*outer, str(eqn.source_info.name_stack)) if s)
+
+
+def _scope(stack: str) -> str:
+    """The user's ``named_scope`` path of a name stack, without JAX's transform names."""
+    parts = []
+    for part in stack.split("/"):
+        # transform names wrap scopes: "transpose(jvp(attn))" -> "attn"
+        while "(" in part and part.endswith(")"):
+            part = part[part.index("(") + 1:-1]
+        if part:
+            parts.append(part)
+    return "/".join(parts) or "-"
+
+
+def _is_backward(stack: str) -> bool:
+    return "transpose(" in stack
+
+
+# -- decisions --------------------------------------------------------------------------
+
+
+def _core_reason(ctx: Context, eqn: Any) -> str | None:
+    """A reason the core attached to its decision for ``eqn``, if it gives one.
+
+    Hook for the core: a ``Context.reason(eqn)`` method returning a string
+    (e.g. "too small to pay") is shown instead of the derived reason.
+    """
+    fn = getattr(ctx, "reason", None)
+    if callable(fn):
+        try:
+            r = fn(eqn)
+        except Exception:  # a hook that cannot answer for this eqn
+            return None
+        return str(r) if r else None
+    return None
+
+
+def decision_reason(ctx: Context, eqn: Any, color: str) -> str:
+    """Why ``eqn`` got ``color`` under ``ctx``'s policy, in words."""
+    core = _core_reason(ctx, eqn)
+    if core:
+        return core
+    pol, name = ctx.policy, eqn.primitive.name
+    cd = pol.compute_dtype.name
+    if ctx.identity:
+        return "float32 policy: identity, nothing rewritten"
+    if color == KEEP or ctx.in_full_precision(eqn):
+        stack = compat.name_stack_str(eqn)
+        user = [s for s in ctx.scopes if s in stack]
+        if user and user[0] != FULL_PRECISION_SCOPE:
+            return f"policy scope {user[0]!r} (full_precision_scopes): original dtypes"
+        return "user scope: full_precision, original dtypes"
+    if color == SKIP:
+        return "no floating operand"
+    if color == OPAQUE:
+        return "higher-order op: body rewritten, boundary dtypes kept"
+    base = pol.class_of(name)
+    cls = pol.effective_class_of(name, ctx.backend)
+    if base == "allow" and cls == "never":
+        return f"backend-aware: {name} is slower in {cd} on {ctx.backend}, kept as written"
+    if color == LOW:
+        if base == "allow":
+            src = "policy override" if name in dict(pol.overrides) else "allow class"
+            return f"{src}: runs in {cd} (float32 accumulation)"
+        if compat.has_subjaxprs(eqn):
+            return f"painting: function of follow/clear ops between {cd} ops, runs in {cd}"
+        if base == "clear":
+            return f"painting: clear op next to a {cd} op"
+        if base is None:
+            return f"no class (treated as follow); painting: between two {cd} ops"
+        return f"painting: {base} op on a path between two {cd} ops"
+    if color == HIGH:
+        src = "policy override" if name in dict(pol.overrides) else "deny class"
+        return f"{src}: numerically sensitive, runs in float32"
+    if base == "never":
+        return "never class: left as written"
+    if base is None:
+        return "no class (treated as follow): keeps its operands' dtypes"
+    if base in ("follow", "clear"):
+        return f"{base} class: not between two {cd} ops, keeps its operands' dtypes"
+    return f"{base} class, kept as written"
+
+
+def _subs_closed(eqn: Any) -> list[Any]:
+    return [s if compat.is_closed_jaxpr(s) else compat.close(s, [])
+            for s in jex_core.jaxprs_in_params(eqn.params)]
+
+
+def _decide(ctx: Context, jaxpr: Any, colors: Sequence[str], out: dict, inherited: str | None) -> None:
+    """Fills ``out[(source line, primitive)]`` with a Counter of reasons."""
+    for eqn, color in zip(jaxpr.eqns, colors):
+        reason = inherited or decision_reason(ctx, eqn, color)
+        out[(compat.source_line(eqn), eqn.primitive.name)][reason] += 1
+        if not compat.has_subjaxprs(eqn):
+            continue
+        for sub in _subs_closed(eqn):
+            if color == KEEP or inherited is not None:
+                body = compat.jaxpr_of(sub)
+                _decide(ctx, body, [ORIG] * len(body.eqns), out, inherited or reason)
+            elif color == LOW:  # a transparent custom_jvp function: all of it low
+                body = compat.jaxpr_of(ctx.prepare(sub))
+                _decide(ctx, body, [LOW] * len(body.eqns), out, reason)
+            else:
+                flat = compat.jaxpr_of(ctx.prepare(sub))
+                _decide(ctx, flat, plan(ctx, flat), out, None)
+
+
+# -- tracing ---------------------------------------------------------------------------------
+
+
+def _flat_call(fn: Callable[..., Any], args: tuple, kwargs: dict, grad: Any):
+    """``(flat function of the dynamic leaves, those leaves)``; with ``grad``, the
+    function returns the gradient w.r.t. the floating leaves of ``args[grad...]``."""
+    leaves, treedef = jax.tree.flatten((args, kwargs))
+    dyn_mask = [_is_dynamic(x) for x in leaves]
+    static = [x for x, d in zip(leaves, dyn_mask) if not d]
+    dyn = [x for x, d in zip(leaves, dyn_mask) if d]
+
+    def rebuild(dyn_vals):
+        it_dyn, it_static = iter(dyn_vals), iter(static)
+        full = [next(it_dyn) if d else next(it_static) for d in dyn_mask]
+        return jax.tree.unflatten(treedef, full)
+
+    def call(*dyn_vals):
+        a, k = rebuild(dyn_vals)
+        return fn(*a, **k)
+
+    if grad is None:
+        return call, dyn
+    argnums = (grad,) if isinstance(grad, int) else tuple(grad)
+    # which dynamic leaves belong to the differentiated positional arguments
+    owner = []
+    for i, a in enumerate(args):
+        owner += [i] * len(jax.tree.leaves(a))
+    owner += [-1] * (len(leaves) - len(owner))
+    dyn_owner = [o for o, d in zip(owner, dyn_mask) if d]
+    wrt = [j for j, (o, x) in enumerate(zip(dyn_owner, dyn))
+           if o in argnums and jax.numpy.issubdtype(x.dtype, jax.numpy.floating)]
+    if not wrt:
+        raise ValueError(f"grad={grad!r}: positional argument(s) {argnums} hold no floating "
+                         "array to differentiate; pass grad=None or the index of the parameters.")
+
+    def grad_call(*dyn_vals):
+        def of(diff):
+            vals = list(dyn_vals)
+            for j, v in zip(wrt, diff):
+                vals[j] = v
+            out = jax.numpy.asarray(call(*vals))
+            return out.astype(jax.numpy.float32) if out.ndim == 0 else jax.numpy.sum(out)
+        return jax.value_and_grad(of)([dyn_vals[j] for j in wrt])
+
+    return grad_call, dyn
+
+
+def _check_grad(grad: Any) -> Any:
+    if grad is False or grad is None:
+        return None
+    if grad is True:
+        return 0
+    if isinstance(grad, int) or (isinstance(grad, tuple) and all(isinstance(g, int) for g in grad)):
+        return grad
+    raise TypeError(f"grad must be a bool, an int or a tuple of ints (argnums), got {grad!r}; "
+                    "e.g. grad=True differentiates the first argument.")
+
+
+def _split_fn(fn: Callable[..., Any], policy: Any) -> tuple[Callable[..., Any], Policy]:
+    if not callable(fn):
+        raise TypeError(f"fn must be callable, got {type(fn).__name__}: {fn!r}.")
+    if isinstance(fn, AmpFunction):
+        return fn.fn, (fn.policy if policy is None else get_policy(policy))
+    return fn, get_policy("bfloat16" if policy is None else policy)
+
+
+def _trace_decisions(base: Callable[..., Any], pol: Policy, args: tuple, kwargs: dict) -> dict:
+    af = AmpFunction(base, pol)
+    leaves, treedef = jax.tree.flatten((args, kwargs))
+    dyn_mask = tuple(_is_dynamic(x) for x in leaves)
+    traced = af._trace(treedef, leaves, dyn_mask)
+    out: dict = collections.defaultdict(collections.Counter)
+    _decide(traced.ctx, compat.jaxpr_of(traced.closed), traced.colors, out, None)
+    return out
+
+
+# -- results -------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ExplainRow:
+    """One group of ops: same source line, scope, pass, primitive, dtype and reason.
+
+    Attributes:
+      where: the user's source line, ``file:line:col (function)``.
+      scope: the ``jax.named_scope`` path (``-`` when none).
+      backward: whether the ops belong to the backward pass of ``jax.grad``.
+      primitive: the JAX primitive.
+      dtype: the dtype the ops computed in (``a->b`` for a cast).
+      reason: why amp chose that dtype.
+      count: how many times the ops run (a ``scan`` body counts ``length`` times).
+      flops: floating-point operations, all runs together.
+      bytes: bytes read and written, all runs together.
+    """
+
+    where: str
+    scope: str
+    backward: bool
+    primitive: str
+    dtype: str
+    reason: str
+    count: int
+    flops: int
+    bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ExplainSummary:
+    """Totals of an :func:`explain` report.
+
+    Attributes:
+      compute_dtype: the policy's low-precision dtype.
+      flops_by_dtype: FLOPs of the rewritten program per dtype they ran in.
+      matmul_flops_by_dtype: the same for matmuls and convolutions only.
+      low_flop_share: share of all floating FLOPs that ran in a dtype narrower
+        than float32.
+      low_matmul_flop_share: the same share for matmul/convolution FLOPs.
+      bytes_moved: bytes read and written by the rewritten program's ops.
+      bytes_moved_original: the same for the original program.
+      casts_inserted: floating casts in the rewritten program's code minus
+        those in the original (each counted once, however often it runs).
+      casts_run: floating casts executed, minus the original's (scan bodies
+        count ``length`` times).
+    """
+
+    compute_dtype: str
+    flops_by_dtype: dict[str, int]
+    matmul_flops_by_dtype: dict[str, int]
+    low_flop_share: float
+    low_matmul_flop_share: float
+    bytes_moved: int
+    bytes_moved_original: int
+    casts_inserted: int
+    casts_run: int
+
+    @property
+    def bytes_saved(self) -> int:
+        """``bytes_moved_original - bytes_moved`` (negative when casts cost more)."""
+        return self.bytes_moved_original - self.bytes_moved
+
+
+def _fmt_num(n: float) -> str:
+    for unit, div in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= div:
+            return f"{n / div:.3g}{unit}"
+    return f"{n:.3g}" if isinstance(n, float) else str(n)
+
+
+class Explanation:
+    """What :func:`explain` returns: rows, a summary, text and HTML views.
+
+    ``str(explanation)`` is an aligned text table (``format`` takes options);
+    in a notebook the object renders as an HTML table.
+
+    Attributes:
+      rows: the :class:`ExplainRow` groups, most FLOPs first.
+      summary: the :class:`ExplainSummary`.
+      policy: the policy that was explained.
+    """
+
+    def __init__(self, rows: list[ExplainRow], summary: ExplainSummary, policy: Policy):
+        self.rows = rows
+        self.summary = summary
+        self.policy = policy
+
+    def _columns(self, rows: Sequence[ExplainRow]) -> list[tuple[str, ...]]:
+        return [(r.where, r.scope, "bwd" if r.backward else "fwd", r.primitive, r.dtype,
+                 str(r.count), _fmt_num(r.flops), _fmt_num(r.bytes), r.reason) for r in rows]
+
+    _HEADER = ("source line", "scope", "pass", "op", "ran in", "runs", "FLOPs", "bytes", "reason")
+
+    def summary_lines(self) -> list[str]:
+        s = self.summary
+        flops = ", ".join(f"{k} {_fmt_num(v)}" for k, v in s.flops_by_dtype.items()) or "none"
+        mm = ", ".join(f"{k} {_fmt_num(v)}" for k, v in s.matmul_flops_by_dtype.items()) or "none"
+        return [
+            f"policy {s.compute_dtype}: {100 * s.low_flop_share:.1f}% of FLOPs in low precision "
+            f"({100 * s.low_matmul_flop_share:.1f}% of matmul/conv FLOPs)",
+            f"FLOPs by dtype: {flops}; matmul/conv: {mm}",
+            f"bytes moved {_fmt_num(s.bytes_moved)}B vs {_fmt_num(s.bytes_moved_original)}B "
+            f"in float32 (saved {_fmt_num(s.bytes_saved)}B); casts inserted: {s.casts_inserted} "
+            f"({s.casts_run} executed)",
+        ]
+
+    def format(self, max_rows: int | None = 40, *, min_flops: int = 0) -> str:
+        """The report as text.
+
+        Args:
+          max_rows: show at most this many rows (most FLOPs first); None for all.
+          min_flops: hide rows with fewer FLOPs (casts have 0).
+
+        Returns:
+          An aligned table followed by the summary.
+        """
+        rows = [r for r in self.rows if r.flops >= min_flops]
+        shown = rows if max_rows is None else rows[:max_rows]
+        table = [self._HEADER, *self._columns(shown)]
+        widths = [max(len(r[i]) for r in table) for i in range(len(self._HEADER))]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in table]
+        if len(shown) < len(rows):
+            lines.append(f"... {len(rows) - len(shown)} more rows (format(max_rows=None) shows all)")
+        return "\n".join([*lines, "", *self.summary_lines()])
+
+    def __str__(self) -> str:
+        return self.format()
+
+    def __repr__(self) -> str:
+        return (f"Explanation({len(self.rows)} rows, policy={self.policy.compute_dtype.name!r}, "
+                f"low_flop_share={self.summary.low_flop_share:.3f})")
+
+    def _repr_html_(self) -> str:
+        esc = html.escape
+        head = "".join(f"<th style='text-align:left'>{esc(h)}</th>" for h in self._HEADER)
+        body = []
+        for r, cols in zip(self.rows, self._columns(self.rows)):
+            low = r.dtype in ("bfloat16", "float16") or r.dtype.endswith("->bfloat16") \
+                or r.dtype.endswith("->float16")
+            style = " style='background:#e8f4ea'" if low else ""
+            body.append(f"<tr{style}>" + "".join(f"<td>{esc(c)}</td>" for c in cols) + "</tr>")
+        summary = "".join(f"<li>{esc(line)}</li>" for line in self.summary_lines())
+        return (f"<div><ul>{summary}</ul><table><thead><tr>{head}</tr></thead>"
+                f"<tbody>{''.join(body)}</tbody></table></div>")
+
+
+def _measure(jaxpr: Any) -> tuple[list[tuple[Any, int]], int, int, int]:
+    """(float eqns with their run counts, bytes moved, float casts, float casts run)."""
+    eqns, nbytes, casts, casts_run = [], 0, 0, 0
+    for eqn, _, times, outer in iter_eqns(jaxpr):
+        if not _touches_float(eqn):
+            continue
+        eqns.append((eqn, times, _full_stack(eqn, outer)))
+        nbytes += times * sum(_nbytes(v.aval) for v in (*eqn.invars, *eqn.outvars))
+        if _is_float_cast(eqn):
+            casts += 1
+            casts_run += times
+    return eqns, nbytes, casts, casts_run
+
+
+def _row_reason(decisions: dict, eqn: Any, stack: str, orig_keys: collections.Counter,
+                seen: collections.Counter) -> str:
+    key = (compat.source_line(eqn), eqn.primitive.name)
+    found = decisions.get(key)
+    if _is_float_cast(eqn):
+        seen[key] += 1
+        if seen[key] > orig_keys.get(key, 0):
+            return "cast inserted by amp"
+        return "cast in the original program"
+    if found:
+        reason = found.most_common(1)[0][0]
+    else:
+        line = [c for (w, _), c in decisions.items() if w == key[0]]
+        merged = sum(line, collections.Counter())
+        reason = (f"derived by JAX from this line's ops ({merged.most_common(1)[0][0]})"
+                  if merged else "no amp decision (added by a JAX transformation, "
+                  "or outside the amp function)")
+    if _is_backward(stack) and found:
+        return f"backward of: {reason}"
+    return reason
+
+
+def explain(fn: Callable[..., Any], *args: Any, policy: Policy | str | Any = None,
+            grad: bool | int | tuple[int, ...] = False, **kwargs: Any) -> Explanation:
+    """What low precision did to every op of ``fn(*args, **kwargs)``, and why.
+
+    Traces the program :func:`amp` runs (the forward pass, or with ``grad``
+    also the backward pass of ``jax.grad``), and reports one row per group of
+    ops -- same source line, ``named_scope``, pass, primitive, dtype and
+    reason -- with the dtype the ops ran in, the reason amp chose it (op
+    class, painting, a ``full_precision`` scope, a policy override, the
+    backend-aware choice, a cast amp inserted), their FLOPs and the bytes they
+    moved; and a summary: the share of FLOPs in low precision, the bytes
+    saved against the original program, the casts inserted. Control flow is
+    walked into (``scan``, ``while``, ``cond``, ``checkpoint``,
+    ``custom_jvp``/``custom_vjp``); the ops of a ``scan`` body count
+    ``length`` times, those of a ``while`` body once, every ``cond`` branch
+    once.
+
+    Args:
+      fn: the float32 function, or an :func:`amp`-wrapped one (whose policy is
+        used unless ``policy`` is given). Flax ``apply`` functions and
+        Equinox modules (non-array leaves are static) work as arguments.
+      *args: its positional arguments (arrays or ``jax.ShapeDtypeStruct``).
+      policy: the policy to explain (default: ``fn``'s if it is an amp
+        function, else ``"bfloat16"``).
+      grad: ``True`` (or the argnums, an int or a tuple of ints) to explain
+        ``jax.value_and_grad`` of ``fn`` w.r.t. those arguments (a non-scalar
+        output is summed); the training step's backward pass then shows too.
+      **kwargs: keyword arguments of ``fn``.
+
+    Returns:
+      An :class:`Explanation`: ``print`` it in a terminal, show it in a
+      notebook; ``.rows`` and ``.summary`` hold the data.
+
+    Raises:
+      TypeError: ``fn`` is not callable or ``grad`` is not a bool/int/tuple.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import amp_jax
+      >>> def f(w, x):
+      ...     return jnp.sum(jnp.exp(x @ w))
+      >>> ex = amp_jax.explain(f, jnp.ones((8, 8)), jnp.ones((4, 8)))
+      >>> [(r.primitive, r.dtype) for r in ex.rows if r.primitive in ("dot_general", "exp")]
+      [('dot_general', 'bfloat16'), ('exp', 'float32')]
+      >>> ex.summary.low_matmul_flop_share
+      1.0
+      >>> ex.summary.casts_inserted
+      2
+    """
+    base, pol = _split_fn(fn, policy)
+    g = _check_grad(grad)
+    decisions = _trace_decisions(base, pol, args, kwargs)
+    amp_fn = AmpFunction(base, pol)
+    run, dyn = _flat_call(amp_fn, args, kwargs, g)
+    orig, _ = _flat_call(base, args, kwargs, g)
+    new_jaxpr = compat.jaxpr_of(jax.make_jaxpr(run)(*dyn))
+    old_jaxpr = compat.jaxpr_of(jax.make_jaxpr(orig)(*dyn))
+    new_eqns, new_bytes, new_casts, new_casts_run = _measure(new_jaxpr)
+    old_eqns, old_bytes, old_casts, old_casts_run = _measure(old_jaxpr)
+    orig_cast_keys = collections.Counter(
+        (compat.source_line(e), e.primitive.name) for e, _, _ in old_eqns if _is_float_cast(e))
+
+    groups: dict[tuple, list[int]] = {}
+    flops_by: collections.Counter = collections.Counter()
+    mm_by: collections.Counter = collections.Counter()
+    seen: collections.Counter = collections.Counter()
+    for eqn, times, stack in new_eqns:
+        dtype = ran_in(eqn)
+        flops = times * eqn_flops(eqn)
+        nbytes = times * sum(_nbytes(v.aval) for v in (*eqn.invars, *eqn.outvars))
+        key = (compat.source_line(eqn), _scope(stack), _is_backward(stack), eqn.primitive.name, dtype,
+               _row_reason(decisions, eqn, stack, orig_cast_keys, seen))
+        acc = groups.setdefault(key, [0, 0, 0])
+        acc[0] += times
+        acc[1] += flops
+        acc[2] += nbytes
+        if flops:
+            flops_by[dtype] += flops
+            if eqn.primitive.name in MATMULS:
+                mm_by[dtype] += flops
+    rows = [ExplainRow(*k, count=c, flops=f, bytes=b) for k, (c, f, b) in groups.items()]
+    rows.sort(key=lambda r: (-r.flops, -r.bytes, r.where, r.primitive))
+
+    def low_share(by: collections.Counter) -> float:
+        total = sum(by.values())
+        low = sum(v for k, v in by.items() if np.dtype(k.split(",")[0]).itemsize < 4)
+        return low / total if total else 0.0
+
+    summary = ExplainSummary(
+        compute_dtype=pol.compute_dtype.name,
+        flops_by_dtype=dict(flops_by.most_common()),
+        matmul_flops_by_dtype=dict(mm_by.most_common()),
+        low_flop_share=low_share(flops_by),
+        low_matmul_flop_share=low_share(mm_by),
+        bytes_moved=new_bytes,
+        bytes_moved_original=old_bytes,
+        casts_inserted=new_casts - old_casts,
+        casts_run=new_casts_run - old_casts_run,
+    )
+    return Explanation(rows, summary, pol)
