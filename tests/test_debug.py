@@ -15,6 +15,8 @@ import amp_jax
 from amp_jax import amp, debug, full_precision
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+# (toy shapes: lower every matmul, whatever its size)
+F16 = amp_jax.Policy(jnp.float16, min_low_contraction=0, min_low_flops=0)
 HERE = pathlib.Path(__file__).read_text().splitlines()
 
 
@@ -34,8 +36,8 @@ def overflowing(x, w):
 
 
 def test_first_overflow_located_exactly():
-  x, w = jnp.full((2, 4), 100.0), jnp.full((4, 4), 200.0)  # x @ w = 80000
-  found = debug.first_nonfinite(overflowing, x, w, policy="float16")
+  x, w = jnp.full((2, 16), 100.0), jnp.full((16, 16), 50.0)  # x @ w = 80000
+  found = debug.first_nonfinite(overflowing, x, w, policy=F16)
   assert found is not None
   assert found.where.startswith(f"{__file__}:{_line('MARK-OVERFLOW')}:")
   assert "overflowing" in found.where
@@ -51,8 +53,8 @@ def test_first_overflow_located_exactly():
 
 def test_clean_programs_report_nothing():
   x, w = jnp.full((2, 4), 1.0), jnp.full((4, 4), 2.0)
-  assert debug.first_nonfinite(overflowing, x, w, policy="float16") is None
-  assert debug.first_nonfinite(overflowing, x, w, policy="float16", grad=True) is None
+  assert debug.first_nonfinite(overflowing, x, w, policy=F16) is None
+  assert debug.first_nonfinite(overflowing, x, w, policy=F16, grad=True) is None
   # the same overflowing inputs are fine in bfloat16 (float32's range)
   x, w = jnp.full((2, 4), 100.0), jnp.full((4, 4), 200.0)
   assert debug.first_nonfinite(overflowing, x, w, policy="bfloat16") is None
@@ -67,19 +69,19 @@ def scanned(x, w):
 
 def test_overflow_inside_scan_and_full_precision_fixes_it():
   x, w = jnp.ones((2, 4)), jnp.ones((4, 4))
-  found = debug.first_nonfinite(scanned, x, w, policy="float16")
+  found = debug.first_nonfinite(scanned, x, w, policy=F16)
   assert found.where.startswith(f"{__file__}:{_line('MARK-SCAN')}:")
   assert found.cast_of.startswith("add at ")
   assert found.float32_finite and found.float32_max_abs > 65504
   # an amp function's own policy is used
-  assert debug.first_nonfinite(amp(scanned, policy="float16"), x, w) == found
-  assert debug.first_nonfinite(amp(full_precision(scanned), policy="float16"), x, w) is None
+  assert debug.first_nonfinite(amp(scanned, policy=F16), x, w) == found
+  assert debug.first_nonfinite(amp(full_precision(scanned), policy=F16), x, w) is None
 
 
 def test_float32_program_non_finite_too():
   def f(x):
     return jnp.log(x - x)  # log(0) = -inf in float32 as well
-  found = debug.first_nonfinite(f, jnp.ones(3), policy="float16")
+  found = debug.first_nonfinite(f, jnp.ones(3), policy=F16)
   assert found.primitive == "log" and not found.float32_finite
   assert "not a precision problem" in found.fix
 
@@ -89,7 +91,7 @@ def test_backward_overflow_is_marked_backward():
     return jnp.sum(x @ w) * 1e5
   # the forward is finite (the product with 1e5 is float32); the cotangent 1e5
   # of x @ w overflows when the backward matmul reads it in float16
-  f16 = dict(policy="float16")
+  f16 = dict(policy=F16)
   assert debug.first_nonfinite(f, jnp.ones((4, 4)), jnp.ones((2, 4)), **f16) is None
   found = debug.first_nonfinite(f, jnp.ones((4, 4)), jnp.ones((2, 4)), grad=True, **f16)
   assert found is not None and found.backward

@@ -136,14 +136,6 @@ def eqn_context(eqn: Any):
     )
 
 
-def source_line(eqn: Any) -> str:
-    """``file:line (function)`` of the user code that emitted ``eqn``."""
-    try:
-        return source_info_util.summarize(eqn.source_info)
-    except Exception:  # no traceback recorded
-        return "?"
-
-
 def name_stack_str(eqn: Any) -> str:
     return str(source_info_util.current_name_stack() + eqn.source_info.name_stack)
 

@@ -122,6 +122,11 @@ class Context:
                 return "never"
         return cls
 
+    def reason(self, eqn: Any) -> str | None:
+        """Why this context kept ``eqn`` in its original precision, if a rule did."""
+        tag = self.kept_high.get(id(eqn))
+        return KEEP_REASONS[tag] if tag else None
+
     def is_transparent(self, eqn: Any) -> bool:
         """A ``custom_jvp_call`` whose body only has follow/clear ops (``jax.nn.relu``).
 
