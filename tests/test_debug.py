@@ -231,3 +231,11 @@ def test_demo_names_the_extra_when_a_dependency_is_missing(missing):
   assert proc.returncode == 1, proc.stderr[-2000:]
   assert 'pip install "amp_jax[demo]"' in proc.stderr and missing in proc.stderr
   assert "Traceback" not in proc.stderr and "ModuleNotFoundError" not in proc.stderr
+
+
+def test_doctests_of_explain_and_debug():
+  import doctest
+  import importlib
+  for mod in ("amp_jax._src.explain", "amp_jax._src.debug"):
+    result = doctest.testmod(importlib.import_module(mod), optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0, mod

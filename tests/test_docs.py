@@ -18,7 +18,7 @@ DOCS = ROOT / "docs"
 
 
 def _public_modules():
-    mods = [amp_jax, amp_jax.optim]
+    mods = [amp_jax, amp_jax.optim, importlib.import_module("amp_jax.debug")]
     try:
         mods.append(importlib.import_module("amp_jax.eager"))
     except ModuleNotFoundError:
