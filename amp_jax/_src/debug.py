@@ -257,9 +257,9 @@ def first_nonfinite(fn: Callable[..., Any], *args: Any, policy: Any = None,
       >>> import jax.numpy as jnp
       >>> from amp_jax import debug
       >>> def f(x, w):
-      ...     h = x @ w                    # 4 * 100 * 200 = 80000 > float16's 65504
+      ...     h = x @ w                    # 16 * 100 * 50 = 80000 > float16's 65504
       ...     return jnp.sum(h @ w)
-      >>> x, w = jnp.full((2, 4), 100.0), jnp.full((4, 4), 200.0)
+      >>> x, w = jnp.full((2, 16), 100.0), jnp.full((16, 16), 50.0)
       >>> found = debug.first_nonfinite(f, x, w, policy="float16")
       >>> found.primitive, found.dtype, found.float32_finite
       ('convert_element_type', 'float32->float16', True)
