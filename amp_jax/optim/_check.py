@@ -20,8 +20,8 @@ def transformation(value: Any, caller: str, argname: str = "inner") -> Any:
     name = getattr(value, "__name__", repr(value))
     raise TypeError(
         f"{caller}: `{argname}` must be an optax GradientTransformation, got "
-        f"the function {name!r}; call it to make one, e.g. "
-        f"{caller}(optax.adam(1e-3)) rather than {caller}(optax.adam).")
+        f"the function {name!r}; call it to make one: pass e.g. "
+        f"optax.adam(1e-3), not optax.adam.")
   raise TypeError(
       f"{caller}: `{argname}` must be an optax GradientTransformation (an "
       f"object with init and update), got {type(value).__name__}: {value!r}.")
