@@ -1,9 +1,14 @@
 """Never silently wrong: programs amp must get right or refuse, and the errors it gives."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
+from hypothesis import Phase, given, settings
+from hypothesis import strategies as st
 from jax import lax
 
 from amp_jax import Policy, amp, dtype_report, optim
@@ -203,3 +208,203 @@ def test_cache_size_is_an_option_and_checked():
     assert g.trace_count == 3
     with pytest.raises(ValueError, match="cache_size=0"):
         amp(lambda x: x, cache_size=0)
+
+
+# -- errors name the user's function and arguments (as jax.jit's do) -----------------
+
+
+def test_tracing_errors_name_the_users_function_and_argument():
+    @amp
+    def my_loss(a, b):
+        if a.sum() > 0:
+            return a
+        return b
+
+    with pytest.raises(jax.errors.TracerBoolConversionError) as e:
+        my_loss(PX, PW)
+    msg = str(e.value)
+    assert "my_loss" in msg and "test_errors.py" in msg and "argument a" in msg, msg
+    assert "flat_fn" not in msg and "transform.py" not in msg
+
+    @amp
+    def by_tree(params, mode="train", *, scale):
+        if params["w"].sum() > 0 and mode == "train":
+            return params["w"] * scale
+        return params["w"]
+
+    with pytest.raises(jax.errors.TracerBoolConversionError, match=r"argument params\['w'\]"):
+        by_tree({"w": PW}, "train", scale=2.0)
+
+    @amp
+    def returns_str(a):
+        return "s"
+
+    with pytest.raises(TypeError, match="returns_str"):
+        returns_str(PX)
+
+    @dataclasses.dataclass
+    class Out:
+        v: jax.Array
+
+    def returns_dataclass(a):
+        return Out(a)
+
+    with pytest.raises(TypeError, match="returns_dataclass"):
+        amp(returns_dataclass)(PX)
+
+
+def test_dtype_report_accepts_static_arguments():
+    f = amp(lambda a, mode: a @ a if mode == "mm" else a)
+    rows = dtype_report(f, PX, "mm")
+    assert [r[:3] for r in rows if r[0] == "dot_general"] == [("dot_general", "bfloat16,bfloat16", "float32")]
+
+
+# -- every public function validates its arguments up front ----------------------------
+
+
+SGD = optax.sgd(0.1)
+
+
+@pytest.mark.parametrize("make,exc,parts", [
+    (lambda: optim.dynamic_loss_scale(optax.adam), TypeError, ["dynamic_loss_scale", "`inner`", "'adam'", "optax.adam(1e-3)"]),
+    (lambda: optim.static_loss_scale(None, 2.0), TypeError, ["`inner`", "None"]),
+    (lambda: optim.master_weights(optax.sgd), TypeError, ["master_weights", "`inner`"]),
+    (lambda: optim.kahan_summation(3), TypeError, ["kahan_summation", "`inner`"]),
+    (lambda: optim.stochastic_rounding(optax.sgd, 0), TypeError, ["stochastic_rounding", "`inner`"]),
+    (lambda: optim.dynamic_loss_scale(SGD, init_scale="big"), TypeError, ["`init_scale`", "'big'"]),
+    (lambda: optim.dynamic_loss_scale(SGD, growth_factor="2.0"), TypeError, ["`growth_factor`", "'2.0'"]),
+    (lambda: optim.dynamic_loss_scale(SGD, growth_interval=2.5), TypeError, ["`growth_interval`"]),
+    (lambda: optim.static_loss_scale(SGD, "8"), TypeError, ["`scale`"]),
+    (lambda: optim.master_weights(SGD, master_dtype="float33"), ValueError, ["`master_dtype`", "'float33'"]),
+    (lambda: optim.kahan_summation(SGD, "float33"), ValueError, ["`compensation_dtype`"]),
+    (lambda: optim.stochastic_rounding(SGD, jax.random.split(jax.random.key(0), 4)), ValueError,
+     ["`key`", "single", "(4,)"]),
+    (lambda: optim.stochastic_rounding(SGD, jax.random.split(jax.random.PRNGKey(0), 4)), ValueError,
+     ["`key`", "single"]),
+    (lambda: optim.stochastic_rounding(SGD, "seed"), TypeError, ["`key`"]),
+    (lambda: optim.adamw("1e-3"), TypeError, ["adamw", "`learning_rate`"]),
+    (lambda: optim.adamw(1e-3, b1="0.9"), TypeError, ["`b1`"]),
+    (lambda: optim.adamw(1e-3, kahan="yes"), TypeError, ["`kahan`"]),
+    (lambda: optim.scale_by_any_precision_adam(eps=None), TypeError, ["`eps`"]),
+    (lambda: optim.scaled_value_and_grad(lambda p: p, optim.static_loss_scale(SGD, 2.0).init(1.0),
+                                         has_aux="no"), TypeError, ["`has_aux`"]),
+])
+def test_optim_errors_name_argument_and_value(make, exc, parts):
+    with pytest.raises(exc) as e:
+        make()
+    for part in parts:
+        assert part in str(e.value), str(e.value)
+
+
+def test_optim_accepts_numpy_numbers_and_schedules():
+    tx = optim.dynamic_loss_scale(SGD, growth_interval=np.int64(10), init_scale=np.float32(2.0**10))
+    assert float(optim.loss_scale(tx.init(jnp.ones(2)))) == 2.0**10
+    optim.adamw(optax.linear_schedule(1e-3, 0.0, 10), b1=np.float32(0.9))
+    optim.stochastic_rounding(SGD, np.int64(3))
+
+
+# -- smaller -------------------------------------------------------------------------------
+
+
+def test_constant_outputs_are_jax_arrays_like_jit():
+    fn = lambda: (3, np.ones(2, np.float32), 2.5, True)  # noqa: E731
+    ours, theirs = amp(fn)(), jax.jit(fn)()
+    for o, t in zip(ours, theirs):
+        assert type(o) is type(t), (type(o), type(t))
+        assert o.dtype == t.dtype and o.weak_type == t.weak_type
+
+
+def test_scaled_value_and_grad_allow_int():
+    state = optim.static_loss_scale(SGD, 4.0).init({"w": jnp.ones(2)})
+
+    def loss(p):
+        return jnp.sum(p["w"] * p["n"])
+
+    p = {"w": jnp.ones(2), "n": jnp.arange(2)}
+    with pytest.raises(TypeError):
+        optim.scaled_value_and_grad(loss, state)(p)
+    val, g = optim.scaled_value_and_grad(loss, state, allow_int=True)(p)
+    assert float(val) == 1.0 and g["w"].tolist() == [0.0, 4.0]
+    assert g["n"].dtype == jax.dtypes.float0
+
+
+def test_strict_knows_more_primitives():
+    for name in ("io_callback", "debug_callback", lax.scatter_add_p.name, lax.scatter_max_p.name,
+                 "le_to", "lt_to", "eq_to", "ffi_call"):
+        assert Policy().class_of(name) is not None, name
+    assert Policy().class_of(lax.scatter_add_p.name) == "follow"
+
+
+# -- property: right answer or a clear refusal -------------------------------------------
+#
+# Random chains of default-precision dots, host callbacks, explicit-precision
+# dots, float64 and complex dots (under x64) and a plain object holding an
+# array. amp either refuses the plain object, naming the function, the
+# argument and the fix, or gives a result no further from float32 than the
+# same program with its default-precision dots cast to bf16 by hand; with no
+# default-precision dot the result is float32's.
+
+PX = jax.random.normal(jax.random.PRNGKey(0), (16, 16)) / 4
+PW = jax.random.normal(jax.random.PRNGKey(1), (16, 16)) / 4
+
+_PIECES = st.lists(st.sampled_from(["dot", "callback", "debug", "highest", "high", "f64",
+                                    "complex", "tanh", "plain"]), min_size=1, max_size=5)
+
+
+class _Plain:
+    def __init__(self, w):
+        self.w = w
+
+
+def _run(pieces, x, w, holder, mm):
+    h = x
+    for p in pieces:
+        if p == "dot":
+            h = mm(h, w)
+        elif p == "callback":
+            h = jax.pure_callback(lambda v: np.asarray(v) * 1.0, jax.ShapeDtypeStruct(h.shape, h.dtype), h)
+        elif p == "debug":
+            jax.debug.callback(lambda v: None, h)
+        elif p == "highest":
+            h = jnp.dot(h, w, precision=lax.Precision.HIGHEST)
+        elif p == "high":
+            h = jnp.dot(h, w, precision=lax.Precision.HIGH)
+        elif p == "f64":
+            h = (h @ w.astype(jnp.float64)).astype(jnp.float32)
+        elif p == "complex":
+            h = jnp.real(h.astype(jnp.complex64) @ w)
+        elif p == "tanh":
+            h = jnp.tanh(h)
+        elif p == "plain":
+            h = h + holder.w
+    return h
+
+
+@settings(max_examples=12, deadline=None, derandomize=True, phases=[Phase.explicit, Phase.generate])
+@given(_PIECES)
+def test_random_program_right_or_refused(pieces):
+    def hand_mm(a, b):  # what amp may do to a default-precision float32 dot
+        return jnp.matmul(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
+
+    holder = _Plain(jnp.full((16, 16), 0.01))
+
+    def prog(x, w, holder):
+        return _run(pieces, x, w, holder, lambda a, b: a @ b)
+
+    with jax.enable_x64(True):
+        x, w = PX, PW
+        # a plain object argument: refused (whether or not the program reads it)
+        with pytest.raises(TypeError, match=r"prog.*`holder`.*pytree"):
+            amp(prog)(x, w, holder)
+        out = amp(lambda x, w, hw: prog(x, w, _Plain(hw)))(x, w, holder.w)
+        ref = prog(x, w, holder)
+        hand = _run(pieces, x, w, holder, hand_mm)
+        jax.effects_barrier()
+        assert out.dtype == ref.dtype == F32
+        # within the compute dtype's floor: no further from float32 than the
+        # program with its default-precision dots cast to bf16 by hand
+        err, hand_err = float(jnp.max(jnp.abs(out - ref))), float(jnp.max(jnp.abs(hand - ref)))
+        scale = float(jnp.max(jnp.abs(ref))) + 1e-6
+        assert err <= hand_err + 1e-2 * scale, (pieces, err, hand_err)
+        if "dot" not in pieces:  # every matmul is explicit-precision, float64 or complex
+            assert err <= 1e-6 * scale, (pieces, err)

@@ -104,6 +104,13 @@ def trace_with_shape(fn: Callable[..., Any], args: Sequence[Any]) -> tuple[Any, 
     return jax.make_jaxpr(fn, return_shape=True)(*args)
 
 
+def trace_with_shape_kw(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+    """Like :func:`trace_with_shape` with keyword arguments too (pytrees of
+    ShapeDtypeStructs); the jaxpr's invars are the leaves of ``(args, kwargs)``.
+    JAX names ``fn`` (and its ``__wrapped__`` function's arguments) in its errors."""
+    return jax.make_jaxpr(fn, return_shape=True)(*args, **kwargs)
+
+
 def closed_to_open_no_consts(cj: Any, what: str) -> Any:
     """Returns the open jaxpr of ``cj``; it must not capture constants."""
     if consts_of(cj):

@@ -66,6 +66,9 @@ def dtype_report(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[tupl
       *args: its positional arguments.
       **kwargs: its keyword arguments.
 
+    Array leaves of the arguments are traced; other leaves (a mode string, a
+    callable) are passed as they are, as :func:`amp_jax.amp` passes them.
+
     Returns:
       Rows ``(primitive, input dtypes, output dtypes, enclosing primitives,
       count, why)``, sorted by primitive name. ``why`` says why amp kept a
@@ -80,7 +83,19 @@ def dtype_report(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[tupl
       >>> [r[:3] for r in rows if r[0] == "dot_general"]
       [('dot_general', 'bfloat16,bfloat16', 'float32')]
     """
-    closed = jax.make_jaxpr(lambda a, k: fn(*a, **k))(args, kwargs)
+    from amp_jax._src.transform import _is_dynamic
+
+    # Array leaves are traced; the others (a mode string, a callable) are
+    # passed as they are, as amp passes them.
+    leaves, treedef = jax.tree.flatten((args, kwargs))
+    mask = [_is_dynamic(x) for x in leaves]
+
+    def traced(*dyn):
+        it = iter(dyn)
+        a, k = jax.tree.unflatten(treedef, [next(it) if d else x for x, d in zip(leaves, mask)])
+        return fn(*a, **k)
+
+    closed = jax.make_jaxpr(traced)(*[x for x, d in zip(leaves, mask) if d])
     counts: collections.Counter = collections.Counter()
     _walk(compat.jaxpr_of(closed), counts, "")
     return sorted(((*k[:4], n, k[4]) for k, n in counts.items()), key=lambda r: (r[0], r[3], r[1], r[5]))

@@ -57,6 +57,7 @@ DEFAULT_DENY: frozenset[str] = frozenset(
         # linear algebra that needs the precision
         "cholesky", "triangular_solve", "lu", "qr", "svd", "eigh", "eig",
         "householder_product", "tridiagonal_solve", "schur", "hessenberg", "fft",
+        "tridiagonal",
     }
 )
 """Numerically sensitive primitives (exp/log/pow, accumulating reductions, linear algebra): always computed in float32."""
@@ -69,6 +70,8 @@ DEFAULT_FOLLOW: frozenset[str] = frozenset(
         "sin", "cos", "atan", "atan2", "rem", "nextafter", "floor", "ceil", "round",
         "clamp", "reduce_window", "select_and_scatter_add", "select_and_gather_add",
         "scatter_add", "scatter_sub", "scatter_mul", "copysign",
+        # JAX's own spellings of the scatter primitives
+        "scatter-add", "scatter-sub", "scatter-mul", "select_and_scatter",
     }
 )
 """Elementwise arithmetic: follows its inputs; runs low between two allow ops."""
@@ -87,6 +90,7 @@ DEFAULT_CLEAR: frozenset[str] = frozenset(
         "ppermute", "psum_scatter", "reduce_scatter", "optimization_barrier",
         "real", "imag", "conj", "name", "pvary", "reshard", "mesh_cast",
         "all_gather_invariant", "axis_index", "split",
+        "tile", "eq_to", "le_to", "lt_to", "scatter-max", "scatter-min", "ragged_all_to_all",
     }
 )
 """Data movement, comparisons, max/min: numerically neutral, follows its inputs."""
@@ -102,7 +106,8 @@ DEFAULT_NEVER: frozenset[str] = frozenset(
         "shift_right_arithmetic", "and", "or", "not", "xor", "complex",
         "linear_solve", "custom_linear_solve",
         # host callbacks see the dtypes the user's code declared
-        "pure_callback", "io_callback", "debug_callback", "debug_print",
+        "pure_callback", "io_callback", "debug_callback", "debug_print", "ffi_call",
+        "random_gamma", "mulhi", "create_token", "after_all",
     }
 )
 """Primitives whose operand dtypes are part of their meaning (casts, bit casts, random bits, custom reductions): never changed."""

@@ -29,8 +29,8 @@ def _is_dynamic(leaf: Any) -> bool:
 def _static_key(leaf: Any) -> Any:
     # (repr tells 0.0 from -0.0 and one NaN from another, which compare equal
     # or unequal the wrong way for a cache)
-    if isinstance(leaf, float):
-        return (float, repr(leaf))
+    if isinstance(leaf, (float, complex)):
+        return (type(leaf), repr(leaf))
     return (type(leaf), leaf)
 
 
@@ -91,6 +91,66 @@ def _fn_name(fn: Any) -> str:
     return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
 
 
+@jax.tree_util.register_pytree_node_class
+class _Static:
+    """A static leaf inside the argument tree given to the tracer: no children."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any):
+        self.value = value
+
+    def tree_flatten(self):
+        return (), _Aux(self.value)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(aux.value)
+
+
+class _Aux:
+    """Aux data that compares by identity of its value (statics may be unhashable)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any):
+        self.value = value
+
+    def __eq__(self, other):
+        return isinstance(other, _Aux) and other.value is self.value
+
+    def __hash__(self):
+        return id(self.value)
+
+
+def _unwrap_statics(tree: Any) -> Any:
+    return jax.tree.map(lambda x: x.value if isinstance(x, _Static) else x, tree,
+                        is_leaf=lambda x: isinstance(x, _Static))
+
+
+def _name_like(wrapper: Any, fn: Any) -> None:
+    """Gives ``wrapper`` the name, source line and signature of ``fn`` (JAX's
+    errors read them through ``__wrapped__``)."""
+    target = fn
+    while isinstance(target, functools.partial):
+        target = target.func
+    for attr in ("__name__", "__qualname__", "__module__"):
+        value = getattr(target, attr, None)
+        if isinstance(value, str):
+            setattr(wrapper, attr, value)
+    wrapper.__wrapped__ = fn
+
+
+def _as_output(x: Any) -> Any:
+    """A returned constant (a Python ``3``, a NumPy array) as a jax Array, like jit."""
+    if isinstance(x, (jax.Array, compat.Tracer)):
+        return x
+    for t in (bool, int, float, complex):  # weakly typed, as jit returns them
+        if isinstance(x, t):
+            return jax.numpy.asarray(t(x))
+    return jax.numpy.asarray(x, dtype=getattr(x, "dtype", None))
+
+
 class _Traced:
     """A traced, inlined and painted jaxpr for one input signature."""
 
@@ -137,16 +197,21 @@ class AmpFunction:
                 "(jax.jit refuses this argument too.)")
 
     def _trace(self, treedef, leaves, dyn_mask) -> _Traced:
-        dyn_avals = [compat.abstractify(x) for x, d in zip(leaves, dyn_mask) if d]
-        static = [x for x, d in zip(leaves, dyn_mask) if not d]
+        # Trace a function with the user's name, source line and signature
+        # (through __wrapped__), so that JAX's errors name them and the
+        # arguments as jax.jit does; static leaves travel as childless pytree
+        # nodes, so the jaxpr's invars are the dynamic leaves, in order.
+        abstract = [compat.abstractify(x) if d else _Static(x) for x, d in zip(leaves, dyn_mask)]
+        t_args, t_kwargs = jax.tree.unflatten(treedef, abstract)
 
-        def flat_fn(*dyn):
-            it_dyn, it_static = iter(dyn), iter(static)
-            full = [next(it_dyn) if d else next(it_static) for d in dyn_mask]
-            args, kwargs = jax.tree.unflatten(treedef, full)
+        def traced_fn(*args, **kwargs):
+            args, kwargs = _unwrap_statics((args, kwargs))
             return self.fn(*args, **kwargs)
 
-        closed, out_shape = compat.trace_with_shape(flat_fn, dyn_avals)
+        _name_like(traced_fn, self.fn)
+        closed, out_shape = compat.trace_with_shape_kw(traced_fn, t_args, t_kwargs)
+        if len(compat.in_avals(closed)) != sum(dyn_mask):  # pragma: no cover
+            raise AssertionError("amp_jax: traced arguments do not match; please report this.")
         self.trace_count += 1
         out_tree = jax.tree.structure(out_shape)
         ctx = Context(self.policy, jax.default_backend())
@@ -190,7 +255,7 @@ class AmpFunction:
                         self._cache.popitem(last=False)
         dyn = [x for x, d in zip(leaves, dyn_mask) if d]
         outs = eval_jaxpr(traced.ctx, traced.closed, dyn, traced.colors)
-        return jax.tree.unflatten(traced.out_tree, outs)
+        return jax.tree.unflatten(traced.out_tree, [_as_output(o) for o in outs])
 
 
 @overload
@@ -220,7 +285,10 @@ def amp(fn=None, *, policy="bfloat16", strict=None, cache_size=_CACHE_SIZE):
       fn: the function to transform. Array leaves of its arguments (any
         pytree, positional or keyword) are traced; other leaves (strings,
         callables, ``None``, Python scalars) are passed through as static
-        values, as they would be without ``amp``.
+        values, as they would be without ``amp``, and are part of the trace
+        cache key. A plain object (not a pytree) that holds arrays is refused
+        with a ``TypeError``, as ``jax.jit`` refuses it: amp would bake the
+        arrays into its cached trace.
       policy: a :class:`Policy`, a preset name (``"bfloat16"``,
         ``"float16"``, ``"float32"``) or a dtype. ``"float32"`` is the
         identity: bitwise the same results and gradients as ``fn``.
@@ -236,7 +304,8 @@ def amp(fn=None, *, policy="bfloat16", strict=None, cache_size=_CACHE_SIZE):
 
     Raises:
       TypeError: ``fn`` is not callable.
-      ValueError: ``policy`` is not a known preset, Policy or float dtype.
+      ValueError: ``policy`` is not a known preset, Policy or float dtype,
+        or ``cache_size`` is not an int >= 1.
 
     Examples:
       >>> import jax, jax.numpy as jnp

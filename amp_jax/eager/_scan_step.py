@@ -11,7 +11,7 @@ from jax import lax
 
 from amp_jax._src import compat
 from amp_jax.eager import _deps
-from amp_jax.optim import _loss_scale, _stochastic, _tree
+from amp_jax.optim import _check, _loss_scale, _stochastic, _tree
 
 _PARTS = ("embed", "blocks", "head")
 
@@ -456,11 +456,8 @@ def scan_step(
     if not callable(fn):
       raise TypeError(f"scan_step: `{name}` must be callable, got "
                       f"{type(fn).__name__}: {fn!r}.")
-  if not (callable(getattr(optimizer, "init", None))
-          and callable(getattr(optimizer, "update", None))):
-    raise TypeError(
-        f"scan_step: `optimizer` must be an optax GradientTransformation (with "
-        f"init and update), got {type(optimizer).__name__}: {optimizer!r}.")
+  # (an optax factory passed uncalled, e.g. optax.adam, gets the fix)
+  optimizer = _check.transformation(optimizer, "scan_step", "optimizer")
   if not isinstance(remat, bool):
     raise TypeError(f"scan_step: `remat` must be a bool, got {remat!r}.")
   return ScanStep(embed_fn, block_fn, head_loss_fn, optimizer, remat)

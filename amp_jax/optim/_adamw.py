@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import optax
 from jax.typing import DTypeLike
 
-from amp_jax.optim import _kahan, _tree
+from amp_jax.optim import _check, _kahan, _tree
 
 
 def _check_dtype(name: str, dtype: Any) -> Any:
@@ -60,6 +60,9 @@ def scale_by_any_precision_adam(
     torchdistx AnyPrecisionAdamW,
     https://github.com/pytorch/torchdistx/blob/main/src/python/torchdistx/optimizers/anyprecision_optimizer.py.
   """
+  for name, value, example in (("b1", b1, "0.9"), ("b2", b2, "0.999"),
+                               ("eps", eps, "1e-8")):
+    _check.hyperparameter(value, "scale_by_any_precision_adam", name, example)
   mu_dtype = _check_dtype("mu_dtype", mu_dtype)
   nu_dtype = _check_dtype("nu_dtype", nu_dtype)
 
@@ -172,6 +175,13 @@ def adamw(
     Zamirai et al., "Revisiting BFloat16 Training", 2020,
     https://arxiv.org/abs/2010.06192.
   """
+  _check.hyperparameter(learning_rate, "adamw", "learning_rate", "1e-3",
+                        schedule=True)
+  for name, value, example in (("b1", b1, "0.9"), ("b2", b2, "0.999"),
+                               ("eps", eps, "1e-8"),
+                               ("weight_decay", weight_decay, "1e-4")):
+    _check.hyperparameter(value, "adamw", name, example)
+  kahan = _check.boolean(kahan, "adamw", "kahan")
   if compensation_dtype is not None and not kahan:
     raise ValueError("`compensation_dtype` is only used with `kahan=True`; "
                      "pass kahan=True or drop compensation_dtype.")

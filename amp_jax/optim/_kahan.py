@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import optax
 from jax.typing import DTypeLike
 
-from amp_jax.optim import _rounding, _tree
+from amp_jax.optim import _check, _rounding, _tree
 
 
 class KahanSummationState(NamedTuple):
@@ -83,6 +83,7 @@ def kahan_summation(
     torchdistx AnyPrecisionAdamW,
     https://github.com/pytorch/torchdistx/blob/main/src/python/torchdistx/optimizers/anyprecision_optimizer.py.
   """
+  inner = _check.transformation(inner, "kahan_summation")
   if compensation_dtype is not None:
     compensation_dtype = _tree.float_dtype(
         compensation_dtype, "compensation_dtype", "; use None for the parameter dtype")

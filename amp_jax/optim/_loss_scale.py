@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from amp_jax.optim import _tree
+from amp_jax.optim import _check, _tree
 
 _INT32_MAX = jnp.iinfo(jnp.int32).max
 
@@ -52,12 +52,9 @@ class StaticLossScaleState(NamedTuple):
   inner_state: optax.OptState
 
 
-def _check_positive(name: str, value: float) -> float:
-  try:
-    value = float(value)
-  except TypeError as e:
-    raise ValueError(f"`{name}` must be a positive Python float, got "
-                     f"{value!r}.") from e
+def _check_positive(name: str, value: float,
+                    caller: str = "dynamic_loss_scale") -> float:
+  value = _check.real(value, caller, name, "2.0**15")
   if not value > 0.0 or value == float("inf"):
     raise ValueError(f"`{name}` must be a finite number > 0, got {value!r}; "
                      f"pass a positive value such as 2.0**15.")
@@ -157,6 +154,7 @@ def dynamic_loss_scale(
     Micikevicius et al., "Mixed Precision Training", ICLR 2018,
     https://arxiv.org/abs/1710.03740.
   """
+  inner = _check.transformation(inner, "dynamic_loss_scale")
   init_scale = _check_positive("init_scale", init_scale)
   min_scale = _check_positive("min_scale", min_scale)
   max_scale = _check_positive("max_scale", max_scale)
@@ -166,10 +164,12 @@ def dynamic_loss_scale(
   if not min_scale <= init_scale <= max_scale:
     raise ValueError(f"`init_scale` ({init_scale}) must lie in [min_scale, "
                      f"max_scale] = [{min_scale}, {max_scale}].")
-  if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) \
-      or growth_interval < 1:
-    raise ValueError(f"`growth_interval` must be an int >= 1, got "
-                     f"{growth_interval!r}; use e.g. 2000.")
+  growth_interval = _check.integer(growth_interval, "dynamic_loss_scale",
+                                   "growth_interval", 1, "2000")
+  growth_factor = _check.real(growth_factor, "dynamic_loss_scale",
+                              "growth_factor", "2.0")
+  backoff_factor = _check.real(backoff_factor, "dynamic_loss_scale",
+                               "backoff_factor", "0.5")
   if not float(growth_factor) > 1.0:
     raise ValueError(f"`growth_factor` must be > 1, got {growth_factor!r}; "
                      "use e.g. 2.0 (for a fixed scale use static_loss_scale).")
@@ -267,7 +267,8 @@ def static_loss_scale(
     Micikevicius et al., "Mixed Precision Training", ICLR 2018,
     https://arxiv.org/abs/1710.03740.
   """
-  scale = _check_positive("scale", scale)
+  inner = _check.transformation(inner, "static_loss_scale")
+  scale = _check_positive("scale", scale, "static_loss_scale")
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params):
@@ -330,6 +331,7 @@ def scaled_value_and_grad(
     *,
     has_aux: bool = False,
     argnums: int | tuple[int, ...] = 0,
+    allow_int: bool = False,
 ) -> Callable[..., Any]:
   """Like ``jax.value_and_grad``, with the loss multiplied by the loss scale.
 
@@ -345,6 +347,8 @@ def scaled_value_and_grad(
     opt_state: an optimizer state containing one loss-scale state.
     has_aux: as in ``jax.value_and_grad``.
     argnums: as in ``jax.value_and_grad``.
+    allow_int: as in ``jax.value_and_grad``: allow integer (and bool)
+      arguments to be differentiated; their gradients are ``float0`` zeros.
 
   Returns:
     A function with the signature of ``fn`` returning ``(loss, grads)`` or
@@ -352,6 +356,8 @@ def scaled_value_and_grad(
 
   Raises:
     ValueError: if ``opt_state`` holds no loss-scale state or more than one.
+    TypeError: if ``fn`` is not callable or ``has_aux``/``allow_int`` are not
+      bools.
 
   Examples:
     >>> import jax.numpy as jnp, optax
@@ -367,6 +373,11 @@ def scaled_value_and_grad(
     Micikevicius et al., "Mixed Precision Training", ICLR 2018,
     https://arxiv.org/abs/1710.03740.
   """
+  if not callable(fn):
+    raise TypeError(f"scaled_value_and_grad: `fn` must be a callable (the loss "
+                    f"function), got {type(fn).__name__}: {fn!r}.")
+  has_aux = _check.boolean(has_aux, "scaled_value_and_grad", "has_aux")
+  allow_int = _check.boolean(allow_int, "scaled_value_and_grad", "allow_int")
   scale = loss_scale(opt_state)
 
   def scaled(*args, **kwargs):
@@ -375,7 +386,8 @@ def scaled_value_and_grad(
     loss = jnp.asarray(loss)
     return loss.astype(_tree.work_dtype(loss.dtype)) * scale, (loss, aux)
 
-  grad_fn = jax.value_and_grad(scaled, argnums=argnums, has_aux=True)
+  grad_fn = jax.value_and_grad(scaled, argnums=argnums, has_aux=True,
+                               allow_int=allow_int)
 
   def wrapped(*args, **kwargs):
     (_, (loss, aux)), grads = grad_fn(*args, **kwargs)

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import optax
 from jax.typing import DTypeLike
 
-from amp_jax.optim import _rounding, _tree
+from amp_jax.optim import _check, _rounding, _tree
 
 
 class MasterWeightsState(NamedTuple):
@@ -105,6 +105,7 @@ def master_weights(
     Micikevicius et al., "Mixed Precision Training", ICLR 2018,
     https://arxiv.org/abs/1710.03740.
   """
+  inner = _check.transformation(inner, "master_weights")
   master_dtype = _tree.float_dtype(master_dtype, "master_dtype", "; use jnp.float32")
   inner = optax.with_extra_args_support(inner)
 

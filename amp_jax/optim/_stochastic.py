@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from amp_jax.optim import _master, _rounding, _tree
+from amp_jax.optim import _check, _master, _rounding, _tree
 
 
 class StochasticRoundingState(NamedTuple):
@@ -118,9 +118,8 @@ def stochastic_rounding(
     torchao bf16 stochastic rounding (``_fp32_to_bf16_sr``),
     https://github.com/pytorch/ao.
   """
-  if isinstance(key, int):
-    key = jax.random.key(key)
-  key = jnp.asarray(key) if not isinstance(key, jax.Array) else key
+  inner = _check.transformation(inner, "stochastic_rounding")
+  key = _check.single_key(key, "stochastic_rounding")
   if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
     impl = jax.random.key_impl(key)
     raw = jax.random.key_data(key)

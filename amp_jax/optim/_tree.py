@@ -115,6 +115,11 @@ def state_bytes(tree: Any) -> int:
 
 def float_dtype(value, argname: str, fix: str = ""):
   """``value`` as a floating numpy dtype, or a ValueError naming ``argname``."""
-  if not jnp.issubdtype(jnp.dtype(value), jnp.floating):
+  try:
+    dtype = jnp.dtype(value)
+  except (TypeError, ValueError) as e:
+    raise ValueError(f"`{argname}`={value!r} is not a dtype; it must be a "
+                     f"floating dtype (jnp.float32, jnp.bfloat16...){fix}.") from e
+  if not jnp.issubdtype(dtype, jnp.floating):
     raise ValueError(f"`{argname}` must be a floating dtype, got {value!r}{fix}.")
   return jnp.dtype(value)
