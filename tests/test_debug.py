@@ -16,7 +16,9 @@ from amp_jax import amp, debug, full_precision
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # (toy shapes: lower every matmul, whatever its size)
-F16 = amp_jax.Policy(jnp.float16, min_low_contraction=0, min_low_flops=0)
+# (and float32 matmul results on every backend: GPUs write bf16/f16 by default)
+F16 = amp_jax.Policy(jnp.float16, min_low_contraction=0, min_low_flops=0, allow_outputs="float32")
+BF16_F32OUT = amp_jax.Policy(jnp.bfloat16, allow_outputs="float32")
 HERE = pathlib.Path(__file__).read_text().splitlines()
 
 
@@ -128,7 +130,7 @@ def small(w, x):
 
 def test_explain_reasons_dtypes_and_casts():
   w, x = jnp.ones((8, 8)), jnp.ones((4, 8))
-  ex = amp_jax.explain(small, w, x, policy="bfloat16")
+  ex = amp_jax.explain(small, w, x, policy=BF16_F32OUT)
   by = {(int(r.where.split(":")[1]), r.primitive): r for r in ex.rows if r.where.startswith(__file__)}
   dot = by[(_line("MARK-DOT"), "dot_general")]
   assert dot.dtype == "bfloat16" and dot.reason.startswith("allow class") and dot.flops == 2 * 4 * 8 * 8

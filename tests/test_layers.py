@@ -7,8 +7,11 @@ import numpy as np
 from flax import linen as nn
 from flax import nnx
 
-from amp_jax import amp
+from amp_jax import Policy, amp
 from _util import F32, check_dots_low, prim_dtypes
+
+# Layers at toy sizes: lower every matmul, whatever its size.
+LOW = Policy(jnp.bfloat16, min_low_contraction=0, min_low_flops=0)
 
 KEY = jax.random.PRNGKey(0)
 
@@ -48,14 +51,14 @@ def test_flax_linen_layers():
         return jnp.mean(y ** 2), upd
 
     args = (variables["params"], variables["batch_stats"], x, KEY)
-    (l, upd), g = jax.value_and_grad(amp(loss), has_aux=True)(*args)
+    (l, upd), g = jax.value_and_grad(amp(loss, policy=LOW), has_aux=True)(*args)
     (l0, upd0), g0 = jax.value_and_grad(loss, has_aux=True)(*args)
     assert abs(float(l) - float(l0)) / float(l0) < 3e-2
     assert jax.tree.map(lambda a: a.dtype, upd) == jax.tree.map(lambda a: a.dtype, upd0)
     for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g0)):
         assert a.dtype == b.dtype == jnp.float32
     assert _rel(jax.flatten_util.ravel_pytree(g)[0], jax.flatten_util.ravel_pytree(g0)[0]) < 5e-2
-    jaxpr = jax.make_jaxpr(amp(loss))(*args)
+    jaxpr = jax.make_jaxpr(amp(loss, policy=LOW))(*args)
     check_dots_low(jaxpr, min_low=4)  # q, k, v, out projections, Dense
     _norm_stats_f32(jaxpr)
 
@@ -83,11 +86,11 @@ def test_flax_nnx_layers():
         m = nnx.merge(graphdef, params, rest)
         return jnp.mean(m(x) ** 2)
 
-    l, l0 = amp(loss)(params, rest, x), loss(params, rest, x)
+    l, l0 = amp(loss, policy=LOW)(params, rest, x), loss(params, rest, x)
     assert abs(float(l) - float(l0)) / float(l0) < 3e-2
-    g = jax.grad(amp(loss))(params, rest, x)
+    g = jax.grad(amp(loss, policy=LOW))(params, rest, x)
     assert all(a.dtype == jnp.float32 for a in jax.tree.leaves(g))
-    jaxpr = jax.make_jaxpr(amp(loss))(params, rest, x)
+    jaxpr = jax.make_jaxpr(amp(loss, policy=LOW))(params, rest, x)
     check_dots_low(jaxpr, min_low=4)
     _norm_stats_f32(jaxpr)
 
@@ -106,7 +109,7 @@ def test_equinox_layers():
         h = jax.vmap(ln)(att(h, h, h))
         return jnp.mean(h ** 2)
 
-    v, g = amp(loss)((mlp, att, ln), x)
+    v, g = amp(loss, policy=LOW)((mlp, att, ln), x)
     v0, g0 = loss((mlp, att, ln), x)
     assert abs(float(v) - float(v0)) / float(v0) < 3e-2
     ga, gb = eqx.filter(g, eqx.is_array), eqx.filter(g0, eqx.is_array)
@@ -114,6 +117,6 @@ def test_equinox_layers():
         assert a.dtype == b.dtype
     assert _rel(jax.flatten_util.ravel_pytree(ga)[0], jax.flatten_util.ravel_pytree(gb)[0]) < 5e-2
     arrays, static = eqx.partition((mlp, att, ln), eqx.is_array)
-    jaxpr = jax.make_jaxpr(lambda p: amp(lambda m, x: loss(m, x)[0])(eqx.combine(p, static), x))(arrays)
+    jaxpr = jax.make_jaxpr(lambda p: amp(lambda m, x: loss(m, x)[0], policy=LOW)(eqx.combine(p, static), x))(arrays)
     check_dots_low(jaxpr, min_low=3)
     _norm_stats_f32(jaxpr)

@@ -23,8 +23,12 @@ import numpy as np
 import pytest
 from jax import lax
 
-from amp_jax import amp
+from amp_jax import Policy, amp
 from _util import BF16, F32, check_dots_low, prim_dtypes
+
+# The sweep checks how each op is classified between two dots, on toy shapes:
+# no size thresholds, and no attention fusion (tests/test_attention.py has it).
+SWEEP = Policy(jnp.bfloat16, attention="off", min_low_contraction=0, min_low_flops=0)
 
 KEY = jax.random.PRNGKey(0)
 k1, k2, k3, k4 = jax.random.split(KEY, 4)
@@ -207,7 +211,7 @@ def _loss(fn):
 
 def _run_all(fn, with_grad):
     """One jitted program: float32, amp bf16 and amp float32, and their grads."""
-    variants = {"f32": fn, "bf16": amp(fn), "id": amp(fn, policy="float32")}
+    variants = {"f32": fn, "bf16": amp(fn, policy=SWEEP), "id": amp(fn, policy="float32")}
 
     def run(x, w, w2):
         out = {k: f(x, w, w2) for k, f in variants.items()}
@@ -241,7 +245,7 @@ def test_op(name):
         for g, w in zip(r["dbf16"], r["df32"]):
             np.testing.assert_allclose(g, w, rtol=0, atol=2 * TOL * scale, err_msg=name)
     if name.startswith("ew:"):  # both dots (and any inside the op) run low
-        check_dots_low(jax.make_jaxpr(amp(fn))(X, W, W2), min_low=2)
+        check_dots_low(jax.make_jaxpr(amp(fn, policy=SWEEP))(X, W, W2), min_low=2)
 
 
 @pytest.mark.parametrize("name", ["ew:relu", "ew:tanh", "ew:softmax", "any:sum", "ew:scan"])
@@ -252,7 +256,7 @@ def test_op_eager_matches_jit(name):
     fused jit keeps bf16 intermediates such as tanh's output in float32,
     which op-by-op eager evaluation cannot do.
     """
-    fn = amp(CASES[name])
+    fn = amp(CASES[name], policy=SWEEP)
     strict = jax.jit(fn).lower(X, W, W2).compile({"xla_allow_excess_precision": False})
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6),
                  fn(X, W, W2), strict(X, W, W2))
@@ -262,7 +266,7 @@ def test_op_eager_matches_jit(name):
 
 
 def _dtype_of(fn, prim):
-    return {o[0] for _, o, _ in prim_dtypes(jax.make_jaxpr(amp(fn))(X, W, W2), prim)}
+    return {o[0] for _, o, _ in prim_dtypes(jax.make_jaxpr(amp(fn, policy=SWEEP))(X, W, W2), prim)}
 
 
 @pytest.mark.parametrize("name,prim", [("ew:relu", "max"), ("ew:tanh", "tanh"), ("ew:mul", "mul"),

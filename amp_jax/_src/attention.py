@@ -451,8 +451,19 @@ def decide(match: Match, mode: str, backend: str, compute_dtype: Any) -> tuple[s
         return None, f"head dims of q/k ({h}) and v ({hv}) differ: cuDNN needs them equal"
     if h % 8 or h > limit:
         return None, f"head dim {h}: cuDNN needs a multiple of 8 and at most {limit}"
-    try:  # cuDNN's own checks (layout, lengths, versions) run at trace time
-        jax.eval_shape(lambda: match.evaluate(_abstract_read(match, compute_dtype), compute_dtype, "cudnn"))
+    read = _abstract_read(match, compute_dtype)
+
+    def fused(*operands):
+        vals = dict(zip((match.q, match.k, match.v), operands))
+        return match.evaluate(lambda a, dt: vals[a].astype(dt) if a in vals else read(a, dt),
+                              compute_dtype, "cudnn")
+
+    operands = [read(a, compute_dtype) for a in (match.q, match.k, match.v)]
+    try:  # cuDNN's own checks (layout, lengths, versions) run at trace time, some only
+        # when differentiated (a mask turned into a bias needs even lengths then)
+        jax.eval_shape(fused, *operands)
+        jax.eval_shape(jax.grad(lambda *o: jnp.sum(fused(*o).astype(jnp.float32)), argnums=(0, 1, 2)),
+                       *operands)
     except Exception as e:  # noqa: BLE001 -- any refusal means: leave it as written
         return None, f"cuDNN refused it: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
     return "cudnn", "cuDNN flash attention"

@@ -524,7 +524,8 @@ def explain(fn: Callable[..., Any], *args: Any, policy: Policy | str | Any = Non
       >>> import amp_jax
       >>> def f(w, x):
       ...     return jnp.sum(jnp.exp(x @ w))
-      >>> ex = amp_jax.explain(f, jnp.ones((8, 8)), jnp.ones((4, 8)))
+      >>> policy = amp_jax.Policy(allow_outputs="float32")  # (GPUs write bf16 by default)
+      >>> ex = amp_jax.explain(f, jnp.ones((8, 8)), jnp.ones((4, 8)), policy=policy)
       >>> [(r.primitive, r.dtype) for r in ex.rows if r.primitive in ("dot_general", "exp")]
       [('dot_general', 'bfloat16'), ('exp', 'float32')]
       >>> ex.summary.low_matmul_flop_share
