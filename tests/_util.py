@@ -38,6 +38,10 @@ def check_dots_low(jaxpr, min_low=1):
     for e, _ in eqns(jaxpr):
         if e.primitive.name != "dot_general":
             continue
+        prec = e.params.get("precision")
+        if any(p is not None and getattr(p, "name", str(p)) != "DEFAULT"
+               for p in (prec if isinstance(prec, tuple) else (prec,))):
+            continue  # an explicit precision (e.g. inside jnp.linalg on GPU) stays as asked
         ins = tuple(np.dtype(v.aval.dtype) for v in e.invars)
         batched = bool(e.params["dimension_numbers"][1][0])
         if batched and jax.default_backend() == "cpu":

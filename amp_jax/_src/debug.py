@@ -255,15 +255,16 @@ def first_nonfinite(fn: Callable[..., Any], *args: Any, policy: Any = None,
 
     Examples:
       >>> import jax.numpy as jnp
-      >>> from amp_jax import debug
+      >>> from amp_jax import Policy, debug
+      >>> f16 = Policy(jnp.float16, allow_outputs="float32")  # float32 matmul results, as on CPU
       >>> def f(x, w):
       ...     h = x @ w                    # 16 * 100 * 50 = 80000 > float16's 65504
       ...     return jnp.sum(h @ w)
       >>> x, w = jnp.full((2, 16), 100.0), jnp.full((16, 16), 50.0)
-      >>> found = debug.first_nonfinite(f, x, w, policy="float16")
+      >>> found = debug.first_nonfinite(f, x, w, policy=f16)
       >>> found.primitive, found.dtype, found.float32_finite
       ('convert_element_type', 'float32->float16', True)
-      >>> debug.first_nonfinite(f, x / 100, w, policy="float16") is None
+      >>> debug.first_nonfinite(f, x / 100, w, policy=f16) is None
       True
     """
     base, pol = _split_fn(fn, "float16" if policy is None and not isinstance(fn, AmpFunction) else policy)
