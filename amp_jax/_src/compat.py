@@ -304,3 +304,21 @@ def vjp_residuals(vjp_fn: Any) -> tuple[list[Any], Any] | None:
     if not all(isinstance(x, (jax.Array, Tracer)) for x in leaves):
         return None
     return leaves, treedef
+
+
+def explicit_sharding_in_order(x: Any, order: Sequence[int]) -> Any:
+    """``x``'s explicit-mode sharding with its dims taken in ``order``, or None.
+
+    For a dot that produces an operand's cotangent with its axes in ``order``
+    (then transposed back), as JAX's own dot_general transpose rule does: in
+    ``AxisType.Explicit`` mode a dot whose contracting dims are sharded needs
+    an ``out_sharding``, and the cotangent must be sharded like the operand.
+    None when ``x``'s type carries no sharded axis (auto, manual or
+    single-device): the dot then derives its output sharding as before.
+    """
+    s = getattr(jax.typeof(x), "sharding", None)
+    spec = getattr(s, "spec", None)
+    if spec is None or getattr(s.mesh, "empty", True) or all(p is None for p in spec):
+        return None
+    parts = tuple(spec) + (None,) * (len(order) - len(spec))
+    return s.update(spec=spec.update(partitions=tuple(parts[o] for o in order)))
