@@ -313,12 +313,13 @@ def explicit_sharding_in_order(x: Any, order: Sequence[int]) -> Any:
     (then transposed back), as JAX's own dot_general transpose rule does: in
     ``AxisType.Explicit`` mode a dot whose contracting dims are sharded needs
     an ``out_sharding``, and the cotangent must be sharded like the operand.
-    None when ``x``'s type carries no sharded axis (auto, manual or
+    None unless ``x``'s mesh has an explicit axis (auto, manual or
     single-device): the dot then derives its output sharding as before.
     """
     s = getattr(jax.typeof(x), "sharding", None)
     spec = getattr(s, "spec", None)
-    if spec is None or getattr(s.mesh, "empty", True) or all(p is None for p in spec):
+    types = getattr(getattr(s, "mesh", None), "axis_types", None) or ()
+    if spec is None or jax.sharding.AxisType.Explicit not in tuple(types):
         return None
     parts = tuple(spec) + (None,) * (len(order) - len(spec))
     return s.update(spec=spec.update(partitions=tuple(parts[o] for o in order)))
