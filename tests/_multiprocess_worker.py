@@ -13,7 +13,7 @@ processes joined by ``jax.distributed`` on 127.0.0.1) twice:
   adam, no inf): the reduction-order noise of the two set-ups.
 
 Process 0 writes losses, loss scales, skipped-step counts and final
-parameters of both runs to OUT.npz.
+float32 parameters (amp: the master weights) of both runs to OUT.npz.
 """
 
 import os
@@ -43,7 +43,7 @@ import _sharded_model as sm  # noqa: E402
 import amp_jax  # noqa: E402
 from amp_jax import optim  # noqa: E402
 
-STEPS, OVERFLOW_STEP, BATCH = 24, 5, 16
+STEPS, OVERFLOW_STEP, BATCH = 16, 5, 16
 assert jax.device_count() == 8 and jax.process_count() == nproc
 
 mesh = jax.make_mesh((8,), ("data",), devices=jax.devices())
@@ -102,7 +102,8 @@ def run(use_amp):
       skipped.append(int(to_host(s.skipped_steps)))
   for k, v in p.items():
     assert v.sharding.is_equivalent_to(repl, v.ndim), (k, v.sharding)
-  host = to_host(p)
+  # the float32 copy the optimizer steps (master weights) for amp
+  host = to_host(optim.master_params(s) if use_amp else p)
   return losses, scales, skipped, {k: np.asarray(v, np.float32) for k, v in host.items()}
 
 
