@@ -327,3 +327,22 @@ def source_line(eqn: Any) -> str:
         return source_info_util.summarize(eqn.source_info) or "-"
     except Exception:  # an eqn without a traceback
         return "-"
+
+
+def explicit_sharding_in_order(x: Any, order: Sequence[int]) -> Any:
+    """``x``'s explicit-mode sharding with its dims taken in ``order``, or None.
+
+    For a dot that produces an operand's cotangent with its axes in ``order``
+    (then transposed back), as JAX's own dot_general transpose rule does: in
+    ``AxisType.Explicit`` mode a dot whose contracting dims are sharded needs
+    an ``out_sharding``, and the cotangent must be sharded like the operand.
+    None unless ``x``'s mesh has an explicit axis (auto, manual or
+    single-device): the dot then derives its output sharding as before.
+    """
+    s = getattr(jax.typeof(x), "sharding", None)
+    spec = getattr(s, "spec", None)
+    types = getattr(getattr(s, "mesh", None), "axis_types", None) or ()
+    if spec is None or jax.sharding.AxisType.Explicit not in tuple(types):
+        return None
+    parts = tuple(spec) + (None,) * (len(order) - len(spec))
+    return s.update(spec=spec.update(partitions=tuple(parts[o] for o in order)))

@@ -85,7 +85,7 @@ def _perm_to(result_dims: list[int]) -> tuple[int, ...]:
 def _dot_transpose(
     ct: Any, other: Any, ndim: int, contract: Sequence[int], batch: Sequence[int],
     other_contract: Sequence[int], other_batch: Sequence[int], other_ndim: int,
-    ct_is_lhs_side: bool, precision: Any, acc: Any,
+    ct_is_lhs_side: bool, precision: Any, acc: Any, like: Any = None,
 ) -> Any:
     """Cotangent of one dot_general operand ``a`` given ``other``.
 
@@ -116,9 +116,13 @@ def _dot_transpose(
     perm1, perm2 = _perm_to(res1), _perm_to(res2)
     ident = tuple(range(ndim))
     if perm2 == ident and perm1 != ident:
-        return _dot(other, ct, dims2, precision, acc)
-    out = _dot(ct, other, dims1, precision, acc)
+        return _dot(other, ct, dims2, precision, acc, _explicit_out(like, res2))
+    out = _dot(ct, other, dims1, precision, acc, _explicit_out(like, res1))
     return out if perm1 == ident else lax.transpose(out, perm1)
+
+
+def _explicit_out(like: Any, order: Sequence[int]) -> Any:
+    return None if like is None else compat.explicit_sharding_in_order(like, order)
 
 
 def _split_factor(n: int) -> int:
@@ -164,7 +168,7 @@ def _cpu_fast_layouts() -> bool:
     return jax.default_backend() == "cpu"
 
 
-def _dot(a: Any, b: Any, dims: Any, precision: Any, acc: Any) -> Any:
+def _dot(a: Any, b: Any, dims: Any, precision: Any, acc: Any, out_sharding: Any = None) -> Any:
     """A backward-pass dot_general, with operand layouts XLA:CPU runs fast.
 
     XLA:CPU (jaxlib 0.10) runs a bf16 x bf16 -> f32 dot in its fast kernel only
@@ -176,9 +180,10 @@ def _dot(a: Any, b: Any, dims: Any, precision: Any, acc: Any) -> Any:
     Batched and non-bf16 dots are left as they are.
     """
     (ca, cb), (ba, bb) = dims
+    extra = {} if out_sharding is None else {"out_sharding": out_sharding}
     if (ba or bb or not _cpu_fast_layouts() or np.dtype(a.dtype) != np.dtype(jax.numpy.bfloat16)
-            or np.dtype(b.dtype) != np.dtype(jax.numpy.bfloat16)):
-        return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=acc)
+            or np.dtype(b.dtype) != np.dtype(jax.numpy.bfloat16) or out_sharding is not None):
+        return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=acc, **extra)
     ca, cb = tuple(ca), tuple(cb)
     na, nb, k = a.ndim, b.ndim, len(ca)
     if ca != tuple(range(na - k, na)):
@@ -215,8 +220,8 @@ def _amp_dot(dims: Any, precision: Any, acc: Any, out_sharding: Any,
     def bwd(res, ct):
         xl, yl = res
         ctl = _lower(ct, compute_dtype)
-        dx = _dot_transpose(ctl, yl, xl.ndim, xc, xb, yc, yb, yl.ndim, True, precision, acc)
-        dy = _dot_transpose(ctl, xl, yl.ndim, yc, yb, xc, xb, xl.ndim, False, precision, acc)
+        dx = _dot_transpose(ctl, yl, xl.ndim, xc, xb, yc, yb, yl.ndim, True, precision, acc, xl)
+        dy = _dot_transpose(ctl, xl, yl.ndim, yc, yb, xc, xb, xl.ndim, False, precision, acc, yl)
         return dx.astype(x_dtype), dy.astype(y_dtype)
 
     f.defvjp(fwd, bwd)

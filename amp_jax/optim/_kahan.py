@@ -92,7 +92,9 @@ def kahan_summation(
   def comp_init(p):
     if not _tree.is_float(p):
       return optax.MaskedNode()
-    return jnp.zeros(jnp.shape(p), compensation_dtype or p.dtype)
+    # zeros_like: the buffer takes the parameter's sharding (a sharded
+    # parameter gets a sharded buffer, not a replicated one).
+    return jnp.zeros_like(p, dtype=compensation_dtype or p.dtype)
 
   def init_fn(params):
     return KahanSummationState(jax.tree.map(comp_init, params),
