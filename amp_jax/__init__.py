@@ -8,29 +8,57 @@ summation, stochastic rounding, any-precision AdamW); ``amp_jax.eager`` applies 
 backward pass of scanned models so the full gradient never exists.
 """
 
-from amp_jax._src.policy import (
-    BACKEND_LOW_OUTPUTS as BACKEND_LOW_OUTPUTS,
-    BACKEND_SLOW_IN_LOW_PRECISION as BACKEND_SLOW_IN_LOW_PRECISION,
-    DEFAULT_ALLOW as DEFAULT_ALLOW,
-    DEFAULT_CLEAR as DEFAULT_CLEAR,
-    DEFAULT_DENY as DEFAULT_DENY,
-    DEFAULT_FOLLOW as DEFAULT_FOLLOW,
-    DEFAULT_NEVER as DEFAULT_NEVER,
-    Policy as Policy,
-    get_policy as get_policy,
+from amp_jax import debug as debug
+from amp_jax import eager as eager
+from amp_jax import optim as optim
+from amp_jax._src.explain import (
+    ExplainRow as ExplainRow,
 )
-from amp_jax._src.inspect import dtype_report as dtype_report, format_dtype_report as format_dtype_report
+from amp_jax._src.explain import (
+    ExplainSummary as ExplainSummary,
+)
 from amp_jax._src.explain import (
     Explanation as Explanation,
-    ExplainRow as ExplainRow,
-    ExplainSummary as ExplainSummary,
+)
+from amp_jax._src.explain import (
     explain as explain,
 )
+from amp_jax._src.inspect import (
+    dtype_report as dtype_report,
+)
+from amp_jax._src.inspect import (
+    format_dtype_report as format_dtype_report,
+)
+from amp_jax._src.policy import (
+    BACKEND_LOW_OUTPUTS as BACKEND_LOW_OUTPUTS,
+)
+from amp_jax._src.policy import (
+    BACKEND_SLOW_IN_LOW_PRECISION as BACKEND_SLOW_IN_LOW_PRECISION,
+)
+from amp_jax._src.policy import (
+    DEFAULT_ALLOW as DEFAULT_ALLOW,
+)
+from amp_jax._src.policy import (
+    DEFAULT_CLEAR as DEFAULT_CLEAR,
+)
+from amp_jax._src.policy import (
+    DEFAULT_DENY as DEFAULT_DENY,
+)
+from amp_jax._src.policy import (
+    DEFAULT_FOLLOW as DEFAULT_FOLLOW,
+)
+from amp_jax._src.policy import (
+    DEFAULT_NEVER as DEFAULT_NEVER,
+)
+from amp_jax._src.policy import (
+    Policy as Policy,
+)
+from amp_jax._src.policy import (
+    get_policy as get_policy,
+)
 from amp_jax._src.rules import register_rule as register_rule
-from amp_jax._src.transform import amp as amp, full_precision as full_precision
-from amp_jax import optim as optim
-from amp_jax import eager as eager
-from amp_jax import debug as debug
+from amp_jax._src.transform import amp as amp
+from amp_jax._src.transform import full_precision as full_precision
 
 __version__ = "0.1.0"
 

@@ -63,8 +63,13 @@ def main(argv=None):
     p.add_argument("--seeds", default="0")
     p.add_argument("--only", default=None, help="comma-separated variant names")
     args = p.parse_args(argv)
-    cfg = _model.Config(d_model=args.d_model, layers=args.layers, heads=max(args.d_model // 64, 1),
-                        seq=args.seq, batch=args.batch)
+    cfg = _model.Config(
+        d_model=args.d_model,
+        layers=args.layers,
+        heads=max(args.d_model // 64, 1),
+        seq=args.seq,
+        batch=args.batch,
+    )
     adamw = lambda lr: optim.adamw(lr)  # noqa: E731
     f32out = Policy(BF16, allow_outputs="float32")
     M = _modes.Mode
@@ -88,13 +93,26 @@ def main(argv=None):
             if seed != seeds[0] and name not in ("f32", "amp-bf16"):
                 continue
             with ctx():
-                r = _modes.train(mode, cfg, corpus, steps=args.steps, lr=args.lr, seed=seed,
-                                 eval_every=args.steps, val_batches=8)
+                r = _modes.train(
+                    mode,
+                    cfg,
+                    corpus,
+                    steps=args.steps,
+                    lr=args.lr,
+                    seed=seed,
+                    eval_every=args.steps,
+                    val_batches=8,
+                )
             rows.append((seed, name, r.final_val_loss, r.median_step_s * 1e3))
-            print(f"seed {seed} {name}: val {r.final_val_loss:.4f}, {rows[-1][3]:.1f} ms/step", flush=True)
+            print(
+                f"seed {seed} {name}: val {r.final_val_loss:.4f}, {rows[-1][3]:.1f} ms/step",
+                flush=True,
+            )
     base = {s: v for s, n, v, _ in rows if n == "f32"}
-    print(f"\nd={cfg.d_model} layers={cfg.layers} seq={cfg.seq} batch={cfg.batch} steps={args.steps} "
-          f"lr={args.lr}\n")
+    print(
+        f"\nd={cfg.d_model} layers={cfg.layers} seq={cfg.seq} batch={cfg.batch} steps={args.steps} "
+        f"lr={args.lr}\n"
+    )
     print("| seed | variant | val loss | vs f32 | ms/step |\n|---:|---|---:|---:|---:|")
     for seed, name, v, ms in rows:
         print(f"| {seed} | {name} | {v:.4f} | {100 * (v / base[seed] - 1):+.2f}% | {ms:.1f} |")

@@ -22,8 +22,17 @@ import jax.numpy as jnp
 from jax import lax
 
 SHAPES = [  # (m, k, n): vector-vector, matrix-vector, tiny, small contractions, medium
-    (1, 32, 1), (1, 7, 32), (32, 32, 1), (8, 7, 32), (16, 4, 16), (32, 8, 32),
-    (64, 16, 64), (128, 32, 128), (256, 64, 256), (512, 512, 512), (1024, 1024, 1024),
+    (1, 32, 1),
+    (1, 7, 32),
+    (32, 32, 1),
+    (8, 7, 32),
+    (16, 4, 16),
+    (32, 8, 32),
+    (64, 16, 64),
+    (128, 32, 128),
+    (256, 64, 256),
+    (512, 512, 512),
+    (1024, 1024, 1024),
 ]
 
 
@@ -42,7 +51,9 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=200)
     args = p.parse_args(argv)
     print(f"{jax.devices()[0].device_kind}, JAX {jax.__version__}\n")
-    print("| m x k x n | FLOPs | f32 us | bf16 operands us | bf16 / f32 |\n|---|---:|---:|---:|---:|")
+    print(
+        "| m x k x n | FLOPs | f32 us | bf16 operands us | bf16 / f32 |\n|---|---:|---:|---:|---:|"
+    )
     for m, k, n in SHAPES:
         reps = args.reps if m * k * n < 2**24 else 4
         a = jax.random.normal(jax.random.PRNGKey(0), (reps, m, k))
@@ -54,12 +65,15 @@ def main(argv=None):
                 if low:
                     x, y = x.astype(jnp.bfloat16), y.astype(jnp.bfloat16)
                 return c + jnp.sum(lax.dot(x, y, preferred_element_type=jnp.float32)), None
+
             return lax.scan(body, jnp.float32(0), (a, b))[0]
 
         f32 = _time(jax.jit(lambda a, b: many(a, b, False)), a, b) / reps
         bf = _time(jax.jit(lambda a, b: many(a, b, True)), a, b) / reps
-        print(f"| {m}x{k}x{n} | {2 * m * k * n} | {f32 * 1e6:.2f} | {bf * 1e6:.2f} | {bf / f32:.2f} |",
-              flush=True)
+        print(
+            f"| {m}x{k}x{n} | {2 * m * k * n} | {f32 * 1e6:.2f} | {bf * 1e6:.2f} | {bf / f32:.2f} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

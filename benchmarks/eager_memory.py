@@ -25,134 +25,157 @@ from amp_jax.optim import state_bytes
 
 
 def model(width, layers, seq, dtype=jnp.float32):
-  def embed(p, x):
-    return x @ p["w"]
+    def embed(p, x):
+        return x @ p["w"]
 
-  def block(p, h):
-    return h + jnp.tanh(h @ p["w1"] + p["b1"]) @ p["w2"]
+    def block(p, h):
+        return h + jnp.tanh(h @ p["w1"] + p["b1"]) @ p["w2"]
 
-  def head(p, h, x):
-    return jnp.mean((h @ p["w"] - x) ** 2)
+    def head(p, h, x):
+        return jnp.mean((h @ p["w"] - x) ** 2)
 
-  z = lambda *s: jax.ShapeDtypeStruct(s, dtype)
-  params = {"embed": {"w": z(width, width)},
-            "blocks": {"w1": z(layers, width, width), "b1": z(layers, width),
-                       "w2": z(layers, width, width)},
-            "head": {"w": z(width, width)}}
-  batch = jax.ShapeDtypeStruct((seq, width), jnp.float32)
-  return embed, block, head, params, batch
+    z = lambda *s: jax.ShapeDtypeStruct(s, dtype)
+    params = {
+        "embed": {"w": z(width, width)},
+        "blocks": {
+            "w1": z(layers, width, width),
+            "b1": z(layers, width),
+            "w2": z(layers, width, width),
+        },
+        "head": {"w": z(width, width)},
+    }
+    batch = jax.ShapeDtypeStruct((seq, width), jnp.float32)
+    return embed, block, head, params, batch
 
 
 def memory(fn, *args):
-  """(argument, output, temp, alias, peak) bytes of ``jit(fn, donate 0,1)``."""
-  c = jax.jit(fn, donate_argnums=(0, 1)).lower(*args).compile()
-  m = c.memory_analysis()
-  a, o, t, al = (m.argument_size_in_bytes, m.output_size_in_bytes,
-                 m.temp_size_in_bytes, m.alias_size_in_bytes)
-  return dict(args=a, out=o, temp=t, alias=al, peak=a + o + t - al)
+    """(argument, output, temp, alias, peak) bytes of ``jit(fn, donate 0,1)``."""
+    c = jax.jit(fn, donate_argnums=(0, 1)).lower(*args).compile()
+    m = c.memory_analysis()
+    a, o, t, al = (
+        m.argument_size_in_bytes,
+        m.output_size_in_bytes,
+        m.temp_size_in_bytes,
+        m.alias_size_in_bytes,
+    )
+    return dict(args=a, out=o, temp=t, alias=al, peak=a + o + t - al)
 
 
 def standard_fn(loss, tx):
-  def f(p, s, x):
-    l, g = jax.value_and_grad(loss)(p, x)
-    u, s = tx.update(g, s, p)
-    return optax.apply_updates(p, u), s, l
-  return f
+    def f(p, s, x):
+        l, g = jax.value_and_grad(loss)(p, x)
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s, l
+
+    return f
 
 
 def unrolled_loss(embed, block, head):
-  def loss(p, x):
-    h = embed(p["embed"], x)
-    for i in range(jax.tree.leaves(p["blocks"])[0].shape[0]):
-      h = block(jax.tree.map(lambda a: a[i], p["blocks"]), h)
-    return head(p["head"], h, x)
-  return loss
+    def loss(p, x):
+        h = embed(p["embed"], x)
+        for i in range(jax.tree.leaves(p["blocks"])[0].shape[0]):
+            h = block(jax.tree.map(lambda a: a[i], p["blocks"]), h)
+        return head(p["head"], h, x)
+
+    return loss
 
 
 def unrolled_params(params):
-  """Blocks as a list of per-layer dicts (what a python-loop model holds)."""
-  n = jax.tree.leaves(params["blocks"])[0].shape[0]
-  layer = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype),
-                       params["blocks"])
-  return {"embed": params["embed"], "blocks": [layer] * n, "head": params["head"]}
+    """Blocks as a list of per-layer dicts (what a python-loop model holds)."""
+    n = jax.tree.leaves(params["blocks"])[0].shape[0]
+    layer = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), params["blocks"])
+    return {"embed": params["embed"], "blocks": [layer] * n, "head": params["head"]}
 
 
 def unrolled_loss_list(embed, block, head):
-  def loss(p, x):
-    h = embed(p["embed"], x)
-    for lp in p["blocks"]:
-      h = block(lp, h)
-    return head(p["head"], h, x)
-  return loss
+    def loss(p, x):
+        h = embed(p["embed"], x)
+        for lp in p["blocks"]:
+            h = block(lp, h)
+        return head(p["head"], h, x)
+
+    return loss
 
 
 def rows_for(name, tx, width, layers, seq, dtype=jnp.float32, variants=None):
-  embed, block, head, params, batch = model(width, layers, seq, dtype)
-  p_bytes = state_bytes(params)
-  layer_grad = state_bytes(params["blocks"]) // layers
-  out = []
-  variants = variants or ["standard", "unrolled", "eager", "eager+remat"]
-  for v in variants:
-    if v == "standard":
-      step = amp_jax.eager.scan_step(embed, block, head, tx)
-      s = jax.eval_shape(tx.init, params)
-      m = memory(standard_fn(step.loss, tx), params, s, batch)
-    elif v == "unrolled":
-      up = unrolled_params(params)
-      s = jax.eval_shape(tx.init, up)
-      m = memory(standard_fn(unrolled_loss_list(embed, block, head), tx), up, s, batch)
-    else:
-      step = amp_jax.eager.scan_step(embed, block, head, tx, remat=v.endswith("remat"))
-      s = jax.eval_shape(step.init, params)
-      m = memory(step.update, params, s, batch)
-    m.update(variant=v, opt=name, params=p_bytes, state=state_bytes(s),
-             layer_grad=layer_grad)
-    out.append(m)
-  return out
+    embed, block, head, params, batch = model(width, layers, seq, dtype)
+    p_bytes = state_bytes(params)
+    layer_grad = state_bytes(params["blocks"]) // layers
+    out = []
+    variants = variants or ["standard", "unrolled", "eager", "eager+remat"]
+    for v in variants:
+        if v == "standard":
+            step = amp_jax.eager.scan_step(embed, block, head, tx)
+            s = jax.eval_shape(tx.init, params)
+            m = memory(standard_fn(step.loss, tx), params, s, batch)
+        elif v == "unrolled":
+            up = unrolled_params(params)
+            s = jax.eval_shape(tx.init, up)
+            m = memory(standard_fn(unrolled_loss_list(embed, block, head), tx), up, s, batch)
+        else:
+            step = amp_jax.eager.scan_step(embed, block, head, tx, remat=v.endswith("remat"))
+            s = jax.eval_shape(step.init, params)
+            m = memory(step.update, params, s, batch)
+        m.update(variant=v, opt=name, params=p_bytes, state=state_bytes(s), layer_grad=layer_grad)
+        out.append(m)
+    return out
 
 
 def main():
-  ap = argparse.ArgumentParser()
-  ap.add_argument("--layers", type=int, default=12)
-  ap.add_argument("--width", type=int, default=512)
-  ap.add_argument("--seq", type=int, default=1)
-  ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "EAGER_MEMORY.md"))
-  a = ap.parse_args()
-  rows = []
-  rows += rows_for("sgd(momentum=0.9)", optax.sgd(1e-2, momentum=0.9), a.width, a.layers, a.seq)
-  rows += rows_for("adam", optax.adam(1e-3), a.width, a.layers, a.seq)
-  kahan = amp_jax.optim.kahan_summation(optax.adam(1e-3))
-  rows += [dict(r, variant="eager bf16+Kahan" if r["variant"] == "eager" else r["variant"] + " bf16+Kahan")
-           for r in rows_for("kahan(adam)", kahan, a.width, a.layers, a.seq, jnp.bfloat16,
-                             variants=["standard", "eager"])]
-  mib = lambda b: f"{b / 2**20:.2f}"
-  std = {r["opt"]: r["peak"] for r in rows if r["variant"].startswith("standard")}
-  lines = [
-      "# Eager updates: compiled peak memory",
-      "",
-      f"Machine: {platform.machine()} CPU, {os.cpu_count()} cores, JAX {jax.__version__}, "
-      f"optax {optax.__version__}, backend {jax.default_backend()}; date {datetime.date.today()}.",
-      f"Model: {a.layers} MLP blocks `h + tanh(h @ w1 + b1) @ w2`, width {a.width}, "
-      f"batch {a.seq} x {a.width}; embed and head are {a.width}x{a.width} matrices.",
-      "Numbers are XLA's `memory_analysis()` of the compiled step "
-      "(`jax.jit(step, donate_argnums=(0, 1))`): peak = argument + output + temp - alias "
-      "bytes. `bound` = params + optimizer state + one layer's gradient (+ activations, "
-      "which are tiny at batch 1). Ratio = peak / standard peak (same optimizer).",
-      "",
-      "| optimizer | variant | params MiB | opt state MiB | temp MiB | peak MiB | bound MiB | peak/bound | vs standard |",
-      "|---|---|---|---|---|---|---|---|---|",
-  ]
-  for r in rows:
-    bound = r["params"] + r["state"] + r["layer_grad"]
-    lines.append(
-        f"| {r['opt']} | {r['variant']} | {mib(r['params'])} | {mib(r['state'])} | "
-        f"{mib(r['temp'])} | {mib(r['peak'])} | {mib(bound)} | {r['peak'] / bound:.3f} | "
-        f"{r['peak'] / std[r['opt']]:.3f} |")
-  text = "\n".join(lines) + "\n"
-  print(text)
-  with open(a.out, "w") as f:
-    f.write(text)
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--width", type=int, default=512)
+    ap.add_argument("--seq", type=int, default=1)
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "EAGER_MEMORY.md"))
+    a = ap.parse_args()
+    rows = []
+    rows += rows_for("sgd(momentum=0.9)", optax.sgd(1e-2, momentum=0.9), a.width, a.layers, a.seq)
+    rows += rows_for("adam", optax.adam(1e-3), a.width, a.layers, a.seq)
+    kahan = amp_jax.optim.kahan_summation(optax.adam(1e-3))
+    rows += [
+        dict(
+            r,
+            variant="eager bf16+Kahan" if r["variant"] == "eager" else r["variant"] + " bf16+Kahan",
+        )
+        for r in rows_for(
+            "kahan(adam)",
+            kahan,
+            a.width,
+            a.layers,
+            a.seq,
+            jnp.bfloat16,
+            variants=["standard", "eager"],
+        )
+    ]
+    mib = lambda b: f"{b / 2**20:.2f}"
+    std = {r["opt"]: r["peak"] for r in rows if r["variant"].startswith("standard")}
+    lines = [
+        "# Eager updates: compiled peak memory",
+        "",
+        f"Machine: {platform.machine()} CPU, {os.cpu_count()} cores, JAX {jax.__version__}, "
+        f"optax {optax.__version__}, backend {jax.default_backend()}; date {datetime.date.today()}.",
+        f"Model: {a.layers} MLP blocks `h + tanh(h @ w1 + b1) @ w2`, width {a.width}, "
+        f"batch {a.seq} x {a.width}; embed and head are {a.width}x{a.width} matrices.",
+        "Numbers are XLA's `memory_analysis()` of the compiled step "
+        "(`jax.jit(step, donate_argnums=(0, 1))`): peak = argument + output + temp - alias "
+        "bytes. `bound` = params + optimizer state + one layer's gradient (+ activations, "
+        "which are tiny at batch 1). Ratio = peak / standard peak (same optimizer).",
+        "",
+        "| optimizer | variant | params MiB | opt state MiB | temp MiB | peak MiB | bound MiB | peak/bound | vs standard |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        bound = r["params"] + r["state"] + r["layer_grad"]
+        lines.append(
+            f"| {r['opt']} | {r['variant']} | {mib(r['params'])} | {mib(r['state'])} | "
+            f"{mib(r['temp'])} | {mib(r['peak'])} | {mib(bound)} | {r['peak'] / bound:.3f} | "
+            f"{r['peak'] / std[r['opt']]:.3f} |"
+        )
+    text = "\n".join(lines) + "\n"
+    print(text)
+    with open(a.out, "w") as f:
+        f.write(text)
 
 
 if __name__ == "__main__":
-  main()
+    main()

@@ -20,7 +20,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +31,9 @@ F32 = jnp.float32
 
 
 def _cast(tree: Any, dtype: Any) -> Any:
-    return jax.tree.map(lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
+    return jax.tree.map(
+        lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree
+    )
 
 
 def _xent(logits: jax.Array, labels: jax.Array) -> jax.Array:
@@ -42,7 +45,9 @@ def _xent(logits: jax.Array, labels: jax.Array) -> jax.Array:
 
 def _dense(x: jax.Array, w: jax.Array, acc: Any) -> jax.Array:
     """``x @ w`` over the last axis of x (any rank), as Flax Dense does it."""
-    return lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())), preferred_element_type=acc).astype(x.dtype)
+    return lax.dot_general(
+        x, w, (((x.ndim - 1,), (0,)), ((), ())), preferred_element_type=acc
+    ).astype(x.dtype)
 
 
 def _layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array) -> jax.Array:
@@ -82,8 +87,10 @@ def mlp(small: bool = False, batch: int = 512, width: int = 1024, depth: int = 4
 
     def make_batch(key):
         kx, ky = jax.random.split(key)
-        return (jax.random.normal(kx, (batch, width), F32),
-                jax.random.randint(ky, (batch,), 0, width))
+        return (
+            jax.random.normal(kx, (batch, width), F32),
+            jax.random.randint(ky, (batch,), 0, width),
+        )
 
     def loss(params, x, labels, dtype=F32, acc=None):
         params, h = _cast(params, dtype), x.astype(dtype)
@@ -93,15 +100,23 @@ def mlp(small: bool = False, batch: int = 512, width: int = 1024, depth: int = 4
                 h = jax.nn.gelu(h)
         return _xent(h, labels)
 
-    return Model("mlp", f"MLP {depth}x{width}, batch {batch}, gelu, softmax xent",
-                 init, make_batch, loss)
+    return Model(
+        "mlp", f"MLP {depth}x{width}, batch {batch}, gelu, softmax xent", init, make_batch, loss
+    )
 
 
 # -- GPT-style decoder ----------------------------------------------------------------
 
 
-def gpt(small: bool = False, batch: int = 2, seq: int = 256, d: int = 512, layers: int = 4,
-        heads: int = 8, vocab: int = 1024) -> Model:
+def gpt(
+    small: bool = False,
+    batch: int = 2,
+    seq: int = 256,
+    d: int = 512,
+    layers: int = 4,
+    heads: int = 8,
+    vocab: int = 1024,
+) -> Model:
     """Pre-LN decoder: causal attention + gelu MLP per layer, ``lax.scan`` over layers."""
     if small:
         batch, seq, d, layers, heads, vocab = 2, 16, 32, 2, 4, 64
@@ -111,10 +126,12 @@ def gpt(small: bool = False, batch: int = 2, seq: int = 256, d: int = 512, layer
         k = jax.random.split(key, 6)
         s = 1 / math.sqrt(d)
         blocks = {
-            "ln1_s": jnp.ones((layers, d), F32), "ln1_b": jnp.zeros((layers, d), F32),
+            "ln1_s": jnp.ones((layers, d), F32),
+            "ln1_b": jnp.zeros((layers, d), F32),
             "wqkv": jax.random.normal(k[0], (layers, d, 3 * d), F32) * s,
             "wo": jax.random.normal(k[1], (layers, d, d), F32) * s,
-            "ln2_s": jnp.ones((layers, d), F32), "ln2_b": jnp.zeros((layers, d), F32),
+            "ln2_s": jnp.ones((layers, d), F32),
+            "ln2_b": jnp.zeros((layers, d), F32),
             "w1": jax.random.normal(k[2], (layers, d, 4 * d), F32) * s,
             "b1": jnp.zeros((layers, 4 * d), F32),
             "w2": jax.random.normal(k[3], (layers, 4 * d, d), F32) * (s / 2),
@@ -124,7 +141,8 @@ def gpt(small: bool = False, batch: int = 2, seq: int = 256, d: int = 512, layer
             "embed": jax.random.normal(k[4], (vocab, d), F32) * 0.02,
             "pos": jax.random.normal(k[5], (seq, d), F32) * 0.02,
             "blocks": blocks,
-            "lnf_s": jnp.ones((d,), F32), "lnf_b": jnp.zeros((d,), F32),
+            "lnf_s": jnp.ones((d,), F32),
+            "lnf_b": jnp.zeros((d,), F32),
         }
 
     def make_batch(key):
@@ -149,7 +167,9 @@ def gpt(small: bool = False, batch: int = 2, seq: int = 256, d: int = 512, layer
                 probs = jax.nn.softmax(logits, axis=-1).astype(dtype)
                 att = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(batch, seq, d)
             else:
-                att = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=attention)
+                att = jax.nn.dot_product_attention(
+                    q, k, v, is_causal=True, implementation=attention
+                )
                 att = att.reshape(batch, seq, d)
             x = x + _dense(att, w["wo"], acc)
             h = _layer_norm(x, w["ln2_s"], w["ln2_b"])
@@ -162,9 +182,14 @@ def gpt(small: bool = False, batch: int = 2, seq: int = 256, d: int = 512, layer
         logits = _dense(x, p["embed"].T, acc)
         return _xent(logits, targets)
 
-    return Model("gpt", f"GPT decoder, pre-LN, {layers} layers (lax.scan), d={d}, {heads} heads, "
-                 f"seq {seq}, batch {batch}, vocab {vocab}, tied embedding",
-                 init, make_batch, loss)
+    return Model(
+        "gpt",
+        f"GPT decoder, pre-LN, {layers} layers (lax.scan), d={d}, {heads} heads, "
+        f"seq {seq}, batch {batch}, vocab {vocab}, tied embedding",
+        init,
+        make_batch,
+        loss,
+    )
 
 
 # -- ResNet-style CNN -------------------------------------------------------------------
@@ -172,8 +197,13 @@ def gpt(small: bool = False, batch: int = 2, seq: int = 256, d: int = 512, layer
 
 def _conv(x, w, stride, acc):
     return lax.conv_general_dilated(
-        x, w, (stride, stride), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"),
-        preferred_element_type=acc).astype(x.dtype)
+        x,
+        w,
+        (stride, stride),
+        "SAME",
+        dimension_numbers=("NHWC", "HWIO", "NHWC"),
+        preferred_element_type=acc,
+    ).astype(x.dtype)
 
 
 def _norm(x, scale, bias):
@@ -181,7 +211,9 @@ def _norm(x, scale, bias):
     xf = x.astype(F32)
     mean = jnp.mean(xf, axis=(1, 2, 3), keepdims=True)
     var = jnp.mean(jnp.square(xf - mean), axis=(1, 2, 3), keepdims=True)
-    return ((xf - mean) * lax.rsqrt(var + 1e-5) * scale.astype(F32) + bias.astype(F32)).astype(x.dtype)
+    return ((xf - mean) * lax.rsqrt(var + 1e-5) * scale.astype(F32) + bias.astype(F32)).astype(
+        x.dtype
+    )
 
 
 def conv_w(key, k, cin, cout):
@@ -191,12 +223,20 @@ def conv_w(key, k, cin, cout):
 
 def _image_batch(key, *, batch, size, classes):
     kx, ky = jax.random.split(key)
-    return (jax.random.normal(kx, (batch, size, size, 3), F32),
-            jax.random.randint(ky, (batch,), 0, classes))
+    return (
+        jax.random.normal(kx, (batch, size, size, 3), F32),
+        jax.random.randint(ky, (batch,), 0, classes),
+    )
 
 
-def cnn(small: bool = False, batch: int = 16, size: int = 32, widths: tuple[int, ...] = (64, 128, 256),
-        blocks_per_stage: int = 1, classes: int = 10) -> Model:
+def cnn(
+    small: bool = False,
+    batch: int = 16,
+    size: int = 32,
+    widths: tuple[int, ...] = (64, 128, 256),
+    blocks_per_stage: int = 1,
+    classes: int = 10,
+) -> Model:
     """ResNet-style NHWC CNN: 3x3 stem, basic residual blocks, global pooling, dense head."""
     if small:
         batch, size, widths = 2, 8, (8, 16)
@@ -209,8 +249,10 @@ def cnn(small: bool = False, batch: int = 16, size: int = 32, widths: tuple[int,
             stage = []
             for b in range(blocks_per_stage):
                 blk = {
-                    "w1": conv_w(next(keys), 3, cin, cout), "n1": (jnp.ones(cout), jnp.zeros(cout)),
-                    "w2": conv_w(next(keys), 3, cout, cout), "n2": (jnp.ones(cout), jnp.zeros(cout)),
+                    "w1": conv_w(next(keys), 3, cin, cout),
+                    "n1": (jnp.ones(cout), jnp.zeros(cout)),
+                    "w2": conv_w(next(keys), 3, cout, cout),
+                    "n2": (jnp.ones(cout), jnp.zeros(cout)),
                 }
                 if cin != cout or (s > 0 and b == 0):  # (the strided block needs it too)
                     blk["proj"] = conv_w(next(keys), 1, cin, cout)
@@ -235,8 +277,14 @@ def cnn(small: bool = False, batch: int = 16, size: int = 32, widths: tuple[int,
         pooled = jnp.mean(x.astype(F32), axis=(1, 2)).astype(dtype)
         return _xent(_dense(pooled, p["head"], acc), labels)
 
-    return Model("cnn", f"ResNet-style CNN NHWC, {batch}x{size}x{size}x3, widths {widths}, "
-                 f"{blocks_per_stage} basic block(s)/stage, group-norm", init, make_batch, loss)
+    return Model(
+        "cnn",
+        f"ResNet-style CNN NHWC, {batch}x{size}x{size}x3, widths {widths}, "
+        f"{blocks_per_stage} basic block(s)/stage, group-norm",
+        init,
+        make_batch,
+        loss,
+    )
 
 
 # -- ResNet-50-sized model (compile time only) ------------------------------------------------
@@ -254,9 +302,12 @@ def resnet50(batch: int = 1, size: int = 64, classes: int = 1000) -> Model:
             stage = []
             for b in range(n):
                 blk = {
-                    "w1": conv_w(next(keys), 1, cin, mid), "n1": (jnp.ones(mid), jnp.zeros(mid)),
-                    "w2": conv_w(next(keys), 3, mid, mid), "n2": (jnp.ones(mid), jnp.zeros(mid)),
-                    "w3": conv_w(next(keys), 1, mid, cout), "n3": (jnp.ones(cout), jnp.zeros(cout)),
+                    "w1": conv_w(next(keys), 1, cin, mid),
+                    "n1": (jnp.ones(mid), jnp.zeros(mid)),
+                    "w2": conv_w(next(keys), 3, mid, mid),
+                    "n2": (jnp.ones(mid), jnp.zeros(mid)),
+                    "w3": conv_w(next(keys), 1, mid, cout),
+                    "n3": (jnp.ones(cout), jnp.zeros(cout)),
                 }
                 if b == 0:
                     blk["proj"] = conv_w(next(keys), 1, cin, cout)
@@ -282,8 +333,13 @@ def resnet50(batch: int = 1, size: int = 64, classes: int = 1000) -> Model:
         pooled = jnp.mean(x.astype(F32), axis=(1, 2)).astype(dtype)
         return _xent(_dense(pooled, p["head"], acc), labels)
 
-    return Model("resnet50", f"ResNet-50 topology (bottlenecks [3,4,6,3], 53 convs), "
-                 f"{batch}x{size}x{size}x3", init, make_batch, loss)
+    return Model(
+        "resnet50",
+        f"ResNet-50 topology (bottlenecks [3,4,6,3], 53 convs), {batch}x{size}x{size}x3",
+        init,
+        make_batch,
+        loss,
+    )
 
 
 MODELS: dict[str, Callable[..., Model]] = {"mlp": mlp, "gpt": gpt, "cnn": cnn}

@@ -19,46 +19,65 @@ N_PARAMS = 1024 * 1024  # one 1024x1024 weight matrix
 
 
 def _schemes():
-  lr = 1e-3
-  return [
-      ("float32 AdamW", jnp.float32, lambda: optim.adamw(lr)),
-      ("bf16 params + float32 master weights + float32 moments", jnp.bfloat16,
-       lambda: optim.master_weights(optim.adamw(lr))),
-      ("fp16 params + float32 master weights + float32 moments + dynamic "
-       "loss scale", jnp.float16,
-       lambda: optim.dynamic_loss_scale(optim.master_weights(optim.adamw(lr)))),
-      ("pure bf16 + Kahan (bf16 moments, bf16 compensation)", jnp.bfloat16,
-       lambda: optim.adamw(lr, kahan=True)),
-      ("pure bf16 + stochastic rounding (bf16 moments)", jnp.bfloat16,
-       lambda: optim.stochastic_rounding(optim.adamw(lr), 0)),
-      ("float32 params + bf16 moments (adamw mu_dtype/nu_dtype)", jnp.float32,
-       lambda: optim.adamw(lr, mu_dtype=jnp.bfloat16, nu_dtype=jnp.bfloat16)),
-  ]
+    lr = 1e-3
+    return [
+        ("float32 AdamW", jnp.float32, lambda: optim.adamw(lr)),
+        (
+            "bf16 params + float32 master weights + float32 moments",
+            jnp.bfloat16,
+            lambda: optim.master_weights(optim.adamw(lr)),
+        ),
+        (
+            "fp16 params + float32 master weights + float32 moments + dynamic loss scale",
+            jnp.float16,
+            lambda: optim.dynamic_loss_scale(optim.master_weights(optim.adamw(lr))),
+        ),
+        (
+            "pure bf16 + Kahan (bf16 moments, bf16 compensation)",
+            jnp.bfloat16,
+            lambda: optim.adamw(lr, kahan=True),
+        ),
+        (
+            "pure bf16 + stochastic rounding (bf16 moments)",
+            jnp.bfloat16,
+            lambda: optim.stochastic_rounding(optim.adamw(lr), 0),
+        ),
+        (
+            "float32 params + bf16 moments (adamw mu_dtype/nu_dtype)",
+            jnp.float32,
+            lambda: optim.adamw(lr, mu_dtype=jnp.bfloat16, nu_dtype=jnp.bfloat16),
+        ),
+    ]
 
 
 def rows(n_params: int = N_PARAMS) -> list[tuple[str, float, float, float]]:
-  """(scheme, weight, gradient, state) bytes per parameter for each scheme."""
-  out = []
-  for name, dtype, make in _schemes():
-    params = {"w": jax.ShapeDtypeStruct((n_params,), dtype)}
-    grads = params  # gradients have the parameters' dtype
-    state = jax.eval_shape(make().init, params)
-    out.append((name, optim.state_bytes(params) / n_params,
+    """(scheme, weight, gradient, state) bytes per parameter for each scheme."""
+    out = []
+    for name, dtype, make in _schemes():
+        params = {"w": jax.ShapeDtypeStruct((n_params,), dtype)}
+        grads = params  # gradients have the parameters' dtype
+        state = jax.eval_shape(make().init, params)
+        out.append(
+            (
+                name,
+                optim.state_bytes(params) / n_params,
                 optim.state_bytes(grads) / n_params,
-                optim.state_bytes(state) / n_params))
-  return out
+                optim.state_bytes(state) / n_params,
+            )
+        )
+    return out
 
 
 def markdown_table(n_params: int = N_PARAMS) -> str:
-  """The table as markdown (2 decimals; scalars such as counters included)."""
-  lines = [
-      "| scheme | weights | gradients | optimizer state | total bytes/param |",
-      "|---|---:|---:|---:|---:|",
-  ]
-  for name, w, g, s in rows(n_params):
-    lines.append(f"| {name} | {w:.2f} | {g:.2f} | {s:.2f} | {w + g + s:.2f} |")
-  return "\n".join(lines)
+    """The table as markdown (2 decimals; scalars such as counters included)."""
+    lines = [
+        "| scheme | weights | gradients | optimizer state | total bytes/param |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for name, w, g, s in rows(n_params):
+        lines.append(f"| {name} | {w:.2f} | {g:.2f} | {s:.2f} | {w + g + s:.2f} |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
-  print(markdown_table())
+    print(markdown_table())

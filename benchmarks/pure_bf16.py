@@ -38,8 +38,10 @@ BF16, F32 = jnp.bfloat16, jnp.float32
 def f32_gather(loss):
     """The loss with the embedding table read in float32 (gather, and its
     scatter-add transpose, in float32); the rest of the parameters as given."""
+
     def wrapped(params, *args):
         return loss({**params, "embed": params["embed"].astype(F32)}, *args)
+
     return wrapped
 
 
@@ -48,6 +50,7 @@ def step_fn(loss, tx, donate):
         value, grads = jax.value_and_grad(loss)(params, tokens, targets)
         updates, state = tx.update(grads, state, params)
         return value, optax.apply_updates(params, updates), state
+
     return jax.jit(step, donate_argnums=(0, 1) if donate else ())
 
 
@@ -61,8 +64,9 @@ def main(argv=None):
     p.add_argument("--heads", type=int, default=None, help="default: d_model // 64")
     args = p.parse_args(argv)
     heads = args.heads or max(args.d_model // 64, 1)
-    cfg = _model.Config(d_model=args.d_model, layers=args.layers, heads=heads,
-                        seq=args.seq, batch=args.batch)
+    cfg = _model.Config(
+        d_model=args.d_model, layers=args.layers, heads=heads, seq=args.seq, batch=args.batch
+    )
     loss = functools.partial(_model.loss_fn, heads=cfg.heads)
     params32 = _model.init_params(jax.random.key(0), cfg)
     params16 = jax.tree.map(lambda a: a.astype(BF16), params32)
@@ -71,6 +75,7 @@ def main(argv=None):
     sgd = optax.sgd(1e-3)
     kahan = optim.adamw(1e-3, mu_dtype=BF16, nu_dtype=BF16, kahan=True)
     from amp_jax.demo import _modes
+
     sched = _modes.schedule(1e-3, 300)  # the demo's warmup-cosine schedule
     kahan_sched = optim.adamw(sched, mu_dtype=BF16, nu_dtype=BF16, kahan=True)
     variants = {
@@ -102,9 +107,11 @@ def main(argv=None):
             ts.append(time.perf_counter() - t0)
         rows.append((name, statistics.median(ts) * 1e3, ",".join(scatters) or "-"))
         print(f"{name}: {rows[-1][1]:.1f} ms, scatter types {rows[-1][2]}", flush=True)
-    print(f"\n{jax.devices()[0].device_kind}, JAX {jax.__version__}, d={cfg.d_model}, heads={cfg.heads}, "
-          f"layers={cfg.layers}, "
-          f"seq={cfg.seq}, batch={cfg.batch}\n")
+    print(
+        f"\n{jax.devices()[0].device_kind}, JAX {jax.__version__}, d={cfg.d_model}, heads={cfg.heads}, "
+        f"layers={cfg.layers}, "
+        f"seq={cfg.seq}, batch={cfg.batch}\n"
+    )
     print("| variant | step ms | scatter element types |\n|---|---:|---|")
     for name, ms, sc in rows:
         print(f"| {name} | {ms:.1f} | {sc} |")

@@ -33,15 +33,16 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import math
 import functools
+import math
 import os
 import platform
 import re
 import statistics
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 # The PyTorch peer shares the GPU: let JAX allocate as it goes, not 75% up front.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -67,8 +68,14 @@ TARGET_STEP_VS_HAND = 1.0
 TARGET_TEMP_VS_F32 = 0.6
 TARGET_COMPILE_VS_F32 = 1.3
 #: targets of issue 14 (GPU, H100)
-GPU_TARGETS = {"gpt_vs_hand_cudnn": 1.1, "gpt_vs_torch_sdpa": 1.4, "gpt_vs_f32": 0.3,
-               "gpt_temp_vs_hand_cudnn": 1.1, "mlp_vs_hand": 1.0, "cnn_vs_hand": 1.05}
+GPU_TARGETS = {
+    "gpt_vs_hand_cudnn": 1.1,
+    "gpt_vs_torch_sdpa": 1.4,
+    "gpt_vs_f32": 0.3,
+    "gpt_temp_vs_hand_cudnn": 1.1,
+    "mlp_vs_hand": 1.0,
+    "cnn_vs_hand": 1.05,
+}
 #: dense bf16 peak used for MFU: H100 SXM datasheet (989 TFLOP/s).
 GPU_PEAK_FLOPS = 989e12
 
@@ -105,7 +112,9 @@ def scan_output_bytes(fn: Callable[..., Any], args: tuple[Any, ...]) -> int:
     total = 0
     for e in jaxpr.eqns:
         if e.primitive.name == "scan":
-            total += sum(int(np.prod(v.aval.shape)) * np.dtype(v.aval.dtype).itemsize for v in e.outvars)
+            total += sum(
+                int(np.prod(v.aval.shape)) * np.dtype(v.aval.dtype).itemsize for v in e.outvars
+            )
             break  # the first scan is the forward one
     return total
 
@@ -125,12 +134,21 @@ def matmul_flops(fn: Callable[..., Any], args: tuple[Any, ...]) -> float:
                 total += mult * 2.0 * k * math.prod(e.outvars[0].aval.shape)
             elif name == "conv_general_dilated":
                 w = e.invars[1].aval.shape
-                total += mult * 2.0 * math.prod(e.outvars[0].aval.shape) * math.prod(w) / max(
-                    w[e.params["dimension_numbers"].rhs_spec[0]], 1)
+                total += (
+                    mult
+                    * 2.0
+                    * math.prod(e.outvars[0].aval.shape)
+                    * math.prod(w)
+                    / max(w[e.params["dimension_numbers"].rhs_spec[0]], 1)
+                )
             inner = mult * (e.params["length"] if name == "scan" else 1)
             for sub in jex_core.jaxprs_in_params(e.params):
-                total += walk(sub.jaxpr if hasattr(sub, "jaxpr") and not isinstance(sub, jex_core.Jaxpr)
-                              else sub, inner)
+                total += walk(
+                    sub.jaxpr
+                    if hasattr(sub, "jaxpr") and not isinstance(sub, jex_core.Jaxpr)
+                    else sub,
+                    inner,
+                )
         return total
 
     return walk(jax.make_jaxpr(fn)(*args).jaxpr, 1)
@@ -151,7 +169,9 @@ def variants(model: M.Model, which: tuple[str, ...]) -> dict[str, Callable[..., 
     return {k: table[k] for k in which if k in table}
 
 
-def bench_model(model: M.Model, which: tuple[str, ...], rounds: int, warmup: int) -> dict[str, dict[str, float]]:
+def bench_model(
+    model: M.Model, which: tuple[str, ...], rounds: int, warmup: int
+) -> dict[str, dict[str, float]]:
     params = model.init(jax.random.PRNGKey(0))
     batch = model.batch(jax.random.PRNGKey(1))
     args = (params, *batch)
@@ -207,13 +227,16 @@ def bench_conv(reps: int) -> list[tuple[str, float]]:
     dn = ("NHWC", "HWIO", "NHWC")
 
     def conv(x, w, pet=None):
-        return lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=dn,
-                                        preferred_element_type=pet)
+        return lax.conv_general_dilated(
+            x, w, (1, 1), "SAME", dimension_numbers=dn, preferred_element_type=pet
+        )
 
     forms = {
         "float32": lambda x, w: conv(x, w),
         "bf16 operands, bf16 result": lambda x, w: conv(x.astype(BF16), w.astype(BF16)),
-        "bf16 operands, f32 result (pet=f32)": lambda x, w: conv(x.astype(BF16), w.astype(BF16), F32),
+        "bf16 operands, f32 result (pet=f32)": lambda x, w: conv(
+            x.astype(BF16), w.astype(BF16), F32
+        ),
     }
     rows = []
     for name, f in forms.items():
@@ -232,14 +255,19 @@ def bench_dw(reps: int) -> list[tuple[str, float]]:
     tn = (((0,), (0,)), ((), ()))
     nn = (((1,), (0,)), ((), ()))
     from amp_jax._src.rules import materialized_transpose
+
     forms = {
         "float32 x.T @ g (TN)": lambda x, g: lax.dot_general(x.astype(F32), g.astype(F32), tn),
         "bf16 TN, bf16 result (hand-bf16 backward)": lambda x, g: lax.dot_general(x, g, tn),
-        "bf16 TN, pet=f32 (JAX transpose rule)": lambda x, g: lax.dot_general(x, g, tn, preferred_element_type=F32),
+        "bf16 TN, pet=f32 (JAX transpose rule)": lambda x, g: lax.dot_general(
+            x, g, tn, preferred_element_type=F32
+        ),
         "bf16 x.T materialized, then NN, pet=f32 (amp rule)": lambda x, g: lax.dot_general(
-            materialized_transpose(x, (1, 0)), g, nn, preferred_element_type=F32),
+            materialized_transpose(x, (1, 0)), g, nn, preferred_element_type=F32
+        ),
         "reference: bf16 NN of the same size, pet=f32": lambda x, g: lax.dot_general(
-            x.reshape(1024, 512), g, nn, preferred_element_type=F32),
+            x.reshape(1024, 512), g, nn, preferred_element_type=F32
+        ),
     }
     return [(name, time_fn(f, (x, g), reps)) for name, f in forms.items()]
 
@@ -313,11 +341,15 @@ def model_table(name: str, res: dict[str, dict[str, float]]) -> list[str]:
         flops = r.get("flops") or (f32 or {}).get("flops")
         mfu = f"{flops / r['step_s'] / GPU_PEAK_FLOPS:.0%}" if (gpu and flops) else "-"
         if "compile_s" in r:
-            xla = (f"{r['compile_s']:.2f} ({r['lower_s']:.2f}) | {_mb(r['temp_bytes'])} | "
-                   f"{r['temp_bytes'] / f32['temp_bytes']:.2f} | {_mb(r['arg_bytes'])} | {int(r['converts'])}")
+            xla = (
+                f"{r['compile_s']:.2f} ({r['lower_s']:.2f}) | {_mb(r['temp_bytes'])} | "
+                f"{r['temp_bytes'] / f32['temp_bytes']:.2f} | {_mb(r['arg_bytes'])} | {int(r['converts'])}"
+            )
         else:
             xla = f"- | peak {_mb(r.get('peak_bytes', float('nan')))} | - | - | -"
-        lines.append(f"| {v} | {r['step_s'] * 1e3:.1f} | {vs} | {amp_vs} | {mfu} | {xla} | {r['loss']:.4f} |")
+        lines.append(
+            f"| {v} | {r['step_s'] * 1e3:.1f} | {vs} | {amp_vs} | {mfu} | {xla} | {r['loss']:.4f} |"
+        )
     return lines
 
 
@@ -328,23 +360,48 @@ def gpu_targets(all_res: dict[str, dict[str, dict[str, float]]]) -> list[str]:
         if num is None or den is None:
             return
         ratio = num[key] / den[key]
-        rows.append(f"| {desc} <= {limit}x | {ratio:.2f}x | {'met' if ratio <= limit else 'NOT met'} |")
+        rows.append(
+            f"| {desc} <= {limit}x | {ratio:.2f}x | {'met' if ratio <= limit else 'NOT met'} |"
+        )
 
     g, m, c = all_res.get("gpt", {}), all_res.get("mlp", {}), all_res.get("cnn", {})
     t = GPU_TARGETS
-    add("gpt: amp step vs hand bf16 + cuDNN attention", g.get("amp"), g.get("hand_cudnn"), t["gpt_vs_hand_cudnn"])
-    add("gpt: amp step vs torch autocast + SDPA", g.get("amp"), g.get("torch_autocast_sdpa"), t["gpt_vs_torch_sdpa"])
+    add(
+        "gpt: amp step vs hand bf16 + cuDNN attention",
+        g.get("amp"),
+        g.get("hand_cudnn"),
+        t["gpt_vs_hand_cudnn"],
+    )
+    add(
+        "gpt: amp step vs torch autocast + SDPA",
+        g.get("amp"),
+        g.get("torch_autocast_sdpa"),
+        t["gpt_vs_torch_sdpa"],
+    )
     add("gpt: amp step vs f32", g.get("amp"), g.get("f32"), t["gpt_vs_f32"])
-    add("gpt: amp temp bytes vs hand + cuDNN", g.get("amp"), g.get("hand_cudnn"), t["gpt_temp_vs_hand_cudnn"],
-        key="temp_bytes")
+    add(
+        "gpt: amp temp bytes vs hand + cuDNN",
+        g.get("amp"),
+        g.get("hand_cudnn"),
+        t["gpt_temp_vs_hand_cudnn"],
+        key="temp_bytes",
+    )
     add("mlp: amp step vs hand", m.get("amp"), m.get("hand"), t["mlp_vs_hand"])
     add("cnn: amp step vs hand", c.get("amp"), c.get("hand"), t["cnn_vs_hand"])
     for name, r in all_res.items():
-        add(f"{name}: amp compile vs f32", r.get("amp"), r.get("f32"), TARGET_COMPILE_VS_F32, key="compile_s")
+        add(
+            f"{name}: amp compile vs f32",
+            r.get("amp"),
+            r.get("f32"),
+            TARGET_COMPILE_VS_F32,
+            key="compile_s",
+        )
     return rows
 
 
-def targets(all_res: dict[str, dict[str, dict[str, float]]], r50: dict[str, float] | None) -> list[str]:
+def targets(
+    all_res: dict[str, dict[str, dict[str, float]]], r50: dict[str, float] | None
+) -> list[str]:
     rows = ["| target | measured | met |", "|---|---:|:---:|"]
 
     def add(desc, value, ok):
@@ -355,98 +412,174 @@ def targets(all_res: dict[str, dict[str, dict[str, float]]], r50: dict[str, floa
             continue
         r = all_res[m]
         ratio = r["amp"]["step_s"] / r["f32"]["step_s"]
-        add(f"{m}: amp step <= {TARGET_STEP_VS_F32}x f32", f"{ratio:.2f}x", ratio <= TARGET_STEP_VS_F32)
+        add(
+            f"{m}: amp step <= {TARGET_STEP_VS_F32}x f32",
+            f"{ratio:.2f}x",
+            ratio <= TARGET_STEP_VS_F32,
+        )
         if "hand" in r:
             ratio = r["amp"]["step_s"] / r["hand"]["step_s"]
-            add(f"{m}: amp step <= {TARGET_STEP_VS_HAND}x hand-bf16", f"{ratio:.2f}x", ratio <= TARGET_STEP_VS_HAND)
+            add(
+                f"{m}: amp step <= {TARGET_STEP_VS_HAND}x hand-bf16",
+                f"{ratio:.2f}x",
+                ratio <= TARGET_STEP_VS_HAND,
+            )
     if "gpt" in all_res:
         r = all_res["gpt"]
         ratio = r["amp"]["temp_bytes"] / r["f32"]["temp_bytes"]
-        add(f"gpt: amp temp bytes <= {TARGET_TEMP_VS_F32}x f32", f"{ratio:.2f}x", ratio <= TARGET_TEMP_VS_F32)
+        add(
+            f"gpt: amp temp bytes <= {TARGET_TEMP_VS_F32}x f32",
+            f"{ratio:.2f}x",
+            ratio <= TARGET_TEMP_VS_F32,
+        )
     for m, r in all_res.items():
         ratio = r["amp"]["compile_s"] / r["f32"]["compile_s"]
-        add(f"{m}: amp compile <= {TARGET_COMPILE_VS_F32}x f32", f"{ratio:.2f}x", ratio <= TARGET_COMPILE_VS_F32)
+        add(
+            f"{m}: amp compile <= {TARGET_COMPILE_VS_F32}x f32",
+            f"{ratio:.2f}x",
+            ratio <= TARGET_COMPILE_VS_F32,
+        )
     if r50:
         for k in ("amp", "amp_bf16_convs"):
             ratio = r50[k] / r50["f32"]
-            add(f"ResNet-50 jit(grad({k})) compile <= {TARGET_COMPILE_VS_F32}x f32", f"{ratio:.2f}x",
-                ratio <= TARGET_COMPILE_VS_F32)
+            add(
+                f"ResNet-50 jit(grad({k})) compile <= {TARGET_COMPILE_VS_F32}x f32",
+                f"{ratio:.2f}x",
+                ratio <= TARGET_COMPILE_VS_F32,
+            )
     return rows
 
 
 def report(args, all_res, descs, conv_rows, dw_rows, r50) -> str:
     mach = machine()
-    out = ["# amp_jax speed benchmark", "",
-           f"Generated by `python benchmarks/run.py{' --quick' if args.quick else ''}"
-           f"{' --models ' + args.models if args.models != 'mlp,gpt,cnn' else ''}` "
-           f"({args.rounds} timed rounds, medians). Timings are wall-clock on a shared machine; "
-           "structure (converts, bytes) is deterministic.", "",
-           "## Machine", ""]
+    out = [
+        "# amp_jax speed benchmark",
+        "",
+        f"Generated by `python benchmarks/run.py{' --quick' if args.quick else ''}"
+        f"{' --models ' + args.models if args.models != 'mlp,gpt,cnn' else ''}` "
+        f"({args.rounds} timed rounds, medians). Timings are wall-clock on a shared machine; "
+        "structure (converts, bytes) is deterministic.",
+        "",
+        "## Machine",
+        "",
+    ]
     out += [f"- {k}: {v}" for k, v in mach.items()]
-    out += ["", "## Train step `jax.jit(jax.value_and_grad(loss))`", "",
-            "`f32`: float32 model. `amp`: `amp(loss)` (bf16 policy, defaults). `hand`: hand-written bf16 "
-            "(params/inputs cast at the start, bf16 matmul results, f32 norms/softmax/loss, like Flax "
-            "`dtype=bfloat16`). `hand_acc`: hand-written bf16 with `preferred_element_type=float32`. "
-            "`amp vs this` = amp step time / this variant's step time. converts = `convert` "
-            "instructions in the optimized HLO.", ""]
+    out += [
+        "",
+        "## Train step `jax.jit(jax.value_and_grad(loss))`",
+        "",
+        "`f32`: float32 model. `amp`: `amp(loss)` (bf16 policy, defaults). `hand`: hand-written bf16 "
+        "(params/inputs cast at the start, bf16 matmul results, f32 norms/softmax/loss, like Flax "
+        "`dtype=bfloat16`). `hand_acc`: hand-written bf16 with `preferred_element_type=float32`. "
+        "`amp vs this` = amp step time / this variant's step time. converts = `convert` "
+        "instructions in the optimized HLO.",
+        "",
+    ]
     for name, res in all_res.items():
         out += [f"### {name}: {descs[name]}", ""] + model_table(name, res) + [""]
         if any(r.get("scan_out_bytes") for r in res.values()):
-            out += ["Forward-scan outputs (stacked residuals kept for the backward, from the jaxpr): "
-                    + ", ".join(f"{v} {_mb(r['scan_out_bytes'])} MiB" for v, r in res.items()
-                               if "scan_out_bytes" in r), ""]
+            out += [
+                "Forward-scan outputs (stacked residuals kept for the backward, from the jaxpr): "
+                + ", ".join(
+                    f"{v} {_mb(r['scan_out_bytes'])} MiB"
+                    for v, r in res.items()
+                    if "scan_out_bytes" in r
+                ),
+                "",
+            ]
     if jax.default_backend() == "gpu":
-        out += ["## Targets (GPU)", "", f"MFU: matmul/conv FLOPs of the step (from the jaxpr) per second, "
-                f"over {GPU_PEAK_FLOPS / 1e12:.0f} TFLOP/s dense bf16. Rows `torch_*`: the same GPT in "
-                "PyTorch (`benchmarks/torch_peer.py`), autocast bf16, einsum attention or "
-                "`F.scaled_dot_product_attention`; their memory column is the CUDA peak allocation.", ""]
+        out += [
+            "## Targets (GPU)",
+            "",
+            f"MFU: matmul/conv FLOPs of the step (from the jaxpr) per second, "
+            f"over {GPU_PEAK_FLOPS / 1e12:.0f} TFLOP/s dense bf16. Rows `torch_*`: the same GPT in "
+            "PyTorch (`benchmarks/torch_peer.py`), autocast bf16, einsum attention or "
+            "`F.scaled_dot_product_attention`; their memory column is the CUDA peak allocation.",
+            "",
+        ]
         out += gpu_targets(all_res) + [""]
     else:
         out += ["## Targets (CPU)", ""] + targets(all_res, r50) + [""]
     if r50:
-        out += ["## ResNet-50-sized compile time", "",
-                "`jax.jit(jax.grad(f)).lower(...).compile()` wall time (median of "
-                f"{args.r50_reps}, fresh jit and fresh amp trace each time), "
-                f"{M.resnet50().description}:", "",
-                "| variant | compile s | vs f32 |", "|---|---:|---:|"]
+        out += [
+            "## ResNet-50-sized compile time",
+            "",
+            "`jax.jit(jax.grad(f)).lower(...).compile()` wall time (median of "
+            f"{args.r50_reps}, fresh jit and fresh amp trace each time), "
+            f"{M.resnet50().description}:",
+            "",
+            "| variant | compile s | vs f32 |",
+            "|---|---:|---:|",
+        ]
         for k, v in r50.items():
             out.append(f"| {k} | {v:.2f} | {v / r50['f32']:.2f} |")
-        out += ["", "`amp` keeps convolutions float32 on CPU (backend-aware default); "
-                "`amp_bf16_convs` forces them through amp's bf16 conv rule "
-                "(`Policy(backend_aware=False)`), the path GPUs/TPUs take.", ""]
+        out += [
+            "",
+            "`amp` keeps convolutions float32 on CPU (backend-aware default); "
+            "`amp_bf16_convs` forces them through amp's bf16 conv rule "
+            "(`Policy(backend_aware=False)`), the path GPUs/TPUs take.",
+            "",
+        ]
     if conv_rows:
-        out += ["## Backend-aware: convolutions on this CPU", "",
-                "3x3 conv, NHWC 16x32x32x128 -> 128 (`jax.jit`, median):", "",
-                "| form | forward ms | forward+backward ms |", "|---|---:|---:|"]
+        out += [
+            "## Backend-aware: convolutions on this CPU",
+            "",
+            "3x3 conv, NHWC 16x32x32x128 -> 128 (`jax.jit`, median):",
+            "",
+            "| form | forward ms | forward+backward ms |",
+            "|---|---:|---:|",
+        ]
         out += [f"| {n} | {a * 1e3:.2f} | {b * 1e3:.2f} |" for n, a, b in conv_rows]
-        out += ["", "`Policy(backend_aware=True)` (the default) keeps `conv_general_dilated` in float32 "
-                "on CPU on the strength of this comparison; compare with the `cnn` table above "
-                "(where `hand` runs its convs in bf16).", ""]
+        out += [
+            "",
+            "`Policy(backend_aware=True)` (the default) keeps `conv_general_dilated` in float32 "
+            "on CPU on the strength of this comparison; compare with the `cnn` table above "
+            "(where `hand` runs its convs in bf16).",
+            "",
+        ]
     if dw_rows:
-        out += ["## Weight-gradient dot layout on this CPU", "",
-                "`dW = x.T @ g` with x, g: [512, 1024] bf16 (`jax.jit`, median). XLA:CPU only runs "
-                "bf16 dots in its fast (YNNPACK) kernel when the lhs contracts over its last "
-                "dimension; a transpose in front of the dot is folded back into the dot, so amp's "
-                "dot rule materialises it with a reshape-transpose-reshape that XLA keeps as a copy.",
-                "", "| form | ms |", "|---|---:|"]
+        out += [
+            "## Weight-gradient dot layout on this CPU",
+            "",
+            "`dW = x.T @ g` with x, g: [512, 1024] bf16 (`jax.jit`, median). XLA:CPU only runs "
+            "bf16 dots in its fast (YNNPACK) kernel when the lhs contracts over its last "
+            "dimension; a transpose in front of the dot is folded back into the dot, so amp's "
+            "dot rule materialises it with a reshape-transpose-reshape that XLA keeps as a copy.",
+            "",
+            "| form | ms |",
+            "|---|---:|",
+        ]
         out += [f"| {n} | {t * 1e3:.2f} |" for n, t in dw_rows]
         out.append("")
     return "\n".join(out)
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="fewer rounds; skip the ResNet-50 compile study")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--quick", action="store_true", help="fewer rounds; skip the ResNet-50 compile study"
+    )
     p.add_argument("--models", default="mlp,gpt,cnn", help="comma-separated subset of mlp,gpt,cnn")
-    p.add_argument("--variants", default=None,
-                   help="comma-separated variants (default: f32,amp,hand,hand_acc on CPU; "
-                        "f32,amp,hand,hand_cudnn on GPU)")
-    p.add_argument("--scale", choices=("auto", "cpu", "gpu"), default="auto",
-                   help="model sizes: CPU-sized, or GPU-sized (models.GPU_SIZES); auto: by backend")
+    p.add_argument(
+        "--variants",
+        default=None,
+        help="comma-separated variants (default: f32,amp,hand,hand_acc on CPU; "
+        "f32,amp,hand,hand_cudnn on GPU)",
+    )
+    p.add_argument(
+        "--scale",
+        choices=("auto", "cpu", "gpu"),
+        default="auto",
+        help="model sizes: CPU-sized, or GPU-sized (models.GPU_SIZES); auto: by backend",
+    )
     p.add_argument("--no-torch", action="store_true", help="skip the PyTorch peer on GPU")
-    p.add_argument("--out", default=None,
-                   help="report file (default: benchmarks/RESULTS.md, or RESULTS_GPU.md on a GPU)")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="report file (default: benchmarks/RESULTS.md, or RESULTS_GPU.md on a GPU)",
+    )
     p.add_argument("--no-write", action="store_true", help="print the report, don't write it")
     p.add_argument("--no-extras", action="store_true", help="skip conv / dW / ResNet-50 studies")
     args = p.parse_args(argv)
@@ -473,9 +606,16 @@ def main(argv: list[str] | None = None) -> None:
             else:
                 if torch_peer.available():
                     sizes = M.GPU_SIZES["gpt"] if big else {}
-                    all_res[name].update(torch_peer.bench_gpt(**{**dict(
-                        batch=2, seq=256, d=512, layers=4, heads=8, vocab=1024), **sizes},
-                        rounds=args.rounds, warmup=warmup))
+                    all_res[name].update(
+                        torch_peer.bench_gpt(
+                            **{
+                                **dict(batch=2, seq=256, d=512, layers=4, heads=8, vocab=1024),
+                                **sizes,
+                            },
+                            rounds=args.rounds,
+                            warmup=warmup,
+                        )
+                    )
         print(f"# {name} ({time.perf_counter() - t0:.0f} s)", flush=True)
         print("\n".join(model_table(name, all_res[name])), flush=True)
     conv_rows = dw_rows = r50 = None

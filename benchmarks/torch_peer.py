@@ -33,17 +33,24 @@ def _params(batch, seq, d, layers, heads, vocab, device):
     s = 1 / math.sqrt(d)
     blocks = []
     for _ in range(layers):
-        blocks.append({
-            "ln1_s": torch.ones(d, device=device, requires_grad=True),
-            "ln1_b": torch.zeros(d, device=device, requires_grad=True),
-            "wqkv": normal(d, 3 * d, std=s), "wo": normal(d, d, std=s),
-            "ln2_s": torch.ones(d, device=device, requires_grad=True),
-            "ln2_b": torch.zeros(d, device=device, requires_grad=True),
-            "w1": normal(d, 4 * d, std=s), "b1": torch.zeros(4 * d, device=device, requires_grad=True),
-            "w2": normal(4 * d, d, std=s / 2), "b2": torch.zeros(d, device=device, requires_grad=True),
-        })
+        blocks.append(
+            {
+                "ln1_s": torch.ones(d, device=device, requires_grad=True),
+                "ln1_b": torch.zeros(d, device=device, requires_grad=True),
+                "wqkv": normal(d, 3 * d, std=s),
+                "wo": normal(d, d, std=s),
+                "ln2_s": torch.ones(d, device=device, requires_grad=True),
+                "ln2_b": torch.zeros(d, device=device, requires_grad=True),
+                "w1": normal(d, 4 * d, std=s),
+                "b1": torch.zeros(4 * d, device=device, requires_grad=True),
+                "w2": normal(4 * d, d, std=s / 2),
+                "b2": torch.zeros(d, device=device, requires_grad=True),
+            }
+        )
     return {
-        "embed": normal(vocab, d, std=0.02), "pos": normal(seq, d, std=0.02), "blocks": blocks,
+        "embed": normal(vocab, d, std=0.02),
+        "pos": normal(seq, d, std=0.02),
+        "blocks": blocks,
         "lnf_s": torch.ones(d, device=device, requires_grad=True),
         "lnf_b": torch.zeros(d, device=device, requires_grad=True),
     }
@@ -58,8 +65,9 @@ def _loss(p, tokens, targets, heads, sdpa, mask):
         h = F.layer_norm(x, (d,), w["ln1_s"], w["ln1_b"], 1e-5)
         q, k, v = (h @ w["wqkv"]).view(b, s, 3, heads, hd).unbind(2)
         if sdpa:
-            att = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                 is_causal=True).transpose(1, 2)
+            att = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+            ).transpose(1, 2)
         else:
             logits = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(hd)
             logits = logits.masked_fill(~mask, -1e9)
@@ -74,17 +82,22 @@ def _loss(p, tokens, targets, heads, sdpa, mask):
     return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-def bench_gpt(*, batch, seq, d, layers, heads, vocab, rounds=10, warmup=3) -> dict[str, dict[str, float]]:
+def bench_gpt(
+    *, batch, seq, d, layers, heads, vocab, rounds=10, warmup=3
+) -> dict[str, dict[str, float]]:
     """Median fwd+bwd step ms of autocast-bf16 GPT with einsum attention and with SDPA."""
     dev = "cuda"
     p = _params(batch, seq, d, layers, heads, vocab, dev)
-    leaves = [t for blk in p["blocks"] for t in blk.values()] + [p[k] for k in ("embed", "pos", "lnf_s", "lnf_b")]
+    leaves = [t for blk in p["blocks"] for t in blk.values()] + [
+        p[k] for k in ("embed", "pos", "lnf_s", "lnf_b")
+    ]
     g = torch.Generator(device="cpu").manual_seed(1)
     toks = torch.randint(0, vocab, (batch, seq + 1), generator=g).to(dev)
     tokens, targets = toks[:, :-1], toks[:, 1:]
     mask = torch.tril(torch.ones(seq, seq, dtype=torch.bool, device=dev))
     out = {}
     for name, sdpa in (("torch_autocast", False), ("torch_autocast_sdpa", True)):
+
         def step():
             for t in leaves:
                 t.grad = None
@@ -108,8 +121,12 @@ def bench_gpt(*, batch, seq, d, layers, heads, vocab, rounds=10, warmup=3) -> di
         torch.cuda.reset_peak_memory_stats()
         step()
         torch.cuda.synchronize()
-        out[name] = {"step_s": statistics.median(times), "loss": float(loss.detach()),
-                     "peak_bytes": float(torch.cuda.max_memory_allocated())}
-    del p, leaves
+        out[name] = {
+            "step_s": statistics.median(times),
+            "loss": float(loss.detach()),
+            "peak_bytes": float(torch.cuda.max_memory_allocated()),
+        }
+    p.clear()  # drop the tensors before empty_cache
+    leaves.clear()
     torch.cuda.empty_cache()
     return out

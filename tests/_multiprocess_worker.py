@@ -27,19 +27,22 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jax  # noqa: E402
 
 if nproc > 1:
-  jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  jax.distributed.initialize(
-      coordinator_address=f"127.0.0.1:{port}",
-      coordinator_bind_address=f"127.0.0.1:{port}",
-      num_processes=nproc, process_id=pid, initialization_timeout=60)
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator_address=f"127.0.0.1:{port}",
+        coordinator_bind_address=f"127.0.0.1:{port}",
+        num_processes=nproc,
+        process_id=pid,
+        initialization_timeout=60,
+    )
 
+import _sharded_model as sm  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-import _sharded_model as sm  # noqa: E402
 import amp_jax  # noqa: E402
 from amp_jax import optim  # noqa: E402
 
@@ -51,71 +54,71 @@ repl = NamedSharding(mesh, P())
 
 
 def global_array(x, spec):
-  x = np.asarray(x)
-  return jax.make_array_from_callback(x.shape, NamedSharding(mesh, spec),
-                                      lambda idx: x[idx])
+    x = np.asarray(x)
+    return jax.make_array_from_callback(x.shape, NamedSharding(mesh, spec), lambda idx: x[idx])
 
 
 def to_host(tree):
-  tree = jax.jit(lambda t: t, out_shardings=repl)(tree)
-  return jax.tree.map(lambda a: np.asarray(a.addressable_data(0)), tree)
+    tree = jax.jit(lambda t: t, out_shardings=repl)(tree)
+    return jax.tree.map(lambda a: np.asarray(a.addressable_data(0)), tree)
 
 
 def batches():
-  rng = np.random.default_rng(0)
-  for i in range(STEPS):
-    x = rng.standard_normal((BATCH, sm.S, sm.D), np.float32)
-    y = rng.standard_normal((BATCH, sm.S, sm.D), np.float32)
-    yield i, x, y
+    rng = np.random.default_rng(0)
+    for i in range(STEPS):
+        x = rng.standard_normal((BATCH, sm.S, sm.D), np.float32)
+        y = rng.standard_normal((BATCH, sm.S, sm.D), np.float32)
+        yield i, x, y
 
 
 def run(use_amp):
-  dtype = jnp.bfloat16 if use_amp else jnp.float32
-  params = jax.tree.map(np.asarray, sm.init(jax.random.key(0), dtype))
-  p = {k: global_array(v, P()) for k, v in params.items()}
-  if use_amp:
-    tx = optim.dynamic_loss_scale(optim.master_weights(optax.adam(3e-3)),
-                                  init_scale=2.0**10, growth_interval=8)
-    loss_fn = amp_jax.amp(sm.loss, policy="float16")
-  else:
-    tx, loss_fn = optax.adam(3e-3), sm.loss
-  s = tx.init(p)
-
-  @jax.jit
-  def step(p, s, b):
+    dtype = jnp.bfloat16 if use_amp else jnp.float32
+    params = jax.tree.map(np.asarray, sm.init(jax.random.key(0), dtype))
+    p = {k: global_array(v, P()) for k, v in params.items()}
     if use_amp:
-      loss, g = optim.scaled_value_and_grad(loss_fn, s)(p, b)
+        tx = optim.dynamic_loss_scale(
+            optim.master_weights(optax.adam(3e-3)), init_scale=2.0**10, growth_interval=8
+        )
+        loss_fn = amp_jax.amp(sm.loss, policy="float16")
     else:
-      loss, g = jax.value_and_grad(loss_fn)(p, b)
-    u, s = tx.update(g, s, p)
-    return optax.apply_updates(p, u), s, loss
+        tx, loss_fn = optax.adam(3e-3), sm.loss
+    s = tx.init(p)
 
-  losses, scales, skipped = [], [], []
-  for i, x, y in batches():
-    if use_amp and i == OVERFLOW_STEP:
-      x[BATCH - 1, 3, 5] = np.inf  # on the last device only
-    b = (global_array(x, P("data")), global_array(y, P("data")))
-    p, s, loss = step(p, s, b)
-    losses.append(float(to_host(loss)))
-    if use_amp:
-      scales.append(float(to_host(optim.loss_scale(s))))
-      skipped.append(int(to_host(s.skipped_steps)))
-  for k, v in p.items():
-    assert v.sharding.is_equivalent_to(repl, v.ndim), (k, v.sharding)
-  # the float32 copy the optimizer steps (master weights) for amp
-  host = to_host(optim.master_params(s) if use_amp else p)
-  return losses, scales, skipped, {k: np.asarray(v, np.float32) for k, v in host.items()}
+    @jax.jit
+    def step(p, s, b):
+        if use_amp:
+            loss, g = optim.scaled_value_and_grad(loss_fn, s)(p, b)
+        else:
+            loss, g = jax.value_and_grad(loss_fn)(p, b)
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s, loss
+
+    losses, scales, skipped = [], [], []
+    for i, x, y in batches():
+        if use_amp and i == OVERFLOW_STEP:
+            x[BATCH - 1, 3, 5] = np.inf  # on the last device only
+        b = (global_array(x, P("data")), global_array(y, P("data")))
+        p, s, loss = step(p, s, b)
+        losses.append(float(to_host(loss)))
+        if use_amp:
+            scales.append(float(to_host(optim.loss_scale(s))))
+            skipped.append(int(to_host(s.skipped_steps)))
+    for k, v in p.items():
+        assert v.sharding.is_equivalent_to(repl, v.ndim), (k, v.sharding)
+    # the float32 copy the optimizer steps (master weights) for amp
+    host = to_host(optim.master_params(s) if use_amp else p)
+    return losses, scales, skipped, {k: np.asarray(v, np.float32) for k, v in host.items()}
 
 
 results = {}
 for name, use_amp in (("amp", True), ("f32", False)):
-  losses, scales, skipped, params = run(use_amp)
-  results[f"{name}_losses"] = np.asarray(losses)
-  results[f"{name}_scales"] = np.asarray(scales)
-  results[f"{name}_skipped"] = np.asarray(skipped)
-  for k, v in params.items():
-    results[f"{name}_param_{k}"] = v
+    losses, scales, skipped, params = run(use_amp)
+    results[f"{name}_losses"] = np.asarray(losses)
+    results[f"{name}_scales"] = np.asarray(scales)
+    results[f"{name}_skipped"] = np.asarray(skipped)
+    for k, v in params.items():
+        results[f"{name}_param_{k}"] = v
 if pid == 0:
-  np.savez(out_path, **results)
+    np.savez(out_path, **results)
 if nproc > 1:
-  jax.distributed.shutdown()
+    jax.distributed.shutdown()

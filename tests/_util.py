@@ -22,8 +22,13 @@ def eqns(jaxpr, path=()):
 def prim_dtypes(jaxpr, name):
     """[(input dtypes, output dtypes, path)] of every ``name`` eqn."""
     return [
-        (tuple(np.dtype(v.aval.dtype) for v in e.invars), tuple(np.dtype(v.aval.dtype) for v in e.outvars), p)
-        for e, p in eqns(jaxpr) if e.primitive.name == name
+        (
+            tuple(np.dtype(v.aval.dtype) for v in e.invars),
+            tuple(np.dtype(v.aval.dtype) for v in e.outvars),
+            p,
+        )
+        for e, p in eqns(jaxpr)
+        if e.primitive.name == name
     ]
 
 
@@ -39,8 +44,10 @@ def check_dots_low(jaxpr, min_low=1):
         if e.primitive.name != "dot_general":
             continue
         prec = e.params.get("precision")
-        if any(p is not None and getattr(p, "name", str(p)) != "DEFAULT"
-               for p in (prec if isinstance(prec, tuple) else (prec,))):
+        if any(
+            p is not None and getattr(p, "name", str(p)) != "DEFAULT"
+            for p in (prec if isinstance(prec, tuple) else (prec,))
+        ):
             continue  # an explicit precision (e.g. inside jnp.linalg on GPU) stays as asked
         ins = tuple(np.dtype(v.aval.dtype) for v in e.invars)
         batched = bool(e.params["dimension_numbers"][1][0])
@@ -55,4 +62,5 @@ def check_dots_low(jaxpr, min_low=1):
 def allow_out_dtype(policy="bfloat16"):
     """The dtype amp's dots and convs write on this backend (float32 on CPU, bf16 on GPU)."""
     from amp_jax import get_policy
+
     return np.dtype(get_policy(policy).allow_output_dtype(jax.default_backend()))

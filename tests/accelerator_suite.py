@@ -42,10 +42,16 @@ def _counts(junit: pathlib.Path) -> dict[str, int]:
 
 
 def _device() -> tuple[str, str, str]:
-    code = ("import jax; d = jax.devices()[0]; "
-            "print(jax.default_backend(), '|', d.device_kind, '|', jax.__version__)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env={**os.environ, "XLA_FLAGS": ""})
+    code = (
+        "import jax; d = jax.devices()[0]; "
+        "print(jax.default_backend(), '|', d.device_kind, '|', jax.__version__)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "XLA_FLAGS": ""},
+    )
     parts = [p.strip() for p in out.stdout.strip().split("|")]
     return tuple(parts) if len(parts) == 3 else ("?", out.stderr.strip()[-200:], "?")
 
@@ -53,19 +59,34 @@ def _device() -> tuple[str, str, str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, default=8, help="pytest-xdist workers (0: none)")
-    parser.add_argument("--out", type=pathlib.Path, default=ROOT / "accelerator_out",
-                        help="folder for junit.xml and log.txt")
+    parser.add_argument(
+        "--out",
+        type=pathlib.Path,
+        default=ROOT / "accelerator_out",
+        help="folder for junit.xml and log.txt",
+    )
     args, rest = parser.parse_known_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false", "PYTHONUNBUFFERED": "1"}
     junit = args.out / "junit.xml"
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:benchmark", "-p", "no:cacheprovider",
-           f"--junitxml={junit}", *rest]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:benchmark",
+        "-p",
+        "no:cacheprovider",
+        f"--junitxml={junit}",
+        *rest,
+    ]
     if args.workers:
         cmd += ["-n", str(args.workers)]
     with open(args.out / "log.txt", "w") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True)
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
         for line in proc.stdout:
             sys.stdout.write(line)
             log.write(line)
@@ -74,8 +95,10 @@ def main(argv: list[str] | None = None) -> int:
     c = _counts(junit) if junit.exists() else dict(passed=0, failed=0, skipped=0, xfailed=0)
     print("| backend | device | JAX | passed | failed | skipped | xfailed | date |")
     print("|---|---|---|---:|---:|---:|---:|---|")
-    print(f"| {backend} | {device} | {version} | {c['passed']} | {c['failed']} | "
-          f"{c['skipped']} | {c['xfailed']} | {datetime.date.today().isoformat()} |")
+    print(
+        f"| {backend} | {device} | {version} | {c['passed']} | {c['failed']} | "
+        f"{c['skipped']} | {c['xfailed']} | {datetime.date.today().isoformat()} |"
+    )
     return rc
 
 

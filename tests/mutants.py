@@ -23,10 +23,18 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 CORE_TESTS = [
-    "tests/test_transform.py", "tests/test_speed_structure.py", "tests/test_policy.py",
-    "tests/test_compat.py", "tests/test_optim_kahan_sr.py", "tests/test_optim_master.py",
-    "tests/test_random_programs.py", "tests/test_ops.py", "tests/test_eager.py",
-    "tests/test_attention.py", "tests/test_errors.py", "tests/test_solver.py",
+    "tests/test_transform.py",
+    "tests/test_speed_structure.py",
+    "tests/test_policy.py",
+    "tests/test_compat.py",
+    "tests/test_optim_kahan_sr.py",
+    "tests/test_optim_master.py",
+    "tests/test_random_programs.py",
+    "tests/test_ops.py",
+    "tests/test_eager.py",
+    "tests/test_attention.py",
+    "tests/test_errors.py",
+    "tests/test_solver.py",
 ]
 
 
@@ -35,73 +43,89 @@ def _amp_identity():
 
     def call(self, *args, **kwargs):
         return self.fn(*args, **kwargs)
+
     transform.AmpFunction.__call__ = call
 
 
 def _hoisting_off():
     from amp_jax._src import interpreter
+
     interpreter._plan_hoisted_casts = lambda ctx, eqn: None
 
 
 def _broadcast_reads_off():
     from amp_jax._src import interpreter
+
     interpreter._Env.read_broadcast = lambda self, atom, dtype, shape: self.read(atom, dtype)
 
 
 def _cache_off():
     from amp_jax._src import interpreter
+
     interpreter.Context.cached = lambda self, kind, obj, make: make()
 
 
 def _cpu_layouts_off():
     from amp_jax._src import rules
+
     rules._cpu_fast_layouts = lambda *a, **k: False
 
 
 def _painting_off():
     from amp_jax._src import interpreter
+
     orig = interpreter.paint
 
     def paint(classes, jaxpr, *args, **kwargs):
         colors = orig(classes, jaxpr, *args, **kwargs)
-        return [interpreter.ORIG if c == interpreter.LOW and k != "allow" else c
-                for c, k in zip(colors, classes)]
+        return [
+            interpreter.ORIG if c == interpreter.LOW and k != "allow" else c
+            for c, k in zip(colors, classes)
+        ]
+
     interpreter.paint = paint
 
 
 def _custom_jvp_transparency_off():
     from amp_jax._src import interpreter
+
     interpreter.Context.is_transparent = lambda self, eqn: False
 
 
 def _low_backward_off():
     from amp_jax._src import rules
+
     rules.RULES.pop("dot_general", None)
     rules.RULES.pop("conv_general_dilated", None)
 
 
 def _explicit_rounding_off():
     from amp_jax.optim import _rounding
+
     _rounding.round_nearest = lambda x, dtype: x.astype(dtype).astype(x.dtype)
 
 
 def _thresholds_off():
     from amp_jax._src import interpreter
+
     orig = interpreter.stays_high
 
     def stays_high(eqn, policy):
         why = orig(eqn, policy)
         return None if why == "too_small" else why
+
     interpreter.stays_high = stays_high
 
 
 def _attention_off():
     from amp_jax._src import attention
+
     attention.find = lambda jaxpr, consts: {}
 
 
 def _low_outputs_off():
     from amp_jax._src import policy
+
     policy.Policy.allow_output_dtype = lambda self, backend: policy.HIGH_DTYPE
 
 
@@ -138,15 +162,27 @@ def main(argv: list[str]) -> int:
     for name in names:
         env = {**os.environ, "AMP_JAX_MUTANT": name}
         t0 = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
-                               *CORE_TESTS], cwd=ROOT, env=env, capture_output=True, text=True)
-        failed = [line.split()[1] for line in proc.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))]
+        proc = subprocess.run(
+            [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *CORE_TESTS],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+        failed = [
+            line.split()[1]
+            for line in proc.stdout.splitlines()
+            if line.startswith(("FAILED", "ERROR"))
+        ]
         killed = proc.returncode != 0
         if not killed:
             survived.append(name)
         first = failed[0] if failed else ("-" if not killed else f"(exit {proc.returncode})")
-        print(f"| {name} | {'killed' if killed else 'SURVIVED'} | {first} | "
-              f"{time.perf_counter() - t0:.0f} |", flush=True)
+        print(
+            f"| {name} | {'killed' if killed else 'SURVIVED'} | {first} | "
+            f"{time.perf_counter() - t0:.0f} |",
+            flush=True,
+        )
     return 1 if survived else 0
 
 

@@ -8,16 +8,16 @@ scales and gradients. The cuDNN tests run where a GPU is the default backend
 
 import functools
 import math
-import sys
 import pathlib
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _util import BF16, eqns
 
 from amp_jax import Policy, amp, full_precision
-from _util import BF16, eqns
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
 
@@ -80,7 +80,9 @@ CASES = {
     "causal-inf-mul": functools.partial(einsum_attention, mask=CAUSAL, fill=-jnp.inf, scale="mul"),
     "no-mask-no-scale": functools.partial(einsum_attention, scale=None),
     "heads-first": functools.partial(einsum_attention, mask=CAUSAL, layout="bhtd"),
-    "finfo-min-fill": functools.partial(einsum_attention, mask=CAUSAL, fill=jnp.finfo(jnp.float32).min),
+    "finfo-min-fill": functools.partial(
+        einsum_attention, mask=CAUSAL, fill=jnp.finfo(jnp.float32).min
+    ),
     "jax.nn causal": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True),
     "jax.nn plain": lambda q, k, v: jax.nn.dot_product_attention(q, k, v),
 }
@@ -100,12 +102,16 @@ def test_recognised_and_close_to_float32(name):
 def test_constant_causal_mask_becomes_is_causal_and_a_padding_mask_is_passed():
     from amp_jax._src import attention, compat
     from amp_jax._src.interpreter import inline_jits
+
     pad = jnp.arange(T)[None, :] < jnp.array([[T], [T // 2]])  # [B, Tk] valid keys
 
     def padded(q, k, v, pad):
         return einsum_attention(q, k, v, mask=pad[:, None, None, :])
 
-    for fn, args, causal in [(CASES["causal-const-div"], (Q, K, V), True), (padded, (Q, K, V, pad), False)]:
+    for fn, args, causal in [
+        (CASES["causal-const-div"], (Q, K, V), True),
+        (padded, (Q, K, V, pad), False),
+    ]:
         closed = inline_jits(jax.make_jaxpr(fn)(*args))
         jaxpr = compat.jaxpr_of(closed)
         (m,) = attention.find(jaxpr, dict(zip(jaxpr.constvars, compat.consts_of(closed)))).values()
@@ -149,8 +155,18 @@ def _near_misses():
     def small_fill(q, k, v):
         return einsum_attention(q, k, v, mask=CAUSAL, fill=-10.0)
 
-    return {f.__name__: f for f in (no_softmax, softmax_wrong_axis, mask_from_values, mask_from_inputs,
-                                    dropout_between, probs_also_returned, small_fill)}
+    return {
+        f.__name__: f
+        for f in (
+            no_softmax,
+            softmax_wrong_axis,
+            mask_from_values,
+            mask_from_inputs,
+            dropout_between,
+            probs_also_returned,
+            small_fill,
+        )
+    }
 
 
 @pytest.mark.parametrize("name", list(_near_misses()))
@@ -159,13 +175,18 @@ def test_near_misses_are_left_alone(name):
     a = amp(fn, policy=XLA)
     jaxpr = jax.make_jaxpr(a)(Q, K, V)
     assert not _log(a) and not _fused(jaxpr)
-    np.testing.assert_allclose(a(Q, K, V), fn(Q, K, V), atol=5e-2 * float(jnp.max(jnp.abs(fn(Q, K, V)))))
+    np.testing.assert_allclose(
+        a(Q, K, V), fn(Q, K, V), atol=5e-2 * float(jnp.max(jnp.abs(fn(Q, K, V))))
+    )
 
 
-@pytest.mark.parametrize("policy, reason", [
-    (Policy(jnp.bfloat16, attention="off"), "off"),
-    (Policy(jnp.float16, attention="auto"), None),
-])
+@pytest.mark.parametrize(
+    "policy, reason",
+    [
+        (Policy(jnp.bfloat16, attention="off"), "off"),
+        (Policy(jnp.float16, attention="auto"), None),
+    ],
+)
 def test_off_and_auto_without_a_gpu_leave_it_as_written(policy, reason):
     fn = CASES["causal-const-div"]
     a = amp(fn, policy=policy)
@@ -198,8 +219,9 @@ def test_bad_attention_option_names_the_choices():
 def test_real_layers_are_recognised():
     import equinox as eqx
     import flax.linen as nn
-    from flax import nnx
     import models as M
+    from flax import nnx
+
     x = jax.random.normal(KX, (B, T, 32))
     linen = nn.MultiHeadDotProductAttention(num_heads=4)
     variables = linen.init(jax.random.PRNGKey(0), x)
@@ -217,7 +239,9 @@ def test_real_layers_are_recognised():
     for name, (fn, args) in cases.items():
         a = amp(fn, policy=XLA)
         out, want = a(*args), fn(*args)
-        np.testing.assert_allclose(out, want, rtol=0, atol=3e-2 * float(jnp.max(jnp.abs(want))), err_msg=name)
+        np.testing.assert_allclose(
+            out, want, rtol=0, atol=3e-2 * float(jnp.max(jnp.abs(want))), err_msg=name
+        )
         assert [impl for _, impl, _ in _log(a)] == ["xla"], (name, _log(a))
 
 
@@ -229,13 +253,20 @@ def test_real_layers_are_recognised():
 def test_cudnn_flash_attention_on_gpu(name):
     q, k, v = (jax.random.normal(kk, (2, 128, 4, 64)) for kk in (KQ, KK, KV))
     mask = jnp.tril(jnp.ones((128, 128), bool))
-    fn = {"causal-const-div": lambda q, k, v: _scaled(q, k, v, mask),
-          "jax.nn causal": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True),
-          "heads-first": lambda q, k, v: _scaled(q, k, v, mask, heads_first=True)}[name]
+    fn = {
+        "causal-const-div": lambda q, k, v: _scaled(q, k, v, mask),
+        "jax.nn causal": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True),
+        "heads-first": lambda q, k, v: _scaled(q, k, v, mask, heads_first=True),
+    }[name]
     a = amp(fn, policy="bfloat16")
     _check_close(a, fn, q, k, v)
     assert [impl for _, impl, _ in _log(a)] == ["cudnn"], _log(a)
-    hlo = jax.jit(jax.grad(lambda *x: jnp.sum(a(*x)), argnums=(0, 1, 2))).lower(q, k, v).compile().as_text()
+    hlo = (
+        jax.jit(jax.grad(lambda *x: jnp.sum(a(*x)), argnums=(0, 1, 2)))
+        .lower(q, k, v)
+        .compile()
+        .as_text()
+    )
     assert "__cudnn$fmha" in hlo
 
 

@@ -47,6 +47,7 @@ def test_scan_xs_are_the_trailing_scanned_operands(n_consts, n_carry, n_xs):
         def body(c, x):
             c = tuple(ci + sum(consts, 0.0) + sum(x, 0.0) for ci in c)
             return c, c[0]
+
         return lax.scan(body, carry, xs, length=5)
 
     carry = tuple(jnp.zeros(3) for _ in range(n_carry))
@@ -63,21 +64,32 @@ def test_scan_xs_are_the_trailing_scanned_operands(n_consts, n_carry, n_xs):
     assert new["jaxpr"] is body
 
 
-@pytest.mark.parametrize("name, fn", [
-    ("while", lambda x: lax.while_loop(lambda c: c[0] < 5, lambda c: (c[0] + 1, jnp.tanh(c[1])), (0, x))[1]),
-    ("cond", lambda x: lax.cond(x[0] > 0, jnp.sin, jnp.cos, x)),
-    ("scan", lambda x: lax.scan(lambda c, y: (c * y, c), x, jnp.ones((3, 4)))[0]),
-    ("checkpoint", jax.checkpoint(lambda x: jnp.sin(x) * 2)),
-    ("custom_jvp_call", jax.nn.relu),
-    ("custom_vjp_call", jax.custom_vjp(lambda x: x * 3)),
-    ("jit", jax.jit(lambda x: x @ x.T)),
-], ids=lambda v: v if isinstance(v, str) else "")
+@pytest.mark.parametrize(
+    "name, fn",
+    [
+        (
+            "while",
+            lambda x: lax.while_loop(
+                lambda c: c[0] < 5, lambda c: (c[0] + 1, jnp.tanh(c[1])), (0, x)
+            )[1],
+        ),
+        ("cond", lambda x: lax.cond(x[0] > 0, jnp.sin, jnp.cos, x)),
+        ("scan", lambda x: lax.scan(lambda c, y: (c * y, c), x, jnp.ones((3, 4)))[0]),
+        ("checkpoint", jax.checkpoint(lambda x: jnp.sin(x) * 2)),
+        ("custom_jvp_call", jax.nn.relu),
+        ("custom_vjp_call", jax.custom_vjp(lambda x: x * 3)),
+        ("jit", jax.jit(lambda x: x @ x.T)),
+    ],
+    ids=lambda v: v if isinstance(v, str) else "",
+)
 def test_map_subjaxprs_identity_rebinds_every_higher_order_primitive(name, fn):
     if name == "custom_vjp_call":
         fn.defvjp(lambda x: (x * 3, None), lambda _, g: (g * 3,))
     x = jnp.linspace(-1.0, 1.0, 4)
     jaxpr = jax.make_jaxpr(fn)(x)
-    names = {name, "pjit", "remat", "remat2", "custom_vjp_call_jaxpr"} & {e.primitive.name for e in jaxpr.eqns}
+    names = {name, "pjit", "remat", "remat2", "custom_vjp_call_jaxpr"} & {
+        e.primitive.name for e in jaxpr.eqns
+    }
     assert names, [e.primitive.name for e in jaxpr.eqns]
     eqn = _eqn(jaxpr, names)
     assert compat.has_subjaxprs(eqn)
@@ -92,7 +104,9 @@ def test_map_subjaxprs_identity_rebinds_every_higher_order_primitive(name, fn):
 def test_jit_is_inlinable_only_without_shardings_or_donation():
     x = jnp.ones(4)
     plain = _eqn(jax.make_jaxpr(jax.jit(jnp.sin))(x), compat.JIT_NAMES)
-    donated = _eqn(jax.make_jaxpr(lambda x: jax.jit(jnp.sin, donate_argnums=0)(x))(x), compat.JIT_NAMES)
+    donated = _eqn(
+        jax.make_jaxpr(lambda x: jax.jit(jnp.sin, donate_argnums=0)(x))(x), compat.JIT_NAMES
+    )
     assert compat.jit_is_inlinable(plain)
     assert not compat.jit_is_inlinable(donated)
     assert compat.is_closed_jaxpr(compat.jit_jaxpr(plain))

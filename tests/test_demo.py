@@ -10,15 +10,39 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-TINY = ["--steps", "4", "--d-model", "32", "--layers", "1", "--heads", "2", "--seq", "32", "--batch", "4",
-        "--val-batches", "1", "--no-progress"]
+TINY = [
+    "--steps",
+    "4",
+    "--d-model",
+    "32",
+    "--layers",
+    "1",
+    "--heads",
+    "2",
+    "--seq",
+    "32",
+    "--batch",
+    "4",
+    "--val-batches",
+    "1",
+    "--no-progress",
+]
 
 
 def _run(*args, timeout=600):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
     env.pop("XLA_FLAGS", None)  # conftest's 8 forced host devices are not needed here
-    return subprocess.run([sys.executable, "-m", "amp_jax.demo", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "amp_jax.demo", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def test_demo_tiny_run(tmp_path):
@@ -31,7 +55,13 @@ def test_demo_tiny_run(tmp_path):
     assert list(results["modes"]) == ["f32", "amp-bf16", "amp-f16", "bf16-kahan"]
     for name, r in results["modes"].items():
         assert name in proc.stdout  # the summary table
-        for key in ("tokens_per_s", "median_step_ms", "compile_s", "final_train_loss", "final_val_loss"):
+        for key in (
+            "tokens_per_s",
+            "median_step_ms",
+            "compile_s",
+            "final_train_loss",
+            "final_val_loss",
+        ):
             assert math.isfinite(r[key]) and r[key] > 0, (name, key, r[key])
         assert r["opt_state_bytes"] > 0 and r["param_bytes"] > 0
         assert r["step_memory_bytes"] is None or r["step_memory_bytes"] > 0
@@ -40,14 +70,18 @@ def test_demo_tiny_run(tmp_path):
     modes = results["modes"]
     # bf16 parameters and bf16 moments + bf16 Kahan buffer: 6 bytes/param of state vs 8
     # (the step counters are a few bytes on top of the 3/4 ratio)
-    assert abs(modes["bf16-kahan"]["opt_state_bytes"] / modes["f32"]["opt_state_bytes"] - 0.75) < 1e-3
+    assert (
+        abs(modes["bf16-kahan"]["opt_state_bytes"] / modes["f32"]["opt_state_bytes"] - 0.75) < 1e-3
+    )
     assert modes["bf16-kahan"]["param_bytes"] * 2 == modes["f32"]["param_bytes"]
     # The amp modes really ran in low precision (same data and init: a no-op
     # amp would reproduce float32's losses exactly), and stay close to it.
     for name in ("amp-bf16", "amp-f16"):
         assert modes[name]["train_loss"] != modes["f32"]["train_loss"], name
         assert abs(modes[name]["final_train_loss"] - modes["f32"]["final_train_loss"]) < 0.1, name
-    assert 0 < modes["amp-f16"]["final_loss_scale"] <= 2.0**15  # starts at 2**15, shrinks on overflow
+    assert (
+        0 < modes["amp-f16"]["final_loss_scale"] <= 2.0**15
+    )  # starts at 2**15, shrinks on overflow
 
 
 def test_demo_unknown_mode_exits_nonzero():
@@ -57,15 +91,18 @@ def test_demo_unknown_mode_exits_nonzero():
     assert "valid modes: f32, amp-bf16, amp-f16, bf16-kahan" in proc.stderr, proc.stderr
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--modes", ","], "valid modes:"),
-    (["--modes", "f32,f32"], "lists a mode twice"),
-    (["--steps", "0"], "--steps must be a positive integer"),
-    (["--d-model", "abc"], "--d-model must be a positive integer"),
-    (["--d-model", "30", "--heads", "4"], "must be a multiple of --heads"),
-    (["--lr", "-1"], "--lr must be a positive number"),
-    (["--frobnicate"], "unrecognized arguments"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--modes", ","], "valid modes:"),
+        (["--modes", "f32,f32"], "lists a mode twice"),
+        (["--steps", "0"], "--steps must be a positive integer"),
+        (["--d-model", "abc"], "--d-model must be a positive integer"),
+        (["--d-model", "30", "--heads", "4"], "must be a multiple of --heads"),
+        (["--lr", "-1"], "--lr must be a positive number"),
+        (["--frobnicate"], "unrecognized arguments"),
+    ],
+)
 def test_demo_bad_flags(args, message, capsys):
     from amp_jax.demo.__main__ import main
 

@@ -41,7 +41,8 @@ def test_public_name_documented(module, name):
     obj = getattr(sys.modules[module], name)
     qual = f"{module}.{name}"
     assert qual in _directives(), (
-        f"{qual} is in {module}.__all__ but on no API page: add '::: {qual}' to docs/api/*.md")
+        f"{qual} is in {module}.__all__ but on no API page: add '::: {qual}' to docs/api/*.md"
+    )
     if inspect.isclass(obj) or inspect.isroutine(obj) or inspect.ismodule(obj) or callable(obj):
         doc = inspect.getdoc(obj)
         assert doc and doc.strip(), f"{qual} has no docstring"
@@ -49,11 +50,20 @@ def test_public_name_documented(module, name):
 
 def test_mkdocs_build_strict(tmp_path):
     pytest.importorskip("mkdocs")  # not on the accelerator machine; CI installs the test extra
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
+    }
     env.pop("XLA_FLAGS", None)
     env["NO_MKDOCS_2_WARNING"] = "1"  # mkdocs-material's banner about its successor
-    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     site = tmp_path / "site"
     how = (site / "how-amp-works" / "index.html").read_text()

@@ -5,33 +5,34 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _util import eqns
 
 import amp_jax
 from amp_jax import optim
-from _util import eqns
 
 L, D = 3, 8
 
 
 def embed(p, x):
-  return x @ p["w"]
+    return x @ p["w"]
 
 
 def block(p, h):
-  return h + jnp.tanh(h @ p["w1"] + p["b1"]) @ p["w2"]
+    return h + jnp.tanh(h @ p["w1"] + p["b1"]) @ p["w2"]
 
 
 def head(p, h, x):
-  return jnp.mean((h @ p["w"] - x) ** 2)
+    return jnp.mean((h @ p["w"] - x) ** 2)
 
 
 def make_params(dtype=jnp.float32):
-  k = jax.random.split(jax.random.key(0), 4)
-  n = lambda key, *s: (jax.random.normal(key, s) / 3).astype(dtype)
-  return {"embed": {"w": n(k[0], D, D)},
-          "blocks": {"w1": n(k[1], L, D, D), "b1": jnp.zeros((L, D), dtype),
-                     "w2": n(k[2], L, D, D)},
-          "head": {"w": n(k[3], D, D)}}
+    k = jax.random.split(jax.random.key(0), 4)
+    n = lambda key, *s: (jax.random.normal(key, s) / 3).astype(dtype)
+    return {
+        "embed": {"w": n(k[0], D, D)},
+        "blocks": {"w1": n(k[1], L, D, D), "b1": jnp.zeros((L, D), dtype), "w2": n(k[2], L, D, D)},
+        "head": {"w": n(k[3], D, D)},
+    }
 
 
 BATCH = jax.random.normal(jax.random.key(9), (4, D))
@@ -45,46 +46,52 @@ OPTS = {
 
 
 def standard(loss, tx):
-  @jax.jit
-  def step(p, s, x):
-    l, g = jax.value_and_grad(loss)(p, x)
-    u, s = tx.update(g, s, p)
-    return optax.apply_updates(p, u), s, l
-  return step
+    @jax.jit
+    def step(p, s, x):
+        l, g = jax.value_and_grad(loss)(p, x)
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s, l
+
+    return step
 
 
 def assert_states_match(std_state, eager_state, **tol):
-  """Every standard-state leaf equals its eager counterpart (per part)."""
-  parts = {p: {jax.tree_util.keystr(k): v for k, v in
-               jax.tree_util.tree_flatten_with_path(getattr(eager_state, p))[0]}
-           for p in ("embed", "blocks", "head")}
-  n = 0
-  for path, leaf in jax.tree_util.tree_flatten_with_path(std_state)[0]:
-    key = jax.tree_util.keystr(path)
-    hit = [p for p in parts if f"['{p}']" in key]
-    if hit:
-      got = parts[hit[0]][key.replace(f"['{hit[0]}']", "", 1)]
-      np.testing.assert_allclose(np.asarray(got, np.float64),
-                                 np.asarray(leaf, np.float64), **tol)
-    else:  # a shared scalar (count): one per part, one per layer
-      for p in parts:
-        got = np.asarray(parts[p][key])
-        assert np.all(got == np.asarray(leaf)), (key, p, got, leaf)
-    n += 1
-  assert n > 0
+    """Every standard-state leaf equals its eager counterpart (per part)."""
+    parts = {
+        p: {
+            jax.tree_util.keystr(k): v
+            for k, v in jax.tree_util.tree_flatten_with_path(getattr(eager_state, p))[0]
+        }
+        for p in ("embed", "blocks", "head")
+    }
+    n = 0
+    for path, leaf in jax.tree_util.tree_flatten_with_path(std_state)[0]:
+        key = jax.tree_util.keystr(path)
+        hit = [p for p in parts if f"['{p}']" in key]
+        if hit:
+            got = parts[hit[0]][key.replace(f"['{hit[0]}']", "", 1)]
+            np.testing.assert_allclose(
+                np.asarray(got, np.float64), np.asarray(leaf, np.float64), **tol
+            )
+        else:  # a shared scalar (count): one per part, one per layer
+            for p in parts:
+                got = np.asarray(parts[p][key])
+                assert np.all(got == np.asarray(leaf)), (key, p, got, leaf)
+        n += 1
+    assert n > 0
 
 
 def run_both(tx_fn, remat, fns=(embed, block, head), steps=3, dtype=jnp.float32):
-  tx = tx_fn()
-  step = amp_jax.eager.scan_step(*fns, tx, remat=remat)
-  p = make_params(dtype)
-  s = step.init(p)
-  ps, ss = make_params(dtype), tx.init(make_params(dtype))
-  std = standard(step.loss, tx)
-  for _ in range(steps):
-    p, s, l = step(p, s, BATCH)
-    ps, ss, ls = std(ps, ss, BATCH)
-  return p, s, l, ps, ss, ls
+    tx = tx_fn()
+    step = amp_jax.eager.scan_step(*fns, tx, remat=remat)
+    p = make_params(dtype)
+    s = step.init(p)
+    ps, ss = make_params(dtype), tx.init(make_params(dtype))
+    std = standard(step.loss, tx)
+    for _ in range(steps):
+        p, s, l = step(p, s, BATCH)
+        ps, ss, ls = std(ps, ss, BATCH)
+    return p, s, l, ps, ss, ls
 
 
 # Tolerance: the gradients are bitwise equal (checked for SGD below); the
@@ -94,156 +101,185 @@ def run_both(tx_fn, remat, fns=(embed, block, head), steps=3, dtype=jnp.float32)
 TOL = dict(rtol=2e-6, atol=2e-7)
 
 
-@pytest.mark.parametrize("opt,remat", [(o, False) for o in sorted(OPTS)]
-                         + [("adamw", True), ("sgd_momentum", True)])
+@pytest.mark.parametrize(
+    "opt,remat", [(o, False) for o in sorted(OPTS)] + [("adamw", True), ("sgd_momentum", True)]
+)
 def test_matches_standard_step(opt, remat):
-  p, s, l, ps, ss, ls = run_both(OPTS[opt], remat)
-  np.testing.assert_allclose(l, ls, **TOL)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, **TOL), p, ps)
-  assert_states_match(ss, s, **TOL)
+    p, s, l, ps, ss, ls = run_both(OPTS[opt], remat)
+    np.testing.assert_allclose(l, ls, **TOL)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, **TOL), p, ps)
+    assert_states_match(ss, s, **TOL)
 
 
 def test_plain_sgd_is_bitwise():
-  p, _, l, ps, _, ls = run_both(lambda: optax.sgd(0.5), remat=False)
-  assert l == ls
-  jax.tree.map(np.testing.assert_array_equal, p, ps)
+    p, _, l, ps, _, ls = run_both(lambda: optax.sgd(0.5), remat=False)
+    assert l == ls
+    jax.tree.map(np.testing.assert_array_equal, p, ps)
 
 
 @pytest.mark.parametrize("remat", [False, True])
 def test_under_amp_matches_standard_and_runs_bf16(remat):
-  fns = (embed, amp_jax.amp(block), amp_jax.amp(head))
-  p, s, l, ps, ss, ls = run_both(OPTS["adam"], remat, fns=fns)
-  # Same amp functions in both steps, but the bf16 residuals are produced by
-  # differently fused computations (stored vs recomputed under remat): results
-  # differ by up to ~1e-3 relative (observed, remat=True), i.e. below one
-  # bfloat16 ulp (7.8e-3); without remat by a few float32 ulps.
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=8e-3, atol=1e-3),
-               p, ps)
-  step = amp_jax.eager.scan_step(*fns, optax.adam(1e-2), remat=remat)
-  params = make_params()
-  jaxpr = jax.make_jaxpr(step.update)(params, step.init(params), BATCH)
-  in_scan = [e for e, path in eqns(jaxpr) if e.primitive.name == "dot_general"
-             and "scan" in path]
-  # forward and backward block matmuls (inside the scans) take bf16 operands
-  assert len(in_scan) >= 4
-  for e in in_scan:
-    assert all(v.aval.dtype == jnp.bfloat16 for v in e.invars), e
+    fns = (embed, amp_jax.amp(block), amp_jax.amp(head))
+    p, s, l, ps, ss, ls = run_both(OPTS["adam"], remat, fns=fns)
+    # Same amp functions in both steps, but the bf16 residuals are produced by
+    # differently fused computations (stored vs recomputed under remat): results
+    # differ by up to ~1e-3 relative (observed, remat=True), i.e. below one
+    # bfloat16 ulp (7.8e-3); without remat by a few float32 ulps.
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=8e-3, atol=1e-3), p, ps)
+    step = amp_jax.eager.scan_step(*fns, optax.adam(1e-2), remat=remat)
+    params = make_params()
+    jaxpr = jax.make_jaxpr(step.update)(params, step.init(params), BATCH)
+    in_scan = [e for e, path in eqns(jaxpr) if e.primitive.name == "dot_general" and "scan" in path]
+    # forward and backward block matmuls (inside the scans) take bf16 operands
+    assert len(in_scan) >= 4
+    for e in in_scan:
+        assert all(v.aval.dtype == jnp.bfloat16 for v in e.invars), e
 
 
 def test_update_runs_inside_backward_scan_without_full_gradient():
-  step = amp_jax.eager.scan_step(embed, block, head, optax.adam(1e-2))
-  params = make_params()
-  jaxpr = jax.make_jaxpr(step.update)(params, step.init(params), BATCH)
-  # adam's sqrt(nu) for the block parameters runs inside the (backward) scan,
-  sqrt_in_scan = [e for e, path in eqns(jaxpr)
-                  if e.primitive.name == "sqrt" and "scan" in path]
-  assert any(e.outvars[0].aval.shape == (D, D) for e in sqrt_in_scan)
-  # and no top-level value has the shape of a stacked gradient of w1/w2
-  # except the parameter and state stacks themselves (inputs and the outputs
-  # of the backward scan, which are the updated stacks).
-  top = [v for e in jaxpr.jaxpr.eqns if e.primitive.name != "scan"
-         for v in e.outvars if v.aval.shape == (L, D, D)]
-  assert not top, top
-  # The scans output exactly the updated stacks of w1 and w2 (param, mu, nu):
-  # no stacked gradient, and no stored copy of the weights.
-  scan_outs = [v for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan"
-               for v in e.outvars if v.aval.shape == (L, D, D)]
-  assert len(scan_outs) == 6, [str(v.aval) for v in scan_outs]
+    step = amp_jax.eager.scan_step(embed, block, head, optax.adam(1e-2))
+    params = make_params()
+    jaxpr = jax.make_jaxpr(step.update)(params, step.init(params), BATCH)
+    # adam's sqrt(nu) for the block parameters runs inside the (backward) scan,
+    sqrt_in_scan = [e for e, path in eqns(jaxpr) if e.primitive.name == "sqrt" and "scan" in path]
+    assert any(e.outvars[0].aval.shape == (D, D) for e in sqrt_in_scan)
+    # and no top-level value has the shape of a stacked gradient of w1/w2
+    # except the parameter and state stacks themselves (inputs and the outputs
+    # of the backward scan, which are the updated stacks).
+    top = [
+        v
+        for e in jaxpr.jaxpr.eqns
+        if e.primitive.name != "scan"
+        for v in e.outvars
+        if v.aval.shape == (L, D, D)
+    ]
+    assert not top, top
+    # The scans output exactly the updated stacks of w1 and w2 (param, mu, nu):
+    # no stacked gradient, and no stored copy of the weights.
+    scan_outs = [
+        v
+        for e in jaxpr.jaxpr.eqns
+        if e.primitive.name == "scan"
+        for v in e.outvars
+        if v.aval.shape == (L, D, D)
+    ]
+    assert len(scan_outs) == 6, [str(v.aval) for v in scan_outs]
 
 
 def test_compiled_peak_below_standard():
-  tx = optax.sgd(1e-2, momentum=0.9)
-  params = {}
-  params["blocks"] = {k: jax.ShapeDtypeStruct((8, 64, 64) if k != "b1" else (8, 64),
-                                              jnp.float32) for k in ("w1", "b1", "w2")}
-  params["embed"] = {"w": jax.ShapeDtypeStruct((64, 64), jnp.float32)}
-  params["head"] = {"w": jax.ShapeDtypeStruct((64, 64), jnp.float32)}
-  batch = jax.ShapeDtypeStruct((1, 64), jnp.float32)
-  step = amp_jax.eager.scan_step(embed, block, head, tx)
+    tx = optax.sgd(1e-2, momentum=0.9)
+    params = {}
+    params["blocks"] = {
+        k: jax.ShapeDtypeStruct((8, 64, 64) if k != "b1" else (8, 64), jnp.float32)
+        for k in ("w1", "b1", "w2")
+    }
+    params["embed"] = {"w": jax.ShapeDtypeStruct((64, 64), jnp.float32)}
+    params["head"] = {"w": jax.ShapeDtypeStruct((64, 64), jnp.float32)}
+    batch = jax.ShapeDtypeStruct((1, 64), jnp.float32)
+    step = amp_jax.eager.scan_step(embed, block, head, tx)
 
-  def peak(fn, s):
-    m = jax.jit(fn, donate_argnums=(0, 1)).lower(params, s, batch).compile().memory_analysis()
-    return (m.argument_size_in_bytes + m.output_size_in_bytes
-            + m.temp_size_in_bytes - m.alias_size_in_bytes)
+    def peak(fn, s):
+        m = jax.jit(fn, donate_argnums=(0, 1)).lower(params, s, batch).compile().memory_analysis()
+        return (
+            m.argument_size_in_bytes
+            + m.output_size_in_bytes
+            + m.temp_size_in_bytes
+            - m.alias_size_in_bytes
+        )
 
-  std = peak(standard(step.loss, tx), jax.eval_shape(tx.init, params))
-  eag = peak(step.update, jax.eval_shape(step.init, params))
-  block_bytes = optim.state_bytes(params["blocks"])
-  # eager saves at least half of the full block gradient
-  assert eag < std - block_bytes // 2, (eag, std, block_bytes)
+    std = peak(standard(step.loss, tx), jax.eval_shape(tx.init, params))
+    eag = peak(step.update, jax.eval_shape(step.init, params))
+    block_bytes = optim.state_bytes(params["blocks"])
+    # eager saves at least half of the full block gradient
+    assert eag < std - block_bytes // 2, (eag, std, block_bytes)
 
 
 def test_kahan_bf16_matches_standard_and_static_loss_scale_is_exact():
-  p, s, l, ps, ss, ls = run_both(lambda: optim.kahan_summation(optax.adam(1e-2)),
-                                 False, dtype=jnp.bfloat16)
-  assert p["blocks"]["w1"].dtype == jnp.bfloat16
-  assert s.blocks.compensation["w1"].shape == (L, D, D)
-  # bf16 parameters: a differently fused update may round a value to the
-  # neighbouring bf16 number (one ulp, 2**-8 relative); the compensation
-  # buffers hold what each rounding lost, so they carry the same tolerance
-  # relative to the parameters' scale.
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(
-      np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2**-7, atol=2**-9), p, ps)
-  assert_states_match(ss, s, rtol=2**-7, atol=2**-9)
-  # static loss scaling: the backward pass is seeded with the scale and every
-  # part unscales, so the result equals the unscaled step.
-  a = amp_jax.eager.scan_step(embed, block, head, optax.sgd(0.5))
-  b = amp_jax.eager.scan_step(embed, block, head,
-                              optim.static_loss_scale(optax.sgd(0.5), 2.0**8))
-  pa, pb = make_params(), make_params()
-  pa = a(pa, a.init(pa), BATCH)[0]
-  pb = b(pb, b.init(pb), BATCH)[0]
-  jax.tree.map(np.testing.assert_array_equal, pa, pb)
+    p, s, l, ps, ss, ls = run_both(
+        lambda: optim.kahan_summation(optax.adam(1e-2)), False, dtype=jnp.bfloat16
+    )
+    assert p["blocks"]["w1"].dtype == jnp.bfloat16
+    assert s.blocks.compensation["w1"].shape == (L, D, D)
+    # bf16 parameters: a differently fused update may round a value to the
+    # neighbouring bf16 number (one ulp, 2**-8 relative); the compensation
+    # buffers hold what each rounding lost, so they carry the same tolerance
+    # relative to the parameters' scale.
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(
+            np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2**-7, atol=2**-9
+        ),
+        p,
+        ps,
+    )
+    assert_states_match(ss, s, rtol=2**-7, atol=2**-9)
+    # static loss scaling: the backward pass is seeded with the scale and every
+    # part unscales, so the result equals the unscaled step.
+    a = amp_jax.eager.scan_step(embed, block, head, optax.sgd(0.5))
+    b = amp_jax.eager.scan_step(embed, block, head, optim.static_loss_scale(optax.sgd(0.5), 2.0**8))
+    pa, pb = make_params(), make_params()
+    pa = a(pa, a.init(pa), BATCH)[0]
+    pb = b(pb, b.init(pb), BATCH)[0]
+    jax.tree.map(np.testing.assert_array_equal, pa, pb)
 
 
 def test_stochastic_rounding_keys_differ_per_layer():
-  tx = optim.stochastic_rounding(optax.sgd(1e-2), 0)
-  step = amp_jax.eager.scan_step(embed, block, head, tx)
-  s = step.init(make_params(jnp.bfloat16))
-  keys = np.asarray(s.blocks.key)
-  assert keys.shape[0] == L and len({tuple(k) for k in keys}) == L
-  others = {tuple(np.asarray(s.embed.key)), tuple(np.asarray(s.head.key))}
-  assert len(others) == 2 and not others & {tuple(k) for k in keys}
+    tx = optim.stochastic_rounding(optax.sgd(1e-2), 0)
+    step = amp_jax.eager.scan_step(embed, block, head, tx)
+    s = step.init(make_params(jnp.bfloat16))
+    keys = np.asarray(s.blocks.key)
+    assert keys.shape[0] == L and len({tuple(k) for k in keys}) == L
+    others = {tuple(np.asarray(s.embed.key)), tuple(np.asarray(s.head.key))}
+    assert len(others) == 2 and not others & {tuple(k) for k in keys}
 
 
 def test_typed_prng_keys_differ_per_layer_and_part():
-  """optax.add_noise keeps a typed key: vmap(init) would copy it to every layer."""
-  step = amp_jax.eager.scan_step(embed, block, head, optax.add_noise(0.1, 0.55, 0))
-  s = step.init(make_params())
-  data = {tuple(np.asarray(k)) for k in jax.random.key_data(s.blocks.rng_key)}
-  data |= {tuple(np.asarray(jax.random.key_data(getattr(s, p).rng_key))) for p in ("embed", "head")}
-  assert len(data) == L + 2
+    """optax.add_noise keeps a typed key: vmap(init) would copy it to every layer."""
+    step = amp_jax.eager.scan_step(embed, block, head, optax.add_noise(0.1, 0.55, 0))
+    s = step.init(make_params())
+    data = {tuple(np.asarray(k)) for k in jax.random.key_data(s.blocks.rng_key)}
+    data |= {
+        tuple(np.asarray(jax.random.key_data(getattr(s, p).rng_key))) for p in ("embed", "head")
+    }
+    assert len(data) == L + 2
 
 
-@pytest.mark.parametrize("tx,match", [
-    (optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3)),
-     "depends on the gradient or value of"),
-    (optax.apply_if_finite(optax.sgd(1e-3), 3), "depends on the gradient or value of"),
-    (optax.MultiSteps(optax.sgd(1e-3), 4), "MultiSteps"),
-    (optim.dynamic_loss_scale(optax.sgd(1e-3)), "dynamic_loss_scale"),
-    (optax.GradientTransformation(  # a global statistic kept in the state
-        lambda p: jnp.zeros(()),
-        lambda g, s, p=None: (g, 0.9 * s + 0.1 * optax.tree.norm(g))),
-     r"keeps state.*together"),
-])
+@pytest.mark.parametrize(
+    "tx,match",
+    [
+        (
+            optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3)),
+            "depends on the gradient or value of",
+        ),
+        (optax.apply_if_finite(optax.sgd(1e-3), 3), "depends on the gradient or value of"),
+        (optax.MultiSteps(optax.sgd(1e-3), 4), "MultiSteps"),
+        (optim.dynamic_loss_scale(optax.sgd(1e-3)), "dynamic_loss_scale"),
+        (
+            optax.GradientTransformation(  # a global statistic kept in the state
+                lambda p: jnp.zeros(()),
+                lambda g, s, p=None: (g, 0.9 * s + 0.1 * optax.tree.norm(g)),
+            ),
+            r"keeps state.*together",
+        ),
+    ],
+)
 def test_refused_optimizers(tx, match):
-  step = amp_jax.eager.scan_step(embed, block, head, tx)
-  with pytest.raises(ValueError, match=match) as e:
-    step.init(make_params())
-  assert "`optimizer`" in str(e.value)
+    step = amp_jax.eager.scan_step(embed, block, head, tx)
+    with pytest.raises(ValueError, match=match) as e:
+        step.init(make_params())
+    assert "`optimizer`" in str(e.value)
 
 
 def test_bad_params():
-  step = amp_jax.eager.scan_step(embed, block, head, optax.sgd(1.0))
-  p = make_params()
-  with pytest.raises(ValueError, match="`params` must be a dict"):
-    step.init({"embed": p["embed"], "blocks": p["blocks"]})
-  p["blocks"]["w2"] = p["blocks"]["w2"][:2]
-  with pytest.raises(ValueError, match="disagree on the leading"):
-    step.init(p)
-  with pytest.raises(TypeError, match="`optimizer`"):
-    amp_jax.eager.scan_step(embed, block, head, "adam")
-  with pytest.raises(ValueError, match="`block_fn` must return"):
-    bad = amp_jax.eager.scan_step(embed, lambda p, h: h[:, :2], head, optax.sgd(1.0))
-    q = make_params()
-    bad.update(q, bad.init(q), BATCH)
+    step = amp_jax.eager.scan_step(embed, block, head, optax.sgd(1.0))
+    p = make_params()
+    with pytest.raises(ValueError, match="`params` must be a dict"):
+        step.init({"embed": p["embed"], "blocks": p["blocks"]})
+    p["blocks"]["w2"] = p["blocks"]["w2"][:2]
+    with pytest.raises(ValueError, match="disagree on the leading"):
+        step.init(p)
+    with pytest.raises(TypeError, match="`optimizer`"):
+        amp_jax.eager.scan_step(embed, block, head, "adam")
+    with pytest.raises(ValueError, match="`block_fn` must return"):
+        bad = amp_jax.eager.scan_step(embed, lambda p, h: h[:, :2], head, optax.sgd(1.0))
+        q = make_params()
+        bad.update(q, bad.init(q), BATCH)

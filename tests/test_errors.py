@@ -7,13 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _util import BF16, F32, allow_out_dtype, prim_dtypes
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 from jax import lax
 
 from amp_jax import Policy, amp, dtype_report, optim
-from _util import BF16, F32, allow_out_dtype, prim_dtypes
-
 
 # -- plain objects holding arrays ---------------------------------------------------
 
@@ -29,13 +28,17 @@ class Model:
 
 def test_plain_object_holding_arrays_is_refused_not_baked_in():
     m, x = Model(jnp.ones((16, 16))), jnp.ones((8, 16))
-    with pytest.raises(TypeError, match=r"amp\(Model.__call__\): argument `self` is a Model that holds "
-                                        r"arrays \(`self.w`\).*pytree"):
+    with pytest.raises(
+        TypeError,
+        match=r"amp\(Model.__call__\): argument `self` is a Model that holds "
+        r"arrays \(`self.w`\).*pytree",
+    ):
         m(x)
     # as a plain argument, nested in a container or a bound method: named too
     f = amp(lambda model, h: h @ model.w)
     with pytest.raises(TypeError, match="argument `model`"):
         f(m, x)
+
     class Plain:
         def __init__(self, w):
             self.w = w
@@ -115,7 +118,9 @@ def test_float64_and_complex_dots_are_not_lowered(x64):
         f = amp(lambda a, b: a @ b)
         np.testing.assert_array_equal(np.asarray(f(a32, b)), np.asarray(a32 @ b))
         rows = dtype_report(f, a32, b)
-        assert [r[5] for r in rows if r[0] == "dot_general"] == ["float64/complex operand: not ours to lower"]
+        assert [r[5] for r in rows if r[0] == "dot_general"] == [
+            "float64/complex operand: not ours to lower"
+        ]
 
 
 @pytest.mark.parametrize("precision", [lax.Precision.HIGHEST, lax.Precision.HIGH, "highest"])
@@ -143,14 +148,25 @@ def test_tiny_contractions_stay_float32_and_say_why():
 # -- configuration errors name the argument and the fix ------------------------------------
 
 
-@pytest.mark.parametrize("kwargs, err, match", [
-    (dict(overrides=["exp"]), TypeError, r"overrides=\['exp'\] must map primitive names to classes"),
-    (dict(full_precision_scopes=5), TypeError, "full_precision_scopes=5 must be jax.named_scope names"),
-    (dict(allow=["dot_generl"]), ValueError, "did you mean 'dot_general'"),
-    (dict(overrides={"tan_h": "deny"}), ValueError, "did you mean 'tanh'"),
-    (dict(min_low_flops=-1), ValueError, r"min_low_flops=-1\) must be an int >= 0"),
-    (dict(allow_outputs="bf16"), ValueError, "allow_outputs='bf16'"),
-])
+@pytest.mark.parametrize(
+    "kwargs, err, match",
+    [
+        (
+            dict(overrides=["exp"]),
+            TypeError,
+            r"overrides=\['exp'\] must map primitive names to classes",
+        ),
+        (
+            dict(full_precision_scopes=5),
+            TypeError,
+            "full_precision_scopes=5 must be jax.named_scope names",
+        ),
+        (dict(allow=["dot_generl"]), ValueError, "did you mean 'dot_general'"),
+        (dict(overrides={"tan_h": "deny"}), ValueError, "did you mean 'tanh'"),
+        (dict(min_low_flops=-1), ValueError, r"min_low_flops=-1\) must be an int >= 0"),
+        (dict(allow_outputs="bf16"), ValueError, "allow_outputs='bf16'"),
+    ],
+)
 def test_policy_errors_name_the_argument(kwargs, err, match):
     with pytest.raises(err, match=match):
         Policy(**kwargs)
@@ -179,9 +195,14 @@ def test_float16_constants_out_of_range_keep_their_op_float32():
     f = lambda x, w: ((x @ w) * 1e-8) @ w  # noqa: E731  (1e-8 is 0 in float16)
     out = amp(f, policy="float16")(x, w)
     np.testing.assert_allclose(out, f(x, w), rtol=0.03)  # 0.0026, not 0
-    why = [r for r in dtype_report(amp(f, policy="float16"), x, w) if r[5] and r[0] != "convert_element_type"]
+    why = [
+        r
+        for r in dtype_report(amp(f, policy="float16"), x, w)
+        if r[5] and r[0] != "convert_element_type"
+    ]
     assert [(r[0], r[1], r[5]) for r in why] == [
-        ("mul", "float32,float32", "reads a constant the compute dtype cannot represent")]
+        ("mul", "float32,float32", "reads a constant the compute dtype cannot represent")
+    ]
 
     def masked_pool(x, w):
         h = x @ w
@@ -189,7 +210,10 @@ def test_float16_constants_out_of_range_keep_their_op_float32():
         p = lax.reduce_window(h, -jnp.inf, lax.max, (1, 4), (1, 4), "VALID")
         return p @ w[: p.shape[-1]]
 
-    x, w = jax.random.normal(jax.random.PRNGKey(0), (8, 64)), jax.random.normal(jax.random.PRNGKey(1), (64, 64)) / 8
+    x, w = (
+        jax.random.normal(jax.random.PRNGKey(0), (8, 64)),
+        jax.random.normal(jax.random.PRNGKey(1), (64, 64)) / 8,
+    )
     out = amp(masked_pool, policy="float16")(x, w)
     assert bool(jnp.all(jnp.isfinite(out)))
     np.testing.assert_allclose(out, masked_pool(x, w), atol=0.02 * float(jnp.max(jnp.abs(out))))
@@ -257,7 +281,8 @@ def test_dtype_report_accepts_static_arguments():
     f = amp(lambda a, mode: a @ a if mode == "mm" else a)
     rows = dtype_report(f, PX, "mm")
     assert [r[:3] for r in rows if r[0] == "dot_general"] == [
-        ("dot_general", "bfloat16,bfloat16", str(allow_out_dtype()))]
+        ("dot_general", "bfloat16,bfloat16", str(allow_out_dtype()))
+    ]
 
 
 # -- every public function validates its arguments up front ----------------------------
@@ -266,30 +291,68 @@ def test_dtype_report_accepts_static_arguments():
 SGD = optax.sgd(0.1)
 
 
-@pytest.mark.parametrize("make,exc,parts", [
-    (lambda: optim.dynamic_loss_scale(optax.adam), TypeError, ["dynamic_loss_scale", "`inner`", "'adam'", "optax.adam(1e-3)"]),
-    (lambda: optim.static_loss_scale(None, 2.0), TypeError, ["`inner`", "None"]),
-    (lambda: optim.master_weights(optax.sgd), TypeError, ["master_weights", "`inner`"]),
-    (lambda: optim.kahan_summation(3), TypeError, ["kahan_summation", "`inner`"]),
-    (lambda: optim.stochastic_rounding(optax.sgd, 0), TypeError, ["stochastic_rounding", "`inner`"]),
-    (lambda: optim.dynamic_loss_scale(SGD, init_scale="big"), TypeError, ["`init_scale`", "'big'"]),
-    (lambda: optim.dynamic_loss_scale(SGD, growth_factor="2.0"), TypeError, ["`growth_factor`", "'2.0'"]),
-    (lambda: optim.dynamic_loss_scale(SGD, growth_interval=2.5), TypeError, ["`growth_interval`"]),
-    (lambda: optim.static_loss_scale(SGD, "8"), TypeError, ["`scale`"]),
-    (lambda: optim.master_weights(SGD, master_dtype="float33"), ValueError, ["`master_dtype`", "'float33'"]),
-    (lambda: optim.kahan_summation(SGD, "float33"), ValueError, ["`compensation_dtype`"]),
-    (lambda: optim.stochastic_rounding(SGD, jax.random.split(jax.random.key(0), 4)), ValueError,
-     ["`key`", "single", "(4,)"]),
-    (lambda: optim.stochastic_rounding(SGD, jax.random.split(jax.random.PRNGKey(0), 4)), ValueError,
-     ["`key`", "single"]),
-    (lambda: optim.stochastic_rounding(SGD, "seed"), TypeError, ["`key`"]),
-    (lambda: optim.adamw("1e-3"), TypeError, ["adamw", "`learning_rate`"]),
-    (lambda: optim.adamw(1e-3, b1="0.9"), TypeError, ["`b1`"]),
-    (lambda: optim.adamw(1e-3, kahan="yes"), TypeError, ["`kahan`"]),
-    (lambda: optim.scale_by_any_precision_adam(eps=None), TypeError, ["`eps`"]),
-    (lambda: optim.scaled_value_and_grad(lambda p: p, optim.static_loss_scale(SGD, 2.0).init(1.0),
-                                         has_aux="no"), TypeError, ["`has_aux`"]),
-])
+@pytest.mark.parametrize(
+    "make,exc,parts",
+    [
+        (
+            lambda: optim.dynamic_loss_scale(optax.adam),
+            TypeError,
+            ["dynamic_loss_scale", "`inner`", "'adam'", "optax.adam(1e-3)"],
+        ),
+        (lambda: optim.static_loss_scale(None, 2.0), TypeError, ["`inner`", "None"]),
+        (lambda: optim.master_weights(optax.sgd), TypeError, ["master_weights", "`inner`"]),
+        (lambda: optim.kahan_summation(3), TypeError, ["kahan_summation", "`inner`"]),
+        (
+            lambda: optim.stochastic_rounding(optax.sgd, 0),
+            TypeError,
+            ["stochastic_rounding", "`inner`"],
+        ),
+        (
+            lambda: optim.dynamic_loss_scale(SGD, init_scale="big"),
+            TypeError,
+            ["`init_scale`", "'big'"],
+        ),
+        (
+            lambda: optim.dynamic_loss_scale(SGD, growth_factor="2.0"),
+            TypeError,
+            ["`growth_factor`", "'2.0'"],
+        ),
+        (
+            lambda: optim.dynamic_loss_scale(SGD, growth_interval=2.5),
+            TypeError,
+            ["`growth_interval`"],
+        ),
+        (lambda: optim.static_loss_scale(SGD, "8"), TypeError, ["`scale`"]),
+        (
+            lambda: optim.master_weights(SGD, master_dtype="float33"),
+            ValueError,
+            ["`master_dtype`", "'float33'"],
+        ),
+        (lambda: optim.kahan_summation(SGD, "float33"), ValueError, ["`compensation_dtype`"]),
+        (
+            lambda: optim.stochastic_rounding(SGD, jax.random.split(jax.random.key(0), 4)),
+            ValueError,
+            ["`key`", "single", "(4,)"],
+        ),
+        (
+            lambda: optim.stochastic_rounding(SGD, jax.random.split(jax.random.PRNGKey(0), 4)),
+            ValueError,
+            ["`key`", "single"],
+        ),
+        (lambda: optim.stochastic_rounding(SGD, "seed"), TypeError, ["`key`"]),
+        (lambda: optim.adamw("1e-3"), TypeError, ["adamw", "`learning_rate`"]),
+        (lambda: optim.adamw(1e-3, b1="0.9"), TypeError, ["`b1`"]),
+        (lambda: optim.adamw(1e-3, kahan="yes"), TypeError, ["`kahan`"]),
+        (lambda: optim.scale_by_any_precision_adam(eps=None), TypeError, ["`eps`"]),
+        (
+            lambda: optim.scaled_value_and_grad(
+                lambda p: p, optim.static_loss_scale(SGD, 2.0).init(1.0), has_aux="no"
+            ),
+            TypeError,
+            ["`has_aux`"],
+        ),
+    ],
+)
 def test_optim_errors_name_argument_and_value(make, exc, parts):
     with pytest.raises(exc) as e:
         make()
@@ -330,8 +393,16 @@ def test_scaled_value_and_grad_allow_int():
 
 
 def test_strict_knows_more_primitives():
-    for name in ("io_callback", "debug_callback", lax.scatter_add_p.name, lax.scatter_max_p.name,
-                 "le_to", "lt_to", "eq_to", "ffi_call"):
+    for name in (
+        "io_callback",
+        "debug_callback",
+        lax.scatter_add_p.name,
+        lax.scatter_max_p.name,
+        "le_to",
+        "lt_to",
+        "eq_to",
+        "ffi_call",
+    ):
         assert Policy().class_of(name) is not None, name
     assert Policy().class_of(lax.scatter_add_p.name) == "follow"
 
@@ -348,8 +419,13 @@ def test_strict_knows_more_primitives():
 PX = jax.random.normal(jax.random.PRNGKey(0), (16, 16)) / 4
 PW = jax.random.normal(jax.random.PRNGKey(1), (16, 16)) / 4
 
-_PIECES = st.lists(st.sampled_from(["dot", "callback", "debug", "highest", "high", "f64",
-                                    "complex", "tanh", "plain"]), min_size=1, max_size=5)
+_PIECES = st.lists(
+    st.sampled_from(
+        ["dot", "callback", "debug", "highest", "high", "f64", "complex", "tanh", "plain"]
+    ),
+    min_size=1,
+    max_size=5,
+)
 
 
 class _Plain:
@@ -363,7 +439,9 @@ def _run(pieces, x, w, holder, mm):
         if p == "dot":
             h = mm(h, w)
         elif p == "callback":
-            h = jax.pure_callback(lambda v: np.asarray(v) * 1.0, jax.ShapeDtypeStruct(h.shape, h.dtype), h)
+            h = jax.pure_callback(
+                lambda v: np.asarray(v) * 1.0, jax.ShapeDtypeStruct(h.shape, h.dtype), h
+            )
         elif p == "debug":
             jax.debug.callback(lambda v: None, h)
         elif p == "highest":
@@ -385,7 +463,9 @@ def _run(pieces, x, w, holder, mm):
 @given(_PIECES)
 def test_random_program_right_or_refused(pieces):
     def hand_mm(a, b):  # what amp may do to a default-precision float32 dot
-        return jnp.matmul(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
+        return jnp.matmul(
+            a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), preferred_element_type=jnp.float32
+        )
 
     holder = _Plain(jnp.full((16, 16), 0.01))
 

@@ -16,12 +16,11 @@ import jax
 import jax.numpy as jnp
 import keras
 import optax
-import pytest
+from _util import F16, check_dots_low, prim_dtypes
 from flax import linen as nn
 from flax import nnx
 
 from amp_jax import amp, optim
-from _util import F16, check_dots_low, prim_dtypes
 
 KEY = jax.random.PRNGKey(0)
 STEPS = 25
@@ -66,6 +65,7 @@ def _train_with_state(loss_fn, params, state, x, y):
 
 # --- Haiku -------------------------------------------------------------------
 
+
 def test_haiku_transform_with_state():
     def forward(x, is_training):
         h = hk.Linear(64)(x)
@@ -89,15 +89,18 @@ def test_haiku_transform_with_state():
 
 # --- Keras 3 (JAX backend) -----------------------------------------------------
 
+
 def test_keras_stateless_call():
     assert keras.backend.backend() == "jax"
     keras.utils.set_random_seed(0)
-    model = keras.Sequential([
-        keras.Input((16,)),
-        keras.layers.Dense(64, activation="gelu"),
-        keras.layers.BatchNormalization(),
-        keras.layers.Dense(4),
-    ])
+    model = keras.Sequential(
+        [
+            keras.Input((16,)),
+            keras.layers.Dense(64, activation="gelu"),
+            keras.layers.BatchNormalization(),
+            keras.layers.Dense(4),
+        ]
+    )
     x, y = _data()
     trainable = [v.value for v in model.trainable_variables]
     non_trainable = [v.value for v in model.non_trainable_variables]
@@ -108,7 +111,9 @@ def test_keras_stateless_call():
         return _ce(logits, y), non_trainable
 
     trainable, non_trainable, losses = _train_with_state(loss_fn, trainable, non_trainable, x, y)
-    check_dots_low(jax.make_jaxpr(jax.grad(loss_fn, has_aux=True))(trainable, non_trainable, x, y), min_low=4)
+    check_dots_low(
+        jax.make_jaxpr(jax.grad(loss_fn, has_aux=True))(trainable, non_trainable, x, y), min_low=4
+    )
     # write the trained values back into the Keras model and use it as usual
     for v, value in zip(model.trainable_variables, trainable):
         v.assign(value)
@@ -118,6 +123,7 @@ def test_keras_stateless_call():
 
 
 # --- Flax linen -----------------------------------------------------------------
+
 
 def test_flax_linen_train_state():
     class MLP(nn.Module):
@@ -134,8 +140,9 @@ def test_flax_linen_train_state():
 
     @amp
     def loss_fn(params, batch_stats, x, y):
-        logits, updates = model.apply({"params": params, "batch_stats": batch_stats}, x, train=True,
-                                      mutable=["batch_stats"])
+        logits, updates = model.apply(
+            {"params": params, "batch_stats": batch_stats}, x, train=True, mutable=["batch_stats"]
+        )
         return _ce(logits, y), updates["batch_stats"]
 
     tx = optax.adamw(1e-2)
@@ -143,7 +150,9 @@ def test_flax_linen_train_state():
 
     @jax.jit
     def step(params, batch_stats, opt_state, x, y):
-        (loss, batch_stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch_stats, x, y)
+        (loss, batch_stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+            params, batch_stats, x, y
+        )
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), batch_stats, opt_state, loss
 
@@ -152,10 +161,13 @@ def test_flax_linen_train_state():
         params, batch_stats, opt_state, loss = step(params, batch_stats, opt_state, x, y)
         losses.append(loss)
     _assert_decreases(losses)
-    check_dots_low(jax.make_jaxpr(jax.grad(loss_fn, has_aux=True))(params, batch_stats, x, y), min_low=4)
+    check_dots_low(
+        jax.make_jaxpr(jax.grad(loss_fn, has_aux=True))(params, batch_stats, x, y), min_low=4
+    )
 
 
 # --- Flax NNX: split/merge, nnx.Optimizer, dynamic loss scaling -----------------
+
 
 def test_flax_nnx_optimizer_loss_scaling():
     class MLP(nnx.Module):
@@ -194,6 +206,7 @@ def test_flax_nnx_optimizer_loss_scaling():
 
 
 # --- Equinox: filtered transformations, modules as arguments --------------------
+
 
 def test_equinox_filter_training():
     x, y = _data()

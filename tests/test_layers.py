@@ -3,12 +3,11 @@
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
+from _util import F32, check_dots_low, prim_dtypes
 from flax import linen as nn
 from flax import nnx
 
 from amp_jax import Policy, amp
-from _util import F32, check_dots_low, prim_dtypes
 
 # Layers at toy sizes: lower every matmul, whatever its size.
 LOW = Policy(jnp.bfloat16, min_low_contraction=0, min_low_flops=0)
@@ -46,9 +45,14 @@ def test_flax_linen_layers():
     variables = model.init({"params": KEY, "dropout": KEY}, x, train=False)
 
     def loss(params, stats, x, rng):
-        y, upd = model.apply({"params": params, "batch_stats": stats}, x, train=True,
-                             rngs={"dropout": rng}, mutable=["batch_stats"])
-        return jnp.mean(y ** 2), upd
+        y, upd = model.apply(
+            {"params": params, "batch_stats": stats},
+            x,
+            train=True,
+            rngs={"dropout": rng},
+            mutable=["batch_stats"],
+        )
+        return jnp.mean(y**2), upd
 
     args = (variables["params"], variables["batch_stats"], x, KEY)
     (l, upd), g = jax.value_and_grad(amp(loss, policy=LOW), has_aux=True)(*args)
@@ -107,7 +111,7 @@ def test_equinox_layers():
         mlp, att, ln = models
         h = jax.vmap(mlp)(x)
         h = jax.vmap(ln)(att(h, h, h))
-        return jnp.mean(h ** 2)
+        return jnp.mean(h**2)
 
     v, g = amp(loss, policy=LOW)((mlp, att, ln), x)
     v0, g0 = loss((mlp, att, ln), x)
@@ -117,6 +121,8 @@ def test_equinox_layers():
         assert a.dtype == b.dtype
     assert _rel(jax.flatten_util.ravel_pytree(ga)[0], jax.flatten_util.ravel_pytree(gb)[0]) < 5e-2
     arrays, static = eqx.partition((mlp, att, ln), eqx.is_array)
-    jaxpr = jax.make_jaxpr(lambda p: amp(lambda m, x: loss(m, x)[0], policy=LOW)(eqx.combine(p, static), x))(arrays)
+    jaxpr = jax.make_jaxpr(
+        lambda p: amp(lambda m, x: loss(m, x)[0], policy=LOW)(eqx.combine(p, static), x)
+    )(arrays)
     check_dots_low(jaxpr, min_low=3)
     _norm_stats_f32(jaxpr)

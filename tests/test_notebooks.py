@@ -1,8 +1,8 @@
 """Every notebook in notebooks/ runs top to bottom (with small sizes)."""
 
 import os
-import re
 import pathlib
+import re
 
 import pytest
 
@@ -23,17 +23,24 @@ def test_notebook_stored_without_outputs(path):
     nb = nbformat.read(path, as_version=4)
     for cell in nb.cells:
         if cell.cell_type == "code":
-            assert not cell.outputs and cell.execution_count is None, f"{path.name}: clear the outputs"
+            assert not cell.outputs and cell.execution_count is None, (
+                f"{path.name}: clear the outputs"
+            )
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_runs(path):
     nb = nbformat.read(path, as_version=4)
-    env = {**os.environ, "AMP_JAX_NB_STEPS": "12", "JUPYTER_PLATFORM_DIRS": "1",
-           "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    env = {
+        **os.environ,
+        "AMP_JAX_NB_STEPS": "12",
+        "JUPYTER_PLATFORM_DIRS": "1",
+        "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
+    }
     env.pop("XLA_FLAGS", None)  # the conftest's forced host devices are not for notebooks
-    client = NotebookClient(nb, timeout=300, kernel_name="python3",
-                            resources={"metadata": {"path": str(ROOT)}})
+    client = NotebookClient(
+        nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}}
+    )
     client.execute(env=env)  # raises CellExecutionError on the first failing cell
     text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
     for needle in EXPECTED[path.stem]:
@@ -43,6 +50,9 @@ def test_notebook_runs(path):
 #: what each notebook must show it did (its printed dtype reports and results)
 EXPECTED = {
     "quickstart": [r"dot_general\s.*bfloat16,bfloat16", r"'w1': 'float32'"],
-    "flax_nnx": [r"dot_general\s.*float16,float16", r"train accuracy: float32 [\d.]+, amp float16 [\d.]+"],
+    "flax_nnx": [
+        r"dot_general\s.*float16,float16",
+        r"train accuracy: float32 [\d.]+, amp float16 [\d.]+",
+    ],
     "pure_bf16_optimizers": [r"[Kk]ahan", r"[Ss]tochastic", r"state bytes/param"],
 }

@@ -21,10 +21,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _util import BF16, F32, check_dots_low, prim_dtypes
 from jax import lax
 
 from amp_jax import Policy, amp
-from _util import BF16, F32, check_dots_low, prim_dtypes
 
 # The sweep checks how each op is classified between two dots, on toy shapes:
 # no size thresholds, and no attention fusion (tests/test_attention.py has it).
@@ -71,7 +71,7 @@ EW = {
     "rsqrt": lambda h: lax.rsqrt(_pos(h)),
     "cbrt": lambda h: jnp.cbrt(_pos(h)),  # (cbrt's slope is infinite at 0)
     "pow": lambda h: _pos(h) ** 1.5,
-    "integer_pow": lambda h: h ** 3,
+    "integer_pow": lambda h: h**3,
     "square": jnp.square,
     "reciprocal": lambda h: 1.0 / _pos(h),
     "erf": lax.erf,
@@ -99,7 +99,9 @@ EW = {
     "softmax": jax.nn.softmax,
     "log_softmax": jax.nn.log_softmax,
     "standardize": jax.nn.standardize,
-    "layer_norm": lambda h: (h - h.mean(-1, keepdims=True)) * lax.rsqrt(h.var(-1, keepdims=True) + 1e-5),
+    "layer_norm": lambda h: (
+        (h - h.mean(-1, keepdims=True)) * lax.rsqrt(h.var(-1, keepdims=True) + 1e-5)
+    ),
     "rms_norm": lambda h: h * lax.rsqrt(jnp.mean(h * h, -1, keepdims=True) + 1e-6),
     "center": lambda h: h - jnp.max(h, -1, keepdims=True),
     "cumsum": lambda h: jnp.cumsum(h, -1),
@@ -121,8 +123,9 @@ EW = {
     "scatter_mul": lambda h: h.at[:, 1].multiply(2.0),
     "top_k_values": lambda h: lax.top_k(h, 16)[0],
     "broadcast_mean": lambda h: h - h.mean(0),
-    "max_pool": lambda h: lax.reduce_window(h[None, :, :, None], -jnp.inf, lax.max,
-                                            (1, 2, 2, 1), (1, 1, 1, 1), "SAME")[0, :, :, 0],
+    "max_pool": lambda h: lax.reduce_window(
+        h[None, :, :, None], -jnp.inf, lax.max, (1, 2, 2, 1), (1, 1, 1, 1), "SAME"
+    )[0, :, :, 0],
     "avg_pool": lambda h: lax.reduce_window(h, 0.0, lax.add, (1, 3), (1, 1), "SAME") / 3,
     "select_n": lambda h: lax.select_n(h > 0.2, h, -h),
     "remat": jax.checkpoint(lambda h: jnp.tanh(h) * h),
@@ -151,9 +154,13 @@ ANY = {
     "tensordot": lambda h: jnp.tensordot(h, h, axes=([0], [0])),
     "vector_dot": lambda h: h @ jnp.arange(16.0),
     "outer": lambda h: jnp.outer(h[0], h[1]),
-    "conv": lambda h: lax.conv_general_dilated(h[None, :, :, None], jnp.ones((3, 3, 1, 2)) / 9,
-                                              (1, 1), "SAME",
-                                              dimension_numbers=("NHWC", "HWIO", "NHWC")),
+    "conv": lambda h: lax.conv_general_dilated(
+        h[None, :, :, None],
+        jnp.ones((3, 3, 1, 2)) / 9,
+        (1, 1),
+        "SAME",
+        dimension_numbers=("NHWC", "HWIO", "NHWC"),
+    ),
     "cross_entropy": lambda h: -jnp.mean(jax.nn.log_softmax(h)[jnp.arange(8), IDX]),
     "mse": lambda h: jnp.mean((h - 1.0) ** 2),
     "top_k": lambda h: lax.top_k(h, 3),
@@ -174,13 +181,43 @@ ANY = {
 }
 
 # Outputs that are discrete, or jump where bf16 rounding moves the input.
-DISCRETE = {"argmax", "argmin", "argsort", "one_hot", "sign", "floor", "ceil", "round",
-            "compare", "astype_int", "bitcast", "top_k", "rem", "where", "select_n", "cond"}
-NO_GRAD = DISCRETE | {"sort", "cummax", "max_pool", "top_k_values", "max", "min", "astype_f16",
-                      "center", "clip", "hard_tanh", "relu6", "reduce_precision"}
+DISCRETE = {
+    "argmax",
+    "argmin",
+    "argsort",
+    "one_hot",
+    "sign",
+    "floor",
+    "ceil",
+    "round",
+    "compare",
+    "astype_int",
+    "bitcast",
+    "top_k",
+    "rem",
+    "where",
+    "select_n",
+    "cond",
+}
+NO_GRAD = DISCRETE | {
+    "sort",
+    "cummax",
+    "max_pool",
+    "top_k_values",
+    "max",
+    "min",
+    "astype_f16",
+    "center",
+    "clip",
+    "hard_tanh",
+    "relu6",
+    "reduce_precision",
+}
 
-CASES = {**{f"ew:{k}": (lambda op: lambda x, w, w2: op(x @ w) @ w2)(v) for k, v in EW.items()},
-         **{f"any:{k}": (lambda op: lambda x, w, w2: op(x @ w))(v) for k, v in ANY.items()}}
+CASES = {
+    **{f"ew:{k}": (lambda op: lambda x, w, w2: op(x @ w) @ w2)(v) for k, v in EW.items()},
+    **{f"any:{k}": (lambda op: lambda x, w, w2: op(x @ w))(v) for k, v in ANY.items()},
+}
 
 
 def _shape_dtypes(tree):
@@ -193,7 +230,9 @@ def _close(got, want, name):
         if w is None:
             return
         scale = max(1.0, float(np.max(np.abs(w))))
-        np.testing.assert_allclose(np.asarray(g, np.float64), w, rtol=TOL, atol=TOL * scale, err_msg=name)
+        np.testing.assert_allclose(
+            np.asarray(g, np.float64), w, rtol=TOL, atol=TOL * scale, err_msg=name
+        )
 
     jax.tree.map(check, got, want)
 
@@ -203,8 +242,10 @@ def _loss(fn):
 
     def loss(x, w, w2):
         outs = [o for o in jax.tree.leaves(fn(x, w, w2)) if jnp.issubdtype(o.dtype, jnp.floating)]
-        return sum(jnp.sum(o.astype(jnp.float32) * jnp.cos(jnp.arange(o.size).reshape(o.shape)))
-                   for o in outs)
+        return sum(
+            jnp.sum(o.astype(jnp.float32) * jnp.cos(jnp.arange(o.size).reshape(o.shape)))
+            for o in outs
+        )
 
     return loss
 
@@ -216,26 +257,36 @@ def _run_all(fn, with_grad):
     def run(x, w, w2):
         out = {k: f(x, w, w2) for k, f in variants.items()}
         if with_grad:
-            out.update({f"d{k}": jax.grad(_loss(f), argnums=(1, 2))(x, w, w2) for k, f in variants.items()})
+            out.update(
+                {f"d{k}": jax.grad(_loss(f), argnums=(1, 2))(x, w, w2) for k, f in variants.items()}
+            )
         return out
 
     return jax.jit(run)(X, W, W2)
 
 
 _QR_XFAIL = pytest.mark.xfail(
-    jax.default_backend() == "cpu", raises=jax.errors.JaxRuntimeError, strict=True,
+    jax.default_backend() == "cpu",
+    raises=jax.errors.JaxRuntimeError,
+    strict=True,
     reason="XLA:CPU bug: a bf16 x bf16 -> f32 dot whose operand has the column-major layout "
-           "of a LAPACK result is left to DotThunk, which has no kernel for it")
+    "of a LAPACK result is left to DotThunk, which has no kernel for it",
+)
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=_QR_XFAIL) if n == "ew:qr" else n
-                                  for n in sorted(CASES)])
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=_QR_XFAIL) if n == "ew:qr" else n for n in sorted(CASES)]
+)
 def test_op(name):
     fn, op = CASES[name], name.split(":")[1]
     r = _run_all(fn, op not in NO_GRAD)
     for k in ("", "d") if op not in NO_GRAD else ("",):
         # The "float32" policy is the identity, bitwise.
-        jax.tree.map(lambda g, w: np.testing.assert_array_equal(g, w, err_msg=name), r[k + "id"], r[k + "f32"])
+        jax.tree.map(
+            lambda g, w: np.testing.assert_array_equal(g, w, err_msg=name),
+            r[k + "id"],
+            r[k + "f32"],
+        )
         assert _shape_dtypes(r[k + "bf16"]) == _shape_dtypes(r[k + "f32"])
     if op not in DISCRETE:
         _close(r["bf16"], r["f32"], name)
@@ -258,8 +309,11 @@ def test_op_eager_matches_jit(name):
     """
     fn = amp(CASES[name], policy=SWEEP)
     strict = jax.jit(fn).lower(X, W, W2).compile({"xla_allow_excess_precision": False})
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6),
-                 fn(X, W, W2), strict(X, W, W2))
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6),
+        fn(X, W, W2),
+        strict(X, W, W2),
+    )
 
 
 # -- what runs low, what stays float32 ---------------------------------------
@@ -269,17 +323,35 @@ def _dtype_of(fn, prim):
     return {o[0] for _, o, _ in prim_dtypes(jax.make_jaxpr(amp(fn, policy=SWEEP))(X, W, W2), prim)}
 
 
-@pytest.mark.parametrize("name,prim", [("ew:relu", "max"), ("ew:tanh", "tanh"), ("ew:mul", "mul"),
-                                       ("ew:gelu_tanh", "tanh"), ("ew:transpose", "transpose"),
-                                       ("ew:custom_jvp", "max")])
+@pytest.mark.parametrize(
+    "name,prim",
+    [
+        ("ew:relu", "max"),
+        ("ew:tanh", "tanh"),
+        ("ew:mul", "mul"),
+        ("ew:gelu_tanh", "tanh"),
+        ("ew:transpose", "transpose"),
+        ("ew:custom_jvp", "max"),
+    ],
+)
 def test_followers_between_dots_run_bf16(name, prim):
     assert _dtype_of(CASES[name], prim) == {BF16}
 
 
-@pytest.mark.parametrize("name,prim", [("ew:exp", "exp"), ("ew:log", "log"), ("ew:softmax", "exp"),
-                                       ("ew:layer_norm", "rsqrt"), ("ew:cumsum", "cumsum"),
-                                       ("any:sum", "reduce_sum"), ("ew:cholesky", "cholesky"),
-                                       ("ew:softmax", "div"), ("ew:pow", "pow")])
+@pytest.mark.parametrize(
+    "name,prim",
+    [
+        ("ew:exp", "exp"),
+        ("ew:log", "log"),
+        ("ew:softmax", "exp"),
+        ("ew:layer_norm", "rsqrt"),
+        ("ew:cumsum", "cumsum"),
+        ("any:sum", "reduce_sum"),
+        ("ew:cholesky", "cholesky"),
+        ("ew:softmax", "div"),
+        ("ew:pow", "pow"),
+    ],
+)
 def test_sensitive_ops_run_float32(name, prim):
     """Deny ops, and follow ops downstream of one (softmax's division), are float32."""
     assert _dtype_of(CASES[name], prim) == {F32}

@@ -10,131 +10,138 @@ from amp_jax import optim
 
 
 def _params(dtype=jnp.float32):
-  k1, k2 = jax.random.split(jax.random.key(0))
-  return {"w": jax.random.normal(k1, (16, 8)).astype(dtype),
-          "b": (jax.random.normal(k2, (8,)) * 0.1).astype(dtype)}
+    k1, k2 = jax.random.split(jax.random.key(0))
+    return {
+        "w": jax.random.normal(k1, (16, 8)).astype(dtype),
+        "b": (jax.random.normal(k2, (8,)) * 0.1).astype(dtype),
+    }
 
 
 def _run(tx, params, steps=6, seed=0):
-  state = tx.init(params)
+    state = tx.init(params)
 
-  @jax.jit
-  def step(params, state, i):
-    g = jax.tree.map(
-        lambda p: jax.random.normal(jax.random.fold_in(jax.random.key(seed), i),
-                                    p.shape).astype(p.dtype), params)
-    u, state = tx.update(g, state, params)
-    return optax.apply_updates(params, u), state
+    @jax.jit
+    def step(params, state, i):
+        g = jax.tree.map(
+            lambda p: jax.random.normal(
+                jax.random.fold_in(jax.random.key(seed), i), p.shape
+            ).astype(p.dtype),
+            params,
+        )
+        u, state = tx.update(g, state, params)
+        return optax.apply_updates(params, u), state
 
-  for i in range(steps):
-    params, state = step(params, state, i)
-  return params, state
+    for i in range(steps):
+        params, state = step(params, state, i)
+    return params, state
 
 
 _SCHED = optax.warmup_cosine_decay_schedule(0.0, 1e-2, 2, 6)
 
 
-@pytest.mark.parametrize("lr,wd,mask", [
-    (1e-2, 0.0, None),
-    (1e-2, 1e-2, None),
-    (_SCHED, 1e-2, {"w": True, "b": False}),
-])
+@pytest.mark.parametrize(
+    "lr,wd,mask",
+    [
+        (1e-2, 0.0, None),
+        (1e-2, 1e-2, None),
+        (_SCHED, 1e-2, {"w": True, "b": False}),
+    ],
+)
 def test_bitwise_equal_to_optax_adamw(lr, wd, mask):
-  params = _params()
-  ours = optim.adamw(lr, b1=0.8, b2=0.99, eps=1e-7, weight_decay=wd, mask=mask)
-  ref = optax.adamw(lr, b1=0.8, b2=0.99, eps=1e-7, weight_decay=wd, mask=mask)
-  p1, s1 = _run(ours, params)
-  p2, s2 = _run(ref, params)
-  assert jax.tree.structure(s1) == jax.tree.structure(s2)
-  for a, b in zip(jax.tree.leaves((p1, s1)), jax.tree.leaves((p2, s2))):
-    assert a.dtype == b.dtype
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    params = _params()
+    ours = optim.adamw(lr, b1=0.8, b2=0.99, eps=1e-7, weight_decay=wd, mask=mask)
+    ref = optax.adamw(lr, b1=0.8, b2=0.99, eps=1e-7, weight_decay=wd, mask=mask)
+    p1, s1 = _run(ours, params)
+    p2, s2 = _run(ref, params)
+    assert jax.tree.structure(s1) == jax.tree.structure(s2)
+    for a, b in zip(jax.tree.leaves((p1, s1)), jax.tree.leaves((p2, s2))):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_bitwise_equal_with_inject_hyperparams():
-  params = _params()
-  sched = optax.linear_schedule(1e-2, 1e-3, 5)
-  ours = optax.inject_hyperparams(optim.adamw)(learning_rate=sched,
-                                               weight_decay=1e-3)
-  ref = optax.inject_hyperparams(optax.adamw)(learning_rate=sched,
-                                              weight_decay=1e-3)
-  p1, s1 = _run(ours, params)
-  p2, _ = _run(ref, params)
-  for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p2)):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-  np.testing.assert_allclose(float(s1.hyperparams["learning_rate"]),
-                             float(sched(6)), rtol=1e-6)
+    params = _params()
+    sched = optax.linear_schedule(1e-2, 1e-3, 5)
+    ours = optax.inject_hyperparams(optim.adamw)(learning_rate=sched, weight_decay=1e-3)
+    ref = optax.inject_hyperparams(optax.adamw)(learning_rate=sched, weight_decay=1e-3)
+    p1, s1 = _run(ours, params)
+    p2, _ = _run(ref, params)
+    for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p2)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_allclose(float(s1.hyperparams["learning_rate"]), float(sched(6)), rtol=1e-6)
 
 
-@pytest.mark.parametrize("mu_dtype,nu_dtype,pdtype", [
-    (None, None, jnp.float32), (jnp.bfloat16, jnp.bfloat16, jnp.float32),
-    (jnp.float32, jnp.bfloat16, jnp.bfloat16), (None, None, jnp.bfloat16),
-])
+@pytest.mark.parametrize(
+    "mu_dtype,nu_dtype,pdtype",
+    [
+        (None, None, jnp.float32),
+        (jnp.bfloat16, jnp.bfloat16, jnp.float32),
+        (jnp.float32, jnp.bfloat16, jnp.bfloat16),
+        (None, None, jnp.bfloat16),
+    ],
+)
 def test_state_dtypes_are_stable(mu_dtype, nu_dtype, pdtype):
-  params = _params(pdtype)
-  tx = optim.adamw(1e-3, mu_dtype=mu_dtype, nu_dtype=nu_dtype)
-  state0 = tx.init(params)
-  _, state = _run(tx, params, steps=2)
-  adam = state[0]
-  assert isinstance(adam, optax.ScaleByAdamState)
-  assert adam.count.dtype == jnp.int32 and int(adam.count) == 2
-  for leaf in jax.tree.leaves(adam.mu):
-    assert leaf.dtype == (mu_dtype or pdtype)
-  for leaf in jax.tree.leaves(adam.nu):
-    assert leaf.dtype == (nu_dtype or pdtype)
-  for a, b in zip(jax.tree.leaves(state0), jax.tree.leaves(state)):
-    assert a.dtype == b.dtype and a.shape == b.shape
+    params = _params(pdtype)
+    tx = optim.adamw(1e-3, mu_dtype=mu_dtype, nu_dtype=nu_dtype)
+    state0 = tx.init(params)
+    _, state = _run(tx, params, steps=2)
+    adam = state[0]
+    assert isinstance(adam, optax.ScaleByAdamState)
+    assert adam.count.dtype == jnp.int32 and int(adam.count) == 2
+    for leaf in jax.tree.leaves(adam.mu):
+        assert leaf.dtype == (mu_dtype or pdtype)
+    for leaf in jax.tree.leaves(adam.nu):
+        assert leaf.dtype == (nu_dtype or pdtype)
+    for a, b in zip(jax.tree.leaves(state0), jax.tree.leaves(state)):
+        assert a.dtype == b.dtype and a.shape == b.shape
 
 
 def test_bf16_second_moment_moves_although_b2_rounds_to_one():
-  assert float(jnp.asarray(0.999, jnp.bfloat16)) == 1.0  # the trap
-  params = {"w": jnp.zeros(4, jnp.bfloat16)}
-  tx = optim.adamw(1e-3, nu_dtype=jnp.bfloat16, mu_dtype=jnp.bfloat16)
-  state = tx.init(params)
-  for _ in range(10):
-    _, state = tx.update({"w": jnp.ones(4, jnp.bfloat16)}, state, params)
-  expected = 1.0 - 0.999**10
-  nu = np.asarray(state[0].nu["w"], np.float32)
-  np.testing.assert_allclose(nu, expected, rtol=2.0**-7)
-  # A naive bfloat16 moment update (b2 in bfloat16) never moves off zero.
-  naive = jnp.zeros(4, jnp.bfloat16)
-  for _ in range(10):
-    b2 = jnp.asarray(0.999, jnp.bfloat16)
-    naive = (1 - b2) * jnp.ones(4, jnp.bfloat16) + b2 * naive
-  np.testing.assert_array_equal(np.asarray(naive, np.float32), 0.0)
+    assert float(jnp.asarray(0.999, jnp.bfloat16)) == 1.0  # the trap
+    params = {"w": jnp.zeros(4, jnp.bfloat16)}
+    tx = optim.adamw(1e-3, nu_dtype=jnp.bfloat16, mu_dtype=jnp.bfloat16)
+    state = tx.init(params)
+    for _ in range(10):
+        _, state = tx.update({"w": jnp.ones(4, jnp.bfloat16)}, state, params)
+    expected = 1.0 - 0.999**10
+    nu = np.asarray(state[0].nu["w"], np.float32)
+    np.testing.assert_allclose(nu, expected, rtol=2.0**-7)
+    # A naive bfloat16 moment update (b2 in bfloat16) never moves off zero.
+    naive = jnp.zeros(4, jnp.bfloat16)
+    for _ in range(10):
+        b2 = jnp.asarray(0.999, jnp.bfloat16)
+        naive = (1 - b2) * jnp.ones(4, jnp.bfloat16) + b2 * naive
+    np.testing.assert_array_equal(np.asarray(naive, np.float32), 0.0)
 
 
 def test_kahan_state_and_tracking():
-  params = _params(jnp.bfloat16)
-  tx = optim.adamw(1e-4, kahan=True, mu_dtype=jnp.float32,
-                   nu_dtype=jnp.bfloat16)
-  state = tx.init(params)
-  assert isinstance(state, optim.KahanSummationState)
-  assert all(c.dtype == jnp.bfloat16
-             for c in jax.tree.leaves(state.compensation))
-  tx32 = optim.adamw(1e-4, kahan=True, compensation_dtype=jnp.float32)
-  assert all(c.dtype == jnp.float32
-             for c in jax.tree.leaves(tx32.init(params).compensation))
-  # bf16 params with Kahan follow float32 AdamW; without, they stall.
-  ref, _ = _run(optim.adamw(1e-4),
-                jax.tree.map(lambda p: p.astype(jnp.float32), params), steps=20)
-  pk, sk = _run(tx, params, steps=20)
-  pp, _ = _run(optim.adamw(1e-4), params, steps=20)
-  start = np.asarray(params["w"], np.float32)
-  # The compensated value p + c is what Kahan tracks (p alone moves only when
-  # the accumulated change reaches a bf16 rounding step).
-  comp_sum = (np.asarray(pk["w"], np.float32)
-              + np.asarray(sk.compensation["w"], np.float32))
-  err_k = np.abs(comp_sum - np.asarray(ref["w"]))
-  err_p = np.abs(np.asarray(pp["w"], np.float32) - np.asarray(ref["w"]))
-  assert err_k.mean() < 0.25 * err_p.mean()
-  assert np.mean(np.asarray(pp["w"], np.float32) == start) > 0.5
+    params = _params(jnp.bfloat16)
+    tx = optim.adamw(1e-4, kahan=True, mu_dtype=jnp.float32, nu_dtype=jnp.bfloat16)
+    state = tx.init(params)
+    assert isinstance(state, optim.KahanSummationState)
+    assert all(c.dtype == jnp.bfloat16 for c in jax.tree.leaves(state.compensation))
+    tx32 = optim.adamw(1e-4, kahan=True, compensation_dtype=jnp.float32)
+    assert all(c.dtype == jnp.float32 for c in jax.tree.leaves(tx32.init(params).compensation))
+    # bf16 params with Kahan follow float32 AdamW; without, they stall.
+    ref, _ = _run(
+        optim.adamw(1e-4), jax.tree.map(lambda p: p.astype(jnp.float32), params), steps=20
+    )
+    pk, sk = _run(tx, params, steps=20)
+    pp, _ = _run(optim.adamw(1e-4), params, steps=20)
+    start = np.asarray(params["w"], np.float32)
+    # The compensated value p + c is what Kahan tracks (p alone moves only when
+    # the accumulated change reaches a bf16 rounding step).
+    comp_sum = np.asarray(pk["w"], np.float32) + np.asarray(sk.compensation["w"], np.float32)
+    err_k = np.abs(comp_sum - np.asarray(ref["w"]))
+    err_p = np.abs(np.asarray(pp["w"], np.float32) - np.asarray(ref["w"]))
+    assert err_k.mean() < 0.25 * err_p.mean()
+    assert np.mean(np.asarray(pp["w"], np.float32) == start) > 0.5
 
 
 def test_errors():
-  with pytest.raises(ValueError, match="`mu_dtype`"):
-    optim.adamw(1e-3, mu_dtype=jnp.int32)
-  with pytest.raises(ValueError, match="`nu_dtype`"):
-    optim.adamw(1e-3, nu_dtype="int8")
-  with pytest.raises(ValueError, match="`compensation_dtype`"):
-    optim.adamw(1e-3, compensation_dtype=jnp.float32)
+    with pytest.raises(ValueError, match="`mu_dtype`"):
+        optim.adamw(1e-3, mu_dtype=jnp.int32)
+    with pytest.raises(ValueError, match="`nu_dtype`"):
+        optim.adamw(1e-3, nu_dtype="int8")
+    with pytest.raises(ValueError, match="`compensation_dtype`"):
+        optim.adamw(1e-3, compensation_dtype=jnp.float32)

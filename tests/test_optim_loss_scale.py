@@ -10,280 +10,282 @@ from amp_jax import optim
 
 
 def _tree_equal(a, b):
-  la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
-  assert jax.tree.structure(a) == jax.tree.structure(b)
-  for x, y in zip(la, lb):
-    assert x.dtype == y.dtype
-    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(la, lb):
+        assert x.dtype == y.dtype
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-@pytest.mark.parametrize("kwargs,name", [
-    (dict(growth_factor=1.0), "growth_factor"),
-    (dict(growth_factor=0.5), "growth_factor"),
-    (dict(backoff_factor=0.0), "backoff_factor"),
-    (dict(backoff_factor=1.0), "backoff_factor"),
-    (dict(backoff_factor=1.5), "backoff_factor"),
-    (dict(init_scale=0.0), "init_scale"),
-    (dict(init_scale=-4.0), "init_scale"),
-    (dict(min_scale=0.0), "min_scale"),
-    (dict(max_scale=-1.0), "max_scale"),
-    (dict(min_scale=8.0, max_scale=4.0, init_scale=4.0), "min_scale"),
-    (dict(growth_interval=0), "growth_interval"),
-])
+@pytest.mark.parametrize(
+    "kwargs,name",
+    [
+        (dict(growth_factor=1.0), "growth_factor"),
+        (dict(growth_factor=0.5), "growth_factor"),
+        (dict(backoff_factor=0.0), "backoff_factor"),
+        (dict(backoff_factor=1.0), "backoff_factor"),
+        (dict(backoff_factor=1.5), "backoff_factor"),
+        (dict(init_scale=0.0), "init_scale"),
+        (dict(init_scale=-4.0), "init_scale"),
+        (dict(min_scale=0.0), "min_scale"),
+        (dict(max_scale=-1.0), "max_scale"),
+        (dict(min_scale=8.0, max_scale=4.0, init_scale=4.0), "min_scale"),
+        (dict(growth_interval=0), "growth_interval"),
+    ],
+)
 def test_bad_arguments_name_the_argument(kwargs, name):
-  with pytest.raises(ValueError, match=f"`{name}`"):
-    optim.dynamic_loss_scale(optax.sgd(0.1), **kwargs)
+    with pytest.raises(ValueError, match=f"`{name}`"):
+        optim.dynamic_loss_scale(optax.sgd(0.1), **kwargs)
 
 
 @pytest.mark.parametrize("scale", [0.0, -1.0, float("inf")])
 def test_static_bad_scale(scale):
-  with pytest.raises(ValueError, match="`scale`"):
-    optim.static_loss_scale(optax.sgd(0.1), scale)
+    with pytest.raises(ValueError, match="`scale`"):
+        optim.static_loss_scale(optax.sgd(0.1), scale)
 
 
 def test_state_fields_and_dtypes():
-  tx = optim.dynamic_loss_scale(optax.adam(1e-3))
-  state = tx.init({"w": jnp.zeros(3)})
-  assert isinstance(state, optim.DynamicLossScaleState)
-  assert state._fields == ("scale", "good_steps", "skipped_steps", "steps",
-                           "last_skipped_step", "inner_state")
-  assert state.scale.dtype == jnp.float32 and state.scale.shape == ()
-  assert state.good_steps.dtype == jnp.int32
-  assert state.skipped_steps.dtype == jnp.int32
-  assert float(state.scale) == 2.0**15
-  assert isinstance(state.inner_state[0], optax.ScaleByAdamState)
+    tx = optim.dynamic_loss_scale(optax.adam(1e-3))
+    state = tx.init({"w": jnp.zeros(3)})
+    assert isinstance(state, optim.DynamicLossScaleState)
+    assert state._fields == (
+        "scale",
+        "good_steps",
+        "skipped_steps",
+        "steps",
+        "last_skipped_step",
+        "inner_state",
+    )
+    assert state.scale.dtype == jnp.float32 and state.scale.shape == ()
+    assert state.good_steps.dtype == jnp.int32
+    assert state.skipped_steps.dtype == jnp.int32
+    assert float(state.scale) == 2.0**15
+    assert isinstance(state.inner_state[0], optax.ScaleByAdamState)
 
 
 def test_growth_after_exactly_growth_interval():
-  tx = optim.dynamic_loss_scale(optax.sgd(0.1), init_scale=4.0,
-                                growth_interval=3)
-  params = jnp.ones(2)
-  state = tx.init(params)
-  update = jax.jit(tx.update)
-  scales, goods = [], []
-  for _ in range(7):
-    _, state = update(jnp.ones(2), state, params)
-    scales.append(float(state.scale))
-    goods.append(int(state.good_steps))
-  assert scales == [4.0, 4.0, 8.0, 8.0, 8.0, 16.0, 16.0]
-  assert goods == [1, 2, 0, 1, 2, 0, 1]
-  assert int(state.skipped_steps) == 0
+    tx = optim.dynamic_loss_scale(optax.sgd(0.1), init_scale=4.0, growth_interval=3)
+    params = jnp.ones(2)
+    state = tx.init(params)
+    update = jax.jit(tx.update)
+    scales, goods = [], []
+    for _ in range(7):
+        _, state = update(jnp.ones(2), state, params)
+        scales.append(float(state.scale))
+        goods.append(int(state.good_steps))
+    assert scales == [4.0, 4.0, 8.0, 8.0, 8.0, 16.0, 16.0]
+    assert goods == [1, 2, 0, 1, 2, 0, 1]
+    assert int(state.skipped_steps) == 0
 
 
 @pytest.mark.parametrize("bad", [jnp.inf, -jnp.inf, jnp.nan])
 def test_backoff_and_skip_on_nonfinite(bad):
-  tx = optim.dynamic_loss_scale(optax.adam(0.1), init_scale=64.0,
-                                growth_interval=5)
-  params = {"a": jnp.ones(3), "b": jnp.ones(2)}
-  state = tx.init(params)
-  update = jax.jit(tx.update)
-  good = {"a": jnp.full(3, 64.0), "b": jnp.full(2, 64.0)}
-  _, state = update(good, state, params)
-  assert int(state.good_steps) == 1
-  inner_before = state.inner_state
-  grads = {"a": jnp.array([64.0, bad, 1.0]), "b": jnp.full(2, 64.0)}
-  updates, state2 = update(grads, state, params)
-  for u in jax.tree.leaves(updates):
-    np.testing.assert_array_equal(np.asarray(u), 0.0)
-  _tree_equal(state2.inner_state, inner_before)
-  assert float(state2.scale) == 32.0
-  assert int(state2.good_steps) == 0
-  assert int(state2.skipped_steps) == 1
-  # The next finite step counts again and unscales by the new scale.
-  updates, state3 = update({"a": jnp.full(3, 32.0), "b": jnp.full(2, 32.0)},
-                           state2, params)
-  assert int(state3.good_steps) == 1 and int(state3.skipped_steps) == 1
-  assert int(state3.inner_state[0].count) == 2
+    tx = optim.dynamic_loss_scale(optax.adam(0.1), init_scale=64.0, growth_interval=5)
+    params = {"a": jnp.ones(3), "b": jnp.ones(2)}
+    state = tx.init(params)
+    update = jax.jit(tx.update)
+    good = {"a": jnp.full(3, 64.0), "b": jnp.full(2, 64.0)}
+    _, state = update(good, state, params)
+    assert int(state.good_steps) == 1
+    inner_before = state.inner_state
+    grads = {"a": jnp.array([64.0, bad, 1.0]), "b": jnp.full(2, 64.0)}
+    updates, state2 = update(grads, state, params)
+    for u in jax.tree.leaves(updates):
+        np.testing.assert_array_equal(np.asarray(u), 0.0)
+    _tree_equal(state2.inner_state, inner_before)
+    assert float(state2.scale) == 32.0
+    assert int(state2.good_steps) == 0
+    assert int(state2.skipped_steps) == 1
+    # The next finite step counts again and unscales by the new scale.
+    updates, state3 = update({"a": jnp.full(3, 32.0), "b": jnp.full(2, 32.0)}, state2, params)
+    assert int(state3.good_steps) == 1 and int(state3.skipped_steps) == 1
+    assert int(state3.inner_state[0].count) == 2
 
 
 def test_clamped_at_min_scale():
-  tx = optim.dynamic_loss_scale(optax.sgd(0.1), init_scale=2.0, min_scale=1.0)
-  state = tx.init(jnp.ones(1))
-  for expected in [1.0, 1.0, 1.0]:
-    _, state = tx.update(jnp.array([jnp.nan]), state, jnp.ones(1))
-    assert float(state.scale) == expected
-  assert int(state.skipped_steps) == 3
+    tx = optim.dynamic_loss_scale(optax.sgd(0.1), init_scale=2.0, min_scale=1.0)
+    state = tx.init(jnp.ones(1))
+    for expected in [1.0, 1.0, 1.0]:
+        _, state = tx.update(jnp.array([jnp.nan]), state, jnp.ones(1))
+        assert float(state.scale) == expected
+    assert int(state.skipped_steps) == 3
 
 
 def test_clamped_at_max_scale_and_growth_only_if_finite():
-  tx = optim.dynamic_loss_scale(optax.sgd(0.1), init_scale=16.0,
-                                max_scale=24.0, growth_interval=1)
-  state = tx.init(jnp.ones(1))
-  _, state = tx.update(jnp.ones(1), state, jnp.ones(1))
-  assert float(state.scale) == 24.0
-  _, state = tx.update(jnp.ones(1), state, jnp.ones(1))
-  assert float(state.scale) == 24.0
-  # A grown scale that overflows float32 is not taken.
-  big = float(2.0**127)
-  tx = optim.dynamic_loss_scale(optax.sgd(0.1), init_scale=big,
-                                max_scale=3e38, growth_interval=1,
-                                growth_factor=4.0)
-  state = tx.init(jnp.ones(1))
-  _, state = tx.update(jnp.ones(1), state, jnp.ones(1))
-  assert float(state.scale) == big
-  assert int(state.good_steps) == 0 and int(state.skipped_steps) == 0
+    tx = optim.dynamic_loss_scale(
+        optax.sgd(0.1), init_scale=16.0, max_scale=24.0, growth_interval=1
+    )
+    state = tx.init(jnp.ones(1))
+    _, state = tx.update(jnp.ones(1), state, jnp.ones(1))
+    assert float(state.scale) == 24.0
+    _, state = tx.update(jnp.ones(1), state, jnp.ones(1))
+    assert float(state.scale) == 24.0
+    # A grown scale that overflows float32 is not taken.
+    big = float(2.0**127)
+    tx = optim.dynamic_loss_scale(
+        optax.sgd(0.1), init_scale=big, max_scale=3e38, growth_interval=1, growth_factor=4.0
+    )
+    state = tx.init(jnp.ones(1))
+    _, state = tx.update(jnp.ones(1), state, jnp.ones(1))
+    assert float(state.scale) == big
+    assert int(state.good_steps) == 0 and int(state.skipped_steps) == 0
 
 
 def test_unscales_with_the_scale_used_not_the_adjusted_one():
-  # growth_interval=1: the scale grows on every step. A wrapper that unscaled
-  # with the adjusted scale would halve every update.
-  tx = optim.dynamic_loss_scale(optax.sgd(1.0), init_scale=2.0,
-                                growth_interval=1)
-  params = jnp.ones(3)
-  state = tx.init(params)
-  true_grad = jnp.array([0.5, -0.25, 3.0])
-  for step in range(4):
-    scale = optim.loss_scale(state)
-    assert float(scale) == 2.0 * 2.0**step
-    updates, state = tx.update(true_grad * scale, state, params)
-    np.testing.assert_array_equal(np.asarray(updates), -np.asarray(true_grad))
+    # growth_interval=1: the scale grows on every step. A wrapper that unscaled
+    # with the adjusted scale would halve every update.
+    tx = optim.dynamic_loss_scale(optax.sgd(1.0), init_scale=2.0, growth_interval=1)
+    params = jnp.ones(3)
+    state = tx.init(params)
+    true_grad = jnp.array([0.5, -0.25, 3.0])
+    for step in range(4):
+        scale = optim.loss_scale(state)
+        assert float(scale) == 2.0 * 2.0**step
+        updates, state = tx.update(true_grad * scale, state, params)
+        np.testing.assert_array_equal(np.asarray(updates), -np.asarray(true_grad))
 
 
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32])
 def test_low_precision_gradients(dtype):
-  tx = optim.dynamic_loss_scale(optax.sgd(1.0), init_scale=2.0**8)
-  params = jnp.ones(4, dtype)
-  state = tx.init(params)
-  g = jnp.array([0.5, -0.125, 3.0, 2.0**-10], dtype)
-  updates, state = jax.jit(tx.update)(g * jnp.asarray(2.0**8, dtype), state,
-                                      params)
-  # Unscaled into float32 (not back to float16, where small values flush).
-  assert updates.dtype == jnp.float32
-  np.testing.assert_array_equal(np.asarray(updates, np.float32),
-                                -np.asarray(g, np.float32))
-  # An overflowing float16/bfloat16 gradient is caught.
-  bad = g.at[0].set(jnp.asarray(jnp.inf, dtype))
-  updates, state = jax.jit(tx.update)(bad, state, params)
-  assert updates.dtype == jnp.float32
-  assert int(state.skipped_steps) == 1 and float(state.scale) == 2.0**7
+    tx = optim.dynamic_loss_scale(optax.sgd(1.0), init_scale=2.0**8)
+    params = jnp.ones(4, dtype)
+    state = tx.init(params)
+    g = jnp.array([0.5, -0.125, 3.0, 2.0**-10], dtype)
+    updates, state = jax.jit(tx.update)(g * jnp.asarray(2.0**8, dtype), state, params)
+    # Unscaled into float32 (not back to float16, where small values flush).
+    assert updates.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(updates, np.float32), -np.asarray(g, np.float32))
+    # An overflowing float16/bfloat16 gradient is caught.
+    bad = g.at[0].set(jnp.asarray(jnp.inf, dtype))
+    updates, state = jax.jit(tx.update)(bad, state, params)
+    assert updates.dtype == jnp.float32
+    assert int(state.skipped_steps) == 1 and float(state.scale) == 2.0**7
 
 
 def test_float16_loss_with_scaled_value_and_grad():
-  # A float16 model: with scale 2**16 the cotangent 65536 overflows float16, so
-  # the step is skipped and the scale backs off; the next step goes through.
-  tx = optim.dynamic_loss_scale(optax.sgd(0.5), init_scale=2.0**16)
-  params = jnp.array([0.25, 0.5], jnp.float16)
-  state = tx.init(params)
+    # A float16 model: with scale 2**16 the cotangent 65536 overflows float16, so
+    # the step is skipped and the scale backs off; the next step goes through.
+    tx = optim.dynamic_loss_scale(optax.sgd(0.5), init_scale=2.0**16)
+    params = jnp.array([0.25, 0.5], jnp.float16)
+    state = tx.init(params)
 
-  def loss_fn(p):
-    out = jnp.sum(p * p)
-    assert out.dtype == jnp.float16
-    return out
+    def loss_fn(p):
+        out = jnp.sum(p * p)
+        assert out.dtype == jnp.float16
+        return out
 
-  @jax.jit
-  def step(params, state):
-    loss, grads = optim.scaled_value_and_grad(loss_fn, state)(params)
-    updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state, loss
+    @jax.jit
+    def step(params, state):
+        loss, grads = optim.scaled_value_and_grad(loss_fn, state)(params)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, loss
 
-  new_params, state, loss = step(params, state)
-  assert loss.dtype == jnp.float16 and float(loss) == 0.3125
-  assert int(state.skipped_steps) == 1 and float(state.scale) == 2.0**15
-  np.testing.assert_array_equal(np.asarray(new_params), np.asarray(params))
-  new_params, state, loss = step(params, state)
-  assert int(state.skipped_steps) == 1 and int(state.good_steps) == 1
-  assert new_params.dtype == jnp.float16
-  np.testing.assert_array_equal(np.asarray(new_params, np.float32), [0.0, 0.0])
+    new_params, state, loss = step(params, state)
+    assert loss.dtype == jnp.float16 and float(loss) == 0.3125
+    assert int(state.skipped_steps) == 1 and float(state.scale) == 2.0**15
+    np.testing.assert_array_equal(np.asarray(new_params), np.asarray(params))
+    new_params, state, loss = step(params, state)
+    assert int(state.skipped_steps) == 1 and int(state.good_steps) == 1
+    assert new_params.dtype == jnp.float16
+    np.testing.assert_array_equal(np.asarray(new_params, np.float32), [0.0, 0.0])
 
 
 def test_scaled_value_and_grad_has_aux():
-  tx = optim.static_loss_scale(optax.sgd(1.0), 4.0)
-  state = tx.init(jnp.ones(2))
-  fn = lambda p, x: (jnp.sum(p * x), {"n": 3})
-  (loss, aux), grads = optim.scaled_value_and_grad(fn, state, has_aux=True)(
-      jnp.ones(2), jnp.array([1.0, 2.0]))
-  assert float(loss) == 3.0 and aux == {"n": 3}
-  np.testing.assert_array_equal(np.asarray(grads), [4.0, 8.0])
+    tx = optim.static_loss_scale(optax.sgd(1.0), 4.0)
+    state = tx.init(jnp.ones(2))
+    fn = lambda p, x: (jnp.sum(p * x), {"n": 3})
+    (loss, aux), grads = optim.scaled_value_and_grad(fn, state, has_aux=True)(
+        jnp.ones(2), jnp.array([1.0, 2.0])
+    )
+    assert float(loss) == 3.0 and aux == {"n": 3}
+    np.testing.assert_array_equal(np.asarray(grads), [4.0, 8.0])
 
 
 def test_non_float_leaves_pass_through():
-  tx = optim.dynamic_loss_scale(optax.identity(), init_scale=4.0)
-  params = {"f": jnp.ones(2), "i": jnp.arange(3)}
-  state = tx.init(params)
-  grads = {"f": jnp.array([4.0, 8.0]), "i": jnp.array([4, 5, 6])}
-  updates, state = jax.jit(tx.update)(grads, state, params)
-  assert updates["i"].dtype == grads["i"].dtype
-  np.testing.assert_array_equal(np.asarray(updates["i"]), [4, 5, 6])
-  np.testing.assert_array_equal(np.asarray(updates["f"]), [1.0, 2.0])
-  assert int(state.good_steps) == 1
+    tx = optim.dynamic_loss_scale(optax.identity(), init_scale=4.0)
+    params = {"f": jnp.ones(2), "i": jnp.arange(3)}
+    state = tx.init(params)
+    grads = {"f": jnp.array([4.0, 8.0]), "i": jnp.array([4, 5, 6])}
+    updates, state = jax.jit(tx.update)(grads, state, params)
+    assert updates["i"].dtype == grads["i"].dtype
+    np.testing.assert_array_equal(np.asarray(updates["i"]), [4, 5, 6])
+    np.testing.assert_array_equal(np.asarray(updates["f"]), [1.0, 2.0])
+    assert int(state.good_steps) == 1
 
 
 def test_static_loss_scale_unscales_without_skipping():
-  tx = optim.static_loss_scale(optax.sgd(1.0), 16.0)
-  state = tx.init(jnp.ones(2))
-  assert isinstance(state, optim.StaticLossScaleState)
-  assert state.scale.dtype == jnp.float32
-  updates, state = tx.update(jnp.array([16.0, jnp.inf]), state)
-  np.testing.assert_array_equal(np.asarray(updates), [-1.0, -jnp.inf])
-  assert float(optim.loss_scale(state)) == 16.0
+    tx = optim.static_loss_scale(optax.sgd(1.0), 16.0)
+    state = tx.init(jnp.ones(2))
+    assert isinstance(state, optim.StaticLossScaleState)
+    assert state.scale.dtype == jnp.float32
+    updates, state = tx.update(jnp.array([16.0, jnp.inf]), state)
+    np.testing.assert_array_equal(np.asarray(updates), [-1.0, -jnp.inf])
+    assert float(optim.loss_scale(state)) == 16.0
 
 
 def test_loss_scale_found_in_nested_states():
-  params = {"w": jnp.ones(2)}
-  ls = optim.dynamic_loss_scale(optax.sgd(0.1), init_scale=8.0)
-  wrappers = {
-      "chain": optax.chain(optax.identity(), ls),
-      "multisteps": optax.MultiSteps(ls, 2),
-      "inject": optax.inject_hyperparams(
-          lambda learning_rate: optim.dynamic_loss_scale(
-              optax.sgd(learning_rate), init_scale=8.0))(learning_rate=0.1),
-      "masked": optax.masked(ls, {"w": True}),
-      "dict": optax.multi_transform({"a": ls, "b": optax.sgd(0.1)},
-                                    {"w": "a"}),
-  }
-  for name, tx in wrappers.items():
-    state = tx.init(params)
-    scale = optim.loss_scale(state)
-    assert scale.dtype == jnp.float32 and float(scale) == 8.0, name
-    # Also after a jitted step.
-    state = jax.jit(tx.update)({"w": jnp.ones(2)}, state, params)[1]
-    assert float(optim.loss_scale(state)) == 8.0, name
+    params = {"w": jnp.ones(2)}
+    ls = optim.dynamic_loss_scale(optax.sgd(0.1), init_scale=8.0)
+    wrappers = {
+        "chain": optax.chain(optax.identity(), ls),
+        "multisteps": optax.MultiSteps(ls, 2),
+        "inject": optax.inject_hyperparams(
+            lambda learning_rate: optim.dynamic_loss_scale(optax.sgd(learning_rate), init_scale=8.0)
+        )(learning_rate=0.1),
+        "masked": optax.masked(ls, {"w": True}),
+        "dict": optax.multi_transform({"a": ls, "b": optax.sgd(0.1)}, {"w": "a"}),
+    }
+    for name, tx in wrappers.items():
+        state = tx.init(params)
+        scale = optim.loss_scale(state)
+        assert scale.dtype == jnp.float32 and float(scale) == 8.0, name
+        # Also after a jitted step.
+        state = jax.jit(tx.update)({"w": jnp.ones(2)}, state, params)[1]
+        assert float(optim.loss_scale(state)) == 8.0, name
 
 
 def test_loss_scale_errors():
-  with pytest.raises(ValueError, match="dynamic_loss_scale"):
-    optim.loss_scale(optax.adam(0.1).init(jnp.ones(2)))
-  two = optax.chain(optim.static_loss_scale(optax.identity(), 2.0),
-                    optim.dynamic_loss_scale(optax.sgd(0.1)))
-  with pytest.raises(ValueError, match="found 2"):
-    optim.loss_scale(two.init(jnp.ones(2)))
-  nested = optim.dynamic_loss_scale(optim.static_loss_scale(optax.sgd(1), 2.0))
-  with pytest.raises(ValueError, match="exactly one"):
-    optim.loss_scale(nested.init(jnp.ones(2)))
+    with pytest.raises(ValueError, match="dynamic_loss_scale"):
+        optim.loss_scale(optax.adam(0.1).init(jnp.ones(2)))
+    two = optax.chain(
+        optim.static_loss_scale(optax.identity(), 2.0), optim.dynamic_loss_scale(optax.sgd(0.1))
+    )
+    with pytest.raises(ValueError, match="found 2"):
+        optim.loss_scale(two.init(jnp.ones(2)))
+    nested = optim.dynamic_loss_scale(optim.static_loss_scale(optax.sgd(1), 2.0))
+    with pytest.raises(ValueError, match="exactly one"):
+        optim.loss_scale(nested.init(jnp.ones(2)))
 
 
 def test_float16_gradients_below_float16_range_survive_unscaling():
-  """1e-9 is below float16's smallest subnormal (6e-8): only the scaled value
-  is representable, and unscaling must not cast it back to float16."""
-  tx = optim.dynamic_loss_scale(optim.master_weights(optax.sgd(1.0)),
-                                init_scale=2.0**15)
-  params = jnp.zeros(3, jnp.float16)  # (the float32 master of 0 - 1e-9 is exact)
-  state = tx.init(params)
-  true = np.array([1e-9, 3e-8, 1e-6], np.float32)
-  scaled = jnp.asarray(true * 2.0**15, jnp.float16)
-  _, state = tx.update(scaled, state, params)
-  master = optim.master_params(state)
-  np.testing.assert_allclose(-np.asarray(master), true, rtol=2e-3)
+    """1e-9 is below float16's smallest subnormal (6e-8): only the scaled value
+    is representable, and unscaling must not cast it back to float16."""
+    tx = optim.dynamic_loss_scale(optim.master_weights(optax.sgd(1.0)), init_scale=2.0**15)
+    params = jnp.zeros(3, jnp.float16)  # (the float32 master of 0 - 1e-9 is exact)
+    state = tx.init(params)
+    true = np.array([1e-9, 3e-8, 1e-6], np.float32)
+    scaled = jnp.asarray(true * 2.0**15, jnp.float16)
+    _, state = tx.update(scaled, state, params)
+    master = optim.master_params(state)
+    np.testing.assert_allclose(-np.asarray(master), true, rtol=2e-3)
 
 
 def test_loss_scale_stats_count_steps_and_skips_under_jit():
-  tx = optim.dynamic_loss_scale(optax.sgd(0.1), init_scale=2.0**4,
-                                growth_interval=100)
-  state = tx.init(jnp.zeros(2))
-  update = jax.jit(tx.update)
-  stats_fn = jax.jit(optim.loss_scale_stats)
-  bad = {2, 5}
-  for i in range(1, 8):
-    g = jnp.array([1.0, jnp.inf if i in bad else 1.0])
-    _, state = update(g, state)
-    stats = {k: float(v) for k, v in stats_fn(state).items()}
-    assert stats["steps"] == i
-    assert stats["skipped_steps"] == len([b for b in bad if b <= i])
-    assert stats["last_skipped_step"] == max([0] + [b for b in bad if b <= i])
-    assert stats["scale"] == 2.0**4 / 2**stats["skipped_steps"]
-  assert stats["good_steps"] == 2 and abs(stats["skip_rate"] - 2 / 7) < 1e-6
-  static = optim.static_loss_scale(optax.sgd(0.1), 8.0).init(jnp.zeros(2))
-  assert {k: float(v) for k, v in optim.loss_scale_stats(static).items()} == {
-      "scale": 8.0}
-  with pytest.raises(ValueError, match="loss_scale_stats"):
-    optim.loss_scale_stats(optax.sgd(0.1).init(jnp.zeros(2)))
+    tx = optim.dynamic_loss_scale(optax.sgd(0.1), init_scale=2.0**4, growth_interval=100)
+    state = tx.init(jnp.zeros(2))
+    update = jax.jit(tx.update)
+    stats_fn = jax.jit(optim.loss_scale_stats)
+    bad = {2, 5}
+    for i in range(1, 8):
+        g = jnp.array([1.0, jnp.inf if i in bad else 1.0])
+        _, state = update(g, state)
+        stats = {k: float(v) for k, v in stats_fn(state).items()}
+        assert stats["steps"] == i
+        assert stats["skipped_steps"] == len([b for b in bad if b <= i])
+        assert stats["last_skipped_step"] == max([0] + [b for b in bad if b <= i])
+        assert stats["scale"] == 2.0**4 / 2 ** stats["skipped_steps"]
+    assert stats["good_steps"] == 2 and abs(stats["skip_rate"] - 2 / 7) < 1e-6
+    static = optim.static_loss_scale(optax.sgd(0.1), 8.0).init(jnp.zeros(2))
+    assert {k: float(v) for k, v in optim.loss_scale_stats(static).items()} == {"scale": 8.0}
+    with pytest.raises(ValueError, match="loss_scale_stats"):
+        optim.loss_scale_stats(optax.sgd(0.1).init(jnp.zeros(2)))

@@ -10,147 +10,153 @@ from amp_jax import optim
 
 
 def _bits_equal(a, b):
-  assert a.dtype == b.dtype and a.shape == b.shape
-  np.testing.assert_array_equal(np.asarray(a).reshape(-1).view(np.uint8),
-                                np.asarray(b).reshape(-1).view(np.uint8))
+    assert a.dtype == b.dtype and a.shape == b.shape
+    np.testing.assert_array_equal(
+        np.asarray(a).reshape(-1).view(np.uint8), np.asarray(b).reshape(-1).view(np.uint8)
+    )
 
 
 def _params(dtype, key=0):
-  k1, k2 = jax.random.split(jax.random.key(key))
-  return {"w": (jax.random.normal(k1, (64, 8)) * 3).astype(dtype),
-          "b": (jax.random.normal(k2, (8,)) * 1e-3).astype(dtype)}
+    k1, k2 = jax.random.split(jax.random.key(key))
+    return {
+        "w": (jax.random.normal(k1, (64, 8)) * 3).astype(dtype),
+        "b": (jax.random.normal(k2, (8,)) * 1e-3).astype(dtype),
+    }
 
 
 def test_state_structure():
-  params = _params(jnp.bfloat16)
-  tx = optim.master_weights(optax.adam(1e-3))
-  state = tx.init(params)
-  assert isinstance(state, optim.MasterWeightsState)
-  assert state._fields == ("master", "inner_state")
-  assert jax.tree.structure(state.master) == jax.tree.structure(params)
-  for m, p in zip(jax.tree.leaves(state.master), jax.tree.leaves(params)):
-    assert m.dtype == jnp.float32
-    _bits_equal(m.astype(p.dtype), p)
-  # The inner optimizer is built from the float32 master copy.
-  assert all(x.dtype == jnp.float32
-             for x in jax.tree.leaves(state.inner_state[0].mu))
-  assert optim.master_params(state) is state.master
+    params = _params(jnp.bfloat16)
+    tx = optim.master_weights(optax.adam(1e-3))
+    state = tx.init(params)
+    assert isinstance(state, optim.MasterWeightsState)
+    assert state._fields == ("master", "inner_state")
+    assert jax.tree.structure(state.master) == jax.tree.structure(params)
+    for m, p in zip(jax.tree.leaves(state.master), jax.tree.leaves(params)):
+        assert m.dtype == jnp.float32
+        _bits_equal(m.astype(p.dtype), p)
+    # The inner optimizer is built from the float32 master copy.
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(state.inner_state[0].mu))
+    assert optim.master_params(state) is state.master
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_apply_updates_lands_on_cast_master_bitwise(dtype):
-  params = _params(dtype)
-  tx = optim.master_weights(optax.sgd(0.5))
-  state = tx.init(params)
+    params = _params(dtype)
+    tx = optim.master_weights(optax.sgd(0.5))
+    state = tx.init(params)
 
-  @jax.jit
-  def step(params, state, grads):
-    updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state, updates
+    @jax.jit
+    def step(params, state, grads):
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, updates
 
-  for i in range(20):
-    # Gradients spanning many magnitudes: tiny (lost in `dtype`) to large.
-    g = jax.tree.map(
-        lambda p: (jax.random.normal(jax.random.key(100 + i), p.shape)
-                   * 10.0 ** jax.random.randint(jax.random.key(i), p.shape,
-                                                -6, 2)).astype(dtype),
-        params)
-    params, state, updates = step(params, state, g)
-    for p, m, u in zip(jax.tree.leaves(params),
-                       jax.tree.leaves(optim.master_params(state)),
-                       jax.tree.leaves(updates)):
-      assert p.dtype == dtype and m.dtype == jnp.float32
-      assert u.dtype == jnp.float32
-      _bits_equal(p, m.astype(dtype))
+    for i in range(20):
+        # Gradients spanning many magnitudes: tiny (lost in `dtype`) to large.
+        g = jax.tree.map(
+            lambda p: (
+                jax.random.normal(jax.random.key(100 + i), p.shape)
+                * 10.0 ** jax.random.randint(jax.random.key(i), p.shape, -6, 2)
+            ).astype(dtype),
+            params,
+        )
+        params, state, updates = step(params, state, g)
+        for p, m, u in zip(
+            jax.tree.leaves(params),
+            jax.tree.leaves(optim.master_params(state)),
+            jax.tree.leaves(updates),
+        ):
+            assert p.dtype == dtype and m.dtype == jnp.float32
+            assert u.dtype == jnp.float32
+            _bits_equal(p, m.astype(dtype))
 
 
 def test_master_trajectory_equals_float32_training_bitwise():
-  params16 = _params(jnp.bfloat16)
-  params32 = jax.tree.map(lambda p: p.astype(jnp.float32), params16)
-  inner = optax.chain(optax.clip_by_global_norm(1.0),
-                      optax.adamw(optax.cosine_decay_schedule(1e-2, 30),
-                                  weight_decay=1e-3))
-  mw = optim.master_weights(inner)
-  s16, s32 = mw.init(params16), inner.init(params32)
+    params16 = _params(jnp.bfloat16)
+    params32 = jax.tree.map(lambda p: p.astype(jnp.float32), params16)
+    inner = optax.chain(
+        optax.clip_by_global_norm(1.0),
+        optax.adamw(optax.cosine_decay_schedule(1e-2, 30), weight_decay=1e-3),
+    )
+    mw = optim.master_weights(inner)
+    s16, s32 = mw.init(params16), inner.init(params32)
 
-  @jax.jit
-  def step(p16, s16, p32, s32, g16):
-    u16, s16 = mw.update(g16, s16, p16)
-    g32 = jax.tree.map(lambda g: g.astype(jnp.float32), g16)
-    u32, s32 = inner.update(g32, s32, p32)
-    return (optax.apply_updates(p16, u16), s16, optax.apply_updates(p32, u32),
-            s32)
+    @jax.jit
+    def step(p16, s16, p32, s32, g16):
+        u16, s16 = mw.update(g16, s16, p16)
+        g32 = jax.tree.map(lambda g: g.astype(jnp.float32), g16)
+        u32, s32 = inner.update(g32, s32, p32)
+        return (optax.apply_updates(p16, u16), s16, optax.apply_updates(p32, u32), s32)
 
-  for i in range(15):
-    g = jax.tree.map(lambda p: jax.random.normal(jax.random.key(i), p.shape)
-                     .astype(jnp.bfloat16), params16)
-    params16, s16, params32, s32 = step(params16, s16, params32, s32, g)
-  for a, b in zip(jax.tree.leaves(optim.master_params(s16)),
-                  jax.tree.leaves(params32)):
-    _bits_equal(a, b)
-  for a, b in zip(jax.tree.leaves(s16.inner_state), jax.tree.leaves(s32)):
-    _bits_equal(a, b)
+    for i in range(15):
+        g = jax.tree.map(
+            lambda p: jax.random.normal(jax.random.key(i), p.shape).astype(jnp.bfloat16), params16
+        )
+        params16, s16, params32, s32 = step(params16, s16, params32, s32, g)
+    for a, b in zip(jax.tree.leaves(optim.master_params(s16)), jax.tree.leaves(params32)):
+        _bits_equal(a, b)
+    for a, b in zip(jax.tree.leaves(s16.inner_state), jax.tree.leaves(s32)):
+        _bits_equal(a, b)
 
 
 def test_float32_params_get_inner_updates_unchanged():
-  # An update of 1e-8 on 1.0 is absorbed by float32 rounding: passed through
-  # unchanged it stays 1e-8; recomputed as (master - param) it would be 0.
-  params = {"w": jnp.array([1.0, 1e-8], jnp.float32)}
-  tx = optim.master_weights(optax.sgd(1.0))
-  state = tx.init(params)
-  updates, state = tx.update({"w": jnp.array([-1e-8, 0.0])}, state, params)
-  _bits_equal(updates["w"], jnp.array([1e-8, -0.0], jnp.float32))
-  new = optax.apply_updates(params, updates)
-  _bits_equal(new["w"], optim.master_params(state)["w"])
+    # An update of 1e-8 on 1.0 is absorbed by float32 rounding: passed through
+    # unchanged it stays 1e-8; recomputed as (master - param) it would be 0.
+    params = {"w": jnp.array([1.0, 1e-8], jnp.float32)}
+    tx = optim.master_weights(optax.sgd(1.0))
+    state = tx.init(params)
+    updates, state = tx.update({"w": jnp.array([-1e-8, 0.0])}, state, params)
+    _bits_equal(updates["w"], jnp.array([1e-8, -0.0], jnp.float32))
+    new = optax.apply_updates(params, updates)
+    _bits_equal(new["w"], optim.master_params(state)["w"])
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_extreme_shrinks_land_exactly(dtype):
-  # The master copy jumps from large values to tiny ones in one step.
-  m = jnp.array([2.0**10 + 2.0**-3, -3000.5, 1000.0, 2.0**14], jnp.float32)
-  params = m.astype(dtype)
-  tx = optim.master_weights(optax.sgd(1.0))
-  state = tx.init(params)
-  g = m - jnp.array([2.0**-12, -3e-7, 1.5e-3, 0.0], jnp.float32)
-  updates, state = tx.update(g, state, params)
-  new = optax.apply_updates(params, updates)
-  _bits_equal(new, optim.master_params(state).astype(dtype))
+    # The master copy jumps from large values to tiny ones in one step.
+    m = jnp.array([2.0**10 + 2.0**-3, -3000.5, 1000.0, 2.0**14], jnp.float32)
+    params = m.astype(dtype)
+    tx = optim.master_weights(optax.sgd(1.0))
+    state = tx.init(params)
+    g = m - jnp.array([2.0**-12, -3e-7, 1.5e-3, 0.0], jnp.float32)
+    updates, state = tx.update(g, state, params)
+    new = optax.apply_updates(params, updates)
+    _bits_equal(new, optim.master_params(state).astype(dtype))
 
 
 def test_float16_overflow_stays_inf_not_nan():
-  params = jnp.array([60000.0, 1.0], jnp.float16)
-  tx = optim.master_weights(optax.sgd(1.0))
-  state = tx.init(params)
-  for _ in range(2):
-    updates, state = tx.update(jnp.array([-10000.0, 0.0]), state, params)
-    params = optax.apply_updates(params, updates)
-    assert bool(jnp.isposinf(params[0])) and float(params[1]) == 1.0
-  assert float(optim.master_params(state)[0]) == 80000.0
+    params = jnp.array([60000.0, 1.0], jnp.float16)
+    tx = optim.master_weights(optax.sgd(1.0))
+    state = tx.init(params)
+    for _ in range(2):
+        updates, state = tx.update(jnp.array([-10000.0, 0.0]), state, params)
+        params = optax.apply_updates(params, updates)
+        assert bool(jnp.isposinf(params[0])) and float(params[1]) == 1.0
+    assert float(optim.master_params(state)[0]) == 80000.0
 
 
 def test_non_float_params_pass_through():
-  params = {"f": jnp.ones(2, jnp.bfloat16), "i": jnp.arange(3)}
-  tx = optim.master_weights(optax.identity())
-  state = tx.init(params)
-  assert state.master["i"].dtype == params["i"].dtype
-  grads = {"f": jnp.full(2, 0.5, jnp.bfloat16), "i": jnp.array([7, 8, 9])}
-  updates, state = jax.jit(tx.update)(grads, state, params)
-  np.testing.assert_array_equal(np.asarray(updates["i"]), [7, 8, 9])
-  assert updates["i"].dtype == params["i"].dtype
-  np.testing.assert_array_equal(np.asarray(state.master["i"]), [0, 1, 2])
-  new = optax.apply_updates(params, updates)
-  np.testing.assert_array_equal(np.asarray(new["f"], np.float32), [1.5, 1.5])
+    params = {"f": jnp.ones(2, jnp.bfloat16), "i": jnp.arange(3)}
+    tx = optim.master_weights(optax.identity())
+    state = tx.init(params)
+    assert state.master["i"].dtype == params["i"].dtype
+    grads = {"f": jnp.full(2, 0.5, jnp.bfloat16), "i": jnp.array([7, 8, 9])}
+    updates, state = jax.jit(tx.update)(grads, state, params)
+    np.testing.assert_array_equal(np.asarray(updates["i"]), [7, 8, 9])
+    assert updates["i"].dtype == params["i"].dtype
+    np.testing.assert_array_equal(np.asarray(state.master["i"]), [0, 1, 2])
+    new = optax.apply_updates(params, updates)
+    np.testing.assert_array_equal(np.asarray(new["f"], np.float32), [1.5, 1.5])
 
 
 def test_errors():
-  with pytest.raises(ValueError, match="`master_dtype`"):
-    optim.master_weights(optax.sgd(0.1), master_dtype=jnp.int32)
-  tx = optim.master_weights(optax.sgd(0.1))
-  state = tx.init(jnp.ones(2, jnp.bfloat16))
-  with pytest.raises(ValueError, match="needs `params`"):
-    tx.update(jnp.ones(2, jnp.bfloat16), state)
-  with pytest.raises(ValueError, match="master_weights"):
-    optim.master_params(optax.sgd(0.1).init(jnp.ones(2)))
-  two = optax.chain(tx, optim.master_weights(optax.sgd(0.1)))
-  with pytest.raises(ValueError, match="found 2"):
-    optim.master_params(two.init(jnp.ones(2)))
+    with pytest.raises(ValueError, match="`master_dtype`"):
+        optim.master_weights(optax.sgd(0.1), master_dtype=jnp.int32)
+    tx = optim.master_weights(optax.sgd(0.1))
+    state = tx.init(jnp.ones(2, jnp.bfloat16))
+    with pytest.raises(ValueError, match="needs `params`"):
+        tx.update(jnp.ones(2, jnp.bfloat16), state)
+    with pytest.raises(ValueError, match="master_weights"):
+        optim.master_params(optax.sgd(0.1).init(jnp.ones(2)))
+    two = optax.chain(tx, optim.master_weights(optax.sgd(0.1)))
+    with pytest.raises(ValueError, match="found 2"):
+        optim.master_params(two.init(jnp.ones(2)))

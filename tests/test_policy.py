@@ -8,8 +8,15 @@ import amp_jax
 from amp_jax import Policy, amp, get_policy
 
 
-@pytest.mark.parametrize("name,dtype", [("bfloat16", jnp.bfloat16), ("float16", jnp.float16),
-                                         ("float32", jnp.float32), ("bf16", jnp.bfloat16)])
+@pytest.mark.parametrize(
+    "name,dtype",
+    [
+        ("bfloat16", jnp.bfloat16),
+        ("float16", jnp.float16),
+        ("float32", jnp.float32),
+        ("bf16", jnp.bfloat16),
+    ],
+)
 def test_presets(name, dtype):
     assert get_policy(name).compute_dtype == np.dtype(dtype)
 
@@ -52,10 +59,15 @@ def test_classification_is_public_data():
     assert "dot_general" in amp_jax.DEFAULT_ALLOW
     assert "exp" in amp_jax.DEFAULT_DENY and "reduce_sum" in amp_jax.DEFAULT_DENY
     assert "convert_element_type" in amp_jax.DEFAULT_NEVER
-    classes = [amp_jax.DEFAULT_ALLOW, amp_jax.DEFAULT_DENY, amp_jax.DEFAULT_FOLLOW,
-               amp_jax.DEFAULT_CLEAR, amp_jax.DEFAULT_NEVER]
+    classes = [
+        amp_jax.DEFAULT_ALLOW,
+        amp_jax.DEFAULT_DENY,
+        amp_jax.DEFAULT_FOLLOW,
+        amp_jax.DEFAULT_CLEAR,
+        amp_jax.DEFAULT_NEVER,
+    ]
     for i, a in enumerate(classes):
-        for b in classes[i + 1:]:
+        for b in classes[i + 1 :]:
             assert not (a & b), a & b
 
 
@@ -68,7 +80,10 @@ def test_backend_aware_conv_on_cpu():
 
 def test_overlapping_lists_rejected_and_table_agrees_with_class_of():
     from amp_jax import DEFAULT_DENY
-    with pytest.raises(ValueError, match=r"both `allow` and `deny`.*overrides=\{'dot_general': 'deny'\}"):
+
+    with pytest.raises(
+        ValueError, match=r"both `allow` and `deny`.*overrides=\{'dot_general': 'deny'\}"
+    ):
         Policy(jnp.bfloat16, deny=DEFAULT_DENY | {"dot_general"})
     p = Policy(jnp.bfloat16, overrides={"dot_general": "deny", "my_prim": "follow"})
     assert dict(p.table()) == {n: p.class_of(n) for n, _ in p.table()}

@@ -17,12 +17,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _util import check_dots_low, eqns
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 from jax import lax
 
 from amp_jax import amp
-from _util import check_dots_low, eqns
 
 N_W = 4
 PARAMS = {
@@ -42,7 +42,9 @@ def _f32_mm(a, b):
 
 def _bf16_mm(a, b):
     """A matmul with its operands cast by hand, the way Flax ``dtype=`` does."""
-    return jnp.matmul(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
+    return jnp.matmul(
+        a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), preferred_element_type=jnp.float32
+    )
 
 
 def _step(kind, k, p, h, saved, mm):
@@ -54,7 +56,7 @@ def _step(kind, k, p, h, saved, mm):
     if kind == "tanh":
         return jnp.tanh(h)
     if kind == "relu":
-        return jax.nn.relu(h)          # custom_jvp
+        return jax.nn.relu(h)  # custom_jvp
     if kind == "gelu":
         return jax.nn.gelu(h)
     if kind == "softmax":
@@ -68,7 +70,9 @@ def _step(kind, k, p, h, saved, mm):
     if kind == "center":
         return h - jnp.mean(h, 0)
     if kind == "cond":
-        return lax.cond(jnp.mean(h * h) > 1e-3, lambda h: jnp.tanh(mm(h, w)), lambda h: mm(jnp.sin(h), w), h)
+        return lax.cond(
+            jnp.mean(h * h) > 1e-3, lambda h: jnp.tanh(mm(h, w)), lambda h: mm(jnp.sin(h), w), h
+        )
     if kind == "scan":
         return lax.scan(lambda c, wi: (jnp.tanh(mm(c, wi)), None), h, p["w"][:2])[0]
     if kind == "remat":
@@ -81,9 +85,26 @@ def _step(kind, k, p, h, saved, mm):
     raise AssertionError(kind)
 
 
-KINDS = ["dot", "bias", "tanh", "relu", "gelu", "softmax", "ln", "residual", "gate",
-         "center", "cond", "scan", "remat", "while", "attention"]
-programs = st.lists(st.tuples(st.sampled_from(KINDS), st.integers(0, N_W - 1)), min_size=1, max_size=6)
+KINDS = [
+    "dot",
+    "bias",
+    "tanh",
+    "relu",
+    "gelu",
+    "softmax",
+    "ln",
+    "residual",
+    "gate",
+    "center",
+    "cond",
+    "scan",
+    "remat",
+    "while",
+    "attention",
+]
+programs = st.lists(
+    st.tuples(st.sampled_from(KINDS), st.integers(0, N_W - 1)), min_size=1, max_size=6
+)
 
 
 def make(program, mm=_f32_mm):
@@ -102,14 +123,21 @@ def _n_dots(jaxpr):
     return sum(e.primitive.name == "dot_general" for e, _ in eqns(jaxpr))
 
 
-@settings(max_examples=12, deadline=None, derandomize=True,
-          phases=[Phase.explicit, Phase.generate])  # (shrinking can take minutes on CI)
+@settings(
+    max_examples=12, deadline=None, derandomize=True, phases=[Phase.explicit, Phase.generate]
+)  # (shrinking can take minutes on CI)
 @given(programs)
 def test_random_program(program):
     f = make(program)
-    vg = {name: jax.value_and_grad(g) for name, g in
-          (("f32", f), ("bf16", amp(f)), ("id", amp(f, policy="float32")),
-           ("hand", make(program, _bf16_mm)))}
+    vg = {
+        name: jax.value_and_grad(g)
+        for name, g in (
+            ("f32", f),
+            ("bf16", amp(f)),
+            ("id", amp(f, policy="float32")),
+            ("hand", make(program, _bf16_mm)),
+        )
+    }
     r = jax.jit(lambda p, x: {k: v(p, x) for k, v in vg.items()})(PARAMS, X)
 
     jax.tree.map(np.testing.assert_array_equal, r["id"], r["f32"])

@@ -7,85 +7,84 @@ another mesh; eager updates with FSDP-sharded stacks."""
 
 import functools
 
+import _sharded_model as sm
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
+from _util import BF16, prim_dtypes
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import _sharded_model as sm
 import amp_jax
 from amp_jax import optim
-from _util import BF16, prim_dtypes
 
 MODES = {"auto": AxisType.Auto, "explicit": AxisType.Explicit}
 
 
 def _same_sharding(a, b):
-  return a.sharding.is_equivalent_to(b.sharding, a.ndim)
+    return a.sharding.is_equivalent_to(b.sharding, a.ndim)
 
 
 def _train_step(policy, layout, explicit, tx):
-  lf = amp_jax.amp(functools.partial(sm.loss, layout=layout, explicit=explicit),
-                   policy=policy)
+    lf = amp_jax.amp(functools.partial(sm.loss, layout=layout, explicit=explicit), policy=policy)
 
-  def step(p, s, b):
-    loss, g = optim.scaled_value_and_grad(lf, s)(p, b)
-    u, s = tx.update(g, s, p)
-    return optax.apply_updates(p, u), s, loss, g
-  return jax.jit(step), lf
+    def step(p, s, b):
+        loss, g = optim.scaled_value_and_grad(lf, s)(p, b)
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s, loss, g
+
+    return jax.jit(step), lf
 
 
 @pytest.mark.parametrize("mode", sorted(MODES))
 @pytest.mark.parametrize("layout", sorted(sm.SPECS))
 def test_train_step_keeps_shardings_and_adds_no_collectives(layout, mode):
-  m = sm.mesh(layout, MODES[mode])
-  with jax.set_mesh(m):
-    p = sm.place(sm.init(jax.random.key(0)), layout, m)
-    b = sm.batch(jax.random.key(1), 16, m)
-    tx = optim.dynamic_loss_scale(optax.adam(1e-3))
-    s = tx.init(p)  # eager init: the state takes the parameters' shardings
-    colls = {}
-    for policy in ("float32", "bfloat16"):
-      step, lf = _train_step(policy, layout, mode == "explicit", tx)
-      compiled = step.lower(p, s, b).compile()  # compiled once, run once
-      p2, s2, loss, g = compiled(p, s, b)
-      assert np.isfinite(float(loss))
-      for k in p:
-        assert _same_sharding(g[k], p[k]), (policy, k, g[k].sharding, p[k].sharding)
-        assert _same_sharding(p2[k], p[k]), (policy, k, p2[k].sharding)
-        for st in (s, s2):
-          adam = st.inner_state[0]
-          assert _same_sharding(adam.mu[k], p[k]) and _same_sharding(adam.nu[k], p[k])
-      colls[policy] = sm.collectives(compiled.as_text())
-      if policy == "bfloat16":  # amp did rewrite the block's matmuls
-        dots = prim_dtypes(jax.make_jaxpr(lf)(p, b), "dot_general")
-        assert sum(i == (BF16, BF16) for i, _, _ in dots) >= 4, dots
-  f32, low = sm.totals(colls["float32"]), sm.totals(colls["bfloat16"])
-  assert f32, "the sharded program has collectives"
-  for kind, (count, nbytes) in low.items():
-    assert kind in f32 and count <= f32[kind][0] and nbytes <= f32[kind][1], (
-        kind, low, f32)
+    m = sm.mesh(layout, MODES[mode])
+    with jax.set_mesh(m):
+        p = sm.place(sm.init(jax.random.key(0)), layout, m)
+        b = sm.batch(jax.random.key(1), 16, m)
+        tx = optim.dynamic_loss_scale(optax.adam(1e-3))
+        s = tx.init(p)  # eager init: the state takes the parameters' shardings
+        colls = {}
+        for policy in ("float32", "bfloat16"):
+            step, lf = _train_step(policy, layout, mode == "explicit", tx)
+            compiled = step.lower(p, s, b).compile()  # compiled once, run once
+            p2, s2, loss, g = compiled(p, s, b)
+            assert np.isfinite(float(loss))
+            for k in p:
+                assert _same_sharding(g[k], p[k]), (policy, k, g[k].sharding, p[k].sharding)
+                assert _same_sharding(p2[k], p[k]), (policy, k, p2[k].sharding)
+                for st in (s, s2):
+                    adam = st.inner_state[0]
+                    assert _same_sharding(adam.mu[k], p[k]) and _same_sharding(adam.nu[k], p[k])
+            colls[policy] = sm.collectives(compiled.as_text())
+            if policy == "bfloat16":  # amp did rewrite the block's matmuls
+                dots = prim_dtypes(jax.make_jaxpr(lf)(p, b), "dot_general")
+                assert sum(i == (BF16, BF16) for i, _, _ in dots) >= 4, dots
+    f32, low = sm.totals(colls["float32"]), sm.totals(colls["bfloat16"])
+    assert f32, "the sharded program has collectives"
+    for kind, (count, nbytes) in low.items():
+        assert kind in f32 and count <= f32[kind][0] and nbytes <= f32[kind][1], (kind, low, f32)
 
 
 def test_explicit_backward_dot_takes_operand_sharding():
-  # The weight gradient contracts the data-sharded batch: in explicit mode
-  # the dot must be told its output sharding (the weight's), as JAX's own
-  # transpose rule does. Without it: ShardingTypeError at trace time.
-  m = sm.mesh("tp", AxisType.Explicit)
-  with jax.set_mesh(m):
-    p = sm.place(sm.init(jax.random.key(0)), "tp", m)
-    b = sm.batch(jax.random.key(1), 16, m)
-    lf = amp_jax.amp(functools.partial(sm.loss, layout="tp", explicit=True))
-    g = jax.jit(jax.grad(lf))(p, b)
-    jaxpr = jax.make_jaxpr(jax.grad(lf))(p, b)
-  for k in p:
-    assert jax.typeof(g[k]).sharding.spec == jax.typeof(p[k]).sharding.spec
-  low = [i for i, _, _ in prim_dtypes(jaxpr, "dot_general") if i == (BF16, BF16)]
-  assert len(low) >= 8  # forward and backward dots run in bf16
+    # The weight gradient contracts the data-sharded batch: in explicit mode
+    # the dot must be told its output sharding (the weight's), as JAX's own
+    # transpose rule does. Without it: ShardingTypeError at trace time.
+    m = sm.mesh("tp", AxisType.Explicit)
+    with jax.set_mesh(m):
+        p = sm.place(sm.init(jax.random.key(0)), "tp", m)
+        b = sm.batch(jax.random.key(1), 16, m)
+        lf = amp_jax.amp(functools.partial(sm.loss, layout="tp", explicit=True))
+        g = jax.jit(jax.grad(lf))(p, b)
+        jaxpr = jax.make_jaxpr(jax.grad(lf))(p, b)
+    for k in p:
+        assert jax.typeof(g[k]).sharding.spec == jax.typeof(p[k]).sharding.spec
+    low = [i for i, _, _ in prim_dtypes(jaxpr, "dot_general") if i == (BF16, BF16)]
+    assert len(low) >= 8  # forward and backward dots run in bf16
 
 
 # -- optimizer state shardings --------------------------------------------------
@@ -95,111 +94,116 @@ LOW_TXS = {
     "kahan_summation": lambda: optim.kahan_summation(optax.adam(1e-3)),
     "stochastic_rounding": lambda: optim.stochastic_rounding(optax.adam(1e-3), 3),
     "adamw_kahan_bf16_moments": lambda: optim.adamw(
-        1e-3, mu_dtype=jnp.bfloat16, nu_dtype=jnp.bfloat16, kahan=True),
+        1e-3, mu_dtype=jnp.bfloat16, nu_dtype=jnp.bfloat16, kahan=True
+    ),
 }
 
 
 def _check_state_like_params(state, params):
-  """Every state leaf shaped like a parameter is sharded like it."""
-  by_shape = {}
-  for leaf in jax.tree.leaves(params):
-    by_shape.setdefault(leaf.shape, leaf)
-  n = 0
-  for path, leaf in jax.tree_util.tree_leaves_with_path(state):
-    if getattr(leaf, "ndim", 0) and leaf.shape in by_shape:
-      ref = by_shape[leaf.shape]
-      assert _same_sharding(leaf, ref), (jax.tree_util.keystr(path),
-                                         leaf.sharding, ref.sharding)
-      n += 1
-  assert n >= len(jax.tree.leaves(params))
+    """Every state leaf shaped like a parameter is sharded like it."""
+    by_shape = {}
+    for leaf in jax.tree.leaves(params):
+        by_shape.setdefault(leaf.shape, leaf)
+    n = 0
+    for path, leaf in jax.tree_util.tree_leaves_with_path(state):
+        if getattr(leaf, "ndim", 0) and leaf.shape in by_shape:
+            ref = by_shape[leaf.shape]
+            assert _same_sharding(leaf, ref), (
+                jax.tree_util.keystr(path),
+                leaf.sharding,
+                ref.sharding,
+            )
+            n += 1
+    assert n >= len(jax.tree.leaves(params))
 
 
 @pytest.mark.parametrize("mode", sorted(MODES))
 @pytest.mark.parametrize("name", sorted(LOW_TXS))
 def test_low_precision_state_shards_like_params(name, mode):
-  m = sm.mesh("fsdp", MODES[mode])
-  with jax.set_mesh(m):
-    p = sm.place(sm.init(jax.random.key(0), jnp.bfloat16), "fsdp", m)
-    tx = LOW_TXS[name]()
-    inits = [tx.init]
-    if mode == "explicit":  # under jit too: shardings are part of the types
-      inits.append(jax.jit(tx.init))
-    for init in inits:
-      s = init(p)
-      _check_state_like_params(s, p)
-    g = jax.tree.map(lambda x: jnp.full_like(x, 0.01), p)
-    u, s = jax.jit(tx.update)(g, s, p)
-    _check_state_like_params(s, p)
-    _check_state_like_params(u, p)
+    m = sm.mesh("fsdp", MODES[mode])
+    with jax.set_mesh(m):
+        p = sm.place(sm.init(jax.random.key(0), jnp.bfloat16), "fsdp", m)
+        tx = LOW_TXS[name]()
+        inits = [tx.init]
+        if mode == "explicit":  # under jit too: shardings are part of the types
+            inits.append(jax.jit(tx.init))
+        for init in inits:
+            s = init(p)
+            _check_state_like_params(s, p)
+        g = jax.tree.map(lambda x: jnp.full_like(x, 0.01), p)
+        u, s = jax.jit(tx.update)(g, s, p)
+        _check_state_like_params(s, p)
+        _check_state_like_params(u, p)
 
 
 # -- loss scaling: the finite check is global -------------------------------------
 
 
 def test_one_inf_on_one_device_skips_everywhere():
-  m = sm.mesh("fsdp", AxisType.Auto)
-  with jax.set_mesh(m):
-    p = sm.place(sm.init(jax.random.key(0)), "fsdp", m)
-    tx = optim.dynamic_loss_scale(optax.adam(1e-3), init_scale=2.0**8)
-    s = tx.init(p)
-    g = jax.tree.map(lambda x: jnp.full_like(x, 0.5), p)
-    # one element of the w1 gradient, on the device holding rows 40..47 only
-    g["w1"] = g["w1"].at[43, 7].set(jnp.inf)
-    shard = [sh for sh in g["w1"].addressable_shards
-             if not np.all(np.isfinite(np.asarray(sh.data)))]
-    assert len(shard) == 1 and shard[0].index[0] == slice(40, 48)
-    u, s2 = jax.jit(tx.update)(g, s, p)
-  assert int(s2.skipped_steps) == 1 and float(s2.scale) == 2.0**7
-  for k in p:  # every device: zero updates, inner state untouched
-    for sh in u[k].addressable_shards:
-      assert not np.any(np.asarray(sh.data))
-    np.testing.assert_array_equal(s2.inner_state[0].mu[k], s.inner_state[0].mu[k])
-  for leaf in (s2.scale, s2.skipped_steps, s2.good_steps):
-    vals = {np.asarray(sh.data).item() for sh in leaf.addressable_shards}
-    assert len(vals) == 1, vals  # the scalar state is the same on every device
+    m = sm.mesh("fsdp", AxisType.Auto)
+    with jax.set_mesh(m):
+        p = sm.place(sm.init(jax.random.key(0)), "fsdp", m)
+        tx = optim.dynamic_loss_scale(optax.adam(1e-3), init_scale=2.0**8)
+        s = tx.init(p)
+        g = jax.tree.map(lambda x: jnp.full_like(x, 0.5), p)
+        # one element of the w1 gradient, on the device holding rows 40..47 only
+        g["w1"] = g["w1"].at[43, 7].set(jnp.inf)
+        shard = [
+            sh for sh in g["w1"].addressable_shards if not np.all(np.isfinite(np.asarray(sh.data)))
+        ]
+        assert len(shard) == 1 and shard[0].index[0] == slice(40, 48)
+        u, s2 = jax.jit(tx.update)(g, s, p)
+    assert int(s2.skipped_steps) == 1 and float(s2.scale) == 2.0**7
+    for k in p:  # every device: zero updates, inner state untouched
+        for sh in u[k].addressable_shards:
+            assert not np.any(np.asarray(sh.data))
+        np.testing.assert_array_equal(s2.inner_state[0].mu[k], s.inner_state[0].mu[k])
+    for leaf in (s2.scale, s2.skipped_steps, s2.good_steps):
+        vals = {np.asarray(sh.data).item() for sh in leaf.addressable_shards}
+        assert len(vals) == 1, vals  # the scalar state is the same on every device
 
 
 def test_shard_map_axis_name_makes_the_check_global():
-  # Inside shard_map each device sees its own shard: without axis_name the
-  # devices that saw no inf would step. With it, all skip.
-  m = sm.mesh("dp", AxisType.Auto)
-  for axis_name, skipped in ((None, [0] * 7 + [1]), ("data", [1] * 8)):
-    tx = optim.dynamic_loss_scale(optax.sgd(1.0), axis_name=axis_name)
+    # Inside shard_map each device sees its own shard: without axis_name the
+    # devices that saw no inf would step. With it, all skip.
+    m = sm.mesh("dp", AxisType.Auto)
+    for axis_name, skipped in ((None, [0] * 7 + [1]), ("data", [1] * 8)):
+        tx = optim.dynamic_loss_scale(optax.sgd(1.0), axis_name=axis_name)
 
-    def f(g):
-      s = tx.init(g)
-      _, s = tx.update(g, s, g)
-      return s.skipped_steps[None]
-    g = jnp.ones((8, 4)).at[7, 1].set(jnp.inf)
-    out = jax.jit(jax.shard_map(f, mesh=m, in_specs=P("data"),
-                                out_specs=P("data")))(g)
-    assert out.tolist() == skipped
+        def f(g):
+            s = tx.init(g)
+            _, s = tx.update(g, s, g)
+            return s.skipped_steps[None]
+
+        g = jnp.ones((8, 4)).at[7, 1].set(jnp.inf)
+        out = jax.jit(jax.shard_map(f, mesh=m, in_specs=P("data"), out_specs=P("data")))(g)
+        assert out.tolist() == skipped
 
 
 # -- stochastic rounding on shards ----------------------------------------------
 
 
 def test_stochastic_rounding_draws_differ_per_shard_and_do_not_depend_on_mesh():
-  tx = optim.stochastic_rounding(optax.sgd(1.0), 7)
-  p = jnp.ones((64, 64), jnp.bfloat16)
-  g = jnp.full((64, 64), -1e-3, jnp.float32)  # 1 + 1e-3 rounds up or down
+    tx = optim.stochastic_rounding(optax.sgd(1.0), 7)
+    p = jnp.ones((64, 64), jnp.bfloat16)
+    g = jnp.full((64, 64), -1e-3, jnp.float32)  # 1 + 1e-3 rounds up or down
 
-  def run(p):
-    u, _ = jax.jit(tx.update)(g, tx.init(p), p)
-    return optax.apply_updates(p, u)
-  ref = run(p)
-  for layout, spec in (("fsdp", P("data")), ("tp", P("data", "model"))):
-    m = sm.mesh(layout, AxisType.Auto)
-    with jax.set_mesh(m):
-      out = run(jax.device_put(p, NamedSharding(m, spec)))
-    assert out.sharding.is_equivalent_to(NamedSharding(m, spec), 2)
-    np.testing.assert_array_equal(np.asarray(out, np.float32),
-                                  np.asarray(ref, np.float32))
-    shards = [np.asarray(sh.data, np.float32) for sh in out.addressable_shards]
-    ups = [(s > 1).mean() for s in shards]
-    assert all(0.05 < u < 0.3 for u in ups), ups  # P(up) = 1e-3 / 2**-7
-    patterns = {s.tobytes() for s in shards}
-    assert len(patterns) == len(shards)  # no shard repeats another's draws
+    def run(p):
+        u, _ = jax.jit(tx.update)(g, tx.init(p), p)
+        return optax.apply_updates(p, u)
+
+    ref = run(p)
+    for layout, spec in (("fsdp", P("data")), ("tp", P("data", "model"))):
+        m = sm.mesh(layout, AxisType.Auto)
+        with jax.set_mesh(m):
+            out = run(jax.device_put(p, NamedSharding(m, spec)))
+        assert out.sharding.is_equivalent_to(NamedSharding(m, spec), 2)
+        np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(ref, np.float32))
+        shards = [np.asarray(sh.data, np.float32) for sh in out.addressable_shards]
+        ups = [(s > 1).mean() for s in shards]
+        assert all(0.05 < u < 0.3 for u in ups), ups  # P(up) = 1e-3 / 2**-7
+        patterns = {s.tobytes() for s in shards}
+        assert len(patterns) == len(shards)  # no shard repeats another's draws
 
 
 # -- checkpoints of sharded state --------------------------------------------------
@@ -208,123 +212,129 @@ def test_stochastic_rounding_draws_differ_per_shard_and_do_not_depend_on_mesh():
 # three times: one device, 8-device FSDP, 2 x 4 Megatron).
 CKPT_TXS = {
     "dynamic_loss_scale_master": lambda: optim.dynamic_loss_scale(
-        optim.master_weights(optax.adamw(1e-2)), init_scale=2.0**4,
-        growth_interval=2),
+        optim.master_weights(optax.adamw(1e-2)), init_scale=2.0**4, growth_interval=2
+    ),
     "static_loss_scale_stochastic_rounding": lambda: optim.static_loss_scale(
-        optim.stochastic_rounding(optax.adam(1e-3), 3), 8.0),
-    "kahan_adamw_bf16_moments": lambda: optim.kahan_summation(optim.adamw(
-        1e-3, mu_dtype=jnp.bfloat16, nu_dtype=jnp.bfloat16)),
+        optim.stochastic_rounding(optax.adam(1e-3), 3), 8.0
+    ),
+    "kahan_adamw_bf16_moments": lambda: optim.kahan_summation(
+        optim.adamw(1e-3, mu_dtype=jnp.bfloat16, nu_dtype=jnp.bfloat16)
+    ),
 }
 
 
 def _grads(params, i):
-  def one(p):
-    g = jax.random.normal(jax.random.fold_in(jax.random.key(11), i), p.shape)
-    g = jnp.where(i == 2, g.at[(0,) * g.ndim].set(jnp.inf), g)  # one overflow
-    return g.astype(p.dtype)
-  return jax.tree.map(one, params)
+    def one(p):
+        g = jax.random.normal(jax.random.fold_in(jax.random.key(11), i), p.shape)
+        g = jnp.where(i == 2, g.at[(0,) * g.ndim].set(jnp.inf), g)  # one overflow
+        return g.astype(p.dtype)
+
+    return jax.tree.map(one, params)
 
 
 def _bits(x):
-  return np.asarray(x).reshape(-1).view(np.uint8)
+    return np.asarray(x).reshape(-1).view(np.uint8)
 
 
 @pytest.mark.parametrize("name", sorted(CKPT_TXS))
 def test_checkpoint_restores_onto_another_mesh_and_resumes_bitwise(name, tmp_path):
-  tx = CKPT_TXS[name]()
-  scaled = "loss_scale" in name
+    tx = CKPT_TXS[name]()
+    scaled = "loss_scale" in name
 
-  def step(p, s, i):
-    g = _grads(p, i)
-    if scaled:
-      g = jax.tree.map(lambda x: x * optim.loss_scale(s).astype(x.dtype), g)
-    u, s = tx.update(g, s, p)
-    return optax.apply_updates(p, u), s
-  step = jax.jit(step)
-  n, k = 3, 3
-  # uninterrupted reference on one device
-  p_ref = sm.init(jax.random.key(0), jnp.bfloat16)
-  s_ref = tx.init(p_ref)
-  for i in range(n + k):
-    p_ref, s_ref = step(p_ref, s_ref, i)
-  # n steps FSDP on 8 devices, save ...
-  m8 = sm.mesh("fsdp", AxisType.Auto)
-  p = sm.place(sm.init(jax.random.key(0), jnp.bfloat16), "fsdp", m8)
-  s = tx.init(p)
-  for i in range(n):
-    p, s = step(p, s, i)
-  assert p["w1"].sharding.spec == P("data")
-  with ocp.StandardCheckpointer() as ckptr:
-    ckptr.save(tmp_path / "ckpt", {"params": p, "opt_state": s})
-    ckptr.wait_until_finished()
-  # ... restore onto a 2 x 4 mesh with the Megatron layout, k more steps
-  m24 = sm.mesh("tp", AxisType.Auto)
+    def step(p, s, i):
+        g = _grads(p, i)
+        if scaled:
+            g = jax.tree.map(lambda x: x * optim.loss_scale(s).astype(x.dtype), g)
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s
 
-  def target(x, spec=None):
-    if spec is None:  # state leaves: sharded like the parameter of that shape
-      spec = by_shape.get(x.shape, P())
-    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(m24, spec))
-  by_shape = {x.shape: sm.SPECS["tp"][k] for k, x in p.items()}
-  abstract = {"params": {k: target(v, sm.SPECS["tp"][k]) for k, v in p.items()},
-              "opt_state": jax.tree.map(target, s)}
-  with ocp.StandardCheckpointer() as ckptr:
-    restored = ckptr.restore(tmp_path / "ckpt", abstract)
-  p, s = restored["params"], restored["opt_state"]
-  assert type(s) is type(s_ref)
-  assert p["w1"].sharding.spec == P(None, "model")
-  _check_state_like_params(s, p)
-  for i in range(n, n + k):
-    p, s = step(p, s, i)
-  for a, b in zip(jax.tree.leaves((p, s)), jax.tree.leaves((p_ref, s_ref))):
-    np.testing.assert_array_equal(_bits(a), _bits(b))
-  if scaled and name.startswith("dynamic"):
-    assert int(optim._tree.find_states(s, optim.DynamicLossScaleState)[0][1]
-               .skipped_steps) == 1
+    step = jax.jit(step)
+    n, k = 3, 3
+    # uninterrupted reference on one device
+    p_ref = sm.init(jax.random.key(0), jnp.bfloat16)
+    s_ref = tx.init(p_ref)
+    for i in range(n + k):
+        p_ref, s_ref = step(p_ref, s_ref, i)
+    # n steps FSDP on 8 devices, save ...
+    m8 = sm.mesh("fsdp", AxisType.Auto)
+    p = sm.place(sm.init(jax.random.key(0), jnp.bfloat16), "fsdp", m8)
+    s = tx.init(p)
+    for i in range(n):
+        p, s = step(p, s, i)
+    assert p["w1"].sharding.spec == P("data")
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(tmp_path / "ckpt", {"params": p, "opt_state": s})
+        ckptr.wait_until_finished()
+    # ... restore onto a 2 x 4 mesh with the Megatron layout, k more steps
+    m24 = sm.mesh("tp", AxisType.Auto)
+
+    def target(x, spec=None):
+        if spec is None:  # state leaves: sharded like the parameter of that shape
+            spec = by_shape.get(x.shape, P())
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(m24, spec))
+
+    by_shape = {x.shape: sm.SPECS["tp"][k] for k, x in p.items()}
+    abstract = {
+        "params": {k: target(v, sm.SPECS["tp"][k]) for k, v in p.items()},
+        "opt_state": jax.tree.map(target, s),
+    }
+    with ocp.StandardCheckpointer() as ckptr:
+        restored = ckptr.restore(tmp_path / "ckpt", abstract)
+    p, s = restored["params"], restored["opt_state"]
+    assert type(s) is type(s_ref)
+    assert p["w1"].sharding.spec == P(None, "model")
+    _check_state_like_params(s, p)
+    for i in range(n, n + k):
+        p, s = step(p, s, i)
+    for a, b in zip(jax.tree.leaves((p, s)), jax.tree.leaves((p_ref, s_ref))):
+        np.testing.assert_array_equal(_bits(a), _bits(b))
+    if scaled and name.startswith("dynamic"):
+        assert int(optim._tree.find_states(s, optim.DynamicLossScaleState)[0][1].skipped_steps) == 1
 
 
 # -- eager updates with FSDP-sharded parameter stacks ------------------------------
 
 
 def test_scan_step_with_fsdp_stacks_matches_standard_step():
-  L = 3
+    L = 3
 
-  def embed(p, b):
-    return b[0] @ p["w"]
+    def embed(p, b):
+        return b[0] @ p["w"]
 
-  def blk(p, h):
-    return amp_jax.amp(sm.block)(p, h)
+    def blk(p, h):
+        return amp_jax.amp(sm.block)(p, h)
 
-  def head(p, h, b):
-    return jnp.mean(((h @ p["w"]) - b[1]) ** 2)
+    def head(p, h, b):
+        return jnp.mean(((h @ p["w"]) - b[1]) ** 2)
 
-  m = sm.mesh("fsdp", AxisType.Auto)
-  stack_specs = {k: P(None, *v) for k, v in sm.SPECS["fsdp"].items()}
+    m = sm.mesh("fsdp", AxisType.Auto)
+    stack_specs = {k: P(None, *v) for k, v in sm.SPECS["fsdp"].items()}
 
-  def params():
-    blocks = jax.vmap(sm.init)(jax.random.split(jax.random.key(0), L))
-    blocks = {k: jax.device_put(v, NamedSharding(m, stack_specs[k]))
-              for k, v in blocks.items()}
-    w = jax.device_put(jnp.eye(sm.D), NamedSharding(m, P("data")))
-    return {"embed": {"w": w}, "blocks": blocks, "head": {"w": w + 0.0}}
+    def params():
+        blocks = jax.vmap(sm.init)(jax.random.split(jax.random.key(0), L))
+        blocks = {k: jax.device_put(v, NamedSharding(m, stack_specs[k])) for k, v in blocks.items()}
+        w = jax.device_put(jnp.eye(sm.D), NamedSharding(m, P("data")))
+        return {"embed": {"w": w}, "blocks": blocks, "head": {"w": w + 0.0}}
 
-  tx = optax.adamw(1e-3, weight_decay=0.1)
-  step = amp_jax.eager.scan_step(embed, blk, head, tx)
-  with jax.set_mesh(m):
-    b = sm.batch(jax.random.key(1), 16, m)
-    p, ps = params(), params()
-    s, ss = step.init(p), tx.init(ps)
+    tx = optax.adamw(1e-3, weight_decay=0.1)
+    step = amp_jax.eager.scan_step(embed, blk, head, tx)
+    with jax.set_mesh(m):
+        b = sm.batch(jax.random.key(1), 16, m)
+        p, ps = params(), params()
+        s, ss = step.init(p), tx.init(ps)
 
-    @jax.jit
-    def std(p, s, b):
-      loss, g = jax.value_and_grad(step.loss)(p, b)
-      u, s = tx.update(g, s, p)
-      return optax.apply_updates(p, u), s, loss
-    for _ in range(2):
-      p, s, loss = step(p, s, b)
-      ps, ss, ls = std(ps, ss, b)
-  np.testing.assert_allclose(loss, ls, rtol=1e-6)
-  for k in p["blocks"]:
-    assert p["blocks"][k].sharding.is_equivalent_to(
-        NamedSharding(m, stack_specs[k]), p["blocks"][k].ndim), k
-    np.testing.assert_allclose(p["blocks"][k], ps["blocks"][k], rtol=2e-5,
-                               atol=2e-6)
+        @jax.jit
+        def std(p, s, b):
+            loss, g = jax.value_and_grad(step.loss)(p, b)
+            u, s = tx.update(g, s, p)
+            return optax.apply_updates(p, u), s, loss
+
+        for _ in range(2):
+            p, s, loss = step(p, s, b)
+            ps, ss, ls = std(ps, ss, b)
+    np.testing.assert_allclose(loss, ls, rtol=1e-6)
+    for k in p["blocks"]:
+        assert p["blocks"][k].sharding.is_equivalent_to(
+            NamedSharding(m, stack_specs[k]), p["blocks"][k].ndim
+        ), k
+        np.testing.assert_allclose(p["blocks"][k], ps["blocks"][k], rtol=2e-5, atol=2e-6)

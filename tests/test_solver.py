@@ -13,9 +13,9 @@ hand.
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _util import BF16, F32, prim_dtypes
 
 from amp_jax import amp, dtype_report
-from _util import BF16, F32, prim_dtypes
 
 # Dormand-Prince 5(4) tableau
 C = np.array([0, 1 / 5, 3 / 10, 4 / 5, 8 / 9, 1, 1])
@@ -78,9 +78,11 @@ def loss(params, y0, hand=False):
 
 def _setup():
     k = jax.random.split(jax.random.PRNGKey(0), 4)
-    params = (jax.random.normal(k[0], (DIM, WIDTH)) / np.sqrt(DIM),
-              jax.random.normal(k[1], (WIDTH,)) * 0.1,
-              jax.random.normal(k[2], (WIDTH, DIM)) * 2.0 / np.sqrt(WIDTH))
+    params = (
+        jax.random.normal(k[0], (DIM, WIDTH)) / np.sqrt(DIM),
+        jax.random.normal(k[1], (WIDTH,)) * 0.1,
+        jax.random.normal(k[2], (WIDTH, DIM)) * 2.0 / np.sqrt(WIDTH),
+    )
     y0 = jax.random.normal(k[3], (BATCH, DIM))
     return params, y0
 
@@ -91,8 +93,12 @@ def _rel(a, b):
 
 def _run(fn, params, y0):
     (value, stats), grads = jax.jit(jax.value_and_grad(fn, has_aux=True))(params, y0)
-    return float(value), [int(s) for s in stats[:2]], float(stats[2]), jnp.concatenate(
-        [jnp.ravel(g) for g in grads])
+    return (
+        float(value),
+        [int(s) for s in stats[:2]],
+        float(stats[2]),
+        jnp.concatenate([jnp.ravel(g) for g in grads]),
+    )
 
 
 def test_amp_around_the_whole_solve_is_as_good_as_casting_the_field_by_hand():
@@ -105,7 +111,10 @@ def test_amp_around_the_whole_solve_is_as_good_as_casting_the_field_by_hand():
     gerr_hand, gerr_amp = _rel(gh, g32), _rel(ga, g32)
     assert err_amp <= 2 * err_hand + 1e-4, (err_amp, err_hand)
     assert gerr_amp <= 2 * gerr_hand + 1e-3, (gerr_amp, gerr_hand)
-    assert abs(steps_a[0] - steps_h[0]) <= 1 and abs(steps_a[1] - steps_h[1]) <= 1, (steps_a, steps_h)
+    assert abs(steps_a[0] - steps_h[0]) <= 1 and abs(steps_a[1] - steps_h[1]) <= 1, (
+        steps_a,
+        steps_h,
+    )
 
 
 def test_the_solver_contractions_stay_float32_and_the_field_goes_low():
@@ -116,5 +125,9 @@ def test_the_solver_contractions_stay_float32_and_the_field_goes_low():
     field_dots = [d for d in dots if d[0] == (BF16, BF16)]
     assert len(field_dots) == 14  # two matmuls per stage, 7 stages
     assert len(stage_dots) == 9  # 7 stage sums, the solution and the error estimate
-    why = {r[5] for r in dtype_report(amp(loss), params, y0) if r[0] == "dot_general" and r[1].startswith("float32")}
+    why = {
+        r[5]
+        for r in dtype_report(amp(loss), params, y0)
+        if r[0] == "dot_general" and r[1].startswith("float32")
+    }
     assert why == {"too small to pay (Policy.min_low_contraction / min_low_flops)"}

@@ -23,12 +23,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _util import BF16, F32, _open, allow_out_dtype, eqns
 from jax.extend import core as jex_core
 
 from amp_jax import amp
 from amp_jax._src.rules import materialized_transpose
-
-from _util import BF16, F32, _open, allow_out_dtype, eqns
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("bench_models", ROOT / "benchmarks" / "models.py")
@@ -52,7 +51,9 @@ def _is_fast_cpu_layout(e) -> bool:
     (ca, cb), _ = e.params["dimension_numbers"]
     na, nb, k = e.invars[0].aval.ndim, e.invars[1].aval.ndim, len(ca)
     return tuple(ca) == tuple(range(na - k, na)) and tuple(cb) in (
-        tuple(range(k)), tuple(range(nb - k, nb)))
+        tuple(range(k)),
+        tuple(range(nb - k, nb)),
+    )
 
 
 @pytest.mark.parametrize("name", ["mlp", "gpt"])
@@ -109,13 +110,20 @@ def _param_bf16_casts(closed, n_params):
         for e in _open(jaxpr).eqns:
             if e.primitive.name == "convert_element_type":
                 v = e.invars[0]
-                if not isinstance(v, jex_core.Literal) and v in origin and np.dtype(e.params["new_dtype"]) == BF16:
+                if (
+                    not isinstance(v, jex_core.Literal)
+                    and v in origin
+                    and np.dtype(e.params["new_dtype"]) == BF16
+                ):
                     counts[origin[v]] += 1
             for sub in jex_core.jaxprs_in_params(e.params):
                 sub_open = _open(sub)
                 if len(sub_open.invars) == len(e.invars):
-                    sub_origin = {sv: origin[v] for sv, v in zip(sub_open.invars, e.invars)
-                                  if not isinstance(v, jex_core.Literal) and v in origin}
+                    sub_origin = {
+                        sv: origin[v]
+                        for sv, v in zip(sub_open.invars, e.invars)
+                        if not isinstance(v, jex_core.Literal) and v in origin
+                    }
                 else:
                     sub_origin = {}
                 walk(sub_open, sub_origin)

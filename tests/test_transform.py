@@ -6,18 +6,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _util import BF16, F16, F32, allow_out_dtype, check_dots_low, eqns, prim_dtypes
 from jax import lax
 
 from amp_jax import Policy, amp, full_precision
-from _util import BF16, F16, F32, allow_out_dtype, check_dots_low, eqns, prim_dtypes
 
 KEY = jax.random.PRNGKey(0)
 
 
 def _mlp_params(sizes=(16, 32, 32, 8)):
     ks = jax.random.split(KEY, len(sizes))
-    return [(jax.random.normal(k, (a, b)) / np.sqrt(a), jnp.full((b,), 0.1))
-            for k, a, b in zip(ks, sizes[:-1], sizes[1:])]
+    return [
+        (jax.random.normal(k, (a, b)) / np.sqrt(a), jnp.full((b,), 0.1))
+        for k, a, b in zip(ks, sizes[:-1], sizes[1:])
+    ]
 
 
 def mlp_loss(params, x):
@@ -113,8 +115,9 @@ def nested(w, x):
 
     h, ys = jax.jit(lambda x: lax.scan(body, x, ws))(x)
     h = jax.checkpoint(lambda h: jax.nn.relu(h @ w))(h)
-    h = h + lax.stop_gradient(lax.while_loop(
-        lambda c: c[0] < 2, lambda c: (c[0] + 1, jnp.sin(c[1] @ w)), (0, h))[1])
+    h = h + lax.stop_gradient(
+        lax.while_loop(lambda c: c[0] < 2, lambda c: (c[0] + 1, jnp.sin(c[1] @ w)), (0, h))[1]
+    )
 
     @jax.custom_vjp
     def g(a, w):
@@ -154,7 +157,10 @@ def test_loop_carries_and_branch_outputs_keep_dtypes():
     for e, _ in eqns(jaxpr):
         if e.primitive.name in ("scan", "while", "cond"):
             for v in e.outvars:
-                assert np.dtype(v.aval.dtype) in (F32, np.dtype(np.int32)), (e.primitive.name, v.aval)
+                assert np.dtype(v.aval.dtype) in (F32, np.dtype(np.int32)), (
+                    e.primitive.name,
+                    v.aval,
+                )
 
 
 def test_nested_values_and_grads():
@@ -166,7 +172,9 @@ def test_nested_values_and_grads():
 def test_custom_vjp_forward_rewritten_under_grad():
     jaxpr = jax.make_jaxpr(jax.grad(amp(nested)))(W8, X8)
     fwd_dots = [(i, p) for i, _, p in prim_dtypes(jaxpr, "dot_general")]
-    assert fwd_dots and all(all(d == BF16 for d in i) for i, p in fwd_dots if "scan" in p or "while" in p)
+    assert fwd_dots and all(
+        all(d == BF16 for d in i) for i, p in fwd_dots if "scan" in p or "while" in p
+    )
     # the user's bwd rule runs as written: float32 dots appear only from it
     f32_dots = [i for i, _ in fwd_dots if i == (F32, F32)]
     assert len(f32_dots) == 2, fwd_dots
@@ -176,7 +184,9 @@ def test_dot_inside_cond_inside_scan_inside_jit_two_levels():
     def f(w, xs):
         def body(c, x):
             return lax.cond(x.sum() > 0, lambda: c @ w, lambda: c @ w.T), None
+
         return jax.jit(lambda: lax.scan(body, xs[0], xs)[0])()
+
     # (an 8-vector times an 8x8 matrix is below the size thresholds: lower everything)
     jaxpr = jax.make_jaxpr(amp(f, policy=Policy(min_low_contraction=0, min_low_flops=0)))(W8, X8)
     dots = prim_dtypes(jaxpr, "dot_general")
@@ -205,8 +215,14 @@ def test_compositions():
     assert aux["h"].dtype == F32  # computed by a bf16 dot, returned in its original dtype
     np.testing.assert_allclose(aux["h"], X @ p[0][0], rtol=2e-2, atol=2e-2)
     outs["value_and_grad(amp, has_aux)"] = g
-    for name in ("grad(amp)", "jit(grad(amp))", "amp(grad)", "checkpoint(amp)", "amp(checkpoint)",
-                 "value_and_grad(amp, has_aux)"):
+    for name in (
+        "grad(amp)",
+        "jit(grad(amp))",
+        "amp(grad)",
+        "checkpoint(amp)",
+        "amp(checkpoint)",
+        "value_and_grad(amp, has_aux)",
+    ):
         for a, b in zip(jax.tree.leaves(outs[name]), jax.tree.leaves(ref)):
             assert a.dtype == b.dtype
             assert float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b)) < 3e-2, name
@@ -214,10 +230,16 @@ def test_compositions():
     np.testing.assert_allclose(outs["amp(amp)"], outs["jit(amp)"], rtol=1e-6)
     # vmap both ways
     xs = X.reshape(2, 4, 16)
-    np.testing.assert_allclose(jax.vmap(f, in_axes=(None, 0))(p, xs),
-                               jax.vmap(mlp_loss, in_axes=(None, 0))(p, xs), rtol=2e-2)
-    np.testing.assert_allclose(amp(jax.vmap(mlp_loss, in_axes=(None, 0)))(p, xs),
-                               jax.vmap(mlp_loss, in_axes=(None, 0))(p, xs), rtol=2e-2)
+    np.testing.assert_allclose(
+        jax.vmap(f, in_axes=(None, 0))(p, xs),
+        jax.vmap(mlp_loss, in_axes=(None, 0))(p, xs),
+        rtol=2e-2,
+    )
+    np.testing.assert_allclose(
+        amp(jax.vmap(mlp_loss, in_axes=(None, 0)))(p, xs),
+        jax.vmap(mlp_loss, in_axes=(None, 0))(p, xs),
+        rtol=2e-2,
+    )
     check_dots_low(jax.make_jaxpr(jax.vmap(f, in_axes=(None, 0)))(p, xs), min_low=3)
     check_dots_low(jax.make_jaxpr(amp(jax.vmap(mlp_loss, in_axes=(None, 0))))(p, xs), min_low=3)
 
@@ -236,13 +258,21 @@ def test_amp_is_idempotent_structurally():
 
 
 def test_shard_map_over_forced_host_devices():
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
     cpus = jax.devices("cpu")  # the forced host devices, also where a GPU is the default
     n = len(cpus)
     assert n >= 2, "conftest forces 8 host devices"
     mesh = jax.make_mesh((n,), ("d",), devices=cpus)
-    sm = jax.jit(jax.shard_map(lambda x, w: lax.psum(jnp.sum(jnp.tanh(x @ w)), "d"),
-                               mesh=mesh, in_specs=(P("d"), P()), out_specs=P()))
+    sm = jax.jit(
+        jax.shard_map(
+            lambda x, w: lax.psum(jnp.sum(jnp.tanh(x @ w)), "d"),
+            mesh=mesh,
+            in_specs=(P("d"), P()),
+            out_specs=P(),
+        )
+    )
     x = jax.device_put(jax.random.normal(KEY, (n * 2, 8)), NamedSharding(mesh, P("d")))
     with jax.set_mesh(mesh):
         np.testing.assert_allclose(amp(sm)(x, W8), sm(x, W8), rtol=2e-2)
@@ -272,6 +302,7 @@ def test_pytrees_kwargs_and_static_leaves():
 def test_output_dtypes_preserved():
     def f(x):
         return x.astype(jnp.bfloat16) @ x.astype(jnp.bfloat16).T, x @ x.T, x.astype(jnp.float16)
+
     outs = amp(f)(X8)
     refs = f(X8)
     assert [o.dtype for o in outs] == [r.dtype for r in refs]
@@ -281,6 +312,7 @@ def test_decorator_forms():
     @amp(policy="float16")
     def f(a, b):
         return a @ b
+
     j = jax.make_jaxpr(f)(W8, W8)
     assert prim_dtypes(j, "dot_general")[0][0] == (F16, F16)
     g = amp(lambda a, b: a @ b, policy=Policy(jnp.float16))
@@ -304,6 +336,7 @@ def test_never_touched_values():
         y = x.astype(jnp.bfloat16).astype(jnp.float32)  # user-written casts
         r = jax.random.normal(key, x.shape)
         return y @ x.T, i * 2, r, y - x
+
     i = jnp.arange(4, dtype=jnp.int32)
     outs = amp(f)(X8, i, KEY)
     refs = f(X8, i, KEY)
@@ -312,7 +345,10 @@ def test_never_touched_values():
     # the user's round trip through bf16 is kept exactly (not cancelled, not moved)
     assert float(jnp.abs(refs[3]).max()) > 0
     np.testing.assert_array_equal(outs[3], refs[3])
-    converts = [(i, o) for i, o, _ in prim_dtypes(jax.make_jaxpr(amp(f))(X8, i, KEY), "convert_element_type")]
+    converts = [
+        (i, o)
+        for i, o, _ in prim_dtypes(jax.make_jaxpr(amp(f))(X8, i, KEY), "convert_element_type")
+    ]
     assert ((F32,), (BF16,)) in converts and ((BF16,), (F32,)) in converts
 
 
@@ -339,6 +375,7 @@ def test_named_scope_selection():
         with jax.named_scope("head"):
             y = a @ b
         return y + a @ b
+
     pol = Policy(jnp.bfloat16, full_precision_scopes=("head",))
     dots = prim_dtypes(jax.make_jaxpr(amp(f, policy=pol))(W8, W8), "dot_general")
     assert sorted(i for i, _, _ in dots) == sorted([(F32, F32), (BF16, BF16)])
@@ -347,8 +384,12 @@ def test_named_scope_selection():
 def test_conv_backend_aware_and_forced():
     x = jax.random.normal(KEY, (2, 8, 8, 3))
     w = jax.random.normal(KEY, (3, 3, 3, 4)) * 0.2
-    conv = functools.partial(lax.conv_general_dilated, window_strides=(1, 1), padding="SAME",
-                             dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    conv = functools.partial(
+        lax.conv_general_dilated,
+        window_strides=(1, 1),
+        padding="SAME",
+        dimension_numbers=("NHWC", "HWIO", "NHWC"),
+    )
     j = jax.make_jaxpr(amp(conv))(x, w)
     expected = F32 if jax.default_backend() == "cpu" else BF16
     assert prim_dtypes(j, "conv_general_dilated")[0][0] == (expected, expected)
@@ -409,6 +450,7 @@ def _br_other(x):
 @pytest.mark.parametrize("scoped_first", [False, True])
 def test_full_precision_with_a_branch_jaxpr_shared_outside(scoped_first):
     """JAX reuses one branch jaxpr for both conds; the scope must still hold."""
+
     def plain(x):
         return lax.cond(x.sum() > 0, _br_low, _br_other, x)
 
@@ -420,6 +462,7 @@ def test_full_precision_with_a_branch_jaxpr_shared_outside(scoped_first):
 
 def test_repeated_calls_reuse_the_rewrite():
     """Eager and grad calls after the first build nothing new (no retrace, no leak)."""
+
     @jax.custom_jvp
     def soft(h):
         return jnp.log1p(jnp.exp(h))  # not transparent: an opaque custom_jvp_call
@@ -432,6 +475,7 @@ def test_repeated_calls_reuse_the_rewrite():
         return jnp.sum(soft(h @ W8))
 
     from amp_jax._src import compat
+
     traces = []
     trace = compat.trace_to_closed_jaxpr
 
@@ -523,10 +567,16 @@ def test_scanned_weights_are_cast_once_outside_the_loop():
         jaxpr = jax.make_jaxpr(fn)(ws, x)
         scans = [e for e, _ in eqns(jaxpr) if e.primitive.name == "scan"]
         # the stacked weights enter the (forward) scan already in bf16
-        assert any(v.aval.shape == (3, 16, 16) and v.aval.dtype == BF16 for v in scans[0].invars), scans[0]
+        assert any(v.aval.shape == (3, 16, 16) and v.aval.dtype == BF16 for v in scans[0].invars), (
+            scans[0]
+        )
         if fn is not fwd:  # (in the backward loop, dW is cast to the bf16 input's dtype)
             continue
-        body_converts = [e for e, path in eqns(jaxpr) if "scan" in path
-                         and e.primitive.name == "convert_element_type"
-                         and e.invars[0].aval.shape == (16, 16)]
+        body_converts = [
+            e
+            for e, path in eqns(jaxpr)
+            if "scan" in path
+            and e.primitive.name == "convert_element_type"
+            and e.invars[0].aval.shape == (16, 16)
+        ]
         assert not body_converts  # no per-layer cast of the weights inside the loop

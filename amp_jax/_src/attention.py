@@ -50,23 +50,23 @@ _FILL_MAX = -1e4  # a mask fill at or below this is "masked out"
 class Match:
     """One recognised attention: how to build it from the jaxpr's values."""
 
-    d2: int                      # index of the second matmul (its output is the result)
-    skip: frozenset[int]         # eqns replaced (not evaluated)
+    d2: int  # index of the second matmul (its output is the result)
+    skip: frozenset[int]  # eqns replaced (not evaluated)
     q: Any
     k: Any
     v: Any
-    q_order: tuple[int, ...]     # q dims in [b0, T, b1, H] order (present roles only)
+    q_order: tuple[int, ...]  # q dims in [b0, T, b1, H] order (present roles only)
     k_order: tuple[int, ...]
     v_order: tuple[int, ...]
-    n_batch: int                 # 0, 1 or 2 batch roles
-    sizes: dict                  # role -> size
-    out_roles: tuple             # roles of the second matmul's output dims ("u" for size 1)
+    n_batch: int  # 0, 1 or 2 batch roles
+    sizes: dict  # role -> size
+    out_roles: tuple  # roles of the second matmul's output dims ("u" for size 1)
     scale: float
-    pred: Any                    # boolean atom (S-shaped or a broadcast source), or None
-    pred_roles: tuple | None     # roles of pred's dims
-    causal_const: bool           # pred is a constant lower-triangular mask
+    pred: Any  # boolean atom (S-shaped or a broadcast source), or None
+    pred_roles: tuple | None  # roles of pred's dims
+    causal_const: bool  # pred is a constant lower-triangular mask
     head_dim: int
-    source: Any                  # eqn (for its source info)
+    source: Any  # eqn (for its source info)
 
     def evaluate(self, read: Callable[[Any, Any], Any], dtype: Any, implementation: str) -> Any:
         """The attention output, in ``dtype``, laid out as the second matmul's output."""
@@ -85,8 +85,14 @@ class Match:
         if self.pred is not None and not self.causal_const:
             mask = self._mask(read(self.pred, None))
         out = jax.nn.dot_product_attention(
-            q, k, v, mask=mask, scale=self.scale,
-            is_causal=self.causal_const, implementation=implementation)
+            q,
+            k,
+            v,
+            mask=mask,
+            scale=self.scale,
+            is_causal=self.causal_const,
+            implementation=implementation,
+        )
         # [B, Tq, N, Hv] -> the second matmul's layout
         present = [r for r in ("b0", "Tq", "b1", "Hv") if r in self.sizes]
         out = out.reshape([self.sizes[r] for r in present])
@@ -163,7 +169,9 @@ def _match_at(i_exp, eqns, producer, consumers, outs, consts, jaxpr) -> Match | 
     def prod(atom, name=None):
         _need(not isinstance(atom, compat.Literal) and atom in producer)
         j = producer[atom]
-        _need(name is None or eqns[j].primitive.name in (name if isinstance(name, tuple) else (name,)))
+        _need(
+            name is None or eqns[j].primitive.name in (name if isinstance(name, tuple) else (name,))
+        )
         return j
 
     def only_used_by(var, allowed: set[int]):
@@ -226,7 +234,7 @@ def _match_at(i_exp, eqns, producer, consumers, outs, consts, jaxpr) -> Match | 
     _need(eqns[i_d2].primitive.name == "dot_general")
 
     # S <- [select_n mask] <- [scale] <- [transpose] <- dot_general(q, k)
-    scale, pred, fill_ok, perm = 1.0, None, True, None
+    scale, pred, perm = 1.0, None, None
     s_users = {i_sub} | ({chain[-1]} if max_src is s_var else set())
     cur = s_var
     while True:
@@ -276,16 +284,18 @@ def _match_at(i_exp, eqns, producer, consumers, outs, consts, jaxpr) -> Match | 
     nb = len(ba)
     a_free = [d for d in range(len(A.aval.shape)) if d not in ca and d not in ba]
     b_free = [d for d in range(len(B.aval.shape)) if d not in cb and d not in bb]
-    out_roles = ([("b", i) for i in range(nb)] + [("A", d) for d in a_free] + [("B", d) for d in b_free])
+    out_roles = (
+        [("b", i) for i in range(nb)] + [("A", d) for d in a_free] + [("B", d) for d in b_free]
+    )
     s_roles = [out_roles[p] for p in perm] if perm is not None else out_roles
     key_role = s_roles[-1]
     _need(key_role[0] in ("A", "B"))
     if key_role[0] == "B":
         Q, K, cq, ck, bq, bk, qf, kf = A, B, ca[0], cb[0], ba, bb, a_free, b_free
-        qtag, ktag = "A", "B"
+        qtag = "A"
     else:
         Q, K, cq, ck, bq, bk, qf, kf = B, A, cb[0], ca[0], bb, ba, b_free, a_free
-        qtag, ktag = "B", "A"
+        qtag = "B"
     qs, ks = Q.aval.shape, K.aval.shape
     q_big = [d for d in qf if qs[d] != 1]
     k_big = [d for d in kf if ks[d] != 1]
@@ -325,9 +335,17 @@ def _match_at(i_exp, eqns, producer, consumers, outs, consts, jaxpr) -> Match | 
     _need([s_named[d] for d in p_free if s_named[d] != "u"] == ["Tq"])
     batch_roles = [s_named[d] for d in bp]
     if p_left:
-        out_roles2 = batch_roles + [s_named[d] for d in p_free] + ["Hv" if d == v_big[0] else "u" for d in v_free]
+        out_roles2 = (
+            batch_roles
+            + [s_named[d] for d in p_free]
+            + ["Hv" if d == v_big[0] else "u" for d in v_free]
+        )
     else:
-        out_roles2 = batch_roles + ["Hv" if d == v_big[0] else "u" for d in v_free] + [s_named[d] for d in p_free]
+        out_roles2 = (
+            batch_roles
+            + ["Hv" if d == v_big[0] else "u" for d in v_free]
+            + [s_named[d] for d in p_free]
+        )
 
     # operand orders: [b0, T, b1, H] with the unit dims last
     def order(x_shape, batch, tdim, hdim, nbatch_roles):
@@ -360,14 +378,29 @@ def _match_at(i_exp, eqns, producer, consumers, outs, consts, jaxpr) -> Match | 
             dims = tuple(eqns[j].params["broadcast_dimensions"])
             if not isinstance(src, compat.Literal):
                 pred_atom = src
-                pred_roles = tuple(s_named[d] if src.aval.shape[n] != 1 else "u"
-                                   for n, d in enumerate(dims))
+                pred_roles = tuple(
+                    s_named[d] if src.aval.shape[n] != 1 else "u" for n, d in enumerate(dims)
+                )
         causal = _is_causal_constant(pred_atom, pred_roles, eqns, producer, consts, jaxpr)
     return Match(
-        d2=i_d2, skip=frozenset(skip), q=Q, k=K, v=V, q_order=q_order, k_order=k_order,
-        v_order=v_order, n_batch=nb, sizes=sizes, out_roles=tuple(out_roles2), scale=float(scale),
-        pred=pred_atom, pred_roles=pred_roles, causal_const=causal, head_dim=int(sizes["H"]),
-        source=eqns[i_d1])
+        d2=i_d2,
+        skip=frozenset(skip),
+        q=Q,
+        k=K,
+        v=V,
+        q_order=q_order,
+        k_order=k_order,
+        v_order=v_order,
+        n_batch=nb,
+        sizes=sizes,
+        out_roles=tuple(out_roles2),
+        scale=float(scale),
+        pred=pred_atom,
+        pred_roles=pred_roles,
+        causal_const=causal,
+        head_dim=int(sizes["H"]),
+        source=eqns[i_d1],
+    )
 
 
 def _ancestors(atoms, eqns, producer) -> set:
@@ -418,10 +451,15 @@ def _is_causal_constant(atom, roles, eqns, producer, consts, jaxpr) -> bool:
     with jax.ensure_compile_time_eval():
         for j in sorted(set(slice_)):
             e = eqns[j]
-            vals = [compat.literal_value(v) if isinstance(v, compat.Literal) else env[v] for v in e.invars]
+            vals = [
+                compat.literal_value(v) if isinstance(v, compat.Literal) else env[v]
+                for v in e.invars
+            ]
             for v, o in zip(e.outvars, compat.bind_eqn(e, vals)):
                 env[v] = o
-        val = np.asarray(env[atom]) if not isinstance(atom, compat.Literal) else np.asarray(atom.val)
+        val = (
+            np.asarray(env[atom]) if not isinstance(atom, compat.Literal) else np.asarray(atom.val)
+        )
     if val.dtype != np.bool_:
         return False
     tq, tk = roles.index("Tq"), roles.index("Tk")
@@ -455,15 +493,18 @@ def decide(match: Match, mode: str, backend: str, compute_dtype: Any) -> tuple[s
 
     def fused(*operands):
         vals = dict(zip((match.q, match.k, match.v), operands))
-        return match.evaluate(lambda a, dt: vals[a].astype(dt) if a in vals else read(a, dt),
-                              compute_dtype, "cudnn")
+        return match.evaluate(
+            lambda a, dt: vals[a].astype(dt) if a in vals else read(a, dt), compute_dtype, "cudnn"
+        )
 
     operands = [read(a, compute_dtype) for a in (match.q, match.k, match.v)]
     try:  # cuDNN's own checks (layout, lengths, versions) run at trace time, some only
         # when differentiated (a mask turned into a bias needs even lengths then)
         jax.eval_shape(fused, *operands)
-        jax.eval_shape(jax.grad(lambda *o: jnp.sum(fused(*o).astype(jnp.float32)), argnums=(0, 1, 2)),
-                       *operands)
+        jax.eval_shape(
+            jax.grad(lambda *o: jnp.sum(fused(*o).astype(jnp.float32)), argnums=(0, 1, 2)),
+            *operands,
+        )
     except Exception as e:  # noqa: BLE001 -- any refusal means: leave it as written
         return None, f"cuDNN refused it: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
     return "cudnn", "cuDNN flash attention"
@@ -471,9 +512,11 @@ def decide(match: Match, mode: str, backend: str, compute_dtype: Any) -> tuple[s
 
 def _abstract_read(match: Match, dtype: Any) -> Callable[[Any, Any], Any]:
     """A ``read`` that gives zeros of each operand's shape (for ``eval_shape``)."""
+
     def read(atom, want):
         aval = atom.aval
         return jnp.zeros(aval.shape, want if want is not None else aval.dtype)
+
     return read
 
 

@@ -104,7 +104,9 @@ def trace_with_shape(fn: Callable[..., Any], args: Sequence[Any]) -> tuple[Any, 
     return jax.make_jaxpr(fn, return_shape=True)(*args)
 
 
-def trace_with_shape_kw(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+def trace_with_shape_kw(
+    fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]
+) -> tuple[Any, Any]:
     """Like :func:`trace_with_shape` with keyword arguments too (pytrees of
     ShapeDtypeStructs); the jaxpr's invars are the leaves of ``(args, kwargs)``.
     JAX names ``fn`` (and its ``__wrapped__`` function's arguments) in its errors."""
@@ -216,9 +218,12 @@ def map_subjaxprs(
     params = {k: one(v) for k, v in eqn.params.items()}
     if name in CUSTOM_JVP_NAMES and "jvp_jaxpr_fun" in params:
         params["jvp_jaxpr_fun"] = _wrap_thunk(
-            params["jvp_jaxpr_fun"], rewrite_jvp_rule or rewrite_closed, n_extra=1)
+            params["jvp_jaxpr_fun"], rewrite_jvp_rule or rewrite_closed, n_extra=1
+        )
     if name in CUSTOM_VJP_NAMES and "fwd_jaxpr_thunk" in params:
-        params["fwd_jaxpr_thunk"] = _wrap_thunk(params["fwd_jaxpr_thunk"], rewrite_closed, n_extra=0)
+        params["fwd_jaxpr_thunk"] = _wrap_thunk(
+            params["fwd_jaxpr_thunk"], rewrite_closed, n_extra=0
+        )
     return params
 
 
@@ -236,6 +241,7 @@ def memoized_fun(fn: Callable[..., Any], like: Any) -> Any:
 
 def _wrap_thunk(thunk: Any, rewrite_closed: Callable[[Any], Any], n_extra: int) -> Any:
     """Wraps a ``(*zeros) -> (jaxpr, consts, *extra)`` thunk to rewrite its jaxpr."""
+
     def rewrite(*zeros):
         jaxpr, consts, *extra = thunk.call_wrapped(*zeros)
         assert len(extra) == n_extra
@@ -281,8 +287,12 @@ def shard_map_of(eqn: Any, body: Callable[..., list[Any]]) -> Callable[..., list
     other sub-jaxprs: ``body(*args)`` evaluates the original body jaxpr.
     """
     p = eqn.params
-    kwargs = dict(mesh=p["mesh"], in_specs=tuple(p["in_specs"]),
-                  out_specs=tuple(p["out_specs"]), check_vma=p.get("check_vma", True))
+    kwargs = dict(
+        mesh=p["mesh"],
+        in_specs=tuple(p["in_specs"]),
+        out_specs=tuple(p["out_specs"]),
+        check_vma=p.get("check_vma", True),
+    )
     axes = p.get("newly_manual_axes", p.get("manual_axes"))
     if axes is not None and frozenset(axes) != frozenset(p["mesh"].axis_names):
         kwargs["axis_names"] = set(axes)
@@ -296,7 +306,11 @@ def literal_value(lit: Any) -> Any:
 
 def cast_constant(value: Any, dtype: np.dtype) -> Any:
     """Casts a literal constant without creating a traced op (stays a literal)."""
-    return np.asarray(value, dtype=dtype)[()] if np.ndim(value) == 0 else np.asarray(value, dtype=dtype)
+    return (
+        np.asarray(value, dtype=dtype)[()]
+        if np.ndim(value) == 0
+        else np.asarray(value, dtype=dtype)
+    )
 
 
 def vjp_residuals(vjp_fn: Any) -> tuple[list[Any], Any] | None:

@@ -23,7 +23,15 @@ import numpy as np
 from jax.extend import core as jex_core
 
 from amp_jax._src import compat
-from amp_jax._src.explain import _check_grad, _flat_call, _full_stack, _is_backward, _scope, _split_fn, ran_in
+from amp_jax._src.explain import (
+    _check_grad,
+    _flat_call,
+    _full_stack,
+    _is_backward,
+    _scope,
+    _split_fn,
+    ran_in,
+)
 from amp_jax._src.policy import is_managed_float
 from amp_jax._src.transform import AmpFunction
 
@@ -41,8 +49,11 @@ def _finite(x: Any) -> bool:
 
 
 def _max_abs(xs: Sequence[Any]) -> float | None:
-    vals = [float(jnp.max(jnp.where(jnp.isfinite(x), jnp.abs(x), 0).astype(jnp.float32)))
-            for x in xs if _is_float_array(x) and x.size]
+    vals = [
+        float(jnp.max(jnp.where(jnp.isfinite(x), jnp.abs(x), 0).astype(jnp.float32)))
+        for x in xs
+        if _is_float_array(x) and x.size
+    ]
     return max(vals) if vals else None
 
 
@@ -77,14 +88,21 @@ class _Probe:
         src = None
         if eqn.primitive.name == "convert_element_type" and invals:
             src = self.producer.get(id(invals[0]), (None, None))[1]
-        self.first = dict(eqn=eqn, src=src, stack=stack, kind=" and ".join(kinds),
-                          input_max_abs=_max_abs(invals), out_dtype=str(bad.dtype))
+        self.first = dict(
+            eqn=eqn,
+            src=src,
+            stack=stack,
+            kind=" and ".join(kinds),
+            input_max_abs=_max_abs(invals),
+            out_dtype=str(bad.dtype),
+        )
         if self.stop_at_first:
             raise _Stop
 
 
-def _eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], stack: tuple[str, ...],
-          probe: _Probe) -> list[Any]:
+def _eval(
+    jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], stack: tuple[str, ...], probe: _Probe
+) -> list[Any]:
     env: dict[Any, Any] = {}
 
     def read(a):
@@ -108,13 +126,17 @@ def _eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], stack: tuple[s
     return [read(v) for v in jaxpr.outvars]
 
 
-def _run_closed(closed: Any, args: Sequence[Any], stack: tuple[str, ...], probe: _Probe) -> list[Any]:
+def _run_closed(
+    closed: Any, args: Sequence[Any], stack: tuple[str, ...], probe: _Probe
+) -> list[Any]:
     if compat.is_closed_jaxpr(closed):
         return _eval(compat.jaxpr_of(closed), compat.consts_of(closed), args, stack, probe)
     return _eval(closed, [], args, stack, probe)
 
 
-def _eval_eqn(eqn: Any, invals: list[Any], stack: tuple[str, ...], probe: _Probe) -> list[Any] | None:
+def _eval_eqn(
+    eqn: Any, invals: list[Any], stack: tuple[str, ...], probe: _Probe
+) -> list[Any] | None:
     """Evaluates a higher-order eqn by entering its body; None for a first-order one
     (or one this evaluator does not enter: it is then bound whole)."""
     name, p = eqn.primitive.name, eqn.params
@@ -126,9 +148,9 @@ def _eval_eqn(eqn: Any, invals: list[Any], stack: tuple[str, ...], probe: _Probe
         length = int(p["length"])
         if length == 0:
             return None
-        consts, carry, xs = invals[:nc], invals[nc:nc + ncarry], invals[nc + ncarry:]
+        consts, carry, xs = invals[:nc], invals[nc : nc + ncarry], invals[nc + ncarry :]
         ys: list[list[Any]] = []
-        for i in (reversed(range(length)) if p.get("reverse") else range(length)):
+        for i in reversed(range(length)) if p.get("reverse") else range(length):
             outs = _run_closed(p["jaxpr"], [*consts, *carry, *(x[i] for x in xs)], stack, probe)
             carry, y = outs[:ncarry], outs[ncarry:]
             ys.append(y)
@@ -138,7 +160,7 @@ def _eval_eqn(eqn: Any, invals: list[Any], stack: tuple[str, ...], probe: _Probe
         return [*carry, *stacked]
     if name == "while":
         cn, bn = p["cond_nconsts"], p["body_nconsts"]
-        cconsts, bconsts, carry = invals[:cn], invals[cn:cn + bn], invals[cn + bn:]
+        cconsts, bconsts, carry = invals[:cn], invals[cn : cn + bn], invals[cn + bn :]
         while bool(_run_closed(p["cond_jaxpr"], [*cconsts, *carry], stack, probe)[0]):
             carry = _run_closed(p["body_jaxpr"], [*bconsts, *carry], stack, probe)
         return carry
@@ -190,43 +212,73 @@ class FirstNonfinite:
     fix: str
 
     def __str__(self) -> str:
-        f32 = ("unknown" if self.float32_max_abs is None else
-               f"max |x| = {self.float32_max_abs:.4g}" + ("" if self.float32_finite else ", non-finite too"))
+        f32 = (
+            "unknown"
+            if self.float32_max_abs is None
+            else f"max |x| = {self.float32_max_abs:.4g}"
+            + ("" if self.float32_finite else ", non-finite too")
+        )
         ins = "-" if self.input_max_abs is None else f"{self.input_max_abs:.4g}"
-        return "\n".join([
-            f"first non-finite value ({self.kind}) at {self.where}",
-            f"  op: {self.primitive} in {self.dtype} ({'backward' if self.backward else 'forward'} pass, "
-            f"scope {self.scope})" + (f", casting the result of {self.cast_of}" if self.cast_of else ""),
-            f"  largest finite input |x| = {ins}; the output dtype's finite range is +-{self.dtype_max:.4g}",
-            f"  the float32 program at this line: {f32}",
-            f"  fix: {self.fix}",
-        ])
+        return "\n".join(
+            [
+                f"first non-finite value ({self.kind}) at {self.where}",
+                f"  op: {self.primitive} in {self.dtype} ({'backward' if self.backward else 'forward'} pass, "
+                f"scope {self.scope})"
+                + (f", casting the result of {self.cast_of}" if self.cast_of else ""),
+                f"  largest finite input |x| = {ins}; the output dtype's finite range is +-{self.dtype_max:.4g}",
+                f"  the float32 program at this line: {f32}",
+                f"  fix: {self.fix}",
+            ]
+        )
 
 
-def _fix_text(prim: str, where: str, dtype: str, backward: bool, f32_finite: bool,
-              f32_max: float | None, dtype_max: float, cast: bool) -> str:
+def _fix_text(
+    prim: str,
+    where: str,
+    dtype: str,
+    backward: bool,
+    f32_finite: bool,
+    f32_max: float | None,
+    dtype_max: float,
+    cast: bool,
+) -> str:
     if not f32_finite:
-        return ("the float32 program is non-finite here too: this is not a precision problem "
-                "(check the inputs, the learning rate, a log or division of 0).")
+        return (
+            "the float32 program is non-finite here too: this is not a precision problem "
+            "(check the inputs, the learning rate, a log or division of 0)."
+        )
     low = dtype.split("->")[-1]
     if backward:
-        return (f"the backward pass overflowed {low}: lower the loss scale (amp_jax.optim."
-                "dynamic_loss_scale skips such a step and halves the scale; a static scale must be "
-                f"smaller), or keep the forward code at {where} in float32 with amp_jax.full_precision.")
+        return (
+            f"the backward pass overflowed {low}: lower the loss scale (amp_jax.optim."
+            "dynamic_loss_scale skips such a step and halves the scale; a static scale must be "
+            f"smaller), or keep the forward code at {where} in float32 with amp_jax.full_precision."
+        )
     fits = f32_max is not None and f32_max <= dtype_max
-    ranges = (f"the values reach {f32_max:.4g} in float32, beyond {low}'s {dtype_max:.4g}; "
-              if f32_max is not None and not fits else "")
-    override = ("" if cast else
-                f"or make the op float32 with Policy(overrides={{{prim!r}: 'deny'}}), ")
+    ranges = (
+        f"the values reach {f32_max:.4g} in float32, beyond {low}'s {dtype_max:.4g}; "
+        if f32_max is not None and not fits
+        else ""
+    )
+    override = (
+        "" if cast else f"or make the op float32 with Policy(overrides={{{prim!r}: 'deny'}}), "
+    )
     what = "its result and the ops that read it" if cast else "the code"
-    return (f"{ranges}wrap {what} at {where} in amp_jax.full_precision (or "
-            f"Policy(full_precision_scopes=...) with a jax.named_scope), {override}"
-            "or use policy='bfloat16' (float32's range); "
-            "scaling the values down (e.g. by 1/sqrt(d) before a matmul) also helps.")
+    return (
+        f"{ranges}wrap {what} at {where} in amp_jax.full_precision (or "
+        f"Policy(full_precision_scopes=...) with a jax.named_scope), {override}"
+        "or use policy='bfloat16' (float32's range); "
+        "scaling the values down (e.g. by 1/sqrt(d) before a matmul) also helps."
+    )
 
 
-def first_nonfinite(fn: Callable[..., Any], *args: Any, policy: Any = None,
-                    grad: bool | int | tuple[int, ...] = False, **kwargs: Any) -> FirstNonfinite | None:
+def first_nonfinite(
+    fn: Callable[..., Any],
+    *args: Any,
+    policy: Any = None,
+    grad: bool | int | tuple[int, ...] = False,
+    **kwargs: Any,
+) -> FirstNonfinite | None:
     """Runs the program :func:`amp` makes of ``fn`` and finds its first non-finite op.
 
     Both the rewritten and the original float32 program are traced and
@@ -267,7 +319,9 @@ def first_nonfinite(fn: Callable[..., Any], *args: Any, policy: Any = None,
       >>> debug.first_nonfinite(f, x / 100, w, policy=f16) is None
       True
     """
-    base, pol = _split_fn(fn, "float16" if policy is None and not isinstance(fn, AmpFunction) else policy)
+    base, pol = _split_fn(
+        fn, "float16" if policy is None and not isinstance(fn, AmpFunction) else policy
+    )
     g = _check_grad(grad)
     run, dyn = _flat_call(AmpFunction(base, pol), args, kwargs, g)
     orig, _ = _flat_call(base, args, kwargs, g)
@@ -300,10 +354,21 @@ def first_nonfinite(fn: Callable[..., Any], *args: Any, policy: Any = None,
     backward = _is_backward(stack)
     dtype = ran_in(eqn)
     return FirstNonfinite(
-        where=where, scope=_scope(stack), backward=backward, primitive=prim, cast_of=cast_of, dtype=dtype,
-        kind=hit["kind"], input_max_abs=hit["input_max_abs"], dtype_max=dtype_max,
-        float32_max_abs=f32_max, float32_finite=f32_finite,
-        fix=_fix_text(prim, where, dtype, backward, f32_finite, f32_max, dtype_max, src is not None))
+        where=where,
+        scope=_scope(stack),
+        backward=backward,
+        primitive=prim,
+        cast_of=cast_of,
+        dtype=dtype,
+        kind=hit["kind"],
+        input_max_abs=hit["input_max_abs"],
+        dtype_max=dtype_max,
+        float32_max_abs=f32_max,
+        float32_finite=f32_finite,
+        fix=_fix_text(
+            prim, where, dtype, backward, f32_finite, f32_max, dtype_max, src is not None
+        ),
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -354,19 +419,31 @@ class UnderflowReport:
 
     def __str__(self) -> str:
         width = max([len(r.path) for r in self.rows] + [9])
-        lines = [f"{'parameter':<{width}}  {'nonzero':>9}  {'flushed':>8}  {'subnorm':>8}  "
-                 f"{'lost amp':>8}  {'max |g|':>9}"]
+        lines = [
+            f"{'parameter':<{width}}  {'nonzero':>9}  {'flushed':>8}  {'subnorm':>8}  "
+            f"{'lost amp':>8}  {'max |g|':>9}"
+        ]
         for r in self.rows:
-            lines.append(f"{r.path:<{width}}  {r.nonzero:>9}  {100 * r.flushed:>7.2f}%  "
-                         f"{100 * r.subnormal:>7.2f}%  {100 * r.lost_in_amp:>7.2f}%  {r.max_abs:>9.3g}")
-        lines.append(f"{self.dtype}, loss scale {self.loss_scale:g}: {100 * self.flushed:.2f}% of nonzero "
-                     f"float32 gradient values flush to 0 in {self.dtype}; {100 * self.lost_in_amp:.2f}% are "
-                     f"0 in the amp gradient; suggested loss scale {self.suggested_scale:g}")
+            lines.append(
+                f"{r.path:<{width}}  {r.nonzero:>9}  {100 * r.flushed:>7.2f}%  "
+                f"{100 * r.subnormal:>7.2f}%  {100 * r.lost_in_amp:>7.2f}%  {r.max_abs:>9.3g}"
+            )
+        lines.append(
+            f"{self.dtype}, loss scale {self.loss_scale:g}: {100 * self.flushed:.2f}% of nonzero "
+            f"float32 gradient values flush to 0 in {self.dtype}; {100 * self.lost_in_amp:.2f}% are "
+            f"0 in the amp gradient; suggested loss scale {self.suggested_scale:g}"
+        )
         return "\n".join(lines)
 
 
-def underflow_report(loss_fn: Callable[..., Any], params: Any, *args: Any, policy: Any = "float16",
-                     loss_scale: float = 1.0, **kwargs: Any) -> UnderflowReport:
+def underflow_report(
+    loss_fn: Callable[..., Any],
+    params: Any,
+    *args: Any,
+    policy: Any = "float16",
+    loss_scale: float = 1.0,
+    **kwargs: Any,
+) -> UnderflowReport:
     """How much of a loss's gradient the low-precision dtype flushes to zero.
 
     Computes the float32 gradient of ``loss_fn`` with respect to ``params``
@@ -404,12 +481,16 @@ def underflow_report(loss_fn: Callable[..., Any], params: Any, *args: Any, polic
     """
     scale = float(loss_scale)
     if not np.isfinite(scale) or scale <= 0:
-        raise ValueError(f"loss_scale must be a finite number > 0, got {loss_scale!r}; e.g. 2.0**12.")
+        raise ValueError(
+            f"loss_scale must be a finite number > 0, got {loss_scale!r}; e.g. 2.0**12."
+        )
     base, pol = _split_fn(loss_fn, policy)
     low = pol.compute_dtype
     g32 = jax.grad(lambda p: jnp.asarray(base(p, *args, **kwargs), jnp.float32))(params)
     amp_loss = AmpFunction(base, pol)
-    gamp = jax.grad(lambda p: jnp.asarray(amp_loss(p, *args, **kwargs), jnp.float32) * scale)(params)
+    gamp = jax.grad(lambda p: jnp.asarray(amp_loss(p, *args, **kwargs), jnp.float32) * scale)(
+        params
+    )
     info = jnp.finfo(low)
     rows = []
     tot_nz = tot_flushed = tot_lost = 0
@@ -427,13 +508,26 @@ def underflow_report(loss_fn: Callable[..., Any], params: Any, *args: Any, polic
         lost = int(jnp.sum(nz & (jnp.asarray(b, jnp.float32) == 0)))
         mx = float(jnp.max(jnp.abs(a32))) if a32.size else 0.0
         max_all = max(max_all, mx)
-        rows.append(UnderflowRow(jax.tree_util.keystr(path) or "(params)", n,
-                                 flushed / n if n else 0.0, sub / n if n else 0.0,
-                                 lost / n if n else 0.0, mx))
+        rows.append(
+            UnderflowRow(
+                jax.tree_util.keystr(path) or "(params)",
+                n,
+                flushed / n if n else 0.0,
+                sub / n if n else 0.0,
+                lost / n if n else 0.0,
+                mx,
+            )
+        )
         tot_nz, tot_flushed, tot_lost = tot_nz + n, tot_flushed + flushed, tot_lost + lost
     if max_all > 0:
         suggested = float(2.0 ** np.clip(np.floor(np.log2(float(info.max) / max_all)) - 1, 0, 24))
     else:
         suggested = 1.0
-    return UnderflowReport(str(np.dtype(low)), scale, rows, tot_flushed / tot_nz if tot_nz else 0.0,
-                           tot_lost / tot_nz if tot_nz else 0.0, suggested)
+    return UnderflowReport(
+        str(np.dtype(low)),
+        scale,
+        rows,
+        tot_flushed / tot_nz if tot_nz else 0.0,
+        tot_lost / tot_nz if tot_nz else 0.0,
+        suggested,
+    )

@@ -36,18 +36,53 @@ from amp_jax._src.policy import FULL_PRECISION_SCOPE, Policy, get_policy, is_man
 from amp_jax._src.transform import AmpFunction, _is_dynamic
 
 #: primitives that move data without arithmetic (0 FLOPs).
-_NO_FLOPS = frozenset({
-    "reshape", "broadcast_in_dim", "transpose", "convert_element_type", "squeeze",
-    "expand_dims", "slice", "dynamic_slice", "dynamic_update_slice", "concatenate",
-    "gather", "scatter", "pad", "rev", "copy", "copy_p", "iota", "select_n",
-    "reduce_precision", "stop_gradient", "device_put", "bitcast_convert_type",
-    "sharding_constraint", "split", "optimization_barrier",
-})
+_NO_FLOPS = frozenset(
+    {
+        "reshape",
+        "broadcast_in_dim",
+        "transpose",
+        "convert_element_type",
+        "squeeze",
+        "expand_dims",
+        "slice",
+        "dynamic_slice",
+        "dynamic_update_slice",
+        "concatenate",
+        "gather",
+        "scatter",
+        "pad",
+        "rev",
+        "copy",
+        "copy_p",
+        "iota",
+        "select_n",
+        "reduce_precision",
+        "stop_gradient",
+        "device_put",
+        "bitcast_convert_type",
+        "sharding_constraint",
+        "split",
+        "optimization_barrier",
+    }
+)
 #: primitives whose FLOPs are one per *input* element.
-_REDUCTIONS = frozenset({
-    "reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax", "argmin",
-    "cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp", "reduce_and", "reduce_or",
-})
+_REDUCTIONS = frozenset(
+    {
+        "reduce_sum",
+        "reduce_max",
+        "reduce_min",
+        "reduce_prod",
+        "argmax",
+        "argmin",
+        "cumsum",
+        "cumprod",
+        "cummax",
+        "cummin",
+        "cumlogsumexp",
+        "reduce_and",
+        "reduce_or",
+    }
+)
 MATMULS = frozenset({"dot_general", "conv_general_dilated", "ragged_dot", "ragged_dot_general"})
 
 
@@ -105,9 +140,12 @@ def ran_in(eqn: Any) -> str:
 
 
 def _is_float_cast(eqn: Any) -> bool:
-    return (eqn.primitive.name == "convert_element_type"
-            and bool(_float_dtypes(eqn.invars)) and bool(_float_dtypes(eqn.outvars))
-            and _float_dtypes(eqn.invars) != _float_dtypes(eqn.outvars))
+    return (
+        eqn.primitive.name == "convert_element_type"
+        and bool(_float_dtypes(eqn.invars))
+        and bool(_float_dtypes(eqn.outvars))
+        and _float_dtypes(eqn.invars) != _float_dtypes(eqn.outvars)
+    )
 
 
 def _touches_float(eqn: Any) -> bool:
@@ -124,7 +162,7 @@ def _scope(stack: str) -> str:
     for part in stack.split("/"):
         # transform names wrap scopes: "transpose(jvp(attn))" -> "attn"
         while "(" in part and part.endswith(")"):
-            part = part[part.index("(") + 1:-1]
+            part = part[part.index("(") + 1 : -1]
         if part:
             parts.append(part)
     return "/".join(parts) or "-"
@@ -200,11 +238,15 @@ def decision_reason(ctx: Context, eqn: Any, color: str) -> str:
 
 
 def _subs_closed(eqn: Any) -> list[Any]:
-    return [s if compat.is_closed_jaxpr(s) else compat.close(s, [])
-            for s in jex_core.jaxprs_in_params(eqn.params)]
+    return [
+        s if compat.is_closed_jaxpr(s) else compat.close(s, [])
+        for s in jex_core.jaxprs_in_params(eqn.params)
+    ]
 
 
-def _decide(ctx: Context, jaxpr: Any, colors: Sequence[str], out: dict, inherited: str | None) -> None:
+def _decide(
+    ctx: Context, jaxpr: Any, colors: Sequence[str], out: dict, inherited: str | None
+) -> None:
     """Fills ``out[(source line, primitive)]`` with a Counter of reasons."""
     for eqn, color in zip(jaxpr.eqns, colors):
         reason = inherited or decision_reason(ctx, eqn, color)
@@ -252,11 +294,16 @@ def _flat_call(fn: Callable[..., Any], args: tuple, kwargs: dict, grad: Any):
         owner += [i] * len(jax.tree.leaves(a))
     owner += [-1] * (len(leaves) - len(owner))
     dyn_owner = [o for o, d in zip(owner, dyn_mask) if d]
-    wrt = [j for j, (o, x) in enumerate(zip(dyn_owner, dyn))
-           if o in argnums and jax.numpy.issubdtype(x.dtype, jax.numpy.floating)]
+    wrt = [
+        j
+        for j, (o, x) in enumerate(zip(dyn_owner, dyn))
+        if o in argnums and jax.numpy.issubdtype(x.dtype, jax.numpy.floating)
+    ]
     if not wrt:
-        raise ValueError(f"grad={grad!r}: positional argument(s) {argnums} hold no floating "
-                         "array to differentiate; pass grad=None or the index of the parameters.")
+        raise ValueError(
+            f"grad={grad!r}: positional argument(s) {argnums} hold no floating "
+            "array to differentiate; pass grad=None or the index of the parameters."
+        )
 
     def grad_call(*dyn_vals):
         def of(diff):
@@ -265,6 +312,7 @@ def _flat_call(fn: Callable[..., Any], args: tuple, kwargs: dict, grad: Any):
                 vals[j] = v
             out = jax.numpy.asarray(call(*vals))
             return out.astype(jax.numpy.float32) if out.ndim == 0 else jax.numpy.sum(out)
+
         return jax.value_and_grad(of)([dyn_vals[j] for j in wrt])
 
     return grad_call, dyn
@@ -277,8 +325,10 @@ def _check_grad(grad: Any) -> Any:
         return 0
     if isinstance(grad, int) or (isinstance(grad, tuple) and all(isinstance(g, int) for g in grad)):
         return grad
-    raise TypeError(f"grad must be a bool, an int or a tuple of ints (argnums), got {grad!r}; "
-                    "e.g. grad=True differentiates the first argument.")
+    raise TypeError(
+        f"grad must be a bool, an int or a tuple of ints (argnums), got {grad!r}; "
+        "e.g. grad=True differentiates the first argument."
+    )
 
 
 def _split_fn(fn: Callable[..., Any], policy: Any) -> tuple[Callable[..., Any], Policy]:
@@ -389,8 +439,20 @@ class Explanation:
         self.policy = policy
 
     def _columns(self, rows: Sequence[ExplainRow]) -> list[tuple[str, ...]]:
-        return [(r.where, r.scope, "bwd" if r.backward else "fwd", r.primitive, r.dtype,
-                 str(r.count), _fmt_num(r.flops), _fmt_num(r.bytes), r.reason) for r in rows]
+        return [
+            (
+                r.where,
+                r.scope,
+                "bwd" if r.backward else "fwd",
+                r.primitive,
+                r.dtype,
+                str(r.count),
+                _fmt_num(r.flops),
+                _fmt_num(r.bytes),
+                r.reason,
+            )
+            for r in rows
+        ]
 
     _HEADER = ("source line", "scope", "pass", "op", "ran in", "runs", "FLOPs", "bytes", "reason")
 
@@ -423,28 +485,37 @@ class Explanation:
         widths = [max(len(r[i]) for r in table) for i in range(len(self._HEADER))]
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in table]
         if len(shown) < len(rows):
-            lines.append(f"... {len(rows) - len(shown)} more rows (format(max_rows=None) shows all)")
+            lines.append(
+                f"... {len(rows) - len(shown)} more rows (format(max_rows=None) shows all)"
+            )
         return "\n".join([*lines, "", *self.summary_lines()])
 
     def __str__(self) -> str:
         return self.format()
 
     def __repr__(self) -> str:
-        return (f"Explanation({len(self.rows)} rows, policy={self.policy.compute_dtype.name!r}, "
-                f"low_flop_share={self.summary.low_flop_share:.3f})")
+        return (
+            f"Explanation({len(self.rows)} rows, policy={self.policy.compute_dtype.name!r}, "
+            f"low_flop_share={self.summary.low_flop_share:.3f})"
+        )
 
     def _repr_html_(self) -> str:
         esc = html.escape
         head = "".join(f"<th style='text-align:left'>{esc(h)}</th>" for h in self._HEADER)
         body = []
         for r, cols in zip(self.rows, self._columns(self.rows)):
-            low = r.dtype in ("bfloat16", "float16") or r.dtype.endswith("->bfloat16") \
+            low = (
+                r.dtype in ("bfloat16", "float16")
+                or r.dtype.endswith("->bfloat16")
                 or r.dtype.endswith("->float16")
+            )
             style = " style='background:#e8f4ea'" if low else ""
             body.append(f"<tr{style}>" + "".join(f"<td>{esc(c)}</td>" for c in cols) + "</tr>")
         summary = "".join(f"<li>{esc(line)}</li>" for line in self.summary_lines())
-        return (f"<div><ul>{summary}</ul><table><thead><tr>{head}</tr></thead>"
-                f"<tbody>{''.join(body)}</tbody></table></div>")
+        return (
+            f"<div><ul>{summary}</ul><table><thead><tr>{head}</tr></thead>"
+            f"<tbody>{''.join(body)}</tbody></table></div>"
+        )
 
 
 def _measure(jaxpr: Any) -> tuple[list[tuple[Any, int]], int, int, int]:
@@ -461,8 +532,9 @@ def _measure(jaxpr: Any) -> tuple[list[tuple[Any, int]], int, int, int]:
     return eqns, nbytes, casts, casts_run
 
 
-def _row_reason(decisions: dict, eqn: Any, stack: str, orig_keys: collections.Counter,
-                seen: collections.Counter) -> str:
+def _row_reason(
+    decisions: dict, eqn: Any, stack: str, orig_keys: collections.Counter, seen: collections.Counter
+) -> str:
     key = (compat.source_line(eqn), eqn.primitive.name)
     found = decisions.get(key)
     if _is_float_cast(eqn):
@@ -475,16 +547,23 @@ def _row_reason(decisions: dict, eqn: Any, stack: str, orig_keys: collections.Co
     else:
         line = [c for (w, _), c in decisions.items() if w == key[0]]
         merged = sum(line, collections.Counter())
-        reason = (f"derived by JAX from this line's ops ({merged.most_common(1)[0][0]})"
-                  if merged else "no amp decision (added by a JAX transformation, "
-                  "or outside the amp function)")
+        reason = (
+            f"derived by JAX from this line's ops ({merged.most_common(1)[0][0]})"
+            if merged
+            else "no amp decision (added by a JAX transformation, or outside the amp function)"
+        )
     if _is_backward(stack) and found:
         return f"backward of: {reason}"
     return reason
 
 
-def explain(fn: Callable[..., Any], *args: Any, policy: Policy | str | Any = None,
-            grad: bool | int | tuple[int, ...] = False, **kwargs: Any) -> Explanation:
+def explain(
+    fn: Callable[..., Any],
+    *args: Any,
+    policy: Policy | str | Any = None,
+    grad: bool | int | tuple[int, ...] = False,
+    **kwargs: Any,
+) -> Explanation:
     """What low precision did to every op of ``fn(*args, **kwargs)``, and why.
 
     Traces the program :func:`amp` runs (the forward pass, or with ``grad``
@@ -544,7 +623,8 @@ def explain(fn: Callable[..., Any], *args: Any, policy: Policy | str | Any = Non
     new_eqns, new_bytes, new_casts, new_casts_run = _measure(new_jaxpr)
     old_eqns, old_bytes, old_casts, old_casts_run = _measure(old_jaxpr)
     orig_cast_keys = collections.Counter(
-        (compat.source_line(e), e.primitive.name) for e, _, _ in old_eqns if _is_float_cast(e))
+        (compat.source_line(e), e.primitive.name) for e, _, _ in old_eqns if _is_float_cast(e)
+    )
 
     groups: dict[tuple, list[int]] = {}
     flops_by: collections.Counter = collections.Counter()
@@ -554,8 +634,14 @@ def explain(fn: Callable[..., Any], *args: Any, policy: Policy | str | Any = Non
         dtype = ran_in(eqn)
         flops = times * eqn_flops(eqn)
         nbytes = times * sum(_nbytes(v.aval) for v in (*eqn.invars, *eqn.outvars))
-        key = (compat.source_line(eqn), _scope(stack), _is_backward(stack), eqn.primitive.name, dtype,
-               _row_reason(decisions, eqn, stack, orig_cast_keys, seen))
+        key = (
+            compat.source_line(eqn),
+            _scope(stack),
+            _is_backward(stack),
+            eqn.primitive.name,
+            dtype,
+            _row_reason(decisions, eqn, stack, orig_cast_keys, seen),
+        )
         acc = groups.setdefault(key, [0, 0, 0])
         acc[0] += times
         acc[1] += flops

@@ -26,8 +26,9 @@ def _why(eqn: Any) -> str:
     return ""
 
 
-def iter_eqns(jaxpr: Any, path: str = "", times: int = 1,
-              stack: tuple[str, ...] = ()) -> Iterator[tuple[Any, str, int, tuple[str, ...]]]:
+def iter_eqns(
+    jaxpr: Any, path: str = "", times: int = 1, stack: tuple[str, ...] = ()
+) -> Iterator[tuple[Any, str, int, tuple[str, ...]]]:
     """``(eqn, enclosing primitives, times it runs, enclosing eqns' name
     stacks)`` for every first-order eqn of ``jaxpr`` and of its sub-jaxprs (a
     ``scan`` body runs ``length`` times; a ``while`` body is counted once,
@@ -40,8 +41,12 @@ def iter_eqns(jaxpr: Any, path: str = "", times: int = 1,
             inner = times * int(eqn.params.get("length", 1)) if name == "scan" else times
             inner_stack = (*stack, str(eqn.source_info.name_stack))
             for sub in subs:
-                yield from iter_eqns(compat.jaxpr_of(sub) if compat.is_closed_jaxpr(sub) else sub,
-                                     f"{path}/{name}" if path else name, inner, inner_stack)
+                yield from iter_eqns(
+                    compat.jaxpr_of(sub) if compat.is_closed_jaxpr(sub) else sub,
+                    f"{path}/{name}" if path else name,
+                    inner,
+                    inner_stack,
+                )
             continue
         yield eqn, path, times, stack
 
@@ -54,7 +59,9 @@ def _walk(jaxpr: Any, counts: collections.Counter, path: str) -> None:
         counts[(name, ins, outs, where or "-", _why(eqn))] += 1
 
 
-def dtype_report(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[tuple[str, str, str, str, int, str]]:
+def dtype_report(
+    fn: Callable[..., Any], *args: Any, **kwargs: Any
+) -> list[tuple[str, str, str, str, int, str]]:
     """Which primitives ran with which dtypes when calling ``fn(*args, **kwargs)``.
 
     Traces ``fn`` (typically an :func:`amp_jax.amp`-wrapped function, possibly
@@ -98,7 +105,9 @@ def dtype_report(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[tupl
     closed = jax.make_jaxpr(traced)(*[x for x, d in zip(leaves, mask) if d])
     counts: collections.Counter = collections.Counter()
     _walk(compat.jaxpr_of(closed), counts, "")
-    return sorted(((*k[:4], n, k[4]) for k, n in counts.items()), key=lambda r: (r[0], r[3], r[1], r[5]))
+    return sorted(
+        ((*k[:4], n, k[4]) for k, n in counts.items()), key=lambda r: (r[0], r[3], r[1], r[5])
+    )
 
 
 def format_dtype_report(rows: list[tuple[str, str, str, str, int, str]]) -> str:

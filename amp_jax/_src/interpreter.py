@@ -34,8 +34,8 @@ from amp_jax._src.rules import RULES, _cpu_batched, default_allow_rule
 
 LOW, HIGH, ORIG = "low", "high", "orig"
 OPAQUE = "opaque"  # higher-order primitive: recursed into, boundary kept
-SKIP = "skip"      # no managed float operand or result
-KEEP = "keep"      # higher-order primitive bound as written (identity policy, full_precision)
+SKIP = "skip"  # no managed float operand or result
+KEEP = "keep"  # higher-order primitive bound as written (identity policy, full_precision)
 
 
 class Context:
@@ -71,7 +71,7 @@ class Context:
         return hit[1]
 
     @property
-    def linear(self) -> "Context":
+    def linear(self) -> Context:
         """This context without the custom_vjp rules (for JVP-rule jaxprs)."""
         if not self.vjp_rules:
             return self
@@ -86,11 +86,13 @@ class Context:
 
     def rewrite_closed(self, closed: Any) -> Any:
         """A closed jaxpr with the same in/out avals as ``closed``, rewritten."""
+
         def make():
             flat = self.prepare(closed)
             colors = plan(self, compat.jaxpr_of(flat))
             return compat.trace_to_closed_jaxpr(
-                lambda *a: eval_jaxpr(self, flat, a, colors), compat.in_avals(closed))
+                lambda *a: eval_jaxpr(self, flat, a, colors), compat.in_avals(closed)
+            )
 
         return self.cached("rewrite", closed, make)
 
@@ -136,9 +138,14 @@ class Context:
         if eqn.primitive.name not in compat.CUSTOM_JVP_NAMES or eqn.params.get("num_consts", 0):
             return False
         body = eqn.params["call_jaxpr"]
-        return self.cached("transparent", body, lambda: all(
-            c in ("follow", "clear", SKIP)
-            for c in (self.classify(e) for e in compat.jaxpr_of(self.prepare(body)).eqns)))
+        return self.cached(
+            "transparent",
+            body,
+            lambda: all(
+                c in ("follow", "clear", SKIP)
+                for c in (self.classify(e) for e in compat.jaxpr_of(self.prepare(body)).eqns)
+            ),
+        )
 
     def in_full_precision(self, eqn: Any) -> bool:
         stack = compat.name_stack_str(eqn)
@@ -175,19 +182,31 @@ def _contraction_and_flops(eqn: Any) -> tuple[int, int] | None:
 def stays_high(eqn: Any, policy: Policy) -> str | None:
     """Why an ``allow`` eqn stays in its original precision, or None to lower it."""
     dtypes = [getattr(v.aval, "dtype", None) for v in eqn.invars]
-    if any(d is not None and np.issubdtype(d, np.inexact) and not is_managed_float(d) for d in dtypes):
+    if any(
+        d is not None and np.issubdtype(d, np.inexact) and not is_managed_float(d) for d in dtypes
+    ):
         return "wide_operand"
     precision = eqn.params.get("precision")
     parts = precision if isinstance(precision, tuple) else (precision,)
     if any(p is not None and getattr(p, "name", str(p)) != "DEFAULT" for p in parts):
         return "explicit_precision"
     sizes = _contraction_and_flops(eqn)
-    if sizes is not None and (sizes[0] < policy.min_low_contraction or sizes[1] < policy.min_low_flops):
+    if sizes is not None and (
+        sizes[0] < policy.min_low_contraction or sizes[1] < policy.min_low_flops
+    ):
         return "too_small"
     if eqn.primitive.name == "dot_general" and policy.min_low_flops:
         (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-        free = [eqn.invars[0].aval.shape[d] for d in range(eqn.invars[0].aval.ndim) if d not in (*lc, *lb)]
-        free += [eqn.invars[1].aval.shape[d] for d in range(eqn.invars[1].aval.ndim) if d not in (*rc, *rb)]
+        free = [
+            eqn.invars[0].aval.shape[d]
+            for d in range(eqn.invars[0].aval.ndim)
+            if d not in (*lc, *lb)
+        ]
+        free += [
+            eqn.invars[1].aval.shape[d]
+            for d in range(eqn.invars[1].aval.ndim)
+            if d not in (*rc, *rb)
+        ]
         if int(np.prod(free, dtype=np.int64)) == 1:  # a (batch of) vector-vector dot product(s)
             return "too_small"
     return None
@@ -231,7 +250,10 @@ def _reach(starts: Sequence[int], edges: list[list[int]], allowed: set[int]) -> 
 def paint(classes: list[str], jaxpr: Any) -> list[str]:
     """Colors (``low``/``high``/``orig``) for each eqn, from their classes."""
     preds, succs = _graph(jaxpr)
-    idx = {c: {i for i, k in enumerate(classes) if k == c} for c in ("allow", "deny", "follow", "clear")}
+    idx = {
+        c: {i for i, k in enumerate(classes) if k == c}
+        for c in ("allow", "deny", "follow", "clear")
+    }
     allow, deny, follow, clear = idx["allow"], idx["deny"], idx["follow"], idx["clear"]
     # 1. deny propagates forward through follow ops, and through clear ops
     #    only where a follow op is further downstream.
@@ -259,8 +281,11 @@ def paint(classes: list[str], jaxpr: Any) -> list[str]:
     outs = {v for v in jaxpr.outvars if not isinstance(v, compat.Literal)}
     while True:
         ok = low | up
-        drop = {i for i in up if any(j not in ok for j in succs[i])
-                or any(v in outs for v in jaxpr.eqns[i].outvars)}
+        drop = {
+            i
+            for i in up
+            if any(j not in ok for j in succs[i]) or any(v in outs for v in jaxpr.eqns[i].outvars)
+        }
         if not drop:
             break
         up -= drop
@@ -313,8 +338,12 @@ class _Env:
         if isinstance(atom, compat.Literal) or tuple(atom.aval.shape) == tuple(shape):
             return self.read(atom, dtype)
         val = self.vals[atom]
-        if (dtype is None or np.dtype(val.dtype) == dtype or len(shape) != val.ndim
-                or any(a not in (b, 1) for a, b in zip(val.shape, shape))):
+        if (
+            dtype is None
+            or np.dtype(val.dtype) == dtype
+            or len(shape) != val.ndim
+            or any(a not in (b, 1) for a, b in zip(val.shape, shape))
+        ):
             return self.read(atom, dtype)
         key = (atom, dtype, tuple(shape))
         if key not in self.casts:
@@ -364,8 +393,9 @@ def _unrepresentable(value: Any, dtype: np.dtype) -> bool:
     return bool(bad.any())
 
 
-_CONSTANT_PASSTHROUGH = frozenset({"broadcast_in_dim", "reshape", "convert_element_type", "copy", "squeeze",
-                                   "expand_dims"})
+_CONSTANT_PASSTHROUGH = frozenset(
+    {"broadcast_in_dim", "reshape", "convert_element_type", "copy", "squeeze", "expand_dims"}
+)
 
 
 def _reads_unrepresentable_constant(jaxpr: Any, dtype: np.dtype) -> list[int]:
@@ -379,7 +409,8 @@ def _reads_unrepresentable_constant(jaxpr: Any, dtype: np.dtype) -> list[int]:
         reads_bad = any(
             (isinstance(v, compat.Literal) and _unrepresentable(compat.literal_value(v), dtype))
             or (not isinstance(v, compat.Literal) and v in bad)
-            for v in eqn.invars)
+            for v in eqn.invars
+        )
         if not reads_bad:
             continue
         if eqn.primitive.name in _CONSTANT_PASSTHROUGH and len(eqn.invars) == 1:
@@ -389,8 +420,13 @@ def _reads_unrepresentable_constant(jaxpr: Any, dtype: np.dtype) -> list[int]:
     return found
 
 
-def eval_jaxpr(ctx: Context, closed: Any, args: Sequence[Any], colors: list[str] | None = None,
-               cast_outputs: bool = True) -> list[Any]:
+def eval_jaxpr(
+    ctx: Context,
+    closed: Any,
+    args: Sequence[Any],
+    colors: list[str] | None = None,
+    cast_outputs: bool = True,
+) -> list[Any]:
     """Evaluates ``closed`` on ``args`` under the policy; outputs keep their
     dtypes (unless ``cast_outputs`` is false: then they are as computed)."""
     jaxpr = compat.jaxpr_of(closed)
@@ -419,31 +455,44 @@ def eval_jaxpr(ctx: Context, closed: Any, args: Sequence[Any], colors: list[str]
             elif color == LOW and eqn.primitive.name in compat.CUSTOM_JVP_NAMES:
                 invals = [env.read(v, _target_dtype(v.aval, color, cd)) for v in eqn.invars]
                 avals = tuple(compat.aval_of(x) for x in invals)
-                params = ctx.cached(("custom_jvp_low", avals), eqn, lambda: _custom_jvp_low(ctx, eqn, avals))
+                params = ctx.cached(
+                    ("custom_jvp_low", avals), eqn, lambda: _custom_jvp_low(ctx, eqn, avals)
+                )
                 outs = compat.bind_eqn(eqn, invals, params)
             elif color == OPAQUE or (color == ORIG and compat.has_subjaxprs(eqn)):
                 invals = [env.read(v, _target_dtype(v.aval, ORIG, cd)) for v in eqn.invars]
                 if eqn.primitive.name in compat.SHARD_MAP_NAMES:
                     outs = ctx.cached("shard_map", eqn, lambda: _shard_map_fn(ctx, eqn))(*invals)
-                elif (hoisted := ctx.cached("hoist", eqn, lambda: _plan_hoisted_casts(ctx, eqn))):
+                elif hoisted := ctx.cached("hoist", eqn, lambda: _plan_hoisted_casts(ctx, eqn)):
                     hoist, new_params = hoisted
                     for i in hoist:
                         invals[i] = lax.convert_element_type(invals[i], cd)
                     outs = compat.bind_eqn(eqn, invals, new_params)
                 else:
-                    params = ctx.cached("params", eqn, lambda: compat.map_subjaxprs(
-                        eqn, ctx.rewrite_closed, ctx.linear.rewrite_closed))
+                    params = ctx.cached(
+                        "params",
+                        eqn,
+                        lambda: compat.map_subjaxprs(
+                            eqn, ctx.rewrite_closed, ctx.linear.rewrite_closed
+                        ),
+                    )
                     outs = compat.bind_eqn(eqn, invals, params)
             elif color == SKIP:
                 outs = compat.bind_eqn(eqn, [env.read(v, None) for v in eqn.invars])
             elif color == LOW and ctx.policy.class_of(eqn.primitive.name) == "allow":
                 invals = [env.read(v, None) for v in eqn.invars]
-                rule = RULES.get(eqn.primitive.name, default_allow_rule) if ctx.vjp_rules else default_allow_rule
+                rule = (
+                    RULES.get(eqn.primitive.name, default_allow_rule)
+                    if ctx.vjp_rules
+                    else default_allow_rule
+                )
                 outs = rule(eqn, invals, cd, ctx.policy.allow_output_dtype(ctx.backend))
             elif color == LOW and eqn.primitive.name in _BROADCASTING:
                 shape = tuple(getattr(eqn.outvars[0].aval, "shape", ()))
-                invals = [env.read_broadcast(v, _target_dtype(v.aval, color, cd), shape)
-                          for v in eqn.invars]
+                invals = [
+                    env.read_broadcast(v, _target_dtype(v.aval, color, cd), shape)
+                    for v in eqn.invars
+                ]
                 outs = compat.bind_eqn(eqn, invals)
             else:
                 invals = [env.read(v, _target_dtype(v.aval, color, cd)) for v in eqn.invars]
@@ -465,7 +514,9 @@ def _plan_attention(ctx: Context, closed: Any) -> dict[int, tuple[Any, str]]:
         if ctx.in_full_precision(match.source) or ctx.in_full_precision(jaxpr.eqns[i]):
             ctx.attention_log.append((where, None, "in a full_precision scope"))
             continue
-        impl, reason = attention.decide(match, ctx.policy.attention, ctx.backend, ctx.policy.compute_dtype)
+        impl, reason = attention.decide(
+            match, ctx.policy.attention, ctx.backend, ctx.policy.compute_dtype
+        )
         ctx.attention_log.append((where, impl, reason))
         if impl is not None:
             plan_[i] = (match, impl)
@@ -482,7 +533,9 @@ def _custom_jvp_low(ctx: Context, eqn: Any, low_avals: Sequence[Any]) -> dict[st
     are the same with and without differentiation.
     """
     body = ctx.prepare(eqn.params["call_jaxpr"])
-    colors = [c if c == SKIP else LOW for c in (ctx.classify(e) for e in compat.jaxpr_of(body).eqns)]
+    colors = [
+        c if c == SKIP else LOW for c in (ctx.classify(e) for e in compat.jaxpr_of(body).eqns)
+    ]
     orig_avals = [v.aval for v in eqn.invars]
 
     def primal(*xs):
@@ -494,23 +547,30 @@ def _custom_jvp_low(ctx: Context, eqn: Any, low_avals: Sequence[Any]) -> dict[st
     def jvp_jaxpr(*zeros):
         jaxpr, consts, out_zeros = rule_fun.call_wrapped(*zeros)
         rule = compat.close(jaxpr, consts)
-        tan_in = [(lo.to_tangent_aval(), hi.to_tangent_aval())
-                  for lo, hi, z in zip(low_avals, orig_avals, zeros) if not z]
+        tan_in = [
+            (lo.to_tangent_aval(), hi.to_tangent_aval())
+            for lo, hi, z in zip(low_avals, orig_avals, zeros)
+            if not z
+        ]
 
         def jvp(*xs):
-            prims, tans = xs[:len(low_avals)], xs[len(low_avals):]
+            prims, tans = xs[: len(low_avals)], xs[len(low_avals) :]
             p_out = primal(*prims)
             up = [_cast(x, hi.dtype) for x, hi in zip(prims, orig_avals)]
             up += [_cast(t, hi.dtype) for t, (_, hi) in zip(tans, tan_in)]
-            t_out = eval_jaxpr(ctx.linear, rule, up)[len(out_zeros):]
+            t_out = eval_jaxpr(ctx.linear, rule, up)[len(out_zeros) :]
             nz = [p for p, z in zip(p_out, out_zeros) if not z]
-            return [*p_out, *(_cast(t, compat.aval_of(p).to_tangent_aval().dtype) for t, p in zip(t_out, nz))]
+            return [
+                *p_out,
+                *(_cast(t, compat.aval_of(p).to_tangent_aval().dtype) for t, p in zip(t_out, nz)),
+            ]
 
         new = compat.trace_to_closed_jaxpr(jvp, [*low_avals, *(lo for lo, _ in tan_in)])
         return compat.jaxpr_of(new), compat.consts_of(new), out_zeros
 
-    return dict(eqn.params, call_jaxpr=new_call,
-                jvp_jaxpr_fun=compat.memoized_fun(jvp_jaxpr, rule_fun))
+    return dict(
+        eqn.params, call_jaxpr=new_call, jvp_jaxpr_fun=compat.memoized_fun(jvp_jaxpr, rule_fun)
+    )
 
 
 def _shard_map_fn(ctx: Context, eqn: Any) -> Any:
@@ -522,7 +582,11 @@ def _shard_map_fn(ctx: Context, eqn: Any) -> Any:
 
 def _reads_low(ctx: Context, eqn: Any, color: str, v: Any) -> bool:
     """Whether ``eqn`` (painted ``color``) reads ``v`` only in the compute dtype."""
-    if color != LOW or compat.has_subjaxprs(eqn) and eqn.primitive.name not in compat.CUSTOM_JVP_NAMES:
+    if (
+        color != LOW
+        or compat.has_subjaxprs(eqn)
+        and eqn.primitive.name not in compat.CUSTOM_JVP_NAMES
+    ):
         return False
     if eqn.primitive.name == "dot_general" and _cpu_batched(eqn):
         return False  # upcast to float32 by its rule
@@ -574,10 +638,24 @@ def _cast(x: Any, dtype: Any) -> Any:
 
 
 #: n-ary elementwise primitives that broadcast size-1 dimensions implicitly.
-_BROADCASTING = frozenset({
-    "add", "add_any", "sub", "mul", "div", "max", "min", "atan2", "rem", "pow",
-    "nextafter", "select_n", "clamp", "copysign",
-})
+_BROADCASTING = frozenset(
+    {
+        "add",
+        "add_any",
+        "sub",
+        "mul",
+        "div",
+        "max",
+        "min",
+        "atan2",
+        "rem",
+        "pow",
+        "nextafter",
+        "select_n",
+        "clamp",
+        "copysign",
+    }
+)
 
 
 def _orig_dtype(atom: Any) -> Any:

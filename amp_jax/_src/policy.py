@@ -46,17 +46,56 @@ DEFAULT_ALLOW: frozenset[str] = frozenset(
 DEFAULT_DENY: frozenset[str] = frozenset(
     {
         # exp / log / pow family
-        "exp", "exp2", "expm1", "log", "log1p", "pow", "rsqrt",
-        "sinh", "cosh", "tan", "asin", "acos", "acosh", "asinh", "atanh",
-        "erf_inv", "lgamma", "digamma", "igamma", "igammac", "igamma_grad_a",
-        "random_gamma_grad", "polygamma", "zeta", "bessel_i0e", "bessel_i1e",
+        "exp",
+        "exp2",
+        "expm1",
+        "log",
+        "log1p",
+        "pow",
+        "rsqrt",
+        "sinh",
+        "cosh",
+        "tan",
+        "asin",
+        "acos",
+        "acosh",
+        "asinh",
+        "atanh",
+        "erf_inv",
+        "lgamma",
+        "digamma",
+        "igamma",
+        "igammac",
+        "igamma_grad_a",
+        "random_gamma_grad",
+        "polygamma",
+        "zeta",
+        "bessel_i0e",
+        "bessel_i1e",
         "regularized_incomplete_beta",
         # accumulating reductions and scans
-        "reduce_sum", "reduce_prod", "cumsum", "cumprod", "cumlogsumexp",
-        "reduce_window_sum", "psum", "psum_invariant", "psum2",
+        "reduce_sum",
+        "reduce_prod",
+        "cumsum",
+        "cumprod",
+        "cumlogsumexp",
+        "reduce_window_sum",
+        "psum",
+        "psum_invariant",
+        "psum2",
         # linear algebra that needs the precision
-        "cholesky", "triangular_solve", "lu", "qr", "svd", "eigh", "eig",
-        "householder_product", "tridiagonal_solve", "schur", "hessenberg", "fft",
+        "cholesky",
+        "triangular_solve",
+        "lu",
+        "qr",
+        "svd",
+        "eigh",
+        "eig",
+        "householder_product",
+        "tridiagonal_solve",
+        "schur",
+        "hessenberg",
+        "fft",
         "tridiagonal",
     }
 )
@@ -65,13 +104,44 @@ DEFAULT_DENY: frozenset[str] = frozenset(
 #: Elementwise arithmetic: follows its inputs; low between two allow ops.
 DEFAULT_FOLLOW: frozenset[str] = frozenset(
     {
-        "add", "add_any", "sub", "mul", "div", "neg", "abs", "sign",
-        "integer_pow", "square", "sqrt", "cbrt", "tanh", "logistic", "erf", "erfc",
-        "sin", "cos", "atan", "atan2", "rem", "nextafter", "floor", "ceil", "round",
-        "clamp", "reduce_window", "select_and_scatter_add", "select_and_gather_add",
-        "scatter_add", "scatter_sub", "scatter_mul", "copysign",
+        "add",
+        "add_any",
+        "sub",
+        "mul",
+        "div",
+        "neg",
+        "abs",
+        "sign",
+        "integer_pow",
+        "square",
+        "sqrt",
+        "cbrt",
+        "tanh",
+        "logistic",
+        "erf",
+        "erfc",
+        "sin",
+        "cos",
+        "atan",
+        "atan2",
+        "rem",
+        "nextafter",
+        "floor",
+        "ceil",
+        "round",
+        "clamp",
+        "reduce_window",
+        "select_and_scatter_add",
+        "select_and_gather_add",
+        "scatter_add",
+        "scatter_sub",
+        "scatter_mul",
+        "copysign",
         # JAX's own spellings of the scatter primitives
-        "scatter-add", "scatter-sub", "scatter-mul", "select_and_scatter",
+        "scatter-add",
+        "scatter-sub",
+        "scatter-mul",
+        "select_and_scatter",
     }
 )
 """Elementwise arithmetic: follows its inputs; runs low between two allow ops."""
@@ -79,18 +149,72 @@ DEFAULT_FOLLOW: frozenset[str] = frozenset(
 #: Data movement, comparisons, max/min: numerically neutral.
 DEFAULT_CLEAR: frozenset[str] = frozenset(
     {
-        "reshape", "transpose", "broadcast_in_dim", "squeeze", "expand_dims",
-        "slice", "dynamic_slice", "dynamic_update_slice", "gather", "scatter",
-        "concatenate", "pad", "rev", "select_n", "copy", "copy_p",
-        "stop_gradient", "max", "min", "reduce_max", "reduce_min",
-        "reduce_window_max", "reduce_window_min", "cummax", "cummin",
-        "argmax", "argmin", "eq", "ne", "lt", "le", "gt", "ge", "is_finite",
-        "sort", "top_k", "approx_top_k", "sharding_constraint", "device_put",
-        "scatter_max", "scatter_min", "pmax", "pmin", "all_gather", "all_to_all",
-        "ppermute", "psum_scatter", "reduce_scatter", "optimization_barrier",
-        "real", "imag", "conj", "name", "pvary", "reshard", "mesh_cast",
-        "all_gather_invariant", "axis_index", "split",
-        "tile", "eq_to", "le_to", "lt_to", "scatter-max", "scatter-min", "ragged_all_to_all",
+        "reshape",
+        "transpose",
+        "broadcast_in_dim",
+        "squeeze",
+        "expand_dims",
+        "slice",
+        "dynamic_slice",
+        "dynamic_update_slice",
+        "gather",
+        "scatter",
+        "concatenate",
+        "pad",
+        "rev",
+        "select_n",
+        "copy",
+        "copy_p",
+        "stop_gradient",
+        "max",
+        "min",
+        "reduce_max",
+        "reduce_min",
+        "reduce_window_max",
+        "reduce_window_min",
+        "cummax",
+        "cummin",
+        "argmax",
+        "argmin",
+        "eq",
+        "ne",
+        "lt",
+        "le",
+        "gt",
+        "ge",
+        "is_finite",
+        "sort",
+        "top_k",
+        "approx_top_k",
+        "sharding_constraint",
+        "device_put",
+        "scatter_max",
+        "scatter_min",
+        "pmax",
+        "pmin",
+        "all_gather",
+        "all_to_all",
+        "ppermute",
+        "psum_scatter",
+        "reduce_scatter",
+        "optimization_barrier",
+        "real",
+        "imag",
+        "conj",
+        "name",
+        "pvary",
+        "reshard",
+        "mesh_cast",
+        "all_gather_invariant",
+        "axis_index",
+        "split",
+        "tile",
+        "eq_to",
+        "le_to",
+        "lt_to",
+        "scatter-max",
+        "scatter-min",
+        "ragged_all_to_all",
     }
 )
 """Data movement, comparisons, max/min: numerically neutral, follows its inputs."""
@@ -98,16 +222,45 @@ DEFAULT_CLEAR: frozenset[str] = frozenset(
 #: Operand dtypes are part of the meaning: never changed.
 DEFAULT_NEVER: frozenset[str] = frozenset(
     {
-        "convert_element_type", "bitcast_convert_type", "reduce_precision",
-        "random_bits", "random_seed", "random_wrap", "random_unwrap",
-        "random_fold_in", "random_split", "threefry2x32", "rng_bit_generator",
-        "rng_uniform", "iota", "reduce", "reduce_and", "reduce_or", "reduce_xor",
-        "population_count", "clz", "shift_left", "shift_right_logical",
-        "shift_right_arithmetic", "and", "or", "not", "xor", "complex",
-        "linear_solve", "custom_linear_solve",
+        "convert_element_type",
+        "bitcast_convert_type",
+        "reduce_precision",
+        "random_bits",
+        "random_seed",
+        "random_wrap",
+        "random_unwrap",
+        "random_fold_in",
+        "random_split",
+        "threefry2x32",
+        "rng_bit_generator",
+        "rng_uniform",
+        "iota",
+        "reduce",
+        "reduce_and",
+        "reduce_or",
+        "reduce_xor",
+        "population_count",
+        "clz",
+        "shift_left",
+        "shift_right_logical",
+        "shift_right_arithmetic",
+        "and",
+        "or",
+        "not",
+        "xor",
+        "complex",
+        "linear_solve",
+        "custom_linear_solve",
         # host callbacks see the dtypes the user's code declared
-        "pure_callback", "io_callback", "debug_callback", "debug_print", "ffi_call",
-        "random_gamma", "mulhi", "create_token", "after_all",
+        "pure_callback",
+        "io_callback",
+        "debug_callback",
+        "debug_print",
+        "ffi_call",
+        "random_gamma",
+        "mulhi",
+        "create_token",
+        "after_all",
     }
 )
 """Primitives whose operand dtypes are part of their meaning (casts, bit casts, random bits, custom reductions): never changed."""
@@ -197,7 +350,8 @@ def _check_spelling(name: str, argname: str) -> None:
     if close:
         raise ValueError(
             f"{argname}: {name!r} is not a JAX primitive; did you mean {close[0]!r}? "
-            "(amp_jax.get_policy('bfloat16').table() lists the classified ones.)")
+            "(amp_jax.get_policy('bfloat16').table() lists the classified ones.)"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -283,7 +437,8 @@ class Policy:
         elif overrides and not all(isinstance(o, tuple) and len(o) == 2 for o in overrides):
             raise TypeError(
                 f"overrides={self.overrides!r} must map primitive names to classes, e.g. "
-                "overrides={'exp': 'follow'}.")
+                "overrides={'exp': 'follow'}."
+            )
         pairs = []
         for name, cls in overrides or ():
             _check_spelling(str(name), "overrides")
@@ -294,37 +449,45 @@ class Policy:
             pairs.append((str(name), cls))
         object.__setattr__(self, "overrides", tuple(sorted(pairs)))
         for i, a in enumerate(OP_CLASSES):
-            for b in OP_CLASSES[i + 1:]:
+            for b in OP_CLASSES[i + 1 :]:
                 both = getattr(self, a) & getattr(self, b)
                 if both:
                     name = sorted(both)[0]
                     raise ValueError(
                         f"Policy: {sorted(both)} are in both `{a}` and `{b}`; a primitive has one "
                         f"class. To move one, keep the default lists and use "
-                        f"overrides={{{name!r}: {b!r}}} (or remove it from `{a}`).")
+                        f"overrides={{{name!r}: {b!r}}} (or remove it from `{a}`)."
+                    )
         scopes = self.full_precision_scopes
         if isinstance(scopes, str):
             scopes = (scopes,)
-        if scopes and (not isinstance(scopes, Iterable) or not all(isinstance(x, str) for x in scopes)):
+        if scopes and (
+            not isinstance(scopes, Iterable) or not all(isinstance(x, str) for x in scopes)
+        ):
             raise TypeError(
                 f"full_precision_scopes={self.full_precision_scopes!r} must be jax.named_scope names "
-                "(a str or a tuple of str), e.g. full_precision_scopes=('head',).")
+                "(a str or a tuple of str), e.g. full_precision_scopes=('head',)."
+            )
         object.__setattr__(self, "full_precision_scopes", tuple(sorted(set(scopes or ()))))
         if not isinstance(self.strict, bool) or not isinstance(self.backend_aware, bool):
             raise TypeError("strict and backend_aware must be bools.")
         for name in ("min_low_contraction", "min_low_flops"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
-                raise ValueError(f"Policy({name}={value!r}) must be an int >= 0 (0 lowers every allow op).")
+                raise ValueError(
+                    f"Policy({name}={value!r}) must be an int >= 0 (0 lowers every allow op)."
+                )
             object.__setattr__(self, name, int(value))
         if self.attention not in _ATTENTION:
             raise ValueError(
                 f"Policy(attention={self.attention!r}) is not one of {_ATTENTION}: 'auto' fuses "
-                "attention with cuDNN on GPU, 'off' never rewrites, 'cudnn'/'xla' force one.")
+                "attention with cuDNN on GPU, 'off' never rewrites, 'cudnn'/'xla' force one."
+            )
         if self.allow_outputs not in _ALLOW_OUTPUTS:
             raise ValueError(
                 f"Policy(allow_outputs={self.allow_outputs!r}) is not one of {_ALLOW_OUTPUTS}: "
-                "'auto' picks per backend, 'float32' or 'compute' force the dtype allow ops write.")
+                "'auto' picks per backend, 'float32' or 'compute' force the dtype allow ops write."
+            )
 
     # -- queries -----------------------------------------------------------
     @property
@@ -357,10 +520,11 @@ class Policy:
     def allow_output_dtype(self, backend: str) -> np.dtype:
         """The dtype ``allow`` ops write on ``backend`` (see ``allow_outputs``)."""
         low = self.allow_outputs == "compute" or (
-            self.allow_outputs == "auto" and backend in BACKEND_LOW_OUTPUTS)
+            self.allow_outputs == "auto" and backend in BACKEND_LOW_OUTPUTS
+        )
         return self.compute_dtype if low else HIGH_DTYPE
 
-    def replace(self, **changes: Any) -> "Policy":
+    def replace(self, **changes: Any) -> Policy:
         """A copy of this policy with some fields changed."""
         return dataclasses.replace(self, **changes)
 
@@ -389,7 +553,7 @@ _ALLOW_OUTPUTS = ("auto", "float32", "compute")
 _ATTENTION = ("auto", "off", "cudnn", "xla")
 
 
-def get_policy(policy: "Policy | str | Any") -> Policy:
+def get_policy(policy: Policy | str | Any) -> Policy:
     """Resolves ``policy`` (a :class:`Policy`, a preset name or a dtype) to a Policy.
 
     Args:
@@ -439,4 +603,3 @@ def is_managed_float(dtype: Any) -> bool:
 
 _MANAGED = frozenset(np.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16))
 HIGH_DTYPE = np.dtype(np.float32)
-

@@ -65,8 +65,9 @@ def _acc_dtype(eqn: Any, out_dtype: Any = HIGH_DTYPE) -> Any:
     return out_dtype
 
 
-def default_allow_rule(eqn: Any, invals: Sequence[Any], compute_dtype: np.dtype,
-                       out_dtype: np.dtype = HIGH_DTYPE) -> list[Any]:
+def default_allow_rule(
+    eqn: Any, invals: Sequence[Any], compute_dtype: np.dtype, out_dtype: np.dtype = HIGH_DTYPE
+) -> list[Any]:
     vals = [_lower(v, compute_dtype) for v in invals]
     params = dict(eqn.params)
     if "preferred_element_type" in params:
@@ -83,9 +84,18 @@ def _perm_to(result_dims: list[int]) -> tuple[int, ...]:
 
 
 def _dot_transpose(
-    ct: Any, other: Any, ndim: int, contract: Sequence[int], batch: Sequence[int],
-    other_contract: Sequence[int], other_batch: Sequence[int], other_ndim: int,
-    ct_is_lhs_side: bool, precision: Any, acc: Any, like: Any = None,
+    ct: Any,
+    other: Any,
+    ndim: int,
+    contract: Sequence[int],
+    batch: Sequence[int],
+    other_contract: Sequence[int],
+    other_batch: Sequence[int],
+    other_ndim: int,
+    ct_is_lhs_side: bool,
+    precision: Any,
+    acc: Any,
+    like: Any = None,
 ) -> Any:
     """Cotangent of one dot_general operand ``a`` given ``other``.
 
@@ -98,11 +108,9 @@ def _dot_transpose(
     o_kept = [d for d in range(other_ndim) if d not in other_contract and d not in other_batch]
     n_lhs_kept = len(a_kept) if ct_is_lhs_side else len(o_kept)
     if ct_is_lhs_side:
-        ct_a_kept = list(range(nb, nb + len(a_kept)))
         ct_o_kept = list(range(nb + len(a_kept), nb + len(a_kept) + len(o_kept)))
     else:
         ct_o_kept = list(range(nb, nb + n_lhs_kept))
-        ct_a_kept = list(range(nb + n_lhs_kept, nb + n_lhs_kept + len(a_kept)))
     ct_batch = list(range(nb))
     # Contract ct's "other kept" axes with other's kept axes; batch over batch.
     # The leftover axes of `other` are its contracting dims, which pair with ours.
@@ -150,7 +158,7 @@ def materialized_transpose(x: Any, perm: Sequence[int]) -> Any:
     if split is None:
         return lax.transpose(x, perm)
     f = _split_factor(shape[split])
-    shape3 = shape[:split] + (shape[split] // f, f) + shape[split + 1:]
+    shape3 = shape[:split] + (shape[split] // f, f) + shape[split + 1 :]
     # dims of the split array: d < split -> d, split -> (split, split+1), d > split -> d+1
     new_perm: list[int] = []
     for d in perm:
@@ -181,8 +189,14 @@ def _dot(a: Any, b: Any, dims: Any, precision: Any, acc: Any, out_sharding: Any 
     """
     (ca, cb), (ba, bb) = dims
     extra = {} if out_sharding is None else {"out_sharding": out_sharding}
-    if (ba or bb or not _cpu_fast_layouts() or np.dtype(a.dtype) != np.dtype(jax.numpy.bfloat16)
-            or np.dtype(b.dtype) != np.dtype(jax.numpy.bfloat16) or out_sharding is not None):
+    if (
+        ba
+        or bb
+        or not _cpu_fast_layouts()
+        or np.dtype(a.dtype) != np.dtype(jax.numpy.bfloat16)
+        or np.dtype(b.dtype) != np.dtype(jax.numpy.bfloat16)
+        or out_sharding is not None
+    ):
         return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=acc, **extra)
     ca, cb = tuple(ca), tuple(cb)
     na, nb, k = a.ndim, b.ndim, len(ca)
@@ -194,12 +208,21 @@ def _dot(a: Any, b: Any, dims: Any, precision: Any, acc: Any, out_sharding: Any 
         b_kept = [d for d in range(nb) if d not in cb]
         b = materialized_transpose(b, (*cb, *b_kept))
         cb = tuple(range(k))
-    return lax.dot_general(a, b, ((ca, cb), ((), ())), precision=precision, preferred_element_type=acc)
+    return lax.dot_general(
+        a, b, ((ca, cb), ((), ())), precision=precision, preferred_element_type=acc
+    )
 
 
-@functools.lru_cache(maxsize=None)
-def _amp_dot(dims: Any, precision: Any, acc: Any, out_sharding: Any,
-             compute_dtype: np.dtype, x_dtype: np.dtype, y_dtype: np.dtype) -> Callable:
+@functools.cache
+def _amp_dot(
+    dims: Any,
+    precision: Any,
+    acc: Any,
+    out_sharding: Any,
+    compute_dtype: np.dtype,
+    x_dtype: np.dtype,
+    y_dtype: np.dtype,
+) -> Callable:
     (xc, yc), (xb, yb) = dims
     extra = {} if out_sharding is None else {"out_sharding": out_sharding}
 
@@ -207,14 +230,17 @@ def _amp_dot(dims: Any, precision: Any, acc: Any, out_sharding: Any,
         return _lower(v, compute_dtype)
 
     def primal(x, y):
-        return lax.dot_general(cast(x), cast(y), dims, precision=precision,
-                               preferred_element_type=acc, **extra)
+        return lax.dot_general(
+            cast(x), cast(y), dims, precision=precision, preferred_element_type=acc, **extra
+        )
 
     f = jax.custom_vjp(primal)
 
     def fwd(x, y):
         xl, yl = cast(x), cast(y)
-        out = lax.dot_general(xl, yl, dims, precision=precision, preferred_element_type=acc, **extra)
+        out = lax.dot_general(
+            xl, yl, dims, precision=precision, preferred_element_type=acc, **extra
+        )
         return out, (xl, yl)
 
     def bwd(res, ct):
@@ -235,16 +261,24 @@ def _cpu_batched(eqn: Any) -> bool:
     return bool(xb) and jax.default_backend() == "cpu"
 
 
-def dot_general_rule(eqn: Any, invals: Sequence[Any], compute_dtype: np.dtype,
-                     out_dtype: np.dtype = HIGH_DTYPE) -> list[Any]:
+def dot_general_rule(
+    eqn: Any, invals: Sequence[Any], compute_dtype: np.dtype, out_dtype: np.dtype = HIGH_DTYPE
+) -> list[Any]:
     x, y = invals
     if not (is_managed_float(x.dtype) and is_managed_float(y.dtype)):
         return default_allow_rule(eqn, invals, compute_dtype, out_dtype)
     p = eqn.params
     if _cpu_batched(eqn):
         return default_allow_rule(eqn, [v.astype(HIGH_DTYPE) for v in invals], HIGH_DTYPE)
-    f = _amp_dot(p["dimension_numbers"], p.get("precision"), _acc_dtype(eqn, out_dtype),
-                 p.get("out_sharding"), compute_dtype, np.dtype(x.dtype), np.dtype(y.dtype))
+    f = _amp_dot(
+        p["dimension_numbers"],
+        p.get("precision"),
+        _acc_dtype(eqn, out_dtype),
+        p.get("out_sharding"),
+        compute_dtype,
+        np.dtype(x.dtype),
+        np.dtype(y.dtype),
+    )
     return [f(x, y)]
 
 
@@ -255,9 +289,14 @@ def _freeze(params: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
     return tuple(sorted(params.items()))
 
 
-@functools.lru_cache(maxsize=None)
-def _amp_conv(frozen: tuple[tuple[str, Any], ...], acc: Any, compute_dtype: np.dtype,
-              x_dtype: np.dtype, w_dtype: np.dtype) -> Callable:
+@functools.cache
+def _amp_conv(
+    frozen: tuple[tuple[str, Any], ...],
+    acc: Any,
+    compute_dtype: np.dtype,
+    x_dtype: np.dtype,
+    w_dtype: np.dtype,
+) -> Callable:
     params = dict(frozen)
     prim = jax.extend.core.primitives.conv_general_dilated_p
 
@@ -286,14 +325,20 @@ def _amp_conv(frozen: tuple[tuple[str, Any], ...], acc: Any, compute_dtype: np.d
     return f
 
 
-def conv_rule(eqn: Any, invals: Sequence[Any], compute_dtype: np.dtype,
-              out_dtype: np.dtype = HIGH_DTYPE) -> list[Any]:
+def conv_rule(
+    eqn: Any, invals: Sequence[Any], compute_dtype: np.dtype, out_dtype: np.dtype = HIGH_DTYPE
+) -> list[Any]:
     x, w = invals
     if not (is_managed_float(x.dtype) and is_managed_float(w.dtype)):
         return default_allow_rule(eqn, invals, compute_dtype, out_dtype)
     params = {k: v for k, v in eqn.params.items() if k != "preferred_element_type"}
-    f = _amp_conv(_freeze(params), _acc_dtype(eqn, out_dtype), compute_dtype,
-                  np.dtype(x.dtype), np.dtype(w.dtype))
+    f = _amp_conv(
+        _freeze(params),
+        _acc_dtype(eqn, out_dtype),
+        compute_dtype,
+        np.dtype(x.dtype),
+        np.dtype(w.dtype),
+    )
     return [f(x, w)]
 
 

@@ -124,8 +124,11 @@ class _Aux:
 
 
 def _unwrap_statics(tree: Any) -> Any:
-    return jax.tree.map(lambda x: x.value if isinstance(x, _Static) else x, tree,
-                        is_leaf=lambda x: isinstance(x, _Static))
+    return jax.tree.map(
+        lambda x: x.value if isinstance(x, _Static) else x,
+        tree,
+        is_leaf=lambda x: isinstance(x, _Static),
+    )
 
 
 def _name_like(wrapper: Any, fn: Any) -> None:
@@ -182,7 +185,9 @@ class AmpFunction:
     def _check_static(self, args, kwargs, leaves, dyn_mask) -> None:
         """Refuses plain (non-pytree) objects that hold arrays: amp would bake
         the arrays into its cached trace, as constants."""
-        for (path, leaf), dyn in zip(jax.tree_util.tree_flatten_with_path((args, kwargs))[0], dyn_mask):
+        for (path, leaf), dyn in zip(
+            jax.tree_util.tree_flatten_with_path((args, kwargs))[0], dyn_mask
+        ):
             held = None if dyn else _held_array(leaf)
             if held is None:
                 continue
@@ -194,7 +199,8 @@ class AmpFunction:
                 f"trace and return stale results once they change. Make {kind} a pytree "
                 "(jax.tree_util.register_dataclass or register_pytree_node_class, an "
                 "equinox.Module, a flax.struct.dataclass), or pass the arrays as arguments. "
-                "(jax.jit refuses this argument too.)")
+                "(jax.jit refuses this argument too.)"
+            )
 
     def _trace(self, treedef, leaves, dyn_mask) -> _Traced:
         # Trace a function with the user's name, source line and signature
@@ -248,7 +254,9 @@ class AmpFunction:
             traced = self._trace(treedef, leaves, dyn_mask)
             # A jaxpr that captured tracers of an enclosing transformation is
             # only valid inside that transformation: don't cache it.
-            if key is not None and not any(isinstance(c, compat.Tracer) for c in compat.consts_of(traced.closed)):
+            if key is not None and not any(
+                isinstance(c, compat.Tracer) for c in compat.consts_of(traced.closed)
+            ):
                 with self._lock:
                     self._cache[key] = traced
                     while len(self._cache) > self.cache_size:
@@ -259,11 +267,21 @@ class AmpFunction:
 
 
 @overload
-def amp(fn: F, *, policy: Policy | str | Any = "bfloat16", strict: bool | None = None,
-        cache_size: int = _CACHE_SIZE) -> F: ...
+def amp(
+    fn: F,
+    *,
+    policy: Policy | str | Any = "bfloat16",
+    strict: bool | None = None,
+    cache_size: int = _CACHE_SIZE,
+) -> F: ...
 @overload
-def amp(fn: None = None, *, policy: Policy | str | Any = "bfloat16", strict: bool | None = None,
-        cache_size: int = _CACHE_SIZE) -> Callable[[F], F]: ...
+def amp(
+    fn: None = None,
+    *,
+    policy: Policy | str | Any = "bfloat16",
+    strict: bool | None = None,
+    cache_size: int = _CACHE_SIZE,
+) -> Callable[[F], F]: ...
 
 
 def amp(fn=None, *, policy="bfloat16", strict=None, cache_size=_CACHE_SIZE):
@@ -323,7 +341,9 @@ def amp(fn=None, *, policy="bfloat16", strict=None, cache_size=_CACHE_SIZE):
             raise TypeError(f"strict must be a bool, got {strict!r}.")
         pol = pol.replace(strict=strict)
     if isinstance(cache_size, bool) or not isinstance(cache_size, int) or cache_size < 1:
-        raise ValueError(f"amp(cache_size={cache_size!r}) must be an int >= 1 (default {_CACHE_SIZE}).")
+        raise ValueError(
+            f"amp(cache_size={cache_size!r}) must be an int >= 1 (default {_CACHE_SIZE})."
+        )
     if fn is None:
         return functools.partial(amp, policy=pol, cache_size=cache_size)
     if not callable(fn):
@@ -361,9 +381,7 @@ def full_precision(fn: F | None = None) -> F:
     if fn is None:
         return full_precision
     if not callable(fn):
-        raise TypeError(
-            f"full_precision(fn) needs a callable, got {type(fn).__name__}: {fn!r}."
-        )
+        raise TypeError(f"full_precision(fn) needs a callable, got {type(fn).__name__}: {fn!r}.")
 
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):

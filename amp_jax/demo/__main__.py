@@ -21,8 +21,18 @@ import time
 from amp_jax.demo import _data, _model
 from amp_jax.demo._modes import MODES, RunResult, train
 
-DEFAULTS = dict(steps=120, d_model=256, layers=2, heads=4, seq=64, batch=16, lr=3e-3, seed=0,
-                val_batches=4, out="amp_jax_demo_out")
+DEFAULTS = dict(
+    steps=120,
+    d_model=256,
+    layers=2,
+    heads=4,
+    seq=64,
+    batch=16,
+    lr=3e-3,
+    seed=0,
+    val_batches=4,
+    out="amp_jax_demo_out",
+)
 
 
 def _positive(name):
@@ -30,10 +40,13 @@ def _positive(name):
         try:
             value = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be a positive integer, got {text!r}") from None
+            raise argparse.ArgumentTypeError(
+                f"{name} must be a positive integer, got {text!r}"
+            ) from None
         if value < 1:
             raise argparse.ArgumentTypeError(f"{name} must be a positive integer, got {value}")
         return value
+
     return parse
 
 
@@ -49,27 +62,70 @@ def _positive_float(text):
 
 def build_parser() -> argparse.ArgumentParser:
     d = DEFAULTS
-    p = argparse.ArgumentParser(prog="python -m amp_jax.demo", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=_positive("--steps"), default=d["steps"],
-                   help=f"training steps per mode (default {d['steps']})")
-    p.add_argument("--modes", default=",".join(MODES),
-                   help=f"comma-separated modes to run (default all: {','.join(MODES)})")
-    p.add_argument("--d-model", type=_positive("--d-model"), default=d["d_model"],
-                   help=f"model width, a multiple of --heads (default {d['d_model']})")
-    p.add_argument("--layers", type=_positive("--layers"), default=d["layers"],
-                   help=f"transformer blocks (default {d['layers']})")
-    p.add_argument("--heads", type=_positive("--heads"), default=d["heads"],
-                   help=f"attention heads (default {d['heads']})")
-    p.add_argument("--seq", type=_positive("--seq"), default=d["seq"],
-                   help=f"context length in bytes (default {d['seq']})")
-    p.add_argument("--batch", type=_positive("--batch"), default=d["batch"],
-                   help=f"sequences per step (default {d['batch']})")
-    p.add_argument("--lr", type=_positive_float, default=d["lr"],
-                   help=f"peak learning rate, warmup + cosine (default {d['lr']})")
-    p.add_argument("--val-batches", type=_positive("--val-batches"), default=d["val_batches"],
-                   help=f"validation batches per evaluation (default {d['val_batches']})")
-    p.add_argument("--seed", type=int, default=d["seed"], help=f"seed for init, split and batches (default {d['seed']})")
+    p = argparse.ArgumentParser(
+        prog="python -m amp_jax.demo",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--steps",
+        type=_positive("--steps"),
+        default=d["steps"],
+        help=f"training steps per mode (default {d['steps']})",
+    )
+    p.add_argument(
+        "--modes",
+        default=",".join(MODES),
+        help=f"comma-separated modes to run (default all: {','.join(MODES)})",
+    )
+    p.add_argument(
+        "--d-model",
+        type=_positive("--d-model"),
+        default=d["d_model"],
+        help=f"model width, a multiple of --heads (default {d['d_model']})",
+    )
+    p.add_argument(
+        "--layers",
+        type=_positive("--layers"),
+        default=d["layers"],
+        help=f"transformer blocks (default {d['layers']})",
+    )
+    p.add_argument(
+        "--heads",
+        type=_positive("--heads"),
+        default=d["heads"],
+        help=f"attention heads (default {d['heads']})",
+    )
+    p.add_argument(
+        "--seq",
+        type=_positive("--seq"),
+        default=d["seq"],
+        help=f"context length in bytes (default {d['seq']})",
+    )
+    p.add_argument(
+        "--batch",
+        type=_positive("--batch"),
+        default=d["batch"],
+        help=f"sequences per step (default {d['batch']})",
+    )
+    p.add_argument(
+        "--lr",
+        type=_positive_float,
+        default=d["lr"],
+        help=f"peak learning rate, warmup + cosine (default {d['lr']})",
+    )
+    p.add_argument(
+        "--val-batches",
+        type=_positive("--val-batches"),
+        default=d["val_batches"],
+        help=f"validation batches per evaluation (default {d['val_batches']})",
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=d["seed"],
+        help=f"seed for init, split and batches (default {d['seed']})",
+    )
     p.add_argument("--out", default=d["out"], help=f"output folder (default ./{d['out']})")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     return p
@@ -81,8 +137,10 @@ def parse_args(argv):
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = [m for m in modes if m not in MODES]
     if unknown or not modes:
-        parser.error(f"unknown mode(s) {', '.join(map(repr, unknown)) or '(none given)'} in --modes; "
-                     f"valid modes: {', '.join(MODES)}")
+        parser.error(
+            f"unknown mode(s) {', '.join(map(repr, unknown)) or '(none given)'} in --modes; "
+            f"valid modes: {', '.join(MODES)}"
+        )
     if len(set(modes)) != len(modes):
         parser.error(f"--modes lists a mode twice: {args.modes!r}")
     args.modes = modes
@@ -96,16 +154,35 @@ def _fmt_bytes(n):
 
 
 def format_table(results: list[RunResult]) -> str:
-    header = ("mode", "tokens/s", "step ms", "compile s", "step mem MiB", "opt state MiB",
-              "train loss", "val loss")
+    header = (
+        "mode",
+        "tokens/s",
+        "step ms",
+        "compile s",
+        "step mem MiB",
+        "opt state MiB",
+        "train loss",
+        "val loss",
+    )
     rows = [header]
     for r in results:
-        rows.append((r.mode, f"{r.tokens_per_s:,.0f}", f"{1e3 * r.median_step_s:.1f}", f"{r.compile_s:.1f}",
-                     _fmt_bytes(r.step_memory_bytes), _fmt_bytes(r.opt_state_bytes),
-                     f"{r.final_train_loss:.3f}", f"{r.final_val_loss:.3f}"))
+        rows.append(
+            (
+                r.mode,
+                f"{r.tokens_per_s:,.0f}",
+                f"{1e3 * r.median_step_s:.1f}",
+                f"{r.compile_s:.1f}",
+                _fmt_bytes(r.step_memory_bytes),
+                _fmt_bytes(r.opt_state_bytes),
+                f"{r.final_train_loss:.3f}",
+                f"{r.final_val_loss:.3f}",
+            )
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
-             for row in rows]
+    lines = [
+        "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+        for row in rows
+    ]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 
@@ -133,12 +210,14 @@ def check_extras(progress: bool = True) -> None:
     if missing:
         raise SystemExit(
             f"python -m amp_jax.demo needs {' and '.join(missing)}, which a plain `pip install amp_jax` "
-            f"does not install. Install the demo extra:\n    pip install \"amp_jax[demo]\"\n"
-            f"(or: pip install {' '.join(missing)})")
+            f'does not install. Install the demo extra:\n    pip install "amp_jax[demo]"\n'
+            f"(or: pip install {' '.join(missing)})"
+        )
 
 
 def plot(results: list[RunResult], path: pathlib.Path, title: str) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
@@ -162,8 +241,16 @@ def plot(results: list[RunResult], path: pathlib.Path, title: str) -> None:
         lw = 4.0 if i == 0 else 1.6
         alpha = 0.45 if i == 0 else 1.0
         ax_t.plot(r.train_steps, smooth, color=color, lw=lw, alpha=alpha, label=r.mode)
-        ax_v.plot(r.val_steps, r.val_loss, color=color, marker="o", ms=3.5, lw=lw, alpha=alpha,
-                  label=f"{r.mode} ({r.final_val_loss:.3f})")
+        ax_v.plot(
+            r.val_steps,
+            r.val_loss,
+            color=color,
+            marker="o",
+            ms=3.5,
+            lw=lw,
+            alpha=alpha,
+            label=f"{r.mode} ({r.final_val_loss:.3f})",
+        )
     ax_t.set_title("train loss (faint: per step, solid: EMA 0.9; y zoomed)", fontsize=10)
     ax_v.set_title("validation loss (held-out stdlib files)", fontsize=10)
     for ax in (ax_t, ax_v):
@@ -176,11 +263,19 @@ def plot(results: list[RunResult], path: pathlib.Path, title: str) -> None:
     top = max(hi, lo + 0.5) + 0.3 if hi is not None else None
     ax_t.set_ylim(max(0.0, lo - 0.2), top)
     for i, r in scaled:
-        ax_s.step(r.train_steps, r.loss_scale, where="post", color=f"C{i}", label=f"{r.mode} loss scale")
+        ax_s.step(
+            r.train_steps, r.loss_scale, where="post", color=f"C{i}", label=f"{r.mode} loss scale"
+        )
         if r.skipped_at:
             ys = [r.loss_scale[s - 1] for s in r.skipped_at]
-            ax_s.plot(r.skipped_at, ys, "x", color="red", ms=7,
-                      label=f"skipped steps ({len(r.skipped_at)})")
+            ax_s.plot(
+                r.skipped_at,
+                ys,
+                "x",
+                color="red",
+                ms=7,
+                label=f"skipped steps ({len(r.skipped_at)})",
+            )
         ax_s.set_yscale("log", base=2)
         ax_s.set_title("dynamic loss scale (x: skipped, non-finite step)", fontsize=10)
         ax_s.set_xlabel("step")
@@ -197,21 +292,32 @@ def main(argv: list[str] | None = None) -> int:
     check_extras(progress=not args.no_progress)
     import jax
 
-    cfg = _model.Config(d_model=args.d_model, layers=args.layers, heads=args.heads, seq=args.seq,
-                        batch=args.batch)
+    cfg = _model.Config(
+        d_model=args.d_model, layers=args.layers, heads=args.heads, seq=args.seq, batch=args.batch
+    )
     out = pathlib.Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
     corpus = _data.load_corpus(args.seed)
-    n_params = sum(x.size for x in jax.tree.leaves(jax.eval_shape(
-        lambda: _model.init_params(jax.random.PRNGKey(0), cfg))))
-    print(f"amp_jax demo: byte-level transformer, {n_params:,} parameters "
-          f"(d_model={cfg.d_model}, layers={cfg.layers}, heads={cfg.heads}, seq={cfg.seq}, batch={cfg.batch}), "
-          f"{args.steps} steps per mode")
-    print(f"data: {corpus.n_train_files} train / {corpus.n_val_files} validation files from {corpus.root} "
-          f"({len(corpus.train) / 1e6:.1f} MB / {len(corpus.val) / 1e6:.1f} MB)")
-    print(f"JAX {jax.__version__} on {jax.default_backend()} ({jax.devices()[0].device_kind}), "
-          f"{os.cpu_count()} CPU cores visible")
+    n_params = sum(
+        x.size
+        for x in jax.tree.leaves(
+            jax.eval_shape(lambda: _model.init_params(jax.random.PRNGKey(0), cfg))
+        )
+    )
+    print(
+        f"amp_jax demo: byte-level transformer, {n_params:,} parameters "
+        f"(d_model={cfg.d_model}, layers={cfg.layers}, heads={cfg.heads}, seq={cfg.seq}, batch={cfg.batch}), "
+        f"{args.steps} steps per mode"
+    )
+    print(
+        f"data: {corpus.n_train_files} train / {corpus.n_val_files} validation files from {corpus.root} "
+        f"({len(corpus.train) / 1e6:.1f} MB / {len(corpus.val) / 1e6:.1f} MB)"
+    )
+    print(
+        f"JAX {jax.__version__} on {jax.default_backend()} ({jax.devices()[0].device_kind}), "
+        f"{os.cpu_count()} CPU cores visible"
+    )
     eval_every = max(1, args.steps // 10)
     results = []
     for name in args.modes:
@@ -221,37 +327,78 @@ def main(argv: list[str] | None = None) -> int:
 
             def bar(it, name=name):
                 return tqdm(it, desc=f"{name:>10}", unit="step", dynamic_ncols=True, leave=True)
-        results.append(train(MODES[name], cfg, corpus, steps=args.steps, lr=args.lr, seed=args.seed,
-                             eval_every=eval_every, val_batches=args.val_batches, progress=bar))
+
+        results.append(
+            train(
+                MODES[name],
+                cfg,
+                corpus,
+                steps=args.steps,
+                lr=args.lr,
+                seed=args.seed,
+                eval_every=eval_every,
+                val_batches=args.val_batches,
+                progress=bar,
+            )
+        )
     table = format_table(results)
     print()
     print(table)
-    print("\nstep ms: median wall time of one compiled train step; step mem: temp + argument bytes of the "
-          "compiled step (XLA memory_analysis); opt state: amp_jax.optim.state_bytes; train loss: mean of "
-          "the last 10% of steps; val loss: last evaluation.")
+    print(
+        "\nstep ms: median wall time of one compiled train step; step mem: temp + argument bytes of the "
+        "compiled step (XLA memory_analysis); opt state: amp_jax.optim.state_bytes; train loss: mean of "
+        "the last 10% of steps; val loss: last evaluation."
+    )
     for r in results:
         if r.extra:
             print(f"{r.mode}: " + ", ".join(f"{k}={v:g}" for k, v in r.extra.items()))
-    title = (f"amp_jax demo: {n_params:,}-parameter byte-level transformer on the Python stdlib, "
-             f"{args.steps} steps, JAX {jax.__version__} on {jax.default_backend()}")
+    title = (
+        f"amp_jax demo: {n_params:,}-parameter byte-level transformer on the Python stdlib, "
+        f"{args.steps} steps, JAX {jax.__version__} on {jax.default_backend()}"
+    )
     plot(results, out / "loss_curves.png", title)
     payload = {
-        "config": {**{k: v for k, v in vars(args).items() if k != "no_progress"}, "n_params": n_params,
-                   "eval_every": eval_every},
-        "environment": {"jax": jax.__version__, "backend": jax.default_backend(),
-                        "device": jax.devices()[0].device_kind, "python": platform.python_version(),
-                        "cpu_count": os.cpu_count()},
-        "data": {"root": corpus.root, "train_files": corpus.n_train_files, "val_files": corpus.n_val_files,
-                 "train_bytes": int(len(corpus.train)), "val_bytes": int(len(corpus.val))},
-        "modes": {r.mode: {"description": r.description, **r.summary(), **r.extra,
-                           "train_steps": r.train_steps, "train_loss": r.train_loss,
-                           "val_steps": r.val_steps, "val_loss": r.val_loss,
-                           **({"loss_scale": r.loss_scale, "skipped_at": r.skipped_at} if r.loss_scale else {}),
-                           "step_times_s": r.step_times_s} for r in results},
+        "config": {
+            **{k: v for k, v in vars(args).items() if k != "no_progress"},
+            "n_params": n_params,
+            "eval_every": eval_every,
+        },
+        "environment": {
+            "jax": jax.__version__,
+            "backend": jax.default_backend(),
+            "device": jax.devices()[0].device_kind,
+            "python": platform.python_version(),
+            "cpu_count": os.cpu_count(),
+        },
+        "data": {
+            "root": corpus.root,
+            "train_files": corpus.n_train_files,
+            "val_files": corpus.n_val_files,
+            "train_bytes": int(len(corpus.train)),
+            "val_bytes": int(len(corpus.val)),
+        },
+        "modes": {
+            r.mode: {
+                "description": r.description,
+                **r.summary(),
+                **r.extra,
+                "train_steps": r.train_steps,
+                "train_loss": r.train_loss,
+                "val_steps": r.val_steps,
+                "val_loss": r.val_loss,
+                **(
+                    {"loss_scale": r.loss_scale, "skipped_at": r.skipped_at} if r.loss_scale else {}
+                ),
+                "step_times_s": r.step_times_s,
+            }
+            for r in results
+        },
         "wall_time_s": time.perf_counter() - t_start,
     }
     (out / "results.json").write_text(json.dumps(payload, indent=1))
-    print(f"\ntotal {payload['wall_time_s']:.0f} s; wrote results.json and loss_curves.png to {out}")
+    print(
+        f"\ntotal {payload['wall_time_s']:.0f} s; wrote results.json and loss_curves.png to {out}"
+    )
     print(out)
     return 0
 

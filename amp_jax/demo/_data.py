@@ -34,7 +34,8 @@ def stdlib_files(root: str | None = None) -> list[pathlib.Path]:
     """Sorted ``*.py`` files under the standard library directory."""
     base = pathlib.Path(root or sysconfig.get_paths()["stdlib"])
     files = [
-        p for p in base.rglob("*.py")
+        p
+        for p in base.rglob("*.py")
         if not _EXCLUDED_DIRS.intersection(p.relative_to(base).parts) and p.is_file()
     ]
     return sorted(files, key=lambda p: p.relative_to(base).as_posix())
@@ -44,8 +45,10 @@ def load_corpus(seed: int, val_fraction: float = 0.1, root: str | None = None) -
     """Reads the corpus and splits it by file (the split depends only on ``seed``)."""
     files = stdlib_files(root)
     if len(files) < 2:
-        raise RuntimeError(f"found {len(files)} *.py files under {root or sysconfig.get_paths()['stdlib']!r}; "
-                           "the demo needs the Python standard library sources.")
+        raise RuntimeError(
+            f"found {len(files)} *.py files under {root or sysconfig.get_paths()['stdlib']!r}; "
+            "the demo needs the Python standard library sources."
+        )
     order = np.random.default_rng(seed).permutation(len(files))
     n_val = max(1, int(round(val_fraction * len(files))))
     val_idx, train_idx = sorted(order[:n_val]), sorted(order[n_val:])
@@ -53,8 +56,13 @@ def load_corpus(seed: int, val_fraction: float = 0.1, root: str | None = None) -
     def concat(idx):
         return np.frombuffer(b"\n".join(files[i].read_bytes() for i in idx), dtype=np.uint8)
 
-    return Corpus(concat(train_idx), concat(val_idx), str(files[0].parent if root else sysconfig.get_paths()["stdlib"]),
-                  len(train_idx), len(val_idx))
+    return Corpus(
+        concat(train_idx),
+        concat(val_idx),
+        str(files[0].parent if root else sysconfig.get_paths()["stdlib"]),
+        len(train_idx),
+        len(val_idx),
+    )
 
 
 def batch_offsets(n_tokens: int, seq: int, batch: int, n_batches: int, seed: int) -> np.ndarray:

@@ -42,15 +42,35 @@ class Mode:
 MODES: dict[str, Mode] = {
     m.name: m
     for m in (
-        Mode("f32", "float32 params and compute, AdamW", None, jnp.float32,
-             lambda lr: optim.adamw(lr)),
-        Mode("amp-bf16", "float32 params, amp bfloat16, AdamW", "bfloat16", jnp.float32,
-             lambda lr: optim.adamw(lr)),
-        Mode("amp-f16", "float32 params, amp float16, AdamW + dynamic loss scale", "float16",
-             jnp.float32, lambda lr: optim.dynamic_loss_scale(optim.adamw(lr)), loss_scaled=True),
-        Mode("bf16-kahan", "bfloat16 params, amp bfloat16, AdamW (bf16 moments) + Kahan",
-             "bfloat16", jnp.bfloat16,
-             lambda lr: optim.adamw(lr, mu_dtype=jnp.bfloat16, nu_dtype=jnp.bfloat16, kahan=True)),
+        Mode(
+            "f32",
+            "float32 params and compute, AdamW",
+            None,
+            jnp.float32,
+            lambda lr: optim.adamw(lr),
+        ),
+        Mode(
+            "amp-bf16",
+            "float32 params, amp bfloat16, AdamW",
+            "bfloat16",
+            jnp.float32,
+            lambda lr: optim.adamw(lr),
+        ),
+        Mode(
+            "amp-f16",
+            "float32 params, amp float16, AdamW + dynamic loss scale",
+            "float16",
+            jnp.float32,
+            lambda lr: optim.dynamic_loss_scale(optim.adamw(lr)),
+            loss_scaled=True,
+        ),
+        Mode(
+            "bf16-kahan",
+            "bfloat16 params, amp bfloat16, AdamW (bf16 moments) + Kahan",
+            "bfloat16",
+            jnp.bfloat16,
+            lambda lr: optim.adamw(lr, mu_dtype=jnp.bfloat16, nu_dtype=jnp.bfloat16, kahan=True),
+        ),
     )
 }
 
@@ -121,14 +141,25 @@ def _memory_bytes(compiled) -> int | None:
     return int(stats.temp_size_in_bytes + stats.argument_size_in_bytes)
 
 
-def train(mode: Mode, cfg: _model.Config, corpus: _data.Corpus, *, steps: int, lr: float, seed: int,
-          eval_every: int, val_batches: int, progress: Callable[..., Any] | None = None) -> RunResult:
+def train(
+    mode: Mode,
+    cfg: _model.Config,
+    corpus: _data.Corpus,
+    *,
+    steps: int,
+    lr: float,
+    seed: int,
+    eval_every: int,
+    val_batches: int,
+    progress: Callable[..., Any] | None = None,
+) -> RunResult:
     """Trains one mode and measures it. ``progress`` wraps the step range (e.g. tqdm)."""
     loss = functools.partial(_model.loss_fn, heads=cfg.heads)
     if mode.policy is not None:
         loss = amp(loss, policy=mode.policy)
-    params = jax.tree.map(lambda p: p.astype(mode.param_dtype),
-                          _model.init_params(jax.random.PRNGKey(seed), cfg))
+    params = jax.tree.map(
+        lambda p: p.astype(mode.param_dtype), _model.init_params(jax.random.PRNGKey(seed), cfg)
+    )
     tx = mode.make_tx(schedule(lr, steps))
     opt_state = tx.init(params)
 
@@ -153,9 +184,21 @@ def train(mode: Mode, cfg: _model.Config, corpus: _data.Corpus, *, steps: int, l
     def evaluate(p):
         return float(np.mean([float(eval_loss(p, x, y)) for x, y in val]))
 
-    result = RunResult(mode.name, mode.description, [], [], [], [], [], compile_s,
-                       _memory_bytes(compiled), optim.state_bytes(opt_state),
-                       optim.state_bytes(params), cfg.seq * cfg.batch, {})
+    result = RunResult(
+        mode.name,
+        mode.description,
+        [],
+        [],
+        [],
+        [],
+        [],
+        compile_s,
+        _memory_bytes(compiled),
+        optim.state_bytes(opt_state),
+        optim.state_bytes(params),
+        cfg.seq * cfg.batch,
+        {},
+    )
     it = range(1, steps + 1)
     it = progress(it) if progress is not None else it
     for i in it:
@@ -181,5 +224,8 @@ def train(mode: Mode, cfg: _model.Config, corpus: _data.Corpus, *, steps: int, l
             it.set_postfix(post, refresh=False)
     if mode.loss_scaled:
         stats = optim.loss_scale_stats(opt_state)
-        result.extra = {"final_loss_scale": float(stats["scale"]), "skipped_steps": int(stats["skipped_steps"])}
+        result.extra = {
+            "final_loss_scale": float(stats["scale"]),
+            "skipped_steps": int(stats["skipped_steps"]),
+        }
     return result

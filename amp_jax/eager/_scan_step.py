@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -17,350 +18,387 @@ _PARTS = ("embed", "blocks", "head")
 
 
 class ScanStepState(NamedTuple):
-  """Optimizer state of a :func:`scan_step` (what ``step.init`` returns).
+    """Optimizer state of a :func:`scan_step` (what ``step.init`` returns).
 
-  The optimizer is initialised separately on each part of the parameters, as
-  if the model were unrolled: every layer of the block stack has its own state,
-  stacked along a leading layer axis.
+    The optimizer is initialised separately on each part of the parameters, as
+    if the model were unrolled: every layer of the block stack has its own state,
+    stacked along a leading layer axis.
 
-  Attributes:
-    embed: ``optimizer.init(params["embed"])``.
-    blocks: ``jax.vmap(optimizer.init)(params["blocks"])``: one state per layer,
-      every leaf with a leading axis of size ``num_layers`` (scalars such as
-      adam's ``count`` become shape ``(num_layers,)``, each incremented once
-      per step).
-    head: ``optimizer.init(params["head"])``.
-  """
+    Attributes:
+      embed: ``optimizer.init(params["embed"])``.
+      blocks: ``jax.vmap(optimizer.init)(params["blocks"])``: one state per layer,
+        every leaf with a leading axis of size ``num_layers`` (scalars such as
+        adam's ``count`` become shape ``(num_layers,)``, each incremented once
+        per step).
+      head: ``optimizer.init(params["head"])``.
+    """
 
-  embed: optax.OptState
-  blocks: optax.OptState
-  head: optax.OptState
+    embed: optax.OptState
+    blocks: optax.OptState
+    head: optax.OptState
 
 
 def _leaf_paths(tree: Any) -> list[tuple[str, Any]]:
-  return [(jax.tree_util.keystr(p), x) for p, x in
-          jax.tree_util.tree_flatten_with_path(tree)[0]]
+    return [(jax.tree_util.keystr(p), x) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
 def check_params(params: Any) -> int:
-  """Validate the ``{"embed", "blocks", "head"}`` structure; return num_layers."""
-  if not isinstance(params, dict) or set(params) != set(_PARTS):
-    got = (sorted(params) if isinstance(params, dict)
-           else type(params).__name__)
-    raise ValueError(
-        f"scan_step: `params` must be a dict with exactly the keys 'embed', "
-        f"'blocks' and 'head', got {got}. Put the embedding parameters under "
-        f"'embed', the block parameters stacked along a leading layer axis "
-        f"under 'blocks' (e.g. jax.vmap(init_block)(keys)) and the head/loss "
-        f"parameters under 'head'; use {{}} for a part without parameters.")
-  leaves = _leaf_paths(params["blocks"])
-  if not leaves:
-    raise ValueError("scan_step: `params['blocks']` has no array leaves; the "
-                     "block stack needs at least one parameter per layer.")
-  sizes = {}
-  for path, x in leaves:
-    shape = getattr(x, "shape", None)
-    if shape is None or len(shape) == 0:
-      raise ValueError(
-          f"scan_step: `params['blocks']{path}` is {x!r}, not an array with a "
-          f"leading layer axis. Stack each block parameter over the layers "
-          f"(shape (num_layers, ...)).")
-    sizes.setdefault(int(shape[0]), []).append(path)
-  if len(sizes) > 1:
-    detail = "; ".join(f"{n}: {', '.join(ps[:3])}" for n, ps in sorted(sizes.items()))
-    raise ValueError(
-        f"scan_step: the leaves of `params['blocks']` disagree on the leading "
-        f"(layer) axis size ({detail}). Every block parameter must be stacked "
-        f"over the same number of layers; a parameter shared by all layers "
-        f"belongs in 'embed' or 'head' (see the docs on shared parameters).")
-  (num_layers,) = sizes
-  if num_layers < 1:
-    raise ValueError("scan_step: `params['blocks']` has a layer axis of size 0; "
-                     "the block stack needs at least one layer.")
-  return num_layers
+    """Validate the ``{"embed", "blocks", "head"}`` structure; return num_layers."""
+    if not isinstance(params, dict) or set(params) != set(_PARTS):
+        got = sorted(params) if isinstance(params, dict) else type(params).__name__
+        raise ValueError(
+            f"scan_step: `params` must be a dict with exactly the keys 'embed', "
+            f"'blocks' and 'head', got {got}. Put the embedding parameters under "
+            f"'embed', the block parameters stacked along a leading layer axis "
+            f"under 'blocks' (e.g. jax.vmap(init_block)(keys)) and the head/loss "
+            f"parameters under 'head'; use {{}} for a part without parameters."
+        )
+    leaves = _leaf_paths(params["blocks"])
+    if not leaves:
+        raise ValueError(
+            "scan_step: `params['blocks']` has no array leaves; the "
+            "block stack needs at least one parameter per layer."
+        )
+    sizes = {}
+    for path, x in leaves:
+        shape = getattr(x, "shape", None)
+        if shape is None or len(shape) == 0:
+            raise ValueError(
+                f"scan_step: `params['blocks']{path}` is {x!r}, not an array with a "
+                f"leading layer axis. Stack each block parameter over the layers "
+                f"(shape (num_layers, ...))."
+            )
+        sizes.setdefault(int(shape[0]), []).append(path)
+    if len(sizes) > 1:
+        detail = "; ".join(f"{n}: {', '.join(ps[:3])}" for n, ps in sorted(sizes.items()))
+        raise ValueError(
+            f"scan_step: the leaves of `params['blocks']` disagree on the leading "
+            f"(layer) axis size ({detail}). Every block parameter must be stacked "
+            f"over the same number of layers; a parameter shared by all layers "
+            f"belongs in 'embed' or 'head' (see the docs on shared parameters)."
+        )
+    (num_layers,) = sizes
+    if num_layers < 1:
+        raise ValueError(
+            "scan_step: `params['blocks']` has a layer axis of size 0; "
+            "the block stack needs at least one layer."
+        )
+    return num_layers
 
 
 def _layer(tree: Any, i: Any) -> Any:
-  return jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, i, keepdims=False),
-                      tree)
+    return jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, i, keepdims=False), tree)
 
 
 def _set_layer(tree: Any, new: Any, i: Any) -> Any:
-  return jax.tree.map(
-      lambda a, x: lax.dynamic_update_index_in_dim(a, x.astype(a.dtype), i, 0),
-      tree, new)
+    return jax.tree.map(
+        lambda a, x: lax.dynamic_update_index_in_dim(a, x.astype(a.dtype), i, 0), tree, new
+    )
 
 
 def _abstract(tree: Any) -> Any:
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype), tree)
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype), tree)
 
 
 _GOLDEN = 0x9E3779B9
 
 
 def _decorrelate_keys(state: Any, salt: Any) -> Any:
-  """Gives every part (and, with a per-layer ``salt``, every layer) its own
-  random keys: ``salt`` is XORed into the data of every typed PRNG key
-  (``optax.add_noise``, ...) and of stochastic rounding's raw uint32 keys.
-  Without it, ``vmap(init)`` would copy one key to every layer."""
+    """Gives every part (and, with a per-layer ``salt``, every layer) its own
+    random keys: ``salt`` is XORed into the data of every typed PRNG key
+    (``optax.add_noise``, ...) and of stochastic rounding's raw uint32 keys.
+    Without it, ``vmap(init)`` would copy one key to every layer."""
 
-  def xor(data):
-    s = jnp.asarray(salt, jnp.uint32)
-    s = s.reshape(s.shape + (1,) * (data.ndim - s.ndim))
-    return (data ^ (s * jnp.uint32(_GOLDEN))).astype(data.dtype)
+    def xor(data):
+        s = jnp.asarray(salt, jnp.uint32)
+        s = s.reshape(s.shape + (1,) * (data.ndim - s.ndim))
+        return (data ^ (s * jnp.uint32(_GOLDEN))).astype(data.dtype)
 
-  def fix(node):
-    if isinstance(node, _stochastic.StochasticRoundingState):
-      return node._replace(key=xor(node.key),
-                           inner_state=_decorrelate_keys(node.inner_state, salt))
-    if isinstance(node, jax.Array) and jnp.issubdtype(node.dtype, jax.dtypes.prng_key):
-      return jax.random.wrap_key_data(xor(jax.random.key_data(node)),
-                                      impl=jax.random.key_impl(node))
-    return node
+    def fix(node):
+        if isinstance(node, _stochastic.StochasticRoundingState):
+            return node._replace(
+                key=xor(node.key), inner_state=_decorrelate_keys(node.inner_state, salt)
+            )
+        if isinstance(node, jax.Array) and jnp.issubdtype(node.dtype, jax.dtypes.prng_key):
+            return jax.random.wrap_key_data(
+                xor(jax.random.key_data(node)), impl=jax.random.key_impl(node)
+            )
+        return node
 
-  return jax.tree.map(
-      fix, state,
-      is_leaf=lambda x: isinstance(x, _stochastic.StochasticRoundingState))
+    return jax.tree.map(
+        fix, state, is_leaf=lambda x: isinstance(x, _stochastic.StochasticRoundingState)
+    )
 
 
 class ScanStep:
-  """A training step with eager (in-backward) optimizer updates; see :func:`scan_step`.
+    """A training step with eager (in-backward) optimizer updates; see :func:`scan_step`.
 
-  Attributes:
-    embed_fn: ``embed_fn(params["embed"], batch) -> h``.
-    block_fn: ``block_fn(layer_params, h) -> h``, scanned over the layers.
-    head_loss_fn: ``head_loss_fn(params["head"], h, batch) -> loss``.
-    optimizer: the optax transformation applied to every part and layer.
-    remat: whether the backward loop recomputes each block's forward pass.
-  """
-
-  def __init__(self, embed_fn, block_fn, head_loss_fn, optimizer, remat):
-    self.embed_fn = embed_fn
-    self.block_fn = block_fn
-    self.head_loss_fn = head_loss_fn
-    self.optimizer = optimizer
-    self.remat = remat
-    self._tx = optax.with_extra_args_support(optimizer)
-    self._checked: set[Any] = set()
-    self._jitted = jax.jit(self.update, donate_argnums=(0, 1))
-
-  def __repr__(self) -> str:
-    return (f"ScanStep(block_fn={getattr(self.block_fn, '__name__', self.block_fn)!r}, "
-            f"remat={self.remat})")
-
-  # ------------------------------------------------------------- checks ---
-
-  def _check_optimizer(self, params: Any) -> None:
-    """Refuse optimizers that need all gradients at once (once per signature)."""
-    key = (jax.tree.structure(params),
-           tuple((jnp.shape(x), jnp.dtype(x.dtype)) for x in jax.tree.leaves(params)))
-    if key in self._checked:
-      return
-    layer = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x)[1:], x.dtype),
-                         params["blocks"])
-    head_state = jax.eval_shape(self._tx.init, _abstract(params["head"]))
-    _deps.refuse_by_state(head_state)
-    probe = {"embed": _abstract(params["embed"]), "blocks": [layer, layer],
-             "head": _abstract(params["head"])}
-    _deps.refuse_cross_parameter(self.optimizer, probe)
-    self._checked.add(key)
-
-  def _init_part(self, fn: Callable, part: Any, what: str) -> Any:
-    try:
-      return fn(part)
-    except (TypeError, ValueError) as e:
-      raise ValueError(
-          f"scan_step: `optimizer.init` failed on {what}: {e}. The optimizer "
-          f"is initialised separately on params['embed'], on one layer of "
-          f"params['blocks'] and on params['head'], so pytree-valued masks or "
-          f"labels (optax.adamw(mask=...), optax.masked, optax.multi_transform) "
-          f"must be callables of the parameters they receive.") from e
-
-  # ---------------------------------------------------------------- API ---
-
-  def init(self, params: dict[str, Any]) -> ScanStepState:
-    """Initialise the optimizer state for ``params``.
-
-    Args:
-      params: ``{"embed": ..., "blocks": ..., "head": ...}``, the block
-        parameters stacked along a leading layer axis.
-
-    Returns:
-      A :class:`ScanStepState`.
-
-    Raises:
-      ValueError: if ``params`` does not have that structure, or the optimizer
-        is refused (global-norm clipping, ``optax.MultiSteps``, dynamic loss
-        scaling; the message says why and what to use instead).
+    Attributes:
+      embed_fn: ``embed_fn(params["embed"], batch) -> h``.
+      block_fn: ``block_fn(layer_params, h) -> h``, scanned over the layers.
+      head_loss_fn: ``head_loss_fn(params["head"], h, batch) -> loss``.
+      optimizer: the optax transformation applied to every part and layer.
+      remat: whether the backward loop recomputes each block's forward pass.
     """
-    num_layers = check_params(params)
-    self._check_optimizer(params)
-    embed = self._init_part(self._tx.init, params["embed"], "params['embed']")
-    blocks = self._init_part(jax.vmap(self._tx.init), params["blocks"],
-                             "one layer of params['blocks'] (under jax.vmap)")
-    head = self._init_part(self._tx.init, params["head"], "params['head']")
-    blocks = _decorrelate_keys(blocks, jnp.arange(num_layers) + 1)
-    embed = _decorrelate_keys(embed, num_layers + 1)
-    head = _decorrelate_keys(head, num_layers + 2)
-    return ScanStepState(embed, blocks, head)
 
-  def loss(self, params: dict[str, Any], batch: Any) -> jax.Array:
-    """The loss of ``params`` on ``batch`` (forward pass only, no update).
+    def __init__(self, embed_fn, block_fn, head_loss_fn, optimizer, remat):
+        self.embed_fn = embed_fn
+        self.block_fn = block_fn
+        self.head_loss_fn = head_loss_fn
+        self.optimizer = optimizer
+        self.remat = remat
+        self._tx = optax.with_extra_args_support(optimizer)
+        self._checked: set[Any] = set()
+        self._jitted = jax.jit(self.update, donate_argnums=(0, 1))
 
-    ``head_loss_fn(p_head, scan(block_fn)(embed_fn(p_embed, batch)), batch)``;
-    ``jax.value_and_grad`` of this function is the standard (non-eager) step.
+    def __repr__(self) -> str:
+        return (
+            f"ScanStep(block_fn={getattr(self.block_fn, '__name__', self.block_fn)!r}, "
+            f"remat={self.remat})"
+        )
 
-    Args:
-      params: the parameters (structure as for :meth:`init`).
-      batch: any pytree, passed to ``embed_fn`` and ``head_loss_fn``.
+    # ------------------------------------------------------------- checks ---
 
-    Returns:
-      The scalar loss.
-    """
-    check_params(params)
-    h = self.embed_fn(params["embed"], batch)
-    h, _ = lax.scan(lambda c, p: (self.block_fn(p, c), None), h, params["blocks"])
-    return self.head_loss_fn(params["head"], h, batch)
+    def _check_optimizer(self, params: Any) -> None:
+        """Refuse optimizers that need all gradients at once (once per signature)."""
+        key = (
+            jax.tree.structure(params),
+            tuple((jnp.shape(x), jnp.dtype(x.dtype)) for x in jax.tree.leaves(params)),
+        )
+        if key in self._checked:
+            return
+        layer = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(jnp.shape(x)[1:], x.dtype), params["blocks"]
+        )
+        head_state = jax.eval_shape(self._tx.init, _abstract(params["head"]))
+        _deps.refuse_by_state(head_state)
+        probe = {
+            "embed": _abstract(params["embed"]),
+            "blocks": [layer, layer],
+            "head": _abstract(params["head"]),
+        }
+        _deps.refuse_cross_parameter(self.optimizer, probe)
+        self._checked.add(key)
 
-  def _apply(self, grads, state, params):
-    updates, new_state = self._tx.update(grads, state, params)
-    new_params = optax.apply_updates(params, updates)
-    new_params = jax.tree.map(lambda n, o: n.astype(o.dtype), new_params, params)
-    new_state = optax.tree_utils.tree_cast_like(new_state, state)
-    return new_params, new_state
+    def _init_part(self, fn: Callable, part: Any, what: str) -> Any:
+        try:
+            return fn(part)
+        except (TypeError, ValueError) as e:
+            raise ValueError(
+                f"scan_step: `optimizer.init` failed on {what}: {e}. The optimizer "
+                f"is initialised separately on params['embed'], on one layer of "
+                f"params['blocks'] and on params['head'], so pytree-valued masks or "
+                f"labels (optax.adamw(mask=...), optax.masked, optax.multi_transform) "
+                f"must be callables of the parameters they receive."
+            ) from e
 
-  def update(self, params: dict[str, Any], opt_state: ScanStepState,
-             batch: Any) -> tuple[dict[str, Any], ScanStepState, jax.Array]:
-    """One training step, not jitted: ``(params, opt_state, loss)``.
+    # ---------------------------------------------------------------- API ---
 
-    The pure function behind ``step(...)``; use it to jit with your own
-    options (sharding, other donations) or inside ``shard_map``. Donate
-    ``params`` and ``opt_state`` (``jax.jit(step.update, donate_argnums=(0,
-    1))``), otherwise the inputs stay alive next to the outputs.
+    def init(self, params: dict[str, Any]) -> ScanStepState:
+        """Initialise the optimizer state for ``params``.
 
-    Args:
-      params: the parameters (structure as for :meth:`init`).
-      opt_state: the :class:`ScanStepState` from :meth:`init` or a previous
-        step.
-      batch: any pytree, passed to ``embed_fn`` and ``head_loss_fn``.
+        Args:
+          params: ``{"embed": ..., "blocks": ..., "head": ...}``, the block
+            parameters stacked along a leading layer axis.
 
-    Returns:
-      ``(new_params, new_opt_state, loss)``; the loss is the one of the
-      parameters before the update.
+        Returns:
+          A :class:`ScanStepState`.
 
-    Raises:
-      ValueError: on malformed ``params`` or ``opt_state``, or when a
-        function returns the wrong shape (the message names the function).
-    """
-    num_layers = check_params(params)
-    if not isinstance(opt_state, ScanStepState):
-      raise ValueError(
-          f"scan_step: `opt_state` must be the ScanStepState returned by "
-          f"step.init(params) (or a previous step), got "
-          f"{type(opt_state).__name__}.")
-    self._check_optimizer(params)
-    _deps.refuse_by_state(opt_state)
-    p_embed, p_blocks, p_head = params["embed"], params["blocks"], params["head"]
+        Raises:
+          ValueError: if ``params`` does not have that structure, or the optimizer
+            is refused (global-norm clipping, ``optax.MultiSteps``, dynamic loss
+            scaling; the message says why and what to use instead).
+        """
+        num_layers = check_params(params)
+        self._check_optimizer(params)
+        embed = self._init_part(self._tx.init, params["embed"], "params['embed']")
+        blocks = self._init_part(
+            jax.vmap(self._tx.init),
+            params["blocks"],
+            "one layer of params['blocks'] (under jax.vmap)",
+        )
+        head = self._init_part(self._tx.init, params["head"], "params['head']")
+        blocks = _decorrelate_keys(blocks, jnp.arange(num_layers) + 1)
+        embed = _decorrelate_keys(embed, num_layers + 1)
+        head = _decorrelate_keys(head, num_layers + 2)
+        return ScanStepState(embed, blocks, head)
 
-    static = _tree.find_states(opt_state.head, _loss_scale.StaticLossScaleState)
-    scale = _loss_scale.loss_scale(opt_state.head) if static else None
+    def loss(self, params: dict[str, Any], batch: Any) -> jax.Array:
+        """The loss of ``params`` on ``batch`` (forward pass only, no update).
 
-    h0, embed_vjp = jax.vjp(lambda p: self.embed_fn(p, batch), p_embed)
-    layer_aval = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(jnp.shape(x)[1:], x.dtype), p_blocks)
-    h_aval = _abstract(h0)
-    out_aval = jax.eval_shape(self.block_fn, layer_aval, h_aval)
-    if jax.tree.structure(out_aval) != jax.tree.structure(h_aval) or any(
-        (a.shape, a.dtype) != (b.shape, b.dtype)
-        for a, b in zip(jax.tree.leaves(out_aval), jax.tree.leaves(h_aval))):
-      raise ValueError(
-          f"scan_step: `block_fn` must return h with the structure, shape and "
-          f"dtype of its input h ({h_aval}), got {out_aval}. Cast or reshape "
-          f"inside block_fn so that blocks can be scanned.")
+        ``head_loss_fn(p_head, scan(block_fn)(embed_fn(p_embed, batch)), batch)``;
+        ``jax.value_and_grad`` of this function is the standard (non-eager) step.
 
-    mask = None
-    if not self.remat:
-      mask = _deps.residual_depends_on_input(self.block_fn, layer_aval, h_aval)
+        Args:
+          params: the parameters (structure as for :meth:`init`).
+          batch: any pytree, passed to ``embed_fn`` and ``head_loss_fn``.
 
-    # Forward: scan over the layers, storing what the backward loop needs.
-    if mask is None:  # remat (or opaque pullbacks): store only the block inputs
-      def fwd(h, p):
-        return self.block_fn(p, h), h
-    else:  # store the residuals that depend on the activations
-      def fwd(h, p):
-        h_next, vjp_fn = jax.vjp(self.block_fn, p, h)
-        leaves, _ = compat.vjp_residuals(vjp_fn)
-        return h_next, [x for x, m in zip(leaves, mask) if m]
-    h_last, stored = lax.scan(fwd, h0, p_blocks)
+        Returns:
+          The scalar loss.
+        """
+        check_params(params)
+        h = self.embed_fn(params["embed"], batch)
+        h, _ = lax.scan(lambda c, p: (self.block_fn(p, c), None), h, params["blocks"])
+        return self.head_loss_fn(params["head"], h, batch)
 
-    loss, head_vjp = jax.vjp(lambda p, h: self.head_loss_fn(p, h, batch),
-                             p_head, h_last)
-    if (not hasattr(loss, "shape") or loss.shape != ()
-        or not jnp.issubdtype(loss.dtype, jnp.floating)):
-      raise ValueError(
-          f"scan_step: `head_loss_fn` must return a floating scalar loss, got "
-          f"{_abstract(loss) if hasattr(loss, 'dtype') else loss!r}. Reduce "
-          f"the loss (e.g. jnp.mean) inside head_loss_fn.")
-    seed = jnp.ones((), loss.dtype)
-    if scale is not None:
-      seed = (seed.astype(jnp.float32) * scale).astype(loss.dtype)
-    g_head, ct = head_vjp(seed)
-    new_head, head_state = self._apply(g_head, opt_state.head, p_head)
-    del g_head
+    def _apply(self, grads, state, params):
+        updates, new_state = self._tx.update(grads, state, params)
+        new_params = optax.apply_updates(params, updates)
+        new_params = jax.tree.map(lambda n, o: n.astype(o.dtype), new_params, params)
+        new_state = optax.tree_utils.tree_cast_like(new_state, state)
+        return new_params, new_state
 
-    # Backward: a reverse loop over the layers; each layer's gradient is used
-    # for its update at once and written back into the carried stacks.
-    zeros_h = jax.tree.map(jnp.zeros_like, h0)
+    def update(
+        self, params: dict[str, Any], opt_state: ScanStepState, batch: Any
+    ) -> tuple[dict[str, Any], ScanStepState, jax.Array]:
+        """One training step, not jitted: ``(params, opt_state, loss)``.
 
-    # The loop is software-pipelined: the carry holds layer i's parameter and
-    # state slices, read from the stacks in the previous iteration *after*
-    # that iteration's in-place write. Every read of a stack is then ordered
-    # after its write by data dependence, which lets XLA update the stacks in
-    # place; reading the slice in the same iteration as the write makes XLA's
-    # copy insertion copy every stack on every iteration (the update
-    # arithmetic fused into one stack's write reads the other stacks).
-    def bwd(carry, xs):
-      ct, blocks, states, p_i, s_i = carry
-      i, saved = xs
-      if mask is None:
-        _, vjp_fn = jax.vjp(self.block_fn, p_i, saved)
-      else:
-        # Re-trace the block's vjp on a stub input: the residuals that depend
-        # only on the parameters (weights, their casts) are recomputed from
-        # p_i, the activation-dependent ones come from the forward pass; the
-        # unused stub computations are dead code.
-        _, stub = jax.vjp(self.block_fn, p_i, zeros_h)
-        leaves, treedef = compat.vjp_residuals(stub)
-        it = iter(saved)
-        leaves = [next(it) if m else x for x, m in zip(leaves, mask)]
-        vjp_fn = jax.tree.unflatten(treedef, leaves)
-      g_i, ct_prev = vjp_fn(ct)
-      new_p, new_s = self._apply(g_i, s_i, p_i)
-      blocks = _set_layer(blocks, new_p, i)
-      states = _set_layer(states, new_s, i)
-      nxt = jnp.maximum(i - 1, 0)
-      return (ct_prev, blocks, states, _layer(blocks, nxt),
-              _layer(states, nxt)), None
+        The pure function behind ``step(...)``; use it to jit with your own
+        options (sharding, other donations) or inside ``shard_map``. Donate
+        ``params`` and ``opt_state`` (``jax.jit(step.update, donate_argnums=(0,
+        1))``), otherwise the inputs stay alive next to the outputs.
 
-    last = num_layers - 1
-    (ct0, new_blocks, blocks_state, _, _), _ = lax.scan(
-        bwd, (ct, p_blocks, opt_state.blocks, _layer(p_blocks, last),
-              _layer(opt_state.blocks, last)),
-        (jnp.arange(num_layers), stored), reverse=True)
+        Args:
+          params: the parameters (structure as for :meth:`init`).
+          opt_state: the :class:`ScanStepState` from :meth:`init` or a previous
+            step.
+          batch: any pytree, passed to ``embed_fn`` and ``head_loss_fn``.
 
-    (g_embed,) = embed_vjp(ct0)
-    new_embed, embed_state = self._apply(g_embed, opt_state.embed, p_embed)
-    new_params = {"embed": new_embed, "blocks": new_blocks, "head": new_head}
-    return new_params, ScanStepState(embed_state, blocks_state, head_state), loss
+        Returns:
+          ``(new_params, new_opt_state, loss)``; the loss is the one of the
+          parameters before the update.
 
-  def __call__(self, params: dict[str, Any], opt_state: ScanStepState,
-               batch: Any) -> tuple[dict[str, Any], ScanStepState, jax.Array]:
-    """``jax.jit(self.update, donate_argnums=(0, 1))(params, opt_state, batch)``.
+        Raises:
+          ValueError: on malformed ``params`` or ``opt_state``, or when a
+            function returns the wrong shape (the message names the function).
+        """
+        num_layers = check_params(params)
+        if not isinstance(opt_state, ScanStepState):
+            raise ValueError(
+                f"scan_step: `opt_state` must be the ScanStepState returned by "
+                f"step.init(params) (or a previous step), got "
+                f"{type(opt_state).__name__}."
+            )
+        self._check_optimizer(params)
+        _deps.refuse_by_state(opt_state)
+        p_embed, p_blocks, p_head = params["embed"], params["blocks"], params["head"]
 
-    ``params`` and ``opt_state`` are donated: do not use the arrays passed in
-    after the call.
-    """
-    return self._jitted(params, opt_state, batch)
+        static = _tree.find_states(opt_state.head, _loss_scale.StaticLossScaleState)
+        scale = _loss_scale.loss_scale(opt_state.head) if static else None
+
+        h0, embed_vjp = jax.vjp(lambda p: self.embed_fn(p, batch), p_embed)
+        layer_aval = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(jnp.shape(x)[1:], x.dtype), p_blocks
+        )
+        h_aval = _abstract(h0)
+        out_aval = jax.eval_shape(self.block_fn, layer_aval, h_aval)
+        if jax.tree.structure(out_aval) != jax.tree.structure(h_aval) or any(
+            (a.shape, a.dtype) != (b.shape, b.dtype)
+            for a, b in zip(jax.tree.leaves(out_aval), jax.tree.leaves(h_aval))
+        ):
+            raise ValueError(
+                f"scan_step: `block_fn` must return h with the structure, shape and "
+                f"dtype of its input h ({h_aval}), got {out_aval}. Cast or reshape "
+                f"inside block_fn so that blocks can be scanned."
+            )
+
+        mask = None
+        if not self.remat:
+            mask = _deps.residual_depends_on_input(self.block_fn, layer_aval, h_aval)
+
+        # Forward: scan over the layers, storing what the backward loop needs.
+        if mask is None:  # remat (or opaque pullbacks): store only the block inputs
+
+            def fwd(h, p):
+                return self.block_fn(p, h), h
+        else:  # store the residuals that depend on the activations
+
+            def fwd(h, p):
+                h_next, vjp_fn = jax.vjp(self.block_fn, p, h)
+                leaves, _ = compat.vjp_residuals(vjp_fn)
+                return h_next, [x for x, m in zip(leaves, mask) if m]
+
+        h_last, stored = lax.scan(fwd, h0, p_blocks)
+
+        loss, head_vjp = jax.vjp(lambda p, h: self.head_loss_fn(p, h, batch), p_head, h_last)
+        if (
+            not hasattr(loss, "shape")
+            or loss.shape != ()
+            or not jnp.issubdtype(loss.dtype, jnp.floating)
+        ):
+            raise ValueError(
+                f"scan_step: `head_loss_fn` must return a floating scalar loss, got "
+                f"{_abstract(loss) if hasattr(loss, 'dtype') else loss!r}. Reduce "
+                f"the loss (e.g. jnp.mean) inside head_loss_fn."
+            )
+        seed = jnp.ones((), loss.dtype)
+        if scale is not None:
+            seed = (seed.astype(jnp.float32) * scale).astype(loss.dtype)
+        g_head, ct = head_vjp(seed)
+        new_head, head_state = self._apply(g_head, opt_state.head, p_head)
+        del g_head
+
+        # Backward: a reverse loop over the layers; each layer's gradient is used
+        # for its update at once and written back into the carried stacks.
+        zeros_h = jax.tree.map(jnp.zeros_like, h0)
+
+        # The loop is software-pipelined: the carry holds layer i's parameter and
+        # state slices, read from the stacks in the previous iteration *after*
+        # that iteration's in-place write. Every read of a stack is then ordered
+        # after its write by data dependence, which lets XLA update the stacks in
+        # place; reading the slice in the same iteration as the write makes XLA's
+        # copy insertion copy every stack on every iteration (the update
+        # arithmetic fused into one stack's write reads the other stacks).
+        def bwd(carry, xs):
+            ct, blocks, states, p_i, s_i = carry
+            i, saved = xs
+            if mask is None:
+                _, vjp_fn = jax.vjp(self.block_fn, p_i, saved)
+            else:
+                # Re-trace the block's vjp on a stub input: the residuals that depend
+                # only on the parameters (weights, their casts) are recomputed from
+                # p_i, the activation-dependent ones come from the forward pass; the
+                # unused stub computations are dead code.
+                _, stub = jax.vjp(self.block_fn, p_i, zeros_h)
+                leaves, treedef = compat.vjp_residuals(stub)
+                it = iter(saved)
+                leaves = [next(it) if m else x for x, m in zip(leaves, mask)]
+                vjp_fn = jax.tree.unflatten(treedef, leaves)
+            g_i, ct_prev = vjp_fn(ct)
+            new_p, new_s = self._apply(g_i, s_i, p_i)
+            blocks = _set_layer(blocks, new_p, i)
+            states = _set_layer(states, new_s, i)
+            nxt = jnp.maximum(i - 1, 0)
+            return (ct_prev, blocks, states, _layer(blocks, nxt), _layer(states, nxt)), None
+
+        last = num_layers - 1
+        (ct0, new_blocks, blocks_state, _, _), _ = lax.scan(
+            bwd,
+            (
+                ct,
+                p_blocks,
+                opt_state.blocks,
+                _layer(p_blocks, last),
+                _layer(opt_state.blocks, last),
+            ),
+            (jnp.arange(num_layers), stored),
+            reverse=True,
+        )
+
+        (g_embed,) = embed_vjp(ct0)
+        new_embed, embed_state = self._apply(g_embed, opt_state.embed, p_embed)
+        new_params = {"embed": new_embed, "blocks": new_blocks, "head": new_head}
+        return new_params, ScanStepState(embed_state, blocks_state, head_state), loss
+
+    def __call__(
+        self, params: dict[str, Any], opt_state: ScanStepState, batch: Any
+    ) -> tuple[dict[str, Any], ScanStepState, jax.Array]:
+        """``jax.jit(self.update, donate_argnums=(0, 1))(params, opt_state, batch)``.
+
+        ``params`` and ``opt_state`` are donated: do not use the arrays passed in
+        after the call.
+        """
+        return self._jitted(params, opt_state, batch)
 
 
 def scan_step(
@@ -371,93 +409,97 @@ def scan_step(
     *,
     remat: bool = False,
 ) -> ScanStep:
-  """A training step that applies ``optimizer`` inside the backward pass.
+    """A training step that applies ``optimizer`` inside the backward pass.
 
-  For a model ``embed -> stack of identical blocks (lax.scan) -> head + loss``
-  the step runs the forward pass, updates the head, then walks the layers in
-  reverse: for each layer it computes that layer's parameter gradient, applies
-  the optimizer to the layer's slice of the parameters and optimizer state,
-  writes the result back into the stacked arrays (in place: they are loop
-  carries, and ``step(...)`` donates them) and drops the gradient before the
-  next layer. The embedding is updated last. At no point does a gradient of
-  the whole block stack exist: peak memory is weights + optimizer state + one
-  layer's gradient + activations, instead of + a full gradient.
+    For a model ``embed -> stack of identical blocks (lax.scan) -> head + loss``
+    the step runs the forward pass, updates the head, then walks the layers in
+    reverse: for each layer it computes that layer's parameter gradient, applies
+    the optimizer to the layer's slice of the parameters and optimizer state,
+    writes the result back into the stacked arrays (in place: they are loop
+    carries, and ``step(...)`` donates them) and drops the gradient before the
+    next layer. The embedding is updated last. At no point does a gradient of
+    the whole block stack exist: peak memory is weights + optimizer state + one
+    layer's gradient + activations, instead of + a full gradient.
 
-  Parameters are a dict ``{"embed": ..., "blocks": ..., "head": ...}`` where
-  every leaf of ``blocks`` has a leading layer axis (e.g. built with
-  ``jax.vmap(init_block)(keys)``). The optimizer is initialised per part and
-  per layer (see :class:`ScanStepState`), so it sees one layer's parameters
-  at a time, as if the model were unrolled. For element-wise optimizers
-  (sgd, momentum, adam, adamw, lion, ...) the result is the same arithmetic
-  as the standard ``value_and_grad`` + ``update`` step on the stacked model.
+    Parameters are a dict ``{"embed": ..., "blocks": ..., "head": ...}`` where
+    every leaf of ``blocks`` has a leading layer axis (e.g. built with
+    ``jax.vmap(init_block)(keys)``). The optimizer is initialised per part and
+    per layer (see :class:`ScanStepState`), so it sees one layer's parameters
+    at a time, as if the model were unrolled. For element-wise optimizers
+    (sgd, momentum, adam, adamw, lion, ...) the result is the same arithmetic
+    as the standard ``value_and_grad`` + ``update`` step on the stacked model.
 
-  Refused (``ValueError`` at ``init``): optimizers whose update of one
-  parameter reads the gradient of another (``optax.clip_by_global_norm``,
-  ``optax.apply_if_finite``: detected by tracing ``update`` on a probe tree
-  and following data dependences in its jaxpr), ``optax.MultiSteps`` and
-  :func:`amp_jax.optim.dynamic_loss_scale` (detected by state type).
-  :func:`amp_jax.optim.static_loss_scale` is supported: the backward pass is
-  seeded with its scale.
+    Refused (``ValueError`` at ``init``): optimizers whose update of one
+    parameter reads the gradient of another (``optax.clip_by_global_norm``,
+    ``optax.apply_if_finite``: detected by tracing ``update`` on a probe tree
+    and following data dependences in its jaxpr), ``optax.MultiSteps`` and
+    :func:`amp_jax.optim.dynamic_loss_scale` (detected by state type).
+    :func:`amp_jax.optim.static_loss_scale` is supported: the backward pass is
+    seeded with its scale.
 
-  Args:
-    embed_fn: ``embed_fn(params["embed"], batch) -> h``; ``h`` is an array or
-      pytree of arrays.
-    block_fn: ``block_fn(layer_params, h) -> h`` with ``h`` keeping its
-      structure, shapes and dtypes; wrap it in :func:`amp_jax.amp` for mixed
-      precision.
-    head_loss_fn: ``head_loss_fn(params["head"], h, batch) -> loss``, a
-      floating scalar.
-    optimizer: an optax ``GradientTransformation`` (or anything with
-      ``init``/``update``) whose update is per parameter; it is called with
-      ``params``, so wrappers such as :func:`amp_jax.optim.kahan_summation`,
-      :func:`amp_jax.optim.master_weights` and
-      :func:`amp_jax.optim.stochastic_rounding` work (each layer gets its own
-      rounding key).
-    remat: if true, the forward pass stores only each block's input and the
-      backward loop recomputes the block's forward pass; if false (default)
-      it stores the block's activation-dependent residuals (parameter-only
-      residuals such as weights or their low-precision casts are recomputed
-      from the layer's parameters rather than stored).
+    Args:
+      embed_fn: ``embed_fn(params["embed"], batch) -> h``; ``h`` is an array or
+        pytree of arrays.
+      block_fn: ``block_fn(layer_params, h) -> h`` with ``h`` keeping its
+        structure, shapes and dtypes; wrap it in :func:`amp_jax.amp` for mixed
+        precision.
+      head_loss_fn: ``head_loss_fn(params["head"], h, batch) -> loss``, a
+        floating scalar.
+      optimizer: an optax ``GradientTransformation`` (or anything with
+        ``init``/``update``) whose update is per parameter; it is called with
+        ``params``, so wrappers such as :func:`amp_jax.optim.kahan_summation`,
+        :func:`amp_jax.optim.master_weights` and
+        :func:`amp_jax.optim.stochastic_rounding` work (each layer gets its own
+        rounding key).
+      remat: if true, the forward pass stores only each block's input and the
+        backward loop recomputes the block's forward pass; if false (default)
+        it stores the block's activation-dependent residuals (parameter-only
+        residuals such as weights or their low-precision casts are recomputed
+        from the layer's parameters rather than stored).
 
-  Returns:
-    A :class:`ScanStep`: ``opt_state = step.init(params)`` and
-    ``params, opt_state, loss = step(params, opt_state, batch)`` (jitted,
-    ``params`` and ``opt_state`` donated); ``step.update`` is the un-jitted
-    pure function and ``step.loss`` the forward loss.
+    Returns:
+      A :class:`ScanStep`: ``opt_state = step.init(params)`` and
+      ``params, opt_state, loss = step(params, opt_state, batch)`` (jitted,
+      ``params`` and ``opt_state`` donated); ``step.update`` is the un-jitted
+      pure function and ``step.loss`` the forward loss.
 
-  Raises:
-    TypeError: if a function argument is not callable or ``optimizer`` has no
-      ``init``/``update``.
+    Raises:
+      TypeError: if a function argument is not callable or ``optimizer`` has no
+        ``init``/``update``.
 
-  Examples:
-    >>> import jax, jax.numpy as jnp, optax
-    >>> import amp_jax
-    >>> embed = lambda p, x: x @ p["w"]
-    >>> block = lambda p, h: h + jnp.tanh(h @ p["w"])
-    >>> head = lambda p, h, x: jnp.mean((h @ p["w"] - x) ** 2)
-    >>> params = {"embed": {"w": jnp.eye(4)},
-    ...           "blocks": {"w": jnp.zeros((3, 4, 4))},  # 3 layers
-    ...           "head": {"w": jnp.eye(4)}}
-    >>> step = amp_jax.eager.scan_step(embed, block, head, optax.adam(1e-2))
-    >>> opt_state = step.init(params)
-    >>> params, opt_state, loss = step(params, opt_state, jnp.ones((2, 4)))
-    >>> opt_state.blocks[0].count  # one count per layer
-    Array([1, 1, 1], dtype=int32)
+    Examples:
+      >>> import jax, jax.numpy as jnp, optax
+      >>> import amp_jax
+      >>> embed = lambda p, x: x @ p["w"]
+      >>> block = lambda p, h: h + jnp.tanh(h @ p["w"])
+      >>> head = lambda p, h, x: jnp.mean((h @ p["w"] - x) ** 2)
+      >>> params = {"embed": {"w": jnp.eye(4)},
+      ...           "blocks": {"w": jnp.zeros((3, 4, 4))},  # 3 layers
+      ...           "head": {"w": jnp.eye(4)}}
+      >>> step = amp_jax.eager.scan_step(embed, block, head, optax.adam(1e-2))
+      >>> opt_state = step.init(params)
+      >>> params, opt_state, loss = step(params, opt_state, jnp.ones((2, 4)))
+      >>> opt_state.blocks[0].count  # one count per layer
+      Array([1, 1, 1], dtype=int32)
 
-  References:
-    Lv et al., "Full Parameter Fine-tuning for Large Language Models with
-    Limited Resources" (LOMO), 2023, https://arxiv.org/abs/2306.09782.
-    PyTorch tutorial "How to save memory by fusing the optimizer step into the
-    backward pass", 2023,
-    https://pytorch.org/tutorials/intermediate/optimizer_step_in_backward_tutorial.html.
-  """
-  for name, fn in (("embed_fn", embed_fn), ("block_fn", block_fn),
-                   ("head_loss_fn", head_loss_fn)):
-    if not callable(fn):
-      raise TypeError(f"scan_step: `{name}` must be callable, got "
-                      f"{type(fn).__name__}: {fn!r}.")
-  # (an optax factory passed uncalled, e.g. optax.adam, gets the fix)
-  optimizer = _check.transformation(optimizer, "scan_step", "optimizer")
-  if not isinstance(remat, bool):
-    raise TypeError(f"scan_step: `remat` must be a bool, got {remat!r}.")
-  return ScanStep(embed_fn, block_fn, head_loss_fn, optimizer, remat)
+    References:
+      Lv et al., "Full Parameter Fine-tuning for Large Language Models with
+      Limited Resources" (LOMO), 2023, https://arxiv.org/abs/2306.09782.
+      PyTorch tutorial "How to save memory by fusing the optimizer step into the
+      backward pass", 2023,
+      https://pytorch.org/tutorials/intermediate/optimizer_step_in_backward_tutorial.html.
+    """
+    for name, fn in (
+        ("embed_fn", embed_fn),
+        ("block_fn", block_fn),
+        ("head_loss_fn", head_loss_fn),
+    ):
+        if not callable(fn):
+            raise TypeError(
+                f"scan_step: `{name}` must be callable, got {type(fn).__name__}: {fn!r}."
+            )
+    # (an optax factory passed uncalled, e.g. optax.adam, gets the fix)
+    optimizer = _check.transformation(optimizer, "scan_step", "optimizer")
+    if not isinstance(remat, bool):
+        raise TypeError(f"scan_step: `remat` must be a bool, got {remat!r}.")
+    return ScanStep(embed_fn, block_fn, head_loss_fn, optimizer, remat)

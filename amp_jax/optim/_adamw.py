@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -13,8 +14,11 @@ from amp_jax.optim import _check, _kahan, _tree
 
 
 def _check_dtype(name: str, dtype: Any) -> Any:
-  return None if dtype is None else _tree.float_dtype(
-      dtype, name, "; use e.g. jnp.bfloat16 or jnp.float32, or None")
+    return (
+        None
+        if dtype is None
+        else _tree.float_dtype(dtype, name, "; use e.g. jnp.bfloat16 or jnp.float32, or None")
+    )
 
 
 def scale_by_any_precision_adam(
@@ -25,81 +29,81 @@ def scale_by_any_precision_adam(
     mu_dtype: DTypeLike | None = None,
     nu_dtype: DTypeLike | None = None,
 ) -> optax.GradientTransformation:
-  """Adam scaling with moments stored in chosen dtypes, computed in float32.
+    """Adam scaling with moments stored in chosen dtypes, computed in float32.
 
-  The moment updates, bias corrections and the ratio are computed in (at
-  least) float32 and the moments are then cast to their storage dtype. This
-  matters because the decay rates cannot be represented in low precision:
-  ``0.999`` rounds to ``1.0`` in bfloat16, which would freeze ``nu``. With
-  float32 moments the operations are exactly those of
-  ``optax.scale_by_adam``, so the result is bitwise identical.
+    The moment updates, bias corrections and the ratio are computed in (at
+    least) float32 and the moments are then cast to their storage dtype. This
+    matters because the decay rates cannot be represented in low precision:
+    ``0.999`` rounds to ``1.0`` in bfloat16, which would freeze ``nu``. With
+    float32 moments the operations are exactly those of
+    ``optax.scale_by_adam``, so the result is bitwise identical.
 
-  Args:
-    b1: decay rate of the first moment.
-    b2: decay rate of the second moment.
-    eps: term added to the denominator.
-    mu_dtype: storage dtype of the first moment; ``None`` uses each
-      parameter's dtype (as optax does).
-    nu_dtype: storage dtype of the second moment; ``None`` uses each
-      parameter's dtype.
+    Args:
+      b1: decay rate of the first moment.
+      b2: decay rate of the second moment.
+      eps: term added to the denominator.
+      mu_dtype: storage dtype of the first moment; ``None`` uses each
+        parameter's dtype (as optax does).
+      nu_dtype: storage dtype of the second moment; ``None`` uses each
+        parameter's dtype.
 
-  Returns:
-    An ``optax.GradientTransformation`` with ``optax.ScaleByAdamState`` state.
-    Updates of low-precision gradients are returned in float32.
+    Returns:
+      An ``optax.GradientTransformation`` with ``optax.ScaleByAdamState`` state.
+      Updates of low-precision gradients are returned in float32.
 
-  Examples:
-    >>> import jax.numpy as jnp
-    >>> from amp_jax import optim
-    >>> tx = optim.scale_by_any_precision_adam(nu_dtype=jnp.bfloat16)
-    >>> tx.init(jnp.zeros(2)).nu.dtype
-    dtype(bfloat16)
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from amp_jax import optim
+      >>> tx = optim.scale_by_any_precision_adam(nu_dtype=jnp.bfloat16)
+      >>> tx.init(jnp.zeros(2)).nu.dtype
+      dtype(bfloat16)
 
-  References:
-    Zamirai et al., "Revisiting BFloat16 Training", 2020,
-    https://arxiv.org/abs/2010.06192.
-    torchdistx AnyPrecisionAdamW,
-    https://github.com/pytorch/torchdistx/blob/main/src/python/torchdistx/optimizers/anyprecision_optimizer.py.
-  """
-  for name, value, example in (("b1", b1, "0.9"), ("b2", b2, "0.999"),
-                               ("eps", eps, "1e-8")):
-    _check.hyperparameter(value, "scale_by_any_precision_adam", name, example)
-  mu_dtype = _check_dtype("mu_dtype", mu_dtype)
-  nu_dtype = _check_dtype("nu_dtype", nu_dtype)
+    References:
+      Zamirai et al., "Revisiting BFloat16 Training", 2020,
+      https://arxiv.org/abs/2010.06192.
+      torchdistx AnyPrecisionAdamW,
+      https://github.com/pytorch/torchdistx/blob/main/src/python/torchdistx/optimizers/anyprecision_optimizer.py.
+    """
+    for name, value, example in (("b1", b1, "0.9"), ("b2", b2, "0.999"), ("eps", eps, "1e-8")):
+        _check.hyperparameter(value, "scale_by_any_precision_adam", name, example)
+    mu_dtype = _check_dtype("mu_dtype", mu_dtype)
+    nu_dtype = _check_dtype("nu_dtype", nu_dtype)
 
-  def init_fn(params):
-    return optax.ScaleByAdamState(
-        count=jnp.zeros([], jnp.int32),
-        mu=optax.tree_utils.tree_zeros_like(params, dtype=mu_dtype),
-        nu=optax.tree_utils.tree_zeros_like(params, dtype=nu_dtype))
+    def init_fn(params):
+        return optax.ScaleByAdamState(
+            count=jnp.zeros([], jnp.int32),
+            mu=optax.tree_utils.tree_zeros_like(params, dtype=mu_dtype),
+            nu=optax.tree_utils.tree_zeros_like(params, dtype=nu_dtype),
+        )
 
-  def update_fn(updates, state, params=None):
-    del params
-    count_inc = optax.safe_increment(state.count)
-    bc1 = 1 - b1**count_inc
-    bc2 = 1 - b2**count_inc
+    def update_fn(updates, state, params=None):
+        del params
+        count_inc = optax.safe_increment(state.count)
+        bc1 = 1 - b1**count_inc
+        bc2 = 1 - b2**count_inc
 
-    def one(g, m, v):
-      if g is None:
-        return None, m, v
-      wd = _tree.work_dtype(jnp.promote_types(g.dtype, m.dtype))
-      g32, m32, v32 = g.astype(wd), m.astype(wd), v.astype(wd)
-      m_new = (1 - b1) * g32 + b1 * m32
-      v_new = (1 - b2) * (g32**2) + b2 * v32
-      m_hat = m_new / bc1.astype(wd)
-      v_hat = v_new / bc2.astype(wd)
-      u = m_hat / (jnp.sqrt(v_hat + 0.0) + eps)
-      return u, m_new.astype(m.dtype), v_new.astype(v.dtype)
+        def one(g, m, v):
+            if g is None:
+                return None, m, v
+            wd = _tree.work_dtype(jnp.promote_types(g.dtype, m.dtype))
+            g32, m32, v32 = g.astype(wd), m.astype(wd), v.astype(wd)
+            m_new = (1 - b1) * g32 + b1 * m32
+            v_new = (1 - b2) * (g32**2) + b2 * v32
+            m_hat = m_new / bc1.astype(wd)
+            v_hat = v_new / bc2.astype(wd)
+            u = m_hat / (jnp.sqrt(v_hat + 0.0) + eps)
+            return u, m_new.astype(m.dtype), v_new.astype(v.dtype)
 
-    flat_g, treedef = jax.tree.flatten(updates, is_leaf=lambda x: x is None)
-    flat_m = treedef.flatten_up_to(state.mu)
-    flat_v = treedef.flatten_up_to(state.nu)
-    outs = [one(g, m, v) for g, m, v in zip(flat_g, flat_m, flat_v)]
-    new_updates = treedef.unflatten([o[0] for o in outs])
-    mu = treedef.unflatten([o[1] for o in outs])
-    nu = treedef.unflatten([o[2] for o in outs])
-    return new_updates, optax.ScaleByAdamState(count=count_inc, mu=mu, nu=nu)
+        flat_g, treedef = jax.tree.flatten(updates, is_leaf=lambda x: x is None)
+        flat_m = treedef.flatten_up_to(state.mu)
+        flat_v = treedef.flatten_up_to(state.nu)
+        outs = [one(g, m, v) for g, m, v in zip(flat_g, flat_m, flat_v)]
+        new_updates = treedef.unflatten([o[0] for o in outs])
+        mu = treedef.unflatten([o[1] for o in outs])
+        nu = treedef.unflatten([o[2] for o in outs])
+        return new_updates, optax.ScaleByAdamState(count=count_inc, mu=mu, nu=nu)
 
-  return optax.GradientTransformation(init_fn, update_fn)
+    return optax.GradientTransformation(init_fn, update_fn)
 
 
 def adamw(
@@ -115,82 +119,85 @@ def adamw(
     compensation_dtype: DTypeLike | None = None,
     mask: Any | Callable[[optax.Params], Any] | None = None,
 ) -> optax.GradientTransformationExtraArgs:
-  """Any-precision AdamW: per-state dtypes and optional Kahan summation.
+    """Any-precision AdamW: per-state dtypes and optional Kahan summation.
 
-  ``optax.chain(scale_by_any_precision_adam(...),
-  optax.add_decayed_weights(weight_decay, mask),
-  optax.scale_by_learning_rate(learning_rate))``, wrapped in
-  :func:`kahan_summation` when ``kahan=True``. With float32 parameters, default
-  dtypes and ``kahan=False`` it is bitwise identical to ``optax.adamw``
-  (``eps_root=0``, ``nesterov=False``), schedules included.
+    ``optax.chain(scale_by_any_precision_adam(...),
+    optax.add_decayed_weights(weight_decay, mask),
+    optax.scale_by_learning_rate(learning_rate))``, wrapped in
+    :func:`kahan_summation` when ``kahan=True``. With float32 parameters, default
+    dtypes and ``kahan=False`` it is bitwise identical to ``optax.adamw``
+    (``eps_root=0``, ``nesterov=False``), schedules included.
 
-  Moment arithmetic is always done in float32 and only the storage uses
-  ``mu_dtype``/``nu_dtype``, because bfloat16 cannot represent ``b2=0.999``
-  (it rounds to 1.0 and the second moment would never move). bfloat16 is a
-  good ``nu_dtype``; float16 is not (squared gradients below 6e-8 flush to 0).
+    Moment arithmetic is always done in float32 and only the storage uses
+    ``mu_dtype``/``nu_dtype``, because bfloat16 cannot represent ``b2=0.999``
+    (it rounds to 1.0 and the second moment would never move). bfloat16 is a
+    good ``nu_dtype``; float16 is not (squared gradients below 6e-8 flush to 0).
 
-  Note that the default ``weight_decay`` is 0.0 (``optax.adamw`` uses 1e-4).
-  With ``optax.inject_hyperparams`` pass
-  ``static_args=("mu_dtype", "nu_dtype", "compensation_dtype")``: dtypes are
-  callables and would otherwise be mistaken for schedules.
+    Note that the default ``weight_decay`` is 0.0 (``optax.adamw`` uses 1e-4).
+    With ``optax.inject_hyperparams`` pass
+    ``static_args=("mu_dtype", "nu_dtype", "compensation_dtype")``: dtypes are
+    callables and would otherwise be mistaken for schedules.
 
-  Args:
-    learning_rate: a float or an optax schedule.
-    b1: first-moment decay.
-    b2: second-moment decay.
-    eps: denominator term.
-    weight_decay: decoupled weight decay coefficient.
-    mu_dtype: storage dtype of the first moment (``None``: parameter dtype).
-    nu_dtype: storage dtype of the second moment (``None``: parameter dtype).
-    kahan: wrap the update in :func:`kahan_summation` (for pure bfloat16
-      parameters).
-    compensation_dtype: dtype of the Kahan buffer (``None``: parameter dtype).
-      Only used with ``kahan=True``.
-    mask: as in ``optax.add_decayed_weights``.
+    Args:
+      learning_rate: a float or an optax schedule.
+      b1: first-moment decay.
+      b2: second-moment decay.
+      eps: denominator term.
+      weight_decay: decoupled weight decay coefficient.
+      mu_dtype: storage dtype of the first moment (``None``: parameter dtype).
+      nu_dtype: storage dtype of the second moment (``None``: parameter dtype).
+      kahan: wrap the update in :func:`kahan_summation` (for pure bfloat16
+        parameters).
+      compensation_dtype: dtype of the Kahan buffer (``None``: parameter dtype).
+        Only used with ``kahan=True``.
+      mask: as in ``optax.add_decayed_weights``.
 
-  Returns:
-    An ``optax.GradientTransformationExtraArgs``; its state is the chain's
-    tuple ``(ScaleByAdamState, EmptyState/MaskedState, lr state)``, or a
-    :class:`KahanSummationState` around it.
+    Returns:
+      An ``optax.GradientTransformationExtraArgs``; its state is the chain's
+      tuple ``(ScaleByAdamState, EmptyState/MaskedState, lr state)``, or a
+      :class:`KahanSummationState` around it.
 
-  Raises:
-    ValueError: for a non-floating dtype argument, or ``compensation_dtype``
-      without ``kahan=True``.
+    Raises:
+      ValueError: for a non-floating dtype argument, or ``compensation_dtype``
+        without ``kahan=True``.
 
-  Examples:
-    >>> import jax.numpy as jnp, optax
-    >>> from amp_jax import optim
-    >>> params = {"w": jnp.ones(3, jnp.bfloat16)}
-    >>> tx = optim.adamw(1e-3, mu_dtype=jnp.float32, kahan=True)
-    >>> state = tx.init(params)
-    >>> state.compensation["w"].dtype, state.inner_state[0].mu["w"].dtype
-    (dtype(bfloat16), dtype('float32'))
+    Examples:
+      >>> import jax.numpy as jnp, optax
+      >>> from amp_jax import optim
+      >>> params = {"w": jnp.ones(3, jnp.bfloat16)}
+      >>> tx = optim.adamw(1e-3, mu_dtype=jnp.float32, kahan=True)
+      >>> state = tx.init(params)
+      >>> state.compensation["w"].dtype, state.inner_state[0].mu["w"].dtype
+      (dtype(bfloat16), dtype('float32'))
 
-  References:
-    Loshchilov & Hutter, "Decoupled Weight Decay Regularization", ICLR 2019,
-    https://arxiv.org/abs/1711.05101.
-    torchdistx AnyPrecisionAdamW,
-    https://github.com/pytorch/torchdistx/blob/main/src/python/torchdistx/optimizers/anyprecision_optimizer.py.
-    Kahan, "Further remarks on reducing truncation errors", 1965.
-    Zamirai et al., "Revisiting BFloat16 Training", 2020,
-    https://arxiv.org/abs/2010.06192.
-  """
-  _check.hyperparameter(learning_rate, "adamw", "learning_rate", "1e-3",
-                        schedule=True)
-  for name, value, example in (("b1", b1, "0.9"), ("b2", b2, "0.999"),
-                               ("eps", eps, "1e-8"),
-                               ("weight_decay", weight_decay, "1e-4")):
-    _check.hyperparameter(value, "adamw", name, example)
-  kahan = _check.boolean(kahan, "adamw", "kahan")
-  if compensation_dtype is not None and not kahan:
-    raise ValueError("`compensation_dtype` is only used with `kahan=True`; "
-                     "pass kahan=True or drop compensation_dtype.")
-  tx = optax.chain(
-      scale_by_any_precision_adam(b1, b2, eps, mu_dtype=mu_dtype,
-                                  nu_dtype=nu_dtype),
-      optax.add_decayed_weights(weight_decay, mask),
-      optax.scale_by_learning_rate(learning_rate),
-  )
-  if kahan:
-    return _kahan.kahan_summation(tx, compensation_dtype)
-  return optax.with_extra_args_support(tx)
+    References:
+      Loshchilov & Hutter, "Decoupled Weight Decay Regularization", ICLR 2019,
+      https://arxiv.org/abs/1711.05101.
+      torchdistx AnyPrecisionAdamW,
+      https://github.com/pytorch/torchdistx/blob/main/src/python/torchdistx/optimizers/anyprecision_optimizer.py.
+      Kahan, "Further remarks on reducing truncation errors", 1965.
+      Zamirai et al., "Revisiting BFloat16 Training", 2020,
+      https://arxiv.org/abs/2010.06192.
+    """
+    _check.hyperparameter(learning_rate, "adamw", "learning_rate", "1e-3", schedule=True)
+    for name, value, example in (
+        ("b1", b1, "0.9"),
+        ("b2", b2, "0.999"),
+        ("eps", eps, "1e-8"),
+        ("weight_decay", weight_decay, "1e-4"),
+    ):
+        _check.hyperparameter(value, "adamw", name, example)
+    kahan = _check.boolean(kahan, "adamw", "kahan")
+    if compensation_dtype is not None and not kahan:
+        raise ValueError(
+            "`compensation_dtype` is only used with `kahan=True`; "
+            "pass kahan=True or drop compensation_dtype."
+        )
+    tx = optax.chain(
+        scale_by_any_precision_adam(b1, b2, eps, mu_dtype=mu_dtype, nu_dtype=nu_dtype),
+        optax.add_decayed_weights(weight_decay, mask),
+        optax.scale_by_learning_rate(learning_rate),
+    )
+    if kahan:
+        return _kahan.kahan_summation(tx, compensation_dtype)
+    return optax.with_extra_args_support(tx)

@@ -12,96 +12,113 @@ import numpy as np
 
 
 def transformation(value: Any, caller: str, argname: str = "inner") -> Any:
-  """``value`` if it is an optax GradientTransformation (has init and update)."""
-  if callable(getattr(value, "init", None)) and callable(
-      getattr(value, "update", None)):
-    return value
-  if callable(value):
-    name = getattr(value, "__name__", repr(value))
+    """``value`` if it is an optax GradientTransformation (has init and update)."""
+    if callable(getattr(value, "init", None)) and callable(getattr(value, "update", None)):
+        return value
+    if callable(value):
+        name = getattr(value, "__name__", repr(value))
+        raise TypeError(
+            f"{caller}: `{argname}` must be an optax GradientTransformation, got "
+            f"the function {name!r}; call it to make one: pass e.g. "
+            f"optax.adam(1e-3), not optax.adam."
+        )
     raise TypeError(
-        f"{caller}: `{argname}` must be an optax GradientTransformation, got "
-        f"the function {name!r}; call it to make one: pass e.g. "
-        f"optax.adam(1e-3), not optax.adam.")
-  raise TypeError(
-      f"{caller}: `{argname}` must be an optax GradientTransformation (an "
-      f"object with init and update), got {type(value).__name__}: {value!r}.")
+        f"{caller}: `{argname}` must be an optax GradientTransformation (an "
+        f"object with init and update), got {type(value).__name__}: {value!r}."
+    )
 
 
 def real(value: Any, caller: str, argname: str, example: str) -> float:
-  """``value`` as a Python float; it must be a real number (not a string)."""
-  if isinstance(value, (bool, np.bool_)) or not isinstance(
-      value, (numbers.Real, np.integer, np.floating)):
-    if not (isinstance(value, (jax.Array, np.ndarray)) and np.ndim(value) == 0
-            and jnp.issubdtype(value.dtype, jnp.number)):
-      raise TypeError(
-          f"{caller}: `{argname}` must be a real number, got "
-          f"{type(value).__name__}: {value!r}; use e.g. {argname}={example}.")
-  try:
-    return float(value)
-  except jax.errors.ConcretizationTypeError as e:
-    raise TypeError(
-        f"{caller}: `{argname}` must be a concrete number, got a traced value "
-        f"{value!r}; pass a Python number.") from e
+    """``value`` as a Python float; it must be a real number (not a string)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(
+        value, (numbers.Real, np.integer, np.floating)
+    ):
+        if not (
+            isinstance(value, (jax.Array, np.ndarray))
+            and np.ndim(value) == 0
+            and jnp.issubdtype(value.dtype, jnp.number)
+        ):
+            raise TypeError(
+                f"{caller}: `{argname}` must be a real number, got "
+                f"{type(value).__name__}: {value!r}; use e.g. {argname}={example}."
+            )
+    try:
+        return float(value)
+    except jax.errors.ConcretizationTypeError as e:
+        raise TypeError(
+            f"{caller}: `{argname}` must be a concrete number, got a traced value "
+            f"{value!r}; pass a Python number."
+        ) from e
 
 
-def integer(value: Any, caller: str, argname: str, minimum: int,
-            example: str) -> int:
-  """``value`` as a Python int >= ``minimum`` (NumPy integers accepted)."""
-  if isinstance(value, (bool, np.bool_)) or not isinstance(
-      value, (numbers.Integral, np.integer)):
-    raise TypeError(
-        f"{caller}: `{argname}` must be an int >= {minimum}, got "
-        f"{type(value).__name__}: {value!r}; use e.g. {argname}={example}.")
-  value = int(value)
-  if value < minimum:
-    raise ValueError(
-        f"{caller}: `{argname}` must be an int >= {minimum}, got {value!r}; "
-        f"use e.g. {argname}={example}.")
-  return value
+def integer(value: Any, caller: str, argname: str, minimum: int, example: str) -> int:
+    """``value`` as a Python int >= ``minimum`` (NumPy integers accepted)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (numbers.Integral, np.integer)):
+        raise TypeError(
+            f"{caller}: `{argname}` must be an int >= {minimum}, got "
+            f"{type(value).__name__}: {value!r}; use e.g. {argname}={example}."
+        )
+    value = int(value)
+    if value < minimum:
+        raise ValueError(
+            f"{caller}: `{argname}` must be an int >= {minimum}, got {value!r}; "
+            f"use e.g. {argname}={example}."
+        )
+    return value
 
 
 def boolean(value: Any, caller: str, argname: str) -> bool:
-  if not isinstance(value, (bool, np.bool_)):
-    raise TypeError(f"{caller}: `{argname}` must be a bool, got "
-                    f"{type(value).__name__}: {value!r}.")
-  return bool(value)
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(
+            f"{caller}: `{argname}` must be a bool, got {type(value).__name__}: {value!r}."
+        )
+    return bool(value)
 
 
-def hyperparameter(value: Any, caller: str, argname: str, example: str,
-                   schedule: bool = False) -> Any:
-  """A number (or array; a schedule when ``schedule``) left as it is: only
-  values that can never work (strings, None, bools) are refused."""
-  ok = (isinstance(value, (numbers.Real, np.number, jax.Array, np.ndarray))
-        or (schedule and callable(value)))
-  if isinstance(value, (bool, np.bool_)) or not ok:
-    what = "a number or a schedule" if schedule else "a number"
-    raise TypeError(
-        f"{caller}: `{argname}` must be {what}, got {type(value).__name__}: "
-        f"{value!r}; use e.g. {argname}={example}.")
-  return value
+def hyperparameter(
+    value: Any, caller: str, argname: str, example: str, schedule: bool = False
+) -> Any:
+    """A number (or array; a schedule when ``schedule``) left as it is: only
+    values that can never work (strings, None, bools) are refused."""
+    ok = isinstance(value, (numbers.Real, np.number, jax.Array, np.ndarray)) or (
+        schedule and callable(value)
+    )
+    if isinstance(value, (bool, np.bool_)) or not ok:
+        what = "a number or a schedule" if schedule else "a number"
+        raise TypeError(
+            f"{caller}: `{argname}` must be {what}, got {type(value).__name__}: "
+            f"{value!r}; use e.g. {argname}={example}."
+        )
+    return value
 
 
 def single_key(key: Any, caller: str) -> Any:
-  """A single PRNG key (typed, raw uint32 data) or an int seed, as an array."""
-  if isinstance(key, (bool, np.bool_)):
-    raise TypeError(f"{caller}: `key` must be a PRNG key or an int seed, got "
-                    f"{key!r}; use e.g. jax.random.key(0).")
-  if isinstance(key, (numbers.Integral, np.integer)):
-    return jax.random.key(int(key))
-  if not isinstance(key, (jax.Array, np.ndarray)):
-    raise TypeError(f"{caller}: `key` must be a PRNG key or an int seed, got "
-                    f"{type(key).__name__}: {key!r}; use e.g. "
-                    f"jax.random.key(0).")
-  key = jnp.asarray(key)
-  if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
-    if key.ndim != 0:
-      raise ValueError(
-          f"{caller}: `key` must be a single PRNG key, got a batch of keys of "
-          f"shape {key.shape}; pass one key, e.g. keys[0] or "
-          f"jax.random.key(0).")
-  elif key.dtype != jnp.uint32 or key.ndim != 1:
-    raise ValueError(
-        f"{caller}: `key` must be a single PRNG key (a typed key, or raw "
-        f"uint32 key data of shape (2,)), got {key.dtype}{list(key.shape)}; "
-        f"pass one key, e.g. jax.random.key(0).")
-  return key
+    """A single PRNG key (typed, raw uint32 data) or an int seed, as an array."""
+    if isinstance(key, (bool, np.bool_)):
+        raise TypeError(
+            f"{caller}: `key` must be a PRNG key or an int seed, got "
+            f"{key!r}; use e.g. jax.random.key(0)."
+        )
+    if isinstance(key, (numbers.Integral, np.integer)):
+        return jax.random.key(int(key))
+    if not isinstance(key, (jax.Array, np.ndarray)):
+        raise TypeError(
+            f"{caller}: `key` must be a PRNG key or an int seed, got "
+            f"{type(key).__name__}: {key!r}; use e.g. "
+            f"jax.random.key(0)."
+        )
+    key = jnp.asarray(key)
+    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        if key.ndim != 0:
+            raise ValueError(
+                f"{caller}: `key` must be a single PRNG key, got a batch of keys of "
+                f"shape {key.shape}; pass one key, e.g. keys[0] or "
+                f"jax.random.key(0)."
+            )
+    elif key.dtype != jnp.uint32 or key.ndim != 1:
+        raise ValueError(
+            f"{caller}: `key` must be a single PRNG key (a typed key, or raw "
+            f"uint32 key data of shape (2,)), got {key.dtype}{list(key.shape)}; "
+            f"pass one key, e.g. jax.random.key(0)."
+        )
+    return key

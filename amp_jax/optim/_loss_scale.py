@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -15,68 +16,70 @@ _INT32_MAX = jnp.iinfo(jnp.int32).max
 
 
 class DynamicLossScaleState(NamedTuple):
-  """State of :func:`dynamic_loss_scale`.
+    """State of :func:`dynamic_loss_scale`.
 
-  Attributes:
-    scale: the loss scale to use for the *next* gradient computation, a float32
-      scalar.
-    good_steps: number of consecutive steps with finite gradients since the
-      last growth or backoff (int32 scalar, reset on growth and on backoff).
-    skipped_steps: total number of skipped (non-finite) steps (int32 scalar).
-    steps: total number of ``update`` calls, skipped ones included (int32
-      scalar).
-    last_skipped_step: the 1-based index (in ``steps``) of the last skipped
-      step, 0 when none was skipped (int32 scalar).
-    inner_state: the state of the wrapped transformation; left untouched by a
-      skipped step.
-  """
+    Attributes:
+      scale: the loss scale to use for the *next* gradient computation, a float32
+        scalar.
+      good_steps: number of consecutive steps with finite gradients since the
+        last growth or backoff (int32 scalar, reset on growth and on backoff).
+      skipped_steps: total number of skipped (non-finite) steps (int32 scalar).
+      steps: total number of ``update`` calls, skipped ones included (int32
+        scalar).
+      last_skipped_step: the 1-based index (in ``steps``) of the last skipped
+        step, 0 when none was skipped (int32 scalar).
+      inner_state: the state of the wrapped transformation; left untouched by a
+        skipped step.
+    """
 
-  scale: jax.Array
-  good_steps: jax.Array
-  skipped_steps: jax.Array
-  steps: jax.Array
-  last_skipped_step: jax.Array
-  inner_state: optax.OptState
+    scale: jax.Array
+    good_steps: jax.Array
+    skipped_steps: jax.Array
+    steps: jax.Array
+    last_skipped_step: jax.Array
+    inner_state: optax.OptState
 
 
 class StaticLossScaleState(NamedTuple):
-  """State of :func:`static_loss_scale`.
+    """State of :func:`static_loss_scale`.
 
-  Attributes:
-    scale: the constant loss scale, a float32 scalar (kept in the state so
-      :func:`loss_scale` can find it and checkpoints record it).
-    inner_state: the state of the wrapped transformation.
-  """
+    Attributes:
+      scale: the constant loss scale, a float32 scalar (kept in the state so
+        :func:`loss_scale` can find it and checkpoints record it).
+      inner_state: the state of the wrapped transformation.
+    """
 
-  scale: jax.Array
-  inner_state: optax.OptState
+    scale: jax.Array
+    inner_state: optax.OptState
 
 
-def _check_positive(name: str, value: float,
-                    caller: str = "dynamic_loss_scale") -> float:
-  value = _check.real(value, caller, name, "2.0**15")
-  if not value > 0.0 or value == float("inf"):
-    raise ValueError(f"`{name}` must be a finite number > 0, got {value!r}; "
-                     f"pass a positive value such as 2.0**15.")
-  return value
+def _check_positive(name: str, value: float, caller: str = "dynamic_loss_scale") -> float:
+    value = _check.real(value, caller, name, "2.0**15")
+    if not value > 0.0 or value == float("inf"):
+        raise ValueError(
+            f"`{name}` must be a finite number > 0, got {value!r}; "
+            f"pass a positive value such as 2.0**15."
+        )
+    return value
 
 
 def _unscale(grads: Any, scale: jax.Array) -> Any:
-  """``grads / scale`` in at least float32, and left there: cast back to
-  float16, the small gradients the scale exists to keep would flush to 0."""
-  def one(g):
-    if not _tree.is_float(g):
-      return g
-    return g.astype(_tree.work_dtype(g.dtype)) / scale
-  return jax.tree.map(one, grads)
+    """``grads / scale`` in at least float32, and left there: cast back to
+    float16, the small gradients the scale exists to keep would flush to 0."""
+
+    def one(g):
+        if not _tree.is_float(g):
+            return g
+        return g.astype(_tree.work_dtype(g.dtype)) / scale
+
+    return jax.tree.map(one, grads)
 
 
 def _all_finite(tree: Any) -> jax.Array:
-  flags = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
-           if _tree.is_float(x)]
-  if not flags:
-    return jnp.asarray(True)
-  return jnp.stack(flags).all()
+    flags = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if _tree.is_float(x)]
+    if not flags:
+        return jnp.asarray(True)
+    return jnp.stack(flags).all()
 
 
 def dynamic_loss_scale(
@@ -90,239 +93,244 @@ def dynamic_loss_scale(
     max_scale: float = 2.0**24,
     axis_name: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
-  """Dynamic loss scaling with skipped steps, as an optax wrapper.
+    """Dynamic loss scaling with skipped steps, as an optax wrapper.
 
-  Multiply the loss by ``loss_scale(opt_state)`` before differentiating (or use
-  :func:`scaled_value_and_grad`) and pass the still-scaled gradients to
-  ``update``. Each ``update``:
+    Multiply the loss by ``loss_scale(opt_state)`` before differentiating (or use
+    :func:`scaled_value_and_grad`) and pass the still-scaled gradients to
+    ``update``. Each ``update``:
 
-  1. divides every floating gradient by exactly the scale stored in the state,
-     i.e. the scale the loss was multiplied with (in float32; float16 and
-     bfloat16 gradients are unscaled *to* float32, so values below float16's
-     range survive; ``inner`` sees float32 gradients, ``apply_updates`` casts
-     the updates back to the parameters' dtype);
-  2. checks that all unscaled gradients are finite (across the devices of
-     ``axis_name`` when given; a sharded ``jax.Array`` under ``jit`` is
-     already checked globally);
-  3. if finite: runs ``inner`` on the unscaled gradients and counts one good
-     step; after ``growth_interval`` consecutive good steps the scale is
-     multiplied by ``growth_factor`` (clamped at ``max_scale``, and only if
-     the result is finite);
-  4. otherwise: returns zero updates, leaves the inner state untouched (the
-     choice is a select, so the inner update is computed and discarded),
-     multiplies the scale by ``backoff_factor`` (clamped at ``min_scale``),
-     resets the good-step counter and increments ``skipped_steps``.
+    1. divides every floating gradient by exactly the scale stored in the state,
+       i.e. the scale the loss was multiplied with (in float32; float16 and
+       bfloat16 gradients are unscaled *to* float32, so values below float16's
+       range survive; ``inner`` sees float32 gradients, ``apply_updates`` casts
+       the updates back to the parameters' dtype);
+    2. checks that all unscaled gradients are finite (across the devices of
+       ``axis_name`` when given; a sharded ``jax.Array`` under ``jit`` is
+       already checked globally);
+    3. if finite: runs ``inner`` on the unscaled gradients and counts one good
+       step; after ``growth_interval`` consecutive good steps the scale is
+       multiplied by ``growth_factor`` (clamped at ``max_scale``, and only if
+       the result is finite);
+    4. otherwise: returns zero updates, leaves the inner state untouched (the
+       choice is a select, so the inner update is computed and discarded),
+       multiplies the scale by ``backoff_factor`` (clamped at ``min_scale``),
+       resets the good-step counter and increments ``skipped_steps``.
 
-  Non-floating gradient leaves are passed to ``inner`` untouched.
+    Non-floating gradient leaves are passed to ``inner`` untouched.
 
-  Args:
-    inner: the transformation to run on unscaled gradients, e.g.
-      ``optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))``;
-      clipping inside ``inner`` sees unscaled gradients.
-    init_scale: initial loss scale (> 0).
-    growth_interval: number of consecutive finite steps before growing (>= 1).
-    growth_factor: multiplier applied on growth (> 1).
-    backoff_factor: multiplier applied on a non-finite step, in (0, 1).
-    min_scale: lower clamp of the scale (> 0).
-    max_scale: upper clamp of the scale (>= ``min_scale``).
-    axis_name: optional mapped axis name (``shard_map``/``pmap``) over which the
-      finiteness decision is reduced, so every device skips together.
+    Args:
+      inner: the transformation to run on unscaled gradients, e.g.
+        ``optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))``;
+        clipping inside ``inner`` sees unscaled gradients.
+      init_scale: initial loss scale (> 0).
+      growth_interval: number of consecutive finite steps before growing (>= 1).
+      growth_factor: multiplier applied on growth (> 1).
+      backoff_factor: multiplier applied on a non-finite step, in (0, 1).
+      min_scale: lower clamp of the scale (> 0).
+      max_scale: upper clamp of the scale (>= ``min_scale``).
+      axis_name: optional mapped axis name (``shard_map``/``pmap``) over which the
+        finiteness decision is reduced, so every device skips together.
 
-  Returns:
-    An ``optax.GradientTransformationExtraArgs`` whose state is a
-    :class:`DynamicLossScaleState`.
+    Returns:
+      An ``optax.GradientTransformationExtraArgs`` whose state is a
+      :class:`DynamicLossScaleState`.
 
-  Raises:
-    ValueError: if an argument is outside its allowed range (the message names
-      the argument).
+    Raises:
+      ValueError: if an argument is outside its allowed range (the message names
+        the argument).
 
-  Examples:
-    >>> import jax, jax.numpy as jnp, optax
-    >>> from amp_jax import optim
-    >>> tx = optim.dynamic_loss_scale(optax.sgd(0.1), init_scale=2.0**10)
-    >>> params = {"w": jnp.ones(3)}
-    >>> state = tx.init(params)
-    >>> loss_fn = lambda p: jnp.sum(p["w"] ** 2)
-    >>> loss, grads = optim.scaled_value_and_grad(loss_fn, state)(params)
-    >>> updates, state = tx.update(grads, state, params)
-    >>> updates["w"]
-    Array([-0.2, -0.2, -0.2], dtype=float32)
-    >>> int(state.good_steps), int(state.skipped_steps)
-    (1, 0)
+    Examples:
+      >>> import jax, jax.numpy as jnp, optax
+      >>> from amp_jax import optim
+      >>> tx = optim.dynamic_loss_scale(optax.sgd(0.1), init_scale=2.0**10)
+      >>> params = {"w": jnp.ones(3)}
+      >>> state = tx.init(params)
+      >>> loss_fn = lambda p: jnp.sum(p["w"] ** 2)
+      >>> loss, grads = optim.scaled_value_and_grad(loss_fn, state)(params)
+      >>> updates, state = tx.update(grads, state, params)
+      >>> updates["w"]
+      Array([-0.2, -0.2, -0.2], dtype=float32)
+      >>> int(state.good_steps), int(state.skipped_steps)
+      (1, 0)
 
-  References:
-    Micikevicius et al., "Mixed Precision Training", ICLR 2018,
-    https://arxiv.org/abs/1710.03740.
-  """
-  inner = _check.transformation(inner, "dynamic_loss_scale")
-  init_scale = _check_positive("init_scale", init_scale)
-  min_scale = _check_positive("min_scale", min_scale)
-  max_scale = _check_positive("max_scale", max_scale)
-  if min_scale > max_scale:
-    raise ValueError(f"`min_scale` ({min_scale}) must be <= `max_scale` "
-                     f"({max_scale}); swap them or widen the range.")
-  if not min_scale <= init_scale <= max_scale:
-    raise ValueError(f"`init_scale` ({init_scale}) must lie in [min_scale, "
-                     f"max_scale] = [{min_scale}, {max_scale}].")
-  growth_interval = _check.integer(growth_interval, "dynamic_loss_scale",
-                                   "growth_interval", 1, "2000")
-  growth_factor = _check.real(growth_factor, "dynamic_loss_scale",
-                              "growth_factor", "2.0")
-  backoff_factor = _check.real(backoff_factor, "dynamic_loss_scale",
-                               "backoff_factor", "0.5")
-  if not float(growth_factor) > 1.0:
-    raise ValueError(f"`growth_factor` must be > 1, got {growth_factor!r}; "
-                     "use e.g. 2.0 (for a fixed scale use static_loss_scale).")
-  if not 0.0 < float(backoff_factor) < 1.0:
-    raise ValueError(f"`backoff_factor` must be in (0, 1), got "
-                     f"{backoff_factor!r}; use e.g. 0.5.")
-  inner = optax.with_extra_args_support(inner)
+    References:
+      Micikevicius et al., "Mixed Precision Training", ICLR 2018,
+      https://arxiv.org/abs/1710.03740.
+    """
+    inner = _check.transformation(inner, "dynamic_loss_scale")
+    init_scale = _check_positive("init_scale", init_scale)
+    min_scale = _check_positive("min_scale", min_scale)
+    max_scale = _check_positive("max_scale", max_scale)
+    if min_scale > max_scale:
+        raise ValueError(
+            f"`min_scale` ({min_scale}) must be <= `max_scale` "
+            f"({max_scale}); swap them or widen the range."
+        )
+    if not min_scale <= init_scale <= max_scale:
+        raise ValueError(
+            f"`init_scale` ({init_scale}) must lie in [min_scale, "
+            f"max_scale] = [{min_scale}, {max_scale}]."
+        )
+    growth_interval = _check.integer(
+        growth_interval, "dynamic_loss_scale", "growth_interval", 1, "2000"
+    )
+    growth_factor = _check.real(growth_factor, "dynamic_loss_scale", "growth_factor", "2.0")
+    backoff_factor = _check.real(backoff_factor, "dynamic_loss_scale", "backoff_factor", "0.5")
+    if not float(growth_factor) > 1.0:
+        raise ValueError(
+            f"`growth_factor` must be > 1, got {growth_factor!r}; "
+            "use e.g. 2.0 (for a fixed scale use static_loss_scale)."
+        )
+    if not 0.0 < float(backoff_factor) < 1.0:
+        raise ValueError(
+            f"`backoff_factor` must be in (0, 1), got {backoff_factor!r}; use e.g. 0.5."
+        )
+    inner = optax.with_extra_args_support(inner)
 
-  def init_fn(params):
-    return DynamicLossScaleState(
-        scale=jnp.asarray(init_scale, jnp.float32),
-        good_steps=jnp.zeros([], jnp.int32),
-        skipped_steps=jnp.zeros([], jnp.int32),
-        steps=jnp.zeros([], jnp.int32),
-        last_skipped_step=jnp.zeros([], jnp.int32),
-        inner_state=inner.init(params))
+    def init_fn(params):
+        return DynamicLossScaleState(
+            scale=jnp.asarray(init_scale, jnp.float32),
+            good_steps=jnp.zeros([], jnp.int32),
+            skipped_steps=jnp.zeros([], jnp.int32),
+            steps=jnp.zeros([], jnp.int32),
+            last_skipped_step=jnp.zeros([], jnp.int32),
+            inner_state=inner.init(params),
+        )
 
-  def update_fn(updates, state, params=None, **extra_args):
-    scale = state.scale
-    grads = _unscale(updates, scale)
-    finite = _all_finite(grads)
-    if axis_name is not None:
-      finite = lax.pmin(finite.astype(jnp.int32), axis_name).astype(bool)
+    def update_fn(updates, state, params=None, **extra_args):
+        scale = state.scale
+        grads = _unscale(updates, scale)
+        finite = _all_finite(grads)
+        if axis_name is not None:
+            finite = lax.pmin(finite.astype(jnp.int32), axis_name).astype(bool)
 
-    # Select rather than lax.cond: inside shard_map the branch outputs would
-    # differ in their varying-manual-axes type; the non-finite step's
-    # computation is simply discarded (as in optax.apply_if_finite).
-    inner_updates, new_inner = inner.update(grads, state.inner_state, params,
-                                            **extra_args)
-    new_inner = optax.tree_utils.tree_cast_like(new_inner, state.inner_state)
-    new_updates = jax.tree.map(
-        lambda u: jnp.where(finite, u, jnp.zeros_like(u)), inner_updates)
-    new_inner = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new_inner,
-                             state.inner_state)
+        # Select rather than lax.cond: inside shard_map the branch outputs would
+        # differ in their varying-manual-axes type; the non-finite step's
+        # computation is simply discarded (as in optax.apply_if_finite).
+        inner_updates, new_inner = inner.update(grads, state.inner_state, params, **extra_args)
+        new_inner = optax.tree_utils.tree_cast_like(new_inner, state.inner_state)
+        new_updates = jax.tree.map(lambda u: jnp.where(finite, u, jnp.zeros_like(u)), inner_updates)
+        new_inner = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new_inner, state.inner_state)
 
-    good = state.good_steps + 1
-    grow = good >= growth_interval
-    grown = scale * jnp.float32(growth_factor)
-    grown_scale = jnp.where(jnp.isfinite(grown),
-                            jnp.minimum(grown, jnp.float32(max_scale)), scale)
-    ok_scale = jnp.where(grow, grown_scale, scale)
-    ok_good = jnp.where(grow, jnp.zeros_like(good), good)
-    bad_scale = jnp.maximum(scale * jnp.float32(backoff_factor),
-                            jnp.float32(min_scale))
-    skipped = state.skipped_steps
-    bad_skipped = jnp.where(skipped < _INT32_MAX, skipped + 1, skipped)
-    steps = optax.safe_increment(state.steps)
-    new_state = DynamicLossScaleState(
-        scale=jnp.where(finite, ok_scale, bad_scale).astype(jnp.float32),
-        good_steps=jnp.where(finite, ok_good, 0).astype(jnp.int32),
-        skipped_steps=jnp.where(finite, skipped, bad_skipped).astype(
-            jnp.int32),
-        steps=steps.astype(jnp.int32),
-        last_skipped_step=jnp.where(finite, state.last_skipped_step,
-                                    steps).astype(jnp.int32),
-        inner_state=new_inner)
-    return new_updates, new_state
+        good = state.good_steps + 1
+        grow = good >= growth_interval
+        grown = scale * jnp.float32(growth_factor)
+        grown_scale = jnp.where(
+            jnp.isfinite(grown), jnp.minimum(grown, jnp.float32(max_scale)), scale
+        )
+        ok_scale = jnp.where(grow, grown_scale, scale)
+        ok_good = jnp.where(grow, jnp.zeros_like(good), good)
+        bad_scale = jnp.maximum(scale * jnp.float32(backoff_factor), jnp.float32(min_scale))
+        skipped = state.skipped_steps
+        bad_skipped = jnp.where(skipped < _INT32_MAX, skipped + 1, skipped)
+        steps = optax.safe_increment(state.steps)
+        new_state = DynamicLossScaleState(
+            scale=jnp.where(finite, ok_scale, bad_scale).astype(jnp.float32),
+            good_steps=jnp.where(finite, ok_good, 0).astype(jnp.int32),
+            skipped_steps=jnp.where(finite, skipped, bad_skipped).astype(jnp.int32),
+            steps=steps.astype(jnp.int32),
+            last_skipped_step=jnp.where(finite, state.last_skipped_step, steps).astype(jnp.int32),
+            inner_state=new_inner,
+        )
+        return new_updates, new_state
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def static_loss_scale(
     inner: optax.GradientTransformation, scale: float
 ) -> optax.GradientTransformationExtraArgs:
-  """A constant loss scale, as an optax wrapper.
+    """A constant loss scale, as an optax wrapper.
 
-  ``update`` divides every floating gradient by ``scale`` (in float32; low
-  precision gradients stay float32, as in :func:`dynamic_loss_scale`) and runs
-  ``inner``. Unlike
-  :func:`dynamic_loss_scale` no step is skipped (as in apex and jmp); chain
-  ``optax.apply_if_finite`` inside if you want non-finite steps dropped.
+    ``update`` divides every floating gradient by ``scale`` (in float32; low
+    precision gradients stay float32, as in :func:`dynamic_loss_scale`) and runs
+    ``inner``. Unlike
+    :func:`dynamic_loss_scale` no step is skipped (as in apex and jmp); chain
+    ``optax.apply_if_finite`` inside if you want non-finite steps dropped.
 
-  Args:
-    inner: the transformation to run on the unscaled gradients.
-    scale: the loss scale (> 0), e.g. ``2.0**12``.
+    Args:
+      inner: the transformation to run on the unscaled gradients.
+      scale: the loss scale (> 0), e.g. ``2.0**12``.
 
-  Returns:
-    An ``optax.GradientTransformationExtraArgs`` whose state is a
-    :class:`StaticLossScaleState`.
+    Returns:
+      An ``optax.GradientTransformationExtraArgs`` whose state is a
+      :class:`StaticLossScaleState`.
 
-  Raises:
-    ValueError: if ``scale`` is not a finite positive number.
+    Raises:
+      ValueError: if ``scale`` is not a finite positive number.
 
-  Examples:
-    >>> import jax.numpy as jnp, optax
-    >>> from amp_jax import optim
-    >>> tx = optim.static_loss_scale(optax.sgd(1.0), 128.0)
-    >>> state = tx.init(jnp.zeros(2))
-    >>> float(optim.loss_scale(state))
-    128.0
-    >>> tx.update(jnp.full(2, 256.0), state)[0]
-    Array([-2., -2.], dtype=float32)
+    Examples:
+      >>> import jax.numpy as jnp, optax
+      >>> from amp_jax import optim
+      >>> tx = optim.static_loss_scale(optax.sgd(1.0), 128.0)
+      >>> state = tx.init(jnp.zeros(2))
+      >>> float(optim.loss_scale(state))
+      128.0
+      >>> tx.update(jnp.full(2, 256.0), state)[0]
+      Array([-2., -2.], dtype=float32)
 
-  References:
-    Micikevicius et al., "Mixed Precision Training", ICLR 2018,
-    https://arxiv.org/abs/1710.03740.
-  """
-  inner = _check.transformation(inner, "static_loss_scale")
-  scale = _check_positive("scale", scale, "static_loss_scale")
-  inner = optax.with_extra_args_support(inner)
+    References:
+      Micikevicius et al., "Mixed Precision Training", ICLR 2018,
+      https://arxiv.org/abs/1710.03740.
+    """
+    inner = _check.transformation(inner, "static_loss_scale")
+    scale = _check_positive("scale", scale, "static_loss_scale")
+    inner = optax.with_extra_args_support(inner)
 
-  def init_fn(params):
-    return StaticLossScaleState(scale=jnp.asarray(scale, jnp.float32),
-                                inner_state=inner.init(params))
+    def init_fn(params):
+        return StaticLossScaleState(
+            scale=jnp.asarray(scale, jnp.float32), inner_state=inner.init(params)
+        )
 
-  def update_fn(updates, state, params=None, **extra_args):
-    grads = _unscale(updates, state.scale)
-    new_updates, new_inner = inner.update(grads, state.inner_state, params,
-                                          **extra_args)
-    # (float32 gradients must not promote a low-precision inner state)
-    new_inner = optax.tree_utils.tree_cast_like(new_inner, state.inner_state)
-    return new_updates, StaticLossScaleState(state.scale, new_inner)
+    def update_fn(updates, state, params=None, **extra_args):
+        grads = _unscale(updates, state.scale)
+        new_updates, new_inner = inner.update(grads, state.inner_state, params, **extra_args)
+        # (float32 gradients must not promote a low-precision inner state)
+        new_inner = optax.tree_utils.tree_cast_like(new_inner, state.inner_state)
+        return new_updates, StaticLossScaleState(state.scale, new_inner)
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-_FIX = ("Wrap your optimizer with amp_jax.optim.dynamic_loss_scale(inner) or "
-        "amp_jax.optim.static_loss_scale(inner, scale) and pass the state "
-        "returned by its init/update.")
+_FIX = (
+    "Wrap your optimizer with amp_jax.optim.dynamic_loss_scale(inner) or "
+    "amp_jax.optim.static_loss_scale(inner, scale) and pass the state "
+    "returned by its init/update."
+)
 
 
 def loss_scale(opt_state: Any) -> jax.Array:
-  """The current loss scale stored anywhere inside an optimizer state.
+    """The current loss scale stored anywhere inside an optimizer state.
 
-  Finds the single :class:`DynamicLossScaleState` or
-  :class:`StaticLossScaleState` nested in ``opt_state`` (inside
-  ``optax.chain`` tuples, ``inject_hyperparams``, ``MultiSteps``,
-  ``masked``/``multi_transform`` states, dicts, lists...).
+    Finds the single :class:`DynamicLossScaleState` or
+    :class:`StaticLossScaleState` nested in ``opt_state`` (inside
+    ``optax.chain`` tuples, ``inject_hyperparams``, ``MultiSteps``,
+    ``masked``/``multi_transform`` states, dicts, lists...).
 
-  Args:
-    opt_state: an optimizer state containing exactly one loss-scale state.
+    Args:
+      opt_state: an optimizer state containing exactly one loss-scale state.
 
-  Returns:
-    The scale as a float32 scalar array.
+    Returns:
+      The scale as a float32 scalar array.
 
-  Raises:
-    ValueError: if no loss-scale state or more than one is found.
+    Raises:
+      ValueError: if no loss-scale state or more than one is found.
 
-  Examples:
-    >>> import jax.numpy as jnp, optax
-    >>> from amp_jax import optim
-    >>> tx = optax.MultiSteps(optim.dynamic_loss_scale(optax.sgd(0.1)), 4)
-    >>> float(optim.loss_scale(tx.init(jnp.zeros(3))))
-    32768.0
+    Examples:
+      >>> import jax.numpy as jnp, optax
+      >>> from amp_jax import optim
+      >>> tx = optax.MultiSteps(optim.dynamic_loss_scale(optax.sgd(0.1)), 4)
+      >>> float(optim.loss_scale(tx.init(jnp.zeros(3))))
+      32768.0
 
-  References:
-    Micikevicius et al., "Mixed Precision Training", ICLR 2018,
-    https://arxiv.org/abs/1710.03740.
-  """
-  state = _tree.find_one(opt_state, (DynamicLossScaleState,
-                                     StaticLossScaleState),
-                         caller="loss_scale", fix=_FIX)
-  return jnp.asarray(state.scale, jnp.float32)
+    References:
+      Micikevicius et al., "Mixed Precision Training", ICLR 2018,
+      https://arxiv.org/abs/1710.03740.
+    """
+    state = _tree.find_one(
+        opt_state, (DynamicLossScaleState, StaticLossScaleState), caller="loss_scale", fix=_FIX
+    )
+    return jnp.asarray(state.scale, jnp.float32)
 
 
 def scaled_value_and_grad(
@@ -333,71 +341,72 @@ def scaled_value_and_grad(
     argnums: int | tuple[int, ...] = 0,
     allow_int: bool = False,
 ) -> Callable[..., Any]:
-  """Like ``jax.value_and_grad``, with the loss multiplied by the loss scale.
+    """Like ``jax.value_and_grad``, with the loss multiplied by the loss scale.
 
-  The loss returned by ``fn`` is cast to float32 and multiplied by
-  ``loss_scale(opt_state)`` before differentiating. The returned function
-  gives back the *unscaled* loss (in the dtype ``fn`` returned, float16
-  included) and the *still-scaled* gradients: pass them to the ``update`` of
-  the loss-scale wrapper, which divides them by the same scale.
+    The loss returned by ``fn`` is cast to float32 and multiplied by
+    ``loss_scale(opt_state)`` before differentiating. The returned function
+    gives back the *unscaled* loss (in the dtype ``fn`` returned, float16
+    included) and the *still-scaled* gradients: pass them to the ``update`` of
+    the loss-scale wrapper, which divides them by the same scale.
 
-  Args:
-    fn: the loss function; returns a scalar (or ``(scalar, aux)`` with
-      ``has_aux=True``).
-    opt_state: an optimizer state containing one loss-scale state.
-    has_aux: as in ``jax.value_and_grad``.
-    argnums: as in ``jax.value_and_grad``.
-    allow_int: as in ``jax.value_and_grad``: allow integer (and bool)
-      arguments to be differentiated; their gradients are ``float0`` zeros.
+    Args:
+      fn: the loss function; returns a scalar (or ``(scalar, aux)`` with
+        ``has_aux=True``).
+      opt_state: an optimizer state containing one loss-scale state.
+      has_aux: as in ``jax.value_and_grad``.
+      argnums: as in ``jax.value_and_grad``.
+      allow_int: as in ``jax.value_and_grad``: allow integer (and bool)
+        arguments to be differentiated; their gradients are ``float0`` zeros.
 
-  Returns:
-    A function with the signature of ``fn`` returning ``(loss, grads)`` or
-    ``((loss, aux), grads)``.
+    Returns:
+      A function with the signature of ``fn`` returning ``(loss, grads)`` or
+      ``((loss, aux), grads)``.
 
-  Raises:
-    ValueError: if ``opt_state`` holds no loss-scale state or more than one.
-    TypeError: if ``fn`` is not callable or ``has_aux``/``allow_int`` are not
-      bools.
+    Raises:
+      ValueError: if ``opt_state`` holds no loss-scale state or more than one.
+      TypeError: if ``fn`` is not callable or ``has_aux``/``allow_int`` are not
+        bools.
 
-  Examples:
-    >>> import jax.numpy as jnp, optax
-    >>> from amp_jax import optim
-    >>> tx = optim.static_loss_scale(optax.sgd(0.1), 8.0)
-    >>> state = tx.init(jnp.ones(2))
-    >>> loss, g = optim.scaled_value_and_grad(lambda p: jnp.sum(p), state)(
-    ...     jnp.ones(2))
-    >>> float(loss), g
-    (2.0, Array([8., 8.], dtype=float32))
+    Examples:
+      >>> import jax.numpy as jnp, optax
+      >>> from amp_jax import optim
+      >>> tx = optim.static_loss_scale(optax.sgd(0.1), 8.0)
+      >>> state = tx.init(jnp.ones(2))
+      >>> loss, g = optim.scaled_value_and_grad(lambda p: jnp.sum(p), state)(
+      ...     jnp.ones(2))
+      >>> float(loss), g
+      (2.0, Array([8., 8.], dtype=float32))
 
-  References:
-    Micikevicius et al., "Mixed Precision Training", ICLR 2018,
-    https://arxiv.org/abs/1710.03740.
-  """
-  if not callable(fn):
-    raise TypeError(f"scaled_value_and_grad: `fn` must be a callable (the loss "
-                    f"function), got {type(fn).__name__}: {fn!r}.")
-  has_aux = _check.boolean(has_aux, "scaled_value_and_grad", "has_aux")
-  allow_int = _check.boolean(allow_int, "scaled_value_and_grad", "allow_int")
-  scale = loss_scale(opt_state)
+    References:
+      Micikevicius et al., "Mixed Precision Training", ICLR 2018,
+      https://arxiv.org/abs/1710.03740.
+    """
+    if not callable(fn):
+        raise TypeError(
+            f"scaled_value_and_grad: `fn` must be a callable (the loss "
+            f"function), got {type(fn).__name__}: {fn!r}."
+        )
+    has_aux = _check.boolean(has_aux, "scaled_value_and_grad", "has_aux")
+    allow_int = _check.boolean(allow_int, "scaled_value_and_grad", "allow_int")
+    scale = loss_scale(opt_state)
 
-  def scaled(*args, **kwargs):
-    out = fn(*args, **kwargs)
-    loss, aux = out if has_aux else (out, None)
-    loss = jnp.asarray(loss)
-    return loss.astype(_tree.work_dtype(loss.dtype)) * scale, (loss, aux)
+    def scaled(*args, **kwargs):
+        out = fn(*args, **kwargs)
+        loss, aux = out if has_aux else (out, None)
+        loss = jnp.asarray(loss)
+        return loss.astype(_tree.work_dtype(loss.dtype)) * scale, (loss, aux)
 
-  grad_fn = jax.value_and_grad(scaled, argnums=argnums, has_aux=True,
-                               allow_int=allow_int)
+    grad_fn = jax.value_and_grad(scaled, argnums=argnums, has_aux=True, allow_int=allow_int)
 
-  def wrapped(*args, **kwargs):
-    (_, (loss, aux)), grads = grad_fn(*args, **kwargs)
-    return ((loss, aux) if has_aux else loss), grads
+    def wrapped(*args, **kwargs):
+        (_, (loss, aux)), grads = grad_fn(*args, **kwargs)
+        return ((loss, aux) if has_aux else loss), grads
 
-  return wrapped
+    return wrapped
 
 
 def loss_scale_stats(opt_state: Any) -> dict[str, jax.Array]:
-  """The loss-scale counters of an optimizer state, to log.
+    """The loss-scale counters of an optimizer state, to log.
 
   Finds the single loss-scale state nested in ``opt_state`` (like
   :func:`loss_scale`) and returns its counters as scalar arrays; works under
@@ -432,20 +441,22 @@ def loss_scale_stats(opt_state: Any) -> dict[str, jax.Array]:
     Micikevicius et al., "Mixed Precision Training", ICLR 2018,
     https://arxiv.org/abs/1710.03740.
   """
-  state = _tree.find_one(opt_state, (DynamicLossScaleState,
-                                     StaticLossScaleState),
-                         caller="loss_scale_stats", fix=_FIX)
-  scale = jnp.asarray(state.scale, jnp.float32)
-  if isinstance(state, StaticLossScaleState):
-    return {"scale": scale}
-  steps = jnp.asarray(state.steps, jnp.int32)
-  skipped = jnp.asarray(state.skipped_steps, jnp.int32)
-  return {
-      "scale": scale,
-      "steps": steps,
-      "skipped_steps": skipped,
-      "good_steps": jnp.asarray(state.good_steps, jnp.int32),
-      "last_skipped_step": jnp.asarray(state.last_skipped_step, jnp.int32),
-      "skip_rate": skipped.astype(jnp.float32)
-                   / jnp.maximum(steps, 1).astype(jnp.float32),
-  }
+    state = _tree.find_one(
+        opt_state,
+        (DynamicLossScaleState, StaticLossScaleState),
+        caller="loss_scale_stats",
+        fix=_FIX,
+    )
+    scale = jnp.asarray(state.scale, jnp.float32)
+    if isinstance(state, StaticLossScaleState):
+        return {"scale": scale}
+    steps = jnp.asarray(state.steps, jnp.int32)
+    skipped = jnp.asarray(state.skipped_steps, jnp.int32)
+    return {
+        "scale": scale,
+        "steps": steps,
+        "skipped_steps": skipped,
+        "good_steps": jnp.asarray(state.good_steps, jnp.int32),
+        "last_skipped_step": jnp.asarray(state.last_skipped_step, jnp.int32),
+        "skip_rate": skipped.astype(jnp.float32) / jnp.maximum(steps, 1).astype(jnp.float32),
+    }

@@ -13,164 +13,167 @@ from amp_jax.optim import _check, _rounding, _tree
 
 
 class MasterWeightsState(NamedTuple):
-  """State of :func:`master_weights`.
+    """State of :func:`master_weights`.
 
-  Attributes:
-    master: the high-precision copy of the parameters (floating leaves in
-      ``master_dtype``; non-floating leaves hold a copy of the parameter).
-    inner_state: the state of the wrapped transformation, built from and
-      updated with the master copy.
-  """
+    Attributes:
+      master: the high-precision copy of the parameters (floating leaves in
+        ``master_dtype``; non-floating leaves hold a copy of the parameter).
+      inner_state: the state of the wrapped transformation, built from and
+        updated with the master copy.
+    """
 
-  master: optax.Params
-  inner_state: optax.OptState
+    master: optax.Params
+    inner_state: optax.OptState
 
 
 def landing_update(target: jax.Array, param: jax.Array) -> jax.Array:
-  """An update ``u`` with ``optax.apply_updates(param, u) == target``.
+    """An update ``u`` with ``optax.apply_updates(param, u) == target``.
 
-  ``target`` has ``param``'s dtype, or a wider one: then it lands on its
-  round-to-nearest value in ``param``'s dtype. ``u = target - param`` is computed in (at
-  least) float32: for bfloat16/float16 the difference of two such numbers is
-  exact in float32 whenever their magnitudes are within a factor ~2**15 of
-  each other, so ``param + u`` is exactly ``target`` and the cast in
-  ``apply_updates`` is exact.
-  """
-  wd = _tree.work_dtype(param.dtype)
-  p = param.astype(wd)
-  t = target.astype(wd)
-  if jnp.dtype(target.dtype).itemsize > jnp.dtype(param.dtype).itemsize:
-    # A wide target lands on its rounding to param's dtype; the rounding is
-    # explicit (a cast pair would be dropped under excess precision).
-    t = _rounding.round_nearest(t, param.dtype)
-  # Equal values (infinities included) need a zero update, not inf - inf.
-  return jnp.where(t == p, jnp.zeros_like(t), t - p)
+    ``target`` has ``param``'s dtype, or a wider one: then it lands on its
+    round-to-nearest value in ``param``'s dtype. ``u = target - param`` is computed in (at
+    least) float32: for bfloat16/float16 the difference of two such numbers is
+    exact in float32 whenever their magnitudes are within a factor ~2**15 of
+    each other, so ``param + u`` is exactly ``target`` and the cast in
+    ``apply_updates`` is exact.
+    """
+    wd = _tree.work_dtype(param.dtype)
+    p = param.astype(wd)
+    t = target.astype(wd)
+    if jnp.dtype(target.dtype).itemsize > jnp.dtype(param.dtype).itemsize:
+        # A wide target lands on its rounding to param's dtype; the rounding is
+        # explicit (a cast pair would be dropped under excess precision).
+        t = _rounding.round_nearest(t, param.dtype)
+    # Equal values (infinities included) need a zero update, not inf - inf.
+    return jnp.where(t == p, jnp.zeros_like(t), t - p)
 
 
 def master_weights(
     inner: optax.GradientTransformation,
     master_dtype: DTypeLike = jnp.float32,
 ) -> optax.GradientTransformationExtraArgs:
-  """Keep a high-precision master copy of low-precision parameters.
+    """Keep a high-precision master copy of low-precision parameters.
 
-  ``init`` stores every floating parameter cast to ``master_dtype``. ``update``
-  casts the gradients to ``master_dtype``, runs ``inner`` with the master copy
-  as ``params``, applies the inner updates to the master copy exactly like
-  ``optax.apply_updates`` (so, given the same gradients, the master trajectory
-  is bitwise the one of plain ``master_dtype`` training with ``inner``), and
-  returns updates that make ``optax.apply_updates(params, updates)`` equal to
-  ``new_master.astype(param.dtype)`` bitwise.
+    ``init`` stores every floating parameter cast to ``master_dtype``. ``update``
+    casts the gradients to ``master_dtype``, runs ``inner`` with the master copy
+    as ``params``, applies the inner updates to the master copy exactly like
+    ``optax.apply_updates`` (so, given the same gradients, the master trajectory
+    is bitwise the one of plain ``master_dtype`` training with ``inner``), and
+    returns updates that make ``optax.apply_updates(params, updates)`` equal to
+    ``new_master.astype(param.dtype)`` bitwise.
 
-  For parameters whose dtype differs from ``master_dtype`` the returned update
-  is ``new_master.astype(p.dtype) - p`` computed in float32 (so updates of
-  bfloat16/float16 parameters are float32); ``p + u`` is then exactly the cast
-  master and the cast in ``apply_updates`` is exact. This was verified bitwise
-  on millions of random steps, shrinks by up to 2**30x included. It can only
-  fail when ``params`` was moved away from the cast master copy by more than
-  ~2**15x outside the optimizer (the difference is then not representable in
-  float32), or when a float16 parameter is already infinite while the master
-  is finite; the master copy stays exact either way and the next update lands
-  on it again where the parameter is finite.
-  For parameters already in ``master_dtype`` the inner update is returned
-  as is. Non-floating parameters are passed to ``inner`` unchanged and its
-  updates for them returned unchanged.
+    For parameters whose dtype differs from ``master_dtype`` the returned update
+    is ``new_master.astype(p.dtype) - p`` computed in float32 (so updates of
+    bfloat16/float16 parameters are float32); ``p + u`` is then exactly the cast
+    master and the cast in ``apply_updates`` is exact. This was verified bitwise
+    on millions of random steps, shrinks by up to 2**30x included. It can only
+    fail when ``params`` was moved away from the cast master copy by more than
+    ~2**15x outside the optimizer (the difference is then not representable in
+    float32), or when a float16 parameter is already infinite while the master
+    is finite; the master copy stays exact either way and the next update lands
+    on it again where the parameter is finite.
+    For parameters already in ``master_dtype`` the inner update is returned
+    as is. Non-floating parameters are passed to ``inner`` unchanged and its
+    updates for them returned unchanged.
 
-  ``update`` requires ``params``, the current low-precision parameters.
+    ``update`` requires ``params``, the current low-precision parameters.
 
-  Args:
-    inner: the optimizer to run in high precision, e.g. ``optax.adamw(1e-3)``.
-    master_dtype: dtype of the master copy (a floating dtype).
+    Args:
+      inner: the optimizer to run in high precision, e.g. ``optax.adamw(1e-3)``.
+      master_dtype: dtype of the master copy (a floating dtype).
 
-  Returns:
-    An ``optax.GradientTransformationExtraArgs`` whose state is a
-    :class:`MasterWeightsState`.
+    Returns:
+      An ``optax.GradientTransformationExtraArgs`` whose state is a
+      :class:`MasterWeightsState`.
 
-  Raises:
-    ValueError: if ``master_dtype`` is not floating, or ``update`` is called
-      without ``params``.
+    Raises:
+      ValueError: if ``master_dtype`` is not floating, or ``update`` is called
+        without ``params``.
 
-  Examples:
-    >>> import jax.numpy as jnp, optax
-    >>> from amp_jax import optim
-    >>> params = jnp.ones(2, jnp.bfloat16)
-    >>> tx = optim.master_weights(optax.sgd(1e-3))
-    >>> state = tx.init(params)
-    >>> updates, state = tx.update(jnp.ones(2, jnp.bfloat16), state, params)
-    >>> optax.apply_updates(params, updates)  # the bf16 step rounds away...
-    Array([1, 1], dtype=bfloat16)
-    >>> optim.master_params(state)  # ...but the master copy keeps it
-    Array([0.999, 0.999], dtype=float32)
+    Examples:
+      >>> import jax.numpy as jnp, optax
+      >>> from amp_jax import optim
+      >>> params = jnp.ones(2, jnp.bfloat16)
+      >>> tx = optim.master_weights(optax.sgd(1e-3))
+      >>> state = tx.init(params)
+      >>> updates, state = tx.update(jnp.ones(2, jnp.bfloat16), state, params)
+      >>> optax.apply_updates(params, updates)  # the bf16 step rounds away...
+      Array([1, 1], dtype=bfloat16)
+      >>> optim.master_params(state)  # ...but the master copy keeps it
+      Array([0.999, 0.999], dtype=float32)
 
-  References:
-    Micikevicius et al., "Mixed Precision Training", ICLR 2018,
-    https://arxiv.org/abs/1710.03740.
-  """
-  inner = _check.transformation(inner, "master_weights")
-  master_dtype = _tree.float_dtype(master_dtype, "master_dtype", "; use jnp.float32")
-  inner = optax.with_extra_args_support(inner)
+    References:
+      Micikevicius et al., "Mixed Precision Training", ICLR 2018,
+      https://arxiv.org/abs/1710.03740.
+    """
+    inner = _check.transformation(inner, "master_weights")
+    master_dtype = _tree.float_dtype(master_dtype, "master_dtype", "; use jnp.float32")
+    inner = optax.with_extra_args_support(inner)
 
-  def to_master(x):
-    return x.astype(master_dtype) if _tree.is_float(x) else jnp.asarray(x)
+    def to_master(x):
+        return x.astype(master_dtype) if _tree.is_float(x) else jnp.asarray(x)
 
-  def init_fn(params):
-    master = jax.tree.map(to_master, params)
-    return MasterWeightsState(master=master, inner_state=inner.init(master))
+    def init_fn(params):
+        master = jax.tree.map(to_master, params)
+        return MasterWeightsState(master=master, inner_state=inner.init(master))
 
-  def update_fn(updates, state, params=None, **extra_args):
-    if params is None:
-      raise ValueError("master_weights: `update` needs `params` (the current "
-                       "low-precision parameters); call "
-                       "`tx.update(grads, state, params)`.")
-    grads = jax.tree.map(to_master, updates)
-    inner_updates, new_inner = inner.update(grads, state.inner_state,
-                                            state.master, **extra_args)
-    new_master = optax.apply_updates(state.master, inner_updates)
+    def update_fn(updates, state, params=None, **extra_args):
+        if params is None:
+            raise ValueError(
+                "master_weights: `update` needs `params` (the current "
+                "low-precision parameters); call "
+                "`tx.update(grads, state, params)`."
+            )
+        grads = jax.tree.map(to_master, updates)
+        inner_updates, new_inner = inner.update(
+            grads, state.inner_state, state.master, **extra_args
+        )
+        new_master = optax.apply_updates(state.master, inner_updates)
 
-    def out(p, m_old, m_new, u):
-      if not _tree.is_float(p):
-        return u
-      if p.dtype == master_dtype:
-        return u
-      return landing_update(m_new, p)
+        def out(p, m_old, m_new, u):
+            if not _tree.is_float(p):
+                return u
+            if p.dtype == master_dtype:
+                return u
+            return landing_update(m_new, p)
 
-    def keep(p, m_old, m_new):
-      return m_new if _tree.is_float(p) else jnp.asarray(p)
+        def keep(p, m_old, m_new):
+            return m_new if _tree.is_float(p) else jnp.asarray(p)
 
-    new_updates = jax.tree.map(out, params, state.master, new_master,
-                               inner_updates)
-    new_master = jax.tree.map(keep, params, state.master, new_master)
-    return new_updates, MasterWeightsState(new_master, new_inner)
+        new_updates = jax.tree.map(out, params, state.master, new_master, inner_updates)
+        new_master = jax.tree.map(keep, params, state.master, new_master)
+        return new_updates, MasterWeightsState(new_master, new_inner)
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-_FIX = ("Wrap your optimizer with amp_jax.optim.master_weights(inner) and pass "
-        "the state returned by its init/update.")
+_FIX = (
+    "Wrap your optimizer with amp_jax.optim.master_weights(inner) and pass "
+    "the state returned by its init/update."
+)
 
 
 def master_params(opt_state: Any) -> optax.Params:
-  """The high-precision master parameters stored in an optimizer state.
+    """The high-precision master parameters stored in an optimizer state.
 
-  Args:
-    opt_state: a state containing exactly one :class:`MasterWeightsState`
-      (possibly nested in chains, loss-scale wrappers, ``MultiSteps``...).
+    Args:
+      opt_state: a state containing exactly one :class:`MasterWeightsState`
+        (possibly nested in chains, loss-scale wrappers, ``MultiSteps``...).
 
-  Returns:
-    The master copy, a pytree with the structure of the parameters.
+    Returns:
+      The master copy, a pytree with the structure of the parameters.
 
-  Raises:
-    ValueError: if no master-weights state, or more than one, is found.
+    Raises:
+      ValueError: if no master-weights state, or more than one, is found.
 
-  Examples:
-    >>> import jax.numpy as jnp, optax
-    >>> from amp_jax import optim
-    >>> tx = optim.dynamic_loss_scale(optim.master_weights(optax.sgd(0.1)))
-    >>> optim.master_params(tx.init({"w": jnp.ones(2, jnp.float16)}))
-    {'w': Array([1., 1.], dtype=float32)}
+    Examples:
+      >>> import jax.numpy as jnp, optax
+      >>> from amp_jax import optim
+      >>> tx = optim.dynamic_loss_scale(optim.master_weights(optax.sgd(0.1)))
+      >>> optim.master_params(tx.init({"w": jnp.ones(2, jnp.float16)}))
+      {'w': Array([1., 1.], dtype=float32)}
 
-  References:
-    Micikevicius et al., "Mixed Precision Training", ICLR 2018,
-    https://arxiv.org/abs/1710.03740.
-  """
-  return _tree.find_one(opt_state, MasterWeightsState, caller="master_params",
-                        fix=_FIX).master
+    References:
+      Micikevicius et al., "Mixed Precision Training", ICLR 2018,
+      https://arxiv.org/abs/1710.03740.
+    """
+    return _tree.find_one(opt_state, MasterWeightsState, caller="master_params", fix=_FIX).master

@@ -18,23 +18,23 @@ from jax import lax
 
 
 def round_nearest(x: jax.Array, dtype: Any) -> jax.Array:
-  """``x.astype(dtype).astype(x.dtype)``, in a form XLA keeps.
+    """``x.astype(dtype).astype(x.dtype)``, in a form XLA keeps.
 
-  ``x`` is float32 (or wider); the result has ``x``'s dtype and holds the
-  value round-to-nearest-even conversion to ``dtype`` gives, subnormals,
-  overflow to infinity and NaN included. ``reduce_precision`` flushes values
-  below ``dtype``'s smallest normal to zero, so that range (float16's
-  subnormals, which float32 represents exactly) is rounded separately to
-  multiples of the subnormal spacing.
-  """
-  dtype = jnp.dtype(dtype)
-  fi = jnp.finfo(dtype)
-  if jnp.dtype(x.dtype).itemsize <= dtype.itemsize:
-    return x
-  out = lax.reduce_precision(x, exponent_bits=fi.nexp, mantissa_bits=fi.nmant)
-  if fi.minexp > jnp.finfo(x.dtype).minexp:  # dtype's subnormals are normal in x's dtype
-    # Spacing of dtype's subnormals: 2 ** (minexp - nmant) (2**-24 for float16).
-    scale = jnp.asarray(2.0 ** (fi.nmant - int(fi.minexp)), x.dtype)
-    sub = lax.round(x * scale, lax.RoundingMethod.TO_NEAREST_EVEN) / scale
-    out = jnp.where(jnp.abs(x) < jnp.asarray(fi.tiny, x.dtype), sub, out)
-  return out
+    ``x`` is float32 (or wider); the result has ``x``'s dtype and holds the
+    value round-to-nearest-even conversion to ``dtype`` gives, subnormals,
+    overflow to infinity and NaN included. ``reduce_precision`` flushes values
+    below ``dtype``'s smallest normal to zero, so that range (float16's
+    subnormals, which float32 represents exactly) is rounded separately to
+    multiples of the subnormal spacing.
+    """
+    dtype = jnp.dtype(dtype)
+    fi = jnp.finfo(dtype)
+    if jnp.dtype(x.dtype).itemsize <= dtype.itemsize:
+        return x
+    out = lax.reduce_precision(x, exponent_bits=fi.nexp, mantissa_bits=fi.nmant)
+    if fi.minexp > jnp.finfo(x.dtype).minexp:  # dtype's subnormals are normal in x's dtype
+        # Spacing of dtype's subnormals: 2 ** (minexp - nmant) (2**-24 for float16).
+        scale = jnp.asarray(2.0 ** (fi.nmant - int(fi.minexp)), x.dtype)
+        sub = lax.round(x * scale, lax.RoundingMethod.TO_NEAREST_EVEN) / scale
+        out = jnp.where(jnp.abs(x) < jnp.asarray(fi.tiny, x.dtype), sub, out)
+    return out

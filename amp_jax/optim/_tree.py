@@ -12,114 +12,115 @@ T = TypeVar("T")
 
 
 def is_float(x: Any) -> bool:
-  """Whether ``x`` is an array (or array-like) with a floating dtype."""
-  dtype = getattr(x, "dtype", None)
-  return dtype is not None and jnp.issubdtype(dtype, jnp.floating)
+    """Whether ``x`` is an array (or array-like) with a floating dtype."""
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and jnp.issubdtype(dtype, jnp.floating)
 
 
 def work_dtype(dtype: Any) -> Any:
-  """The dtype used for the arithmetic on a ``dtype`` leaf: at least float32."""
-  return jnp.promote_types(dtype, jnp.float32)
+    """The dtype used for the arithmetic on a ``dtype`` leaf: at least float32."""
+    return jnp.promote_types(dtype, jnp.float32)
 
 
 def find_states(tree: Any, cls: type[T] | tuple[type, ...]) -> list[tuple[str, T]]:
-  """All instances of ``cls`` inside ``tree``, with their key paths.
+    """All instances of ``cls`` inside ``tree``, with their key paths.
 
-  Walks every pytree node (tuples, NamedTuples, lists, dicts, registered
-  dataclasses, ...) and also looks inside the found states, so nested wrappers
-  of the same kind are all reported.
-  """
-  found: list[tuple[str, T]] = []
+    Walks every pytree node (tuples, NamedTuples, lists, dicts, registered
+    dataclasses, ...) and also looks inside the found states, so nested wrappers
+    of the same kind are all reported.
+    """
+    found: list[tuple[str, T]] = []
 
-  def visit(node: Any, prefix: str) -> None:
-    leaves = jax.tree_util.tree_flatten_with_path(
-        node, is_leaf=lambda x: isinstance(x, cls))[0]
-    for path, leaf in leaves:
-      if isinstance(leaf, cls):
-        where = prefix + jax.tree_util.keystr(path)
-        found.append((where or "<root>", leaf))
-        # Search the fields of the found state (not the state itself again).
-        for i, child in enumerate(tuple(leaf)):
-          visit(child, f"{where}[{i}]")
+    def visit(node: Any, prefix: str) -> None:
+        leaves = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda x: isinstance(x, cls))[0]
+        for path, leaf in leaves:
+            if isinstance(leaf, cls):
+                where = prefix + jax.tree_util.keystr(path)
+                found.append((where or "<root>", leaf))
+                # Search the fields of the found state (not the state itself again).
+                for i, child in enumerate(tuple(leaf)):
+                    visit(child, f"{where}[{i}]")
 
-  if isinstance(tree, cls):
-    found.append(("<root>", tree))
-    for i, child in enumerate(tuple(tree)):
-      visit(child, f"[{i}]")
-  else:
-    visit(tree, "")
-  return found
+    if isinstance(tree, cls):
+        found.append(("<root>", tree))
+        for i, child in enumerate(tuple(tree)):
+            visit(child, f"[{i}]")
+    else:
+        visit(tree, "")
+    return found
 
 
-def find_one(tree: Any, cls: type[T] | tuple[type, ...], *, caller: str,
-             fix: str) -> T:
-  """The single instance of ``cls`` in ``tree``; ValueError otherwise."""
-  found = find_states(tree, cls)
-  names = (" or ".join(c.__name__ for c in cls) if isinstance(cls, tuple)
-           else cls.__name__)
-  if not found:
-    raise ValueError(
-        f"{caller}: no {names} found in the optimizer state passed as "
-        f"`opt_state` (got a {type(tree).__name__}). {fix}")
-  if len(found) > 1:
-    paths = ", ".join(p for p, _ in found)
-    raise ValueError(
-        f"{caller}: found {len(found)} {names} instances in `opt_state` (at "
-        f"{paths}); expected exactly one. Use a single wrapper, or pass the "
-        "sub-state you mean (for example `opt_state[0]`).")
-  return found[0][1]
+def find_one(tree: Any, cls: type[T] | tuple[type, ...], *, caller: str, fix: str) -> T:
+    """The single instance of ``cls`` in ``tree``; ValueError otherwise."""
+    found = find_states(tree, cls)
+    names = " or ".join(c.__name__ for c in cls) if isinstance(cls, tuple) else cls.__name__
+    if not found:
+        raise ValueError(
+            f"{caller}: no {names} found in the optimizer state passed as "
+            f"`opt_state` (got a {type(tree).__name__}). {fix}"
+        )
+    if len(found) > 1:
+        paths = ", ".join(p for p, _ in found)
+        raise ValueError(
+            f"{caller}: found {len(found)} {names} instances in `opt_state` (at "
+            f"{paths}); expected exactly one. Use a single wrapper, or pass the "
+            "sub-state you mean (for example `opt_state[0]`)."
+        )
+    return found[0][1]
 
 
 def state_bytes(tree: Any) -> int:
-  """Total number of bytes held by the array leaves of a pytree.
+    """Total number of bytes held by the array leaves of a pytree.
 
-  Works on concrete arrays (``jax.Array``, ``numpy.ndarray``, numpy scalars)
-  and on abstract ones (``jax.ShapeDtypeStruct``, e.g. from
-  ``jax.eval_shape``), so the memory of an optimizer state can be measured
-  without allocating it. Python scalars and ``None`` count as zero bytes:
-  they are not stored on the device.
+    Works on concrete arrays (``jax.Array``, ``numpy.ndarray``, numpy scalars)
+    and on abstract ones (``jax.ShapeDtypeStruct``, e.g. from
+    ``jax.eval_shape``), so the memory of an optimizer state can be measured
+    without allocating it. Python scalars and ``None`` count as zero bytes:
+    they are not stored on the device.
 
-  Args:
-    tree: any pytree, typically an optimizer state, parameters or gradients.
+    Args:
+      tree: any pytree, typically an optimizer state, parameters or gradients.
 
-  Returns:
-    The sum over leaves of ``size * dtype.itemsize``, as a Python ``int``.
-    Typed PRNG key arrays count the bytes of their key data.
+    Returns:
+      The sum over leaves of ``size * dtype.itemsize``, as a Python ``int``.
+      Typed PRNG key arrays count the bytes of their key data.
 
-  Examples:
-    >>> import jax, jax.numpy as jnp
-    >>> from amp_jax.optim import state_bytes
-    >>> state_bytes({"w": jnp.zeros((3, 4), jnp.bfloat16), "n": jnp.int32(0)})
-    28
-    >>> state_bytes(jax.ShapeDtypeStruct((10,), jnp.float32))
-    40
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> from amp_jax.optim import state_bytes
+      >>> state_bytes({"w": jnp.zeros((3, 4), jnp.bfloat16), "n": jnp.int32(0)})
+      28
+      >>> state_bytes(jax.ShapeDtypeStruct((10,), jnp.float32))
+      40
 
-  References:
-    Micikevicius et al., "Mixed Precision Training", ICLR 2018,
-    https://arxiv.org/abs/1710.03740 (memory accounting of master weights).
-  """
-  total = 0
-  for leaf in jax.tree.leaves(tree):
-    dtype = getattr(leaf, "dtype", None)
-    shape = getattr(leaf, "shape", None)
-    if dtype is None or shape is None:
-      continue
-    if jnp.issubdtype(dtype, jax.dtypes.prng_key):
-      # (the bytes of a key depend on its PRNG implementation)
-      data = jax.eval_shape(jax.random.key_data, leaf)
-      total += int(np.prod(data.shape, dtype=np.int64)) * np.dtype(data.dtype).itemsize
-      continue
-    total += int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-  return total
+    References:
+      Micikevicius et al., "Mixed Precision Training", ICLR 2018,
+      https://arxiv.org/abs/1710.03740 (memory accounting of master weights).
+    """
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        dtype = getattr(leaf, "dtype", None)
+        shape = getattr(leaf, "shape", None)
+        if dtype is None or shape is None:
+            continue
+        if jnp.issubdtype(dtype, jax.dtypes.prng_key):
+            # (the bytes of a key depend on its PRNG implementation)
+            data = jax.eval_shape(jax.random.key_data, leaf)
+            total += int(np.prod(data.shape, dtype=np.int64)) * np.dtype(data.dtype).itemsize
+            continue
+        total += int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+    return total
 
 
 def float_dtype(value, argname: str, fix: str = ""):
-  """``value`` as a floating numpy dtype, or a ValueError naming ``argname``."""
-  try:
-    dtype = jnp.dtype(value)
-  except (TypeError, ValueError) as e:
-    raise ValueError(f"`{argname}`={value!r} is not a dtype; it must be a "
-                     f"floating dtype (jnp.float32, jnp.bfloat16...){fix}.") from e
-  if not jnp.issubdtype(dtype, jnp.floating):
-    raise ValueError(f"`{argname}` must be a floating dtype, got {value!r}{fix}.")
-  return jnp.dtype(value)
+    """``value`` as a floating numpy dtype, or a ValueError naming ``argname``."""
+    try:
+        dtype = jnp.dtype(value)
+    except (TypeError, ValueError) as e:
+        raise ValueError(
+            f"`{argname}`={value!r} is not a dtype; it must be a "
+            f"floating dtype (jnp.float32, jnp.bfloat16...){fix}."
+        ) from e
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"`{argname}` must be a floating dtype, got {value!r}{fix}.")
+    return jnp.dtype(value)

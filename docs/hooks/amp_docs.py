@@ -38,7 +38,9 @@ def op_table() -> str:
         by_class[cls].append(name)
     missing = set(OP_CLASSES) - set(_CLASS_DOC)
     if missing:
-        raise RuntimeError(f"docs/hooks/amp_docs.py: describe the new op class(es) {sorted(missing)}")
+        raise RuntimeError(
+            f"docs/hooks/amp_docs.py: describe the new op class(es) {sorted(missing)}"
+        )
     lines = ["| class | what amp does | primitives |", "|---|---|---|"]
     for cls in OP_CLASSES:
         names = ", ".join(f"`{n}`" for n in by_class[cls])
@@ -64,6 +66,7 @@ def _unlink_relative(text: str) -> str:
             return m.group(0)
         shown = f"benchmarks/{target}" if not target.startswith("/") else target
         return f"{label} (`{shown}`)" if label else f"`{shown}`"
+
     return _LINK.sub(repl, text)
 
 
@@ -74,11 +77,15 @@ def benchmark_results() -> str:
         path = ROOT / "benchmarks" / name
         if path.exists():
             text = path.read_text()
-            text = re.sub(r"^(#+)", r"#\1", text, flags=re.M)  # nest its headings under this page's title
+            text = re.sub(
+                r"^(#+)", r"#\1", text, flags=re.M
+            )  # nest its headings under this page's title
             parts.append(_unlink_relative(text))
     if not parts:
-        return ("!!! note \"No results yet\"\n    `benchmarks/RESULTS.md` has not been generated in this checkout. "
-                "Run `python benchmarks/run.py` to produce it.")
+        return (
+            '!!! note "No results yet"\n    `benchmarks/RESULTS.md` has not been generated in this checkout. '
+            "Run `python benchmarks/run.py` to produce it."
+        )
     return "\n\n".join(parts)
 
 
