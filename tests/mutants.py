@@ -35,6 +35,7 @@ CORE_TESTS = [
     "tests/test_attention.py",
     "tests/test_errors.py",
     "tests/test_solver.py",
+    "tests/test_decisions.py",
 ]
 
 
@@ -72,18 +73,18 @@ def _cpu_layouts_off():
 
 
 def _painting_off():
-    from amp_jax._src import interpreter
+    from amp_jax._src import painting
 
-    orig = interpreter.paint
+    orig = painting.paint
 
     def paint(classes, jaxpr, *args, **kwargs):
         colors = orig(classes, jaxpr, *args, **kwargs)
         return [
-            interpreter.ORIG if c == interpreter.LOW and k != "allow" else c
+            painting.ORIG if c == painting.LOW and k != "allow" else c
             for c, k in zip(colors, classes)
         ]
 
-    interpreter.paint = paint
+    painting.paint = paint
 
 
 def _custom_jvp_transparency_off():
@@ -117,6 +118,12 @@ def _thresholds_off():
     interpreter.stays_high = stays_high
 
 
+def _decisions_off():
+    from amp_jax._src import painting
+
+    painting.decision_slice = lambda jaxpr, classes, colors, seeds: (set(), set(), set())
+
+
 def _attention_off():
     from amp_jax._src import attention
 
@@ -136,6 +143,7 @@ MUTANTS = {
     "cache_off": _cache_off,
     "cpu_layouts_off": _cpu_layouts_off,
     "painting_off": _painting_off,
+    "decisions_off": _decisions_off,
     "custom_jvp_transparency_off": _custom_jvp_transparency_off,
     "low_backward_off": _low_backward_off,
     "explicit_rounding_off": _explicit_rounding_off,

@@ -1,13 +1,15 @@
 """Property tests on random programs built from a vocabulary of layers.
 
 Hypothesis draws a chain of steps (dots, activations, normalisations,
-residuals, and control flow: cond, scan, remat, custom_jvp, while) on an
-[8, 16] float32 state. For every program:
+residuals, control flow: cond, scan, remat, custom_jvp, while, and numerical
+machinery: loop-carried accumulations, loops in which a float
+decides whether to step, tiny solver-like contractions) on an [8, 16] float32 state. For every program:
 
 * under ``"float32"`` the outputs and gradients are bitwise those of the
   program without amp;
 * under ``"bfloat16"`` the output dtype is unchanged, every non-batched dot of
-  the forward *and* of the backward has bf16 operands, and values and
+  the forward *and* of the backward has bf16 operands (but tiny contractions,
+  which stay float32), and values and
   gradients are as close to float32 as those of the same program with its
   matmul operands cast to bf16 by hand (within a bf16 margin).
 """
@@ -17,7 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _util import check_dots_low, eqns
+from _util import _tiny, check_dots_low, eqns
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 from jax import lax
@@ -79,6 +81,15 @@ def _step(kind, k, p, h, saved, mm):
         return jax.checkpoint(lambda h: jax.nn.relu(mm(h, w)) + b)(h)
     if kind == "while":
         return lax.fori_loop(0, 2, lambda i, c: jnp.tanh(mm(c, w)), h)
+    if kind == "accumulate":  # a loop-carried running sum over the stacked weights
+        return lax.scan(lambda acc, wi: (acc + 0.5 * jnp.tanh(mm(h, wi)), None), h, p["w"])[0]
+    if kind == "adaptive":  # a float decides, per iteration, whether the loop steps
+        step = lambda c: jnp.tanh(mm(c, w)) * 2.0
+        go = lambda c, _: (lax.cond(jnp.mean(c * c) > 0.3, step, lambda c: c, c), None)
+        return lax.scan(go, h, None, length=3)[0]
+    if kind == "tiny":  # a solver-like combination: contraction size 4, never worth bf16
+        stages = jnp.stack([h, jnp.sin(h), jnp.cos(h), h * h / 4.0])
+        return h + jnp.einsum("s,sij->ij", b[:4], stages)
     if kind == "attention":
         s = jax.nn.softmax(mm(mm(h, w), h.T) / 4.0)
         return mm(s, h)
@@ -101,6 +112,9 @@ KINDS = [
     "remat",
     "while",
     "attention",
+    "accumulate",
+    "adaptive",
+    "tiny",
 ]
 programs = st.lists(
     st.tuples(st.sampled_from(KINDS), st.integers(0, N_W - 1)), min_size=1, max_size=6
@@ -120,7 +134,7 @@ def make(program, mm=_f32_mm):
 
 
 def _n_dots(jaxpr):
-    return sum(e.primitive.name == "dot_general" for e, _ in eqns(jaxpr))
+    return sum(e.primitive.name == "dot_general" and not _tiny(e) for e, _ in eqns(jaxpr))
 
 
 @settings(

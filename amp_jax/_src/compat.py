@@ -335,6 +335,11 @@ def scan_split(params: dict[str, Any]) -> tuple[int, int]:
     return params["num_consts"], params["num_carry"]
 
 
+def while_split(params: dict[str, Any]) -> tuple[int, int]:
+    """``(cond_nconsts, body_nconsts)`` of a ``while`` eqn (then the carry)."""
+    return params["cond_nconsts"], params["body_nconsts"]
+
+
 def source_line(eqn: Any) -> str:
     """The user's source line of ``eqn`` (``file:line:col (function)``), or ``"-"``."""
     try:

@@ -18,9 +18,8 @@ Three steps per jaxpr (and recursively per sub-jaxpr):
 
 from __future__ import annotations
 
-import collections
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import jax
@@ -28,14 +27,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from amp_jax._src import attention, compat
+from amp_jax._src import attention, compat, painting
+from amp_jax._src.painting import HIGH, KEEP, LOW, OPAQUE, ORIG, SKIP
 from amp_jax._src.policy import FULL_PRECISION_SCOPE, HIGH_DTYPE, Policy, is_managed_float
 from amp_jax._src.rules import RULES, _cpu_batched, default_allow_rule
-
-LOW, HIGH, ORIG = "low", "high", "orig"
-OPAQUE = "opaque"  # higher-order primitive: recursed into, boundary kept
-SKIP = "skip"  # no managed float operand or result
-KEEP = "keep"  # higher-order primitive bound as written (identity policy, full_precision)
 
 
 class Context:
@@ -61,6 +56,10 @@ class Context:
         #: (see :func:`stays_high`); bound under a ``named_scope`` of the tag
         #: so that dtype_report can say why.
         self.kept_high: dict[int, str] = {}
+        #: low allow eqns whose results decide control flow: they write float32.
+        self.f32_out: set[int] = set()
+        #: {id(closed sub-jaxpr): (it, output positions that decide control flow)}
+        self._decides: dict[int, tuple[Any, frozenset[int]]] = {}
 
     def cached(self, kind: str, obj: Any, make: Any) -> Any:
         """``make()``, computed once per ``obj`` (by identity) and ``kind``."""
@@ -81,15 +80,26 @@ class Context:
 
     def prepare(self, closed: Any) -> Any:
         """Inlines sharding-free jits (not under the identity policy, which keeps
-        the structure exactly so that results stay bitwise equal)."""
-        return closed if self.identity else inline_jits(closed)
+        the structure exactly so that results stay bitwise equal). Once per
+        ``closed``: the eqns keep their identity for the per-eqn records."""
+        if self.identity:
+            return closed
+        return self.cached("prepare", closed, lambda: inline_jits(closed))
+
+    def decides(self, closed: Any) -> frozenset[int]:
+        """Output positions of sub-jaxpr ``closed`` that decide control flow."""
+        hit = self._decides.get(id(closed))
+        return hit[1] if hit is not None and hit[0] is closed else frozenset()
+
+    def mark_decides(self, closed: Any, outs: Iterable[int]) -> None:
+        self._decides[id(closed)] = (closed, self.decides(closed) | frozenset(outs))
 
     def rewrite_closed(self, closed: Any) -> Any:
         """A closed jaxpr with the same in/out avals as ``closed``, rewritten."""
 
         def make():
             flat = self.prepare(closed)
-            colors = plan(self, compat.jaxpr_of(flat))
+            colors = plan(self, compat.jaxpr_of(flat), self.decides(closed))
             return compat.trace_to_closed_jaxpr(
                 lambda *a: eval_jaxpr(self, flat, a, colors), compat.in_avals(closed)
             )
@@ -160,6 +170,7 @@ KEEP_REASONS = {
     "explicit_precision": "explicit precision=HIGH/HIGHEST (or an algorithm) asked for",
     "too_small": "too small to pay (Policy.min_low_contraction / min_low_flops)",
     "constant_range": "reads a constant the compute dtype cannot represent",
+    "decides_control": "decides control flow (a while predicate or cond index reads it)",
 }
 KEEP_SCOPE = "amp_keep_f32"
 
@@ -210,97 +221,6 @@ def stays_high(eqn: Any, policy: Policy) -> str | None:
         if int(np.prod(free, dtype=np.int64)) == 1:  # a (batch of) vector-vector dot product(s)
             return "too_small"
     return None
-
-
-# -- painting ---------------------------------------------------------------
-
-
-def _graph(jaxpr: Any) -> tuple[list[list[int]], list[list[int]]]:
-    """Producer/consumer eqn indices over managed-float vars."""
-    producer: dict[Any, int] = {}
-    for i, eqn in enumerate(jaxpr.eqns):
-        for v in eqn.outvars:
-            producer[v] = i
-    preds: list[list[int]] = [[] for _ in jaxpr.eqns]
-    succs: list[list[int]] = [[] for _ in jaxpr.eqns]
-    for i, eqn in enumerate(jaxpr.eqns):
-        for v in eqn.invars:
-            if isinstance(v, compat.Literal) or not is_managed_float(v.aval.dtype):
-                continue
-            j = producer.get(v)
-            if j is not None:
-                preds[i].append(j)
-                succs[j].append(i)
-    return preds, succs
-
-
-def _reach(starts: Sequence[int], edges: list[list[int]], allowed: set[int]) -> set[int]:
-    """Nodes in ``allowed`` reachable from ``starts`` through ``allowed`` nodes."""
-    seen: set[int] = set()
-    todo = collections.deque(starts)
-    while todo:
-        i = todo.popleft()
-        for j in edges[i]:
-            if j in allowed and j not in seen:
-                seen.add(j)
-                todo.append(j)
-    return seen
-
-
-def paint(classes: list[str], jaxpr: Any) -> list[str]:
-    """Colors (``low``/``high``/``orig``) for each eqn, from their classes."""
-    preds, succs = _graph(jaxpr)
-    idx = {
-        c: {i for i, k in enumerate(classes) if k == c}
-        for c in ("allow", "deny", "follow", "clear")
-    }
-    allow, deny, follow, clear = idx["allow"], idx["deny"], idx["follow"], idx["clear"]
-    # 1. deny propagates forward through follow ops, and through clear ops
-    #    only where a follow op is further downstream.
-    fwd = _reach(sorted(deny), succs, follow | clear)
-    deny_follow = fwd & follow
-    back_from_follow = _reach(sorted(deny_follow), preds, clear)
-    denied = deny | deny_follow | (fwd & clear & back_from_follow)
-    # 2. follow/clear ops on a path between two allow ops become low.
-    free = (follow | clear) - denied
-    down = _reach(sorted(allow), succs, free)
-    up = _reach(sorted(allow), preds, free)
-    low = allow | (down & up)
-    # 3. clear ops connected to a low op through clear ops become low.
-    #    Downwards only from ops with low outputs: an allow op accumulates and
-    #    returns float32, so a reshape or max of its result stays float32 (a
-    #    cast there would only be undone further down).
-    free_clear = clear - denied - low
-    # Upwards, stop at broadcasts: a parameter broadcast into a low op is cast
-    # after the broadcast, so its gradient is reduced in float32, not bf16.
-    no_bcast = {i for i in free_clear if jaxpr.eqns[i].primitive.name != "broadcast_in_dim"}
-    low |= _reach(sorted(low - allow), succs, free_clear)
-    #    Upwards only where every consumer is low too: a transpose feeding a
-    #    dot *and* a log stays float32 (the log would get a rounded input).
-    up = _reach(sorted(low), preds, no_bcast)
-    outs = {v for v in jaxpr.outvars if not isinstance(v, compat.Literal)}
-    while True:
-        ok = low | up
-        drop = {
-            i
-            for i in up
-            if any(j not in ok for j in succs[i]) or any(v in outs for v in jaxpr.eqns[i].outvars)
-        }
-        if not drop:
-            break
-        up -= drop
-    low |= up
-    colors = []
-    for i, cls in enumerate(classes):
-        if i in low:
-            colors.append(LOW)
-        elif cls == "deny":
-            colors.append(HIGH)
-        elif cls in (OPAQUE, SKIP, KEEP):
-            colors.append(cls)
-        else:
-            colors.append(ORIG)
-    return colors
 
 
 # -- evaluation -----------------------------------------------------------------
@@ -366,7 +286,9 @@ class _Env:
         return self.casts[key]
 
 
-def plan(ctx: Context, jaxpr: Any) -> list[str]:
+def plan(ctx: Context, jaxpr: Any, decide_outs: Iterable[int] = ()) -> list[str]:
+    """Colors of ``jaxpr``'s eqns; ``decide_outs`` are output positions whose
+    values decide control flow (a while predicate, a loop's carried decision)."""
     classes = [ctx.classify(e) for e in jaxpr.eqns]
     if ctx.identity:
         return [c if c in (OPAQUE, SKIP, KEEP) else ORIG for c in classes]
@@ -374,7 +296,64 @@ def plan(ctx: Context, jaxpr: Any) -> list[str]:
         if classes[i] in ("allow", "follow", "clear"):
             classes[i] = "never"
             ctx.kept_high[id(jaxpr.eqns[i])] = "constant_range"
-    return paint(classes, jaxpr)
+    colors = painting.paint(classes, jaxpr)
+    seeds = painting.decision_seeds(jaxpr, decide_outs, lambda e: _loop_reads(ctx, e))
+    kept, f32_out, _ = painting.decision_slice(jaxpr, classes, colors, seeds)
+    for i in kept:
+        if colors[i] == LOW:
+            colors[i] = ORIG
+            ctx.kept_high[id(jaxpr.eqns[i])] = "decides_control"
+    for i in f32_out:
+        ctx.f32_out.add(id(jaxpr.eqns[i]))
+        ctx.kept_high[id(jaxpr.eqns[i])] = "decides_control"
+    return colors
+
+
+def _reached_inputs(ctx: Context, closed: Any, outs: Iterable[int]) -> set[int]:
+    """Input positions of ``closed`` that its decisions (and outputs ``outs``) read."""
+    jaxpr = compat.jaxpr_of(ctx.prepare(closed))
+    classes = [ctx.classify(e) for e in jaxpr.eqns]
+    colors = painting.paint(classes, jaxpr)
+    seeds = painting.decision_seeds(jaxpr, outs, lambda e: _loop_reads(ctx, e))
+    return painting.decision_slice(jaxpr, classes, colors, seeds)[2]
+
+
+def _loop_reads(ctx: Context, eqn: Any) -> list[int]:
+    """Operand positions of a ``while``/``scan`` eqn whose values decide its
+    control flow, through the loop's carry; marks the body's (and a while's
+    predicate's) outputs that decide it, for when they are rewritten."""
+
+    def make() -> list[int]:
+        p = eqn.params
+        if eqn.primitive.name == "while":
+            cn, bn = compat.while_split(p)
+            body, n_body_consts = p["body_jaxpr"], bn
+            first = _reached_inputs(ctx, p["cond_jaxpr"], [0])
+            ctx.mark_decides(p["cond_jaxpr"], [0])
+            carry = {k - cn for k in first if k >= cn}
+            reads = [k for k in first if k < cn]
+            carry_at = cn + bn  # carry operands follow the cond and body consts
+        else:  # scan: consts, carry, xs
+            n_consts, n_carry = compat.scan_split(p)
+            body, n_body_consts, first, reads = p["jaxpr"], n_consts, set(), []
+            carry, carry_at = set(), n_consts
+        body_reads: set[int] = set()
+        while True:  # loop-carried: a carry read by a decision is one too
+            body_reads = _reached_inputs(ctx, body, sorted(carry))
+            new = carry | {k - n_body_consts for k in body_reads if k >= n_body_consts}
+            if eqn.primitive.name == "scan":
+                new = {k for k in new if k < n_carry}
+            if new == carry:
+                break
+            carry = new
+        if carry:
+            ctx.mark_decides(body, carry)
+        consts = [k for k in body_reads if k < n_body_consts]
+        if eqn.primitive.name == "while":
+            consts = [cn + k for k in consts]
+        return sorted({*reads, *consts, *(carry_at + k for k in carry)})
+
+    return ctx.cached("loop_reads", eqn, make)
 
 
 def _unrepresentable(value: Any, dtype: np.dtype) -> bool:
@@ -486,7 +465,12 @@ def eval_jaxpr(
                     if ctx.vjp_rules
                     else default_allow_rule
                 )
-                outs = rule(eqn, invals, cd, ctx.policy.allow_output_dtype(ctx.backend))
+                out_dtype = (
+                    HIGH_DTYPE
+                    if id(eqn) in ctx.f32_out
+                    else ctx.policy.allow_output_dtype(ctx.backend)
+                )
+                outs = rule(eqn, invals, cd, out_dtype)
             elif color == LOW and eqn.primitive.name in _BROADCASTING:
                 shape = tuple(getattr(eqn.outvars[0].aval, "shape", ()))
                 invals = [
@@ -615,7 +599,7 @@ def _plan_hoisted_casts(ctx: Context, eqn: Any) -> tuple[list[int], dict[str, An
     body, xs = found
     flat = ctx.prepare(body)
     bj = compat.jaxpr_of(flat)
-    colors = plan(ctx, bj)
+    colors = plan(ctx, bj, ctx.decides(body))
     cd = ctx.policy.compute_dtype
     hoist = []
     for i in xs:

@@ -1,0 +1,170 @@
+"""Painting: which eqns of a jaxpr run low, high or as written. Pure functions
+of a jaxpr's graph and the classes of its eqns (no tracing, no policy).
+
+``paint`` follows TensorFlow's auto-mixed-precision passes: allow ops are low;
+deny ops are high; deny propagates forward through follow ops (and through
+clear ops that lead to one); follow/clear ops on a path between two allow ops
+are low; clear ops next to a low op are low.
+
+``decision_slice`` finds what decides control flow (a ``cond``/``switch``
+index, a ``while`` predicate, and loop-carried values that feed one): those
+eqns are kept out of the compute dtype, and the matmuls whose results reach a
+decision write float32. See "How amp works: decisions".
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from amp_jax._src import compat
+from amp_jax._src.policy import is_managed_float
+
+LOW, HIGH, ORIG = "low", "high", "orig"
+OPAQUE = "opaque"  # higher-order primitive: recursed into, boundary kept
+SKIP = "skip"  # no managed float operand or result
+KEEP = "keep"  # higher-order primitive bound as written (identity policy, full_precision)
+
+
+def _graph(jaxpr: Any) -> tuple[list[list[int]], list[list[int]]]:
+    """Producer/consumer eqn indices over managed-float vars."""
+    producer: dict[Any, int] = {}
+    for i, eqn in enumerate(jaxpr.eqns):
+        for v in eqn.outvars:
+            producer[v] = i
+    preds: list[list[int]] = [[] for _ in jaxpr.eqns]
+    succs: list[list[int]] = [[] for _ in jaxpr.eqns]
+    for i, eqn in enumerate(jaxpr.eqns):
+        for v in eqn.invars:
+            if isinstance(v, compat.Literal) or not is_managed_float(v.aval.dtype):
+                continue
+            j = producer.get(v)
+            if j is not None:
+                preds[i].append(j)
+                succs[j].append(i)
+    return preds, succs
+
+
+def _reach(starts: Sequence[int], edges: list[list[int]], allowed: set[int]) -> set[int]:
+    """Nodes in ``allowed`` reachable from ``starts`` through ``allowed`` nodes."""
+    seen: set[int] = set()
+    todo = collections.deque(starts)
+    while todo:
+        i = todo.popleft()
+        for j in edges[i]:
+            if j in allowed and j not in seen:
+                seen.add(j)
+                todo.append(j)
+    return seen
+
+
+def paint(classes: list[str], jaxpr: Any) -> list[str]:
+    """Colors (``low``/``high``/``orig``) for each eqn, from their classes."""
+    preds, succs = _graph(jaxpr)
+    idx = {
+        c: {i for i, k in enumerate(classes) if k == c}
+        for c in ("allow", "deny", "follow", "clear")
+    }
+    allow, deny, follow, clear = idx["allow"], idx["deny"], idx["follow"], idx["clear"]
+    # 1. deny propagates forward through follow ops, and through clear ops
+    #    only where a follow op is further downstream.
+    fwd = _reach(sorted(deny), succs, follow | clear)
+    deny_follow = fwd & follow
+    back_from_follow = _reach(sorted(deny_follow), preds, clear)
+    denied = deny | deny_follow | (fwd & clear & back_from_follow)
+    # 2. follow/clear ops on a path between two allow ops become low.
+    free = (follow | clear) - denied
+    down = _reach(sorted(allow), succs, free)
+    up = _reach(sorted(allow), preds, free)
+    low = allow | (down & up)
+    # 3. clear ops connected to a low op through clear ops become low.
+    #    Downwards only from ops with low outputs: an allow op accumulates and
+    #    returns float32, so a reshape or max of its result stays float32 (a
+    #    cast there would only be undone further down).
+    free_clear = clear - denied - low
+    # Upwards, stop at broadcasts: a parameter broadcast into a low op is cast
+    # after the broadcast, so its gradient is reduced in float32, not bf16.
+    no_bcast = {i for i in free_clear if jaxpr.eqns[i].primitive.name != "broadcast_in_dim"}
+    low |= _reach(sorted(low - allow), succs, free_clear)
+    #    Upwards only where every consumer is low too: a transpose feeding a
+    #    dot *and* a log stays float32 (the log would get a rounded input).
+    up = _reach(sorted(low), preds, no_bcast)
+    outs = {v for v in jaxpr.outvars if not isinstance(v, compat.Literal)}
+    while True:
+        ok = low | up
+        drop = {
+            i
+            for i in up
+            if any(j not in ok for j in succs[i]) or any(v in outs for v in jaxpr.eqns[i].outvars)
+        }
+        if not drop:
+            break
+        up -= drop
+    low |= up
+    colors = []
+    for i, cls in enumerate(classes):
+        if i in low:
+            colors.append(LOW)
+        elif cls == "deny":
+            colors.append(HIGH)
+        elif cls in (OPAQUE, SKIP, KEEP):
+            colors.append(cls)
+        else:
+            colors.append(ORIG)
+    return colors
+
+
+# -- decisions ----------------------------------------------------------------
+
+
+def decision_seeds(
+    jaxpr: Any, decide_outs: Iterable[int], loop_reads: Callable[[Any], Iterable[int]]
+) -> list[Any]:
+    """The vars of ``jaxpr`` whose values decide control flow: the outputs at
+    ``decide_outs`` (a while predicate, or a loop body's carry that feeds one),
+    every ``cond`` index, and the operands at ``loop_reads(eqn)`` of each loop
+    (the initial carry and consts its decisions read)."""
+    seeds = [jaxpr.outvars[k] for k in decide_outs]
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "cond":
+            seeds.append(eqn.invars[0])
+        elif eqn.primitive.name in ("while", "scan"):
+            seeds.extend(eqn.invars[k] for k in loop_reads(eqn))
+    return seeds
+
+
+def decision_slice(
+    jaxpr: Any, classes: Sequence[str], colors: Sequence[str], seeds: Iterable[Any]
+) -> tuple[set[int], set[int], set[int]]:
+    """What the values ``seeds`` are computed from, back to the matmuls.
+
+    Returns ``(kept, f32_out, reached)``: the eqns on the way (to be computed
+    in their original precision), the low ``allow`` eqns where the slice stops
+    (their operands stay low -- that is where the speed is -- but they write
+    float32), and the positions of ``jaxpr.invars`` reached. The slice also
+    stops at higher-order eqns (whose outputs keep their original dtype).
+    """
+    producer = {v: i for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
+    position = {v: k for k, v in enumerate(jaxpr.invars)}
+    kept: set[int] = set()
+    f32_out: set[int] = set()
+    reached: set[int] = set()
+    seen: set[Any] = set()
+    todo = collections.deque(v for v in seeds if not isinstance(v, compat.Literal))
+    while todo:
+        v = todo.popleft()
+        if v in seen:
+            continue
+        seen.add(v)
+        if v in position:
+            reached.add(position[v])
+        i = producer.get(v)
+        if i is None:
+            continue
+        if colors[i] == LOW and classes[i] == "allow":
+            f32_out.add(i)
+        elif colors[i] not in (OPAQUE, KEEP) and i not in kept:
+            kept.add(i)
+            todo.extend(a for a in jaxpr.eqns[i].invars if not isinstance(a, compat.Literal))
+    return kept, f32_out, reached
