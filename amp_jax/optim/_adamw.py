@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import optax
 from jax.typing import DTypeLike
@@ -94,13 +93,9 @@ def scale_by_any_precision_adam(
             u = m_hat / (jnp.sqrt(v_hat + 0.0) + eps)
             return u, m_new.astype(m.dtype), v_new.astype(v.dtype)
 
-        flat_g, treedef = jax.tree.flatten(updates, is_leaf=lambda x: x is None)
-        flat_m = treedef.flatten_up_to(state.mu)
-        flat_v = treedef.flatten_up_to(state.nu)
-        outs = [one(g, m, v) for g, m, v in zip(flat_g, flat_m, flat_v)]
-        new_updates = treedef.unflatten([o[0] for o in outs])
-        mu = treedef.unflatten([o[1] for o in outs])
-        nu = treedef.unflatten([o[2] for o in outs])
+        new_updates, mu, nu = _tree.map_unzip(
+            one, 3, updates, state.mu, state.nu, is_leaf=lambda x: x is None
+        )
         return new_updates, optax.ScaleByAdamState(count=count_inc, mu=mu, nu=nu)
 
     return optax.GradientTransformation(init_fn, update_fn)

@@ -120,12 +120,7 @@ def kahan_summation(
             return y, c_new
 
         # Map over params (leaves), comp may hold MaskedNode at non-float leaves.
-        flat_p, treedef = jax.tree.flatten(params)
-        flat_c = treedef.flatten_up_to(state.compensation)
-        flat_u = treedef.flatten_up_to(inner_updates)
-        outs = [step(p, c, u) for p, c, u in zip(flat_p, flat_c, flat_u)]
-        new_updates = treedef.unflatten([o[0] for o in outs])
-        new_comp = treedef.unflatten([o[1] for o in outs])
+        new_updates, new_comp = _tree.map_unzip(step, 2, params, state.compensation, inner_updates)
         return new_updates, KahanSummationState(new_comp, new_inner)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

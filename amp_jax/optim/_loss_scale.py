@@ -212,7 +212,7 @@ def dynamic_loss_scale(
         new_updates = jax.tree.map(lambda u: jnp.where(finite, u, jnp.zeros_like(u)), inner_updates)
         new_inner = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new_inner, state.inner_state)
 
-        good = state.good_steps + 1
+        good = optax.safe_increment(state.good_steps)
         grow = good >= growth_interval
         grown = scale * jnp.float32(growth_factor)
         grown_scale = jnp.where(

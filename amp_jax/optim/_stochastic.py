@@ -140,18 +140,17 @@ def stochastic_rounding(
         inner_updates, new_inner = inner.update(updates, state.inner_state, params, **extra_args)
         key = jax.random.wrap_key_data(state.key, impl=impl) if impl is not None else state.key
         key, step_key = jax.random.split(key)
-        flat_p, treedef = jax.tree.flatten(params)
-        flat_u = treedef.flatten_up_to(inner_updates)
-        keys = jax.random.split(step_key, max(len(flat_p), 1))
-        out = []
-        for i, (p, u) in enumerate(zip(flat_p, flat_u)):
+        # One key per parameter leaf (jax.random.split over the leaves, in order).
+        keys = optax.tree_utils.tree_split_key_like(step_key, params)
+
+        def land(p, u, k):
             if not _tree.is_float(p) or jnp.dtype(p.dtype).itemsize >= 4:
-                out.append(u)
-                continue
+                return (u,)
             x = p.astype(jnp.float32) + u.astype(jnp.float32)
-            target = stochastic_round(x, keys[i], p.dtype)
-            out.append(_master.landing_update(target, p))
+            return (_master.landing_update(stochastic_round(x, k, p.dtype), p),)
+
+        (new_updates,) = _tree.map_unzip(land, 1, params, inner_updates, keys)
         new_key = jax.random.key_data(key) if impl is not None else key
-        return (treedef.unflatten(out), StochasticRoundingState(new_key, new_inner))
+        return new_updates, StochasticRoundingState(new_key, new_inner)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -22,6 +22,22 @@ def work_dtype(dtype: Any) -> Any:
     return jnp.promote_types(dtype, jnp.float32)
 
 
+def map_unzip(fn: Any, n: int, tree: Any, *rest: Any, is_leaf: Any = None) -> tuple[Any, ...]:
+    """Map ``fn`` over the leaves of ``tree`` (and the matching subtrees of
+    ``rest``) where ``fn`` returns ``n`` values; return ``n`` trees shaped like
+    ``tree``.
+
+    ``jax.tree.map`` with a tuple-valued function gives one tree of tuples; the
+    optimizers need the tuple of trees (updates, new state...). The trees in
+    ``rest`` are flattened up to ``tree``'s leaves, so they may hold subtrees
+    (``optax.MaskedNode``) where ``tree`` has a leaf.
+    """
+    flat, treedef = jax.tree.flatten(tree, is_leaf=is_leaf)
+    others = [treedef.flatten_up_to(r) for r in rest]
+    outs = [fn(*xs) for xs in zip(flat, *others)]
+    return tuple(treedef.unflatten([o[i] for o in outs]) for i in range(n))
+
+
 def find_states(tree: Any, cls: type[T] | tuple[type, ...]) -> list[tuple[str, T]]:
     """All instances of ``cls`` inside ``tree``, with their key paths.
 
