@@ -18,6 +18,11 @@ def _why(eqn: Any) -> str:
     from amp_jax._src.policy import FULL_PRECISION_SCOPE
 
     stack = str(eqn.source_info.name_stack)
+    from amp_jax._src.attention import scope_reason
+
+    attention = scope_reason(stack)  # amp_attention[cudnn] / amp_attention[xla: <reason>]
+    if attention:
+        return attention
     for tag, text in KEEP_REASONS.items():
         if f"{KEEP_SCOPE}.{tag}" in stack:
             return text
