@@ -99,6 +99,125 @@ def test_recognised_and_close_to_float32(name):
     assert not _fused(jax.make_jaxpr(fn)(Q, K, V))
 
 
+# -- additive bias, grouped-query attention ---------------------------------------------
+
+HKV = 2  # kv heads of the grouped cases (N query heads)
+BIAS = jax.random.normal(jax.random.PRNGKey(7), (1, N, T, T))
+PAD = jnp.arange(T)[None, :] < jnp.array([[T], [T // 2]])  # [B, Tk] valid keys
+K2, V2 = K[:, :, :HKV], V[:, :, :HKV]
+
+
+def _scores(q, k):
+    return jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(H)
+
+
+def _out(s, v):
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+
+
+def _grouped(q, k, v):
+    """GQA as jax.nn's XLA path writes it: q as [B, T, Hkv, G, D], a grouped einsum."""
+    qg = q.reshape(B, T, HKV, N // HKV, H)
+    s = jnp.where(CAUSAL, jnp.einsum("btkgd,bskd->bkgts", qg, k) / math.sqrt(H), -1e9)
+    o = jnp.einsum("bkgts,bskd->btkgd", jax.nn.softmax(s, axis=-1), v)
+    return o.reshape(B, T, N, H)
+
+
+def _repeated(q, k, v):
+    """GQA with the kv heads repeated (jnp.repeat along the heads)."""
+    k, v = (jnp.repeat(a, N // HKV, axis=2) for a in (k, v))
+    return einsum_attention(q, k, v, mask=CAUSAL)
+
+
+def _mqa(q, k, v):
+    """Multi-query attention: one kv head, written without a heads dim."""
+    s = jnp.einsum("bqhd,bkd->bhqk", q, k[:, :, 0]) / math.sqrt(H)
+    return jnp.einsum("bhqk,bkd->bqhd", jax.nn.softmax(s, axis=-1), v[:, :, 0])
+
+
+# name: (fn, args, Match.kind)
+BIAS_GQA = {
+    "bias [1,N,T,S]": (lambda q, k, v, b: _out(_scores(q, k) + b, v), (Q, K, V, BIAS), "bias"),
+    "bias [N,T,S] before the scale": (
+        lambda q, k, v, b: _out((jnp.einsum("bqhd,bkhd->bhqk", q, k) + b[0]) * 0.3, v),
+        (Q, K, V, BIAS),
+        "bias",
+    ),
+    "bias + causal mask": (
+        lambda q, k, v, b: _out(jnp.where(CAUSAL, _scores(q, k) + b, -1e9), v),
+        (Q, K, V, BIAS),
+        "causal+bias",
+    ),
+    "jax.nn bias": (
+        lambda q, k, v, b: jax.nn.dot_product_attention(q, k, v, bias=b),
+        (Q, K, V, BIAS),
+        "bias",
+    ),
+    "padding mask as a -1e9 bias": (
+        lambda q, k, v, pad: _out(_scores(q, k) + jnp.where(pad[:, None, None, :], 0.0, -1e9), v),
+        (Q, K, V, PAD),
+        "mask",
+    ),
+    "causal mask as a -inf bias": (
+        lambda q, k, v: _out(_scores(q, k) + jnp.where(CAUSAL, 0.0, -jnp.inf), v),
+        (Q, K, V),
+        "causal",
+    ),
+    "gqa jnp.repeat": (_repeated, (Q, K2, V2), "causal+gqa"),
+    "gqa grouped einsum": (_grouped, (Q, K2, V2), "causal+gqa"),
+    "gqa jax.nn": (
+        lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True),
+        (Q, K2, V2),
+        "causal+gqa",
+    ),
+    "mqa einsum": (_mqa, (Q, K2, V2), "gqa"),
+}
+
+
+WITH_GRADS = ("bias [1,N,T,S]", "padding mask as a -1e9 bias", "gqa jnp.repeat", "mqa einsum")
+
+
+def _match_of(fn, *args):
+    from amp_jax._src import attention, compat
+    from amp_jax._src.interpreter import inline_jits
+
+    closed = inline_jits(jax.make_jaxpr(fn)(*args))
+    jaxpr = compat.jaxpr_of(closed)
+    (m,) = attention.find(jaxpr, dict(zip(jaxpr.constvars, compat.consts_of(closed)))).values()
+    return m
+
+
+@pytest.mark.parametrize("name", list(BIAS_GQA))
+def test_bias_and_grouped_heads_recognised_and_close_to_float32(name):
+    fn, args, kind = BIAS_GQA[name]
+    assert _match_of(fn, *args).kind == kind
+    a = amp(fn, policy=XLA)
+    jaxpr = jax.make_jaxpr(a)(*args)
+    assert [impl for _, impl, _ in _log(a)] == ["xla"], _log(a)
+    assert _fused(jaxpr) and not _fused(jax.make_jaxpr(fn)(*args))
+    dots = [e for e, _ in eqns(jaxpr) if e.primitive.name == "dot_general"]
+    if "gqa" in kind:  # the kv heads are not repeated: q.k reads k with its HKV heads
+        k_heads = {e.invars[1].aval.shape for e in dots if e.invars[0].aval.ndim == 5}
+        assert k_heads == {(B, T, 1 if name.startswith("mqa") else HKV, H)}, k_heads
+        assert not any(
+            e.primitive.name == "broadcast_in_dim"
+            and e.outvars[0].aval.shape[2:4] == (HKV, N // HKV)
+            for e, _ in eqns(jaxpr)
+        )
+    # values and gradients (also of the bias) within the bf16 floor
+    out, want = jax.jit(a)(*args), fn(*args)
+    np.testing.assert_allclose(out, want, rtol=0, atol=3e-2 * float(jnp.max(jnp.abs(want))))
+    if name not in WITH_GRADS:  # (compiling every gradient would double the test's time)
+        return
+    argnums = tuple(i for i, x in enumerate(args) if x.dtype == jnp.float32)
+    loss = lambda f: lambda *x: jnp.sum(jnp.sin(f(*x)))  # noqa: E731
+    grads = jax.jit(jax.grad(loss(a), argnums))(*args)
+    wants = jax.grad(loss(fn), argnums)(*args)
+    for g, w in zip(grads, wants):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        np.testing.assert_allclose(g, w, rtol=0, atol=6e-2 * float(jnp.max(jnp.abs(w))))
+
+
 def test_constant_causal_mask_becomes_is_causal_and_a_padding_mask_is_passed():
     from amp_jax._src import attention, compat
     from amp_jax._src.interpreter import inline_jits
