@@ -389,6 +389,175 @@ def test_real_layers_are_recognised():
         assert [impl for _, impl, _ in _log(a)] == ["xla"], (name, _log(a))
 
 
+# -- planning for a GPU (runs without one) ------------------------------------------------
+
+
+def _plan(fn, *args, backend="gpu", mode="auto", dtype=jnp.bfloat16):
+    """attention.plan of ``fn``'s jaxpr as amp makes it on ``backend``."""
+    from amp_jax._src import attention, compat
+    from amp_jax._src.interpreter import inline_jits
+
+    closed = inline_jits(jax.make_jaxpr(fn)(*args))
+    jaxpr = compat.jaxpr_of(closed)
+    consts = dict(zip(jaxpr.constvars, compat.consts_of(closed)))
+    return attention.plan(jaxpr, consts, mode=mode, backend=backend, compute_dtype=dtype)
+
+
+def _planned_cases():
+    import equinox as eqx
+    import flax.linen as nn
+    from flax import nnx
+
+    t, d = 8, 16
+    x = jax.random.normal(KX, (B, t, d))
+    causal = nn.make_causal_mask(jnp.ones((B, t)))
+    linen = nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=d)
+    # abstract parameters (shapes only): tracing is all a plan needs, and it is fast
+    variables = jax.eval_shape(linen.init, jax.random.PRNGKey(0), x)
+    qh = x.reshape(B, t, 2, 8)
+    bias = jax.random.normal(KX, (1, 2, t, t))
+    nnx_mha = nnx.MultiHeadAttention(num_heads=2, in_features=d, decode=False, rngs=nnx.Rngs(0))
+    nnx_drop = nnx.MultiHeadAttention(
+        num_heads=2, in_features=d, decode=False, dropout_rate=0.1, rngs=nnx.Rngs(0)
+    )
+    eqx_mha = eqx.filter_eval_shape(
+        eqx.nn.MultiheadAttention, 2, d, qk_size=8, vo_size=16, key=jax.random.PRNGKey(0)
+    )
+    eqx_params, eqx_static = eqx.partition(eqx_mha, lambda a: isinstance(a, jax.ShapeDtypeStruct))
+
+    def eqx_apply(p, x):
+        m = eqx.combine(p, eqx_static)
+        return jax.vmap(lambda xi: m(xi, xi, xi))(x)
+
+    q12 = jax.random.normal(KQ, (B, t, 2, 12))
+    pad = jnp.arange(7)[None, :] < jnp.array([[7], [3]])
+    q7 = Q[:, :7]
+    # name: (fn, args, implementation, reason fragment, Match.kind or None)
+    return {
+        "linen MultiHeadDotProductAttention": (
+            lambda v, x: linen.apply(v, x, mask=causal),
+            (variables, x),
+            "cudnn",
+            "cuDNN flash attention",
+            "causal",
+        ),
+        "linen dot_product_attention bias+mask": (
+            lambda q, b: nn.dot_product_attention(q, q, q, bias=b, mask=causal),
+            (qh, bias),
+            "cudnn",
+            "cuDNN flash attention",
+            "causal+bias",
+        ),
+        "nnx MultiHeadAttention": (
+            lambda x: nnx_mha(x, mask=causal),
+            (x,),
+            "cudnn",
+            "cuDNN flash attention",
+            "causal",
+        ),
+        "equinox qk_size 8, vo_size 16": (
+            eqx_apply,
+            (eqx_params, x),
+            "cudnn",
+            "cuDNN flash attention",
+            "mla",
+        ),
+        "jax.nn gqa": (
+            lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True),
+            (Q, K2, V2),
+            "cudnn",
+            "cuDNN flash attention",
+            "causal+gqa",
+        ),
+        "nnx dropout": (
+            lambda x: nnx_drop(x, deterministic=False, rngs=nnx.Rngs(1)),
+            (x,),
+            None,
+            "dropout on the probabilities",
+            None,
+        ),
+        "head dim 12": (
+            lambda q: jax.nn.dot_product_attention(q, q, q),
+            (q12,),
+            None,
+            "head dim 12: cuDNN needs a multiple of 8",
+            "plain",
+        ),
+        "odd length with a padding mask": (
+            lambda q, k, v, pad: einsum_attention(q, k, v, mask=pad[:, None, None, :]),
+            (q7, q7, q7, pad),
+            None,
+            "odd length (Tq=7, Tk=7) with a mask or bias",
+            "mask",
+        ),
+        "odd length causal (no bias needed)": (
+            lambda q: jax.nn.dot_product_attention(q, q, q, is_causal=True),
+            (q7,),
+            "cudnn",
+            "cuDNN flash attention",
+            "causal",
+        ),
+    }
+
+
+def test_real_layers_and_limits_planned_for_a_gpu():
+    """What amp decides on a GPU for each attention, decided here without one."""
+    for name, (fn, args, impl, why, kind) in _planned_cases().items():
+        plan = _plan(fn, *args)
+        ((_, got, reason),) = plan.log
+        assert got == impl and why in reason, (name, plan.log)
+        kinds = [m.kind for m, _ in plan.fused.values()]
+        assert kinds == ([kind] if impl else []), (name, kinds)
+        scopes = set(plan.scopes.values())
+        assert scopes == {"amp_attention[cudnn]" if impl else f"amp_attention[xla: {reason}]"}
+        if kind and not impl:  # recognised, then refused: the reason is cuDNN's limit
+            assert "dropout" not in reason
+
+
+def test_backend_dtype_and_off_decide_before_the_gpu_limits():
+    fn = CASES["causal-const-div"]
+    ((_, impl, why),) = _plan(fn, Q, K, V, backend="cpu").log
+    assert impl is None and why == "no fused attention kernel on cpu: left as written"
+    ((_, impl, why),) = _plan(fn, Q, K, V, dtype=jnp.float32).log
+    assert impl is None and why.startswith("compute dtype float32")
+    ((_, impl, why),) = _plan(fn, Q, K, V, dtype=jnp.float16).log
+    assert impl == "cudnn"
+    off = _plan(fn, Q, K, V, mode="off")
+    assert off.log == [] and off.fused == {} and off.scopes == {}
+
+
+def test_equinox_with_unequal_head_dims_runs_fused():
+    """qk_size != vo_size: the smaller head dim is zero-padded for the fused call."""
+    import equinox as eqx
+
+    x = jax.random.normal(KX, (B, 8, 16))
+    mha = eqx.nn.MultiheadAttention(2, 16, qk_size=8, vo_size=16, key=jax.random.PRNGKey(0))
+    fn = lambda m, x: jax.vmap(lambda xi: m(xi, xi, xi))(x)  # noqa: E731
+    a = amp(fn, policy=XLA)
+    out, want = a(mha, x), fn(mha, x)
+    np.testing.assert_allclose(out, want, rtol=0, atol=3e-2 * float(jnp.max(jnp.abs(want))))
+    assert [impl for _, impl, _ in _log(a)] == ["xla"]
+    jaxpr = jax.make_jaxpr(lambda x: a(mha, x))(x)
+    pads = [e for e, _ in eqns(jaxpr) if e.primitive.name == "pad"]
+    assert pads and all(e.outvars[0].aval.shape[-1] == 16 for e in pads)
+
+
+def test_dtype_report_and_explain_say_which_path_each_attention_took():
+    from amp_jax import dtype_report, explain
+
+    fn = CASES["causal-const-div"]
+    why = {r[0]: r[5] for r in dtype_report(amp(fn, policy=XLA), Q, K, V) if r[0] == "exp"}
+    assert why == {"exp": "attention: fused, xla implementation"}
+    drop = _near_misses()["dropout_between"]
+    rows = dtype_report(amp(drop, policy=XLA), Q, K, V)
+    assert {r[5] for r in rows if r[0] in ("exp", "reduce_max")} == {
+        "attention left as written (xla: dropout on the probabilities)"
+    }
+    ex = explain(fn, Q, K, V, policy=XLA)
+    reasons = {r.reason for r in ex.rows if r.primitive == "dot_general"}
+    assert reasons == {"attention: fused, xla implementation"}, reasons
+
+
 # -- on a GPU: cuDNN flash attention -----------------------------------------------------
 
 
