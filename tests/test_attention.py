@@ -409,17 +409,26 @@ def _planned_cases():
     from flax import nnx
 
     t, d = 8, 16
-    x = jax.random.normal(KX, (B, t, d))
+    normal = np.random.default_rng(0).standard_normal  # (no new jax.random compilations)
+    x = jnp.asarray(normal((B, t, d)), jnp.float32)
     causal = nn.make_causal_mask(jnp.ones((B, t)))
     linen = nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=d)
     # abstract parameters (shapes only): tracing is all a plan needs, and it is fast
     variables = jax.eval_shape(linen.init, jax.random.PRNGKey(0), x)
     qh = x.reshape(B, t, 2, 8)
-    bias = jax.random.normal(KX, (1, 2, t, t))
-    nnx_mha = nnx.MultiHeadAttention(num_heads=2, in_features=d, decode=False, rngs=nnx.Rngs(0))
-    nnx_drop = nnx.MultiHeadAttention(
-        num_heads=2, in_features=d, decode=False, dropout_rate=0.1, rngs=nnx.Rngs(0)
-    )
+    bias = jnp.asarray(normal((1, 2, t, t)), jnp.float32)
+
+    def nnx_abstract(**kw):  # (graph, abstract state): a module without initialising it
+        return nnx.split(
+            nnx.eval_shape(
+                lambda: nnx.MultiHeadAttention(
+                    num_heads=2, in_features=d, decode=False, rngs=nnx.Rngs(0), **kw
+                )
+            )
+        )
+
+    nnx_graph, nnx_state = nnx_abstract()
+    drop_graph, drop_state = nnx_abstract(dropout_rate=0.1)
     eqx_mha = eqx.filter_eval_shape(
         eqx.nn.MultiheadAttention, 2, d, qk_size=8, vo_size=16, key=jax.random.PRNGKey(0)
     )
@@ -429,7 +438,7 @@ def _planned_cases():
         m = eqx.combine(p, eqx_static)
         return jax.vmap(lambda xi: m(xi, xi, xi))(x)
 
-    q12 = jax.random.normal(KQ, (B, t, 2, 12))
+    q12 = jnp.asarray(normal((B, t, 2, 12)), jnp.float32)
     pad = jnp.arange(7)[None, :] < jnp.array([[7], [3]])
     q7 = Q[:, :7]
     # name: (fn, args, implementation, reason fragment, Match.kind or None)
@@ -449,8 +458,8 @@ def _planned_cases():
             "causal+bias",
         ),
         "nnx MultiHeadAttention": (
-            lambda x: nnx_mha(x, mask=causal),
-            (x,),
+            lambda st, x: nnx.merge(nnx_graph, st)(x, mask=causal),
+            (nnx_state, x),
             "cudnn",
             "cuDNN flash attention",
             "causal",
@@ -470,8 +479,8 @@ def _planned_cases():
             "causal+gqa",
         ),
         "nnx dropout": (
-            lambda x: nnx_drop(x, deterministic=False, rngs=nnx.Rngs(1)),
-            (x,),
+            lambda st, x: nnx.merge(drop_graph, st)(x, deterministic=False, rngs=nnx.Rngs(1)),
+            (drop_state, x),
             None,
             "dropout on the probabilities",
             None,
@@ -530,8 +539,19 @@ def test_equinox_with_unequal_head_dims_runs_fused():
     """qk_size != vo_size: the smaller head dim is zero-padded for the fused call."""
     import equinox as eqx
 
-    x = jax.random.normal(KX, (B, 8, 16))
-    mha = eqx.nn.MultiheadAttention(2, 16, qk_size=8, vo_size=16, key=jax.random.PRNGKey(0))
+    normal = np.random.default_rng(1).standard_normal  # (no new jax.random compilations)
+    x = jnp.asarray(normal((B, 8, 16)), jnp.float32)
+    shapes = eqx.filter_eval_shape(
+        eqx.nn.MultiheadAttention, 2, 16, qk_size=8, vo_size=16, key=jax.random.PRNGKey(0)
+    )
+    mha = jax.tree.map(
+        lambda a: (
+            jnp.asarray(0.3 * normal(a.shape), a.dtype)
+            if isinstance(a, jax.ShapeDtypeStruct)
+            else a
+        ),
+        shapes,
+    )
     fn = lambda m, x: jax.vmap(lambda xi: m(xi, xi, xi))(x)  # noqa: E731
     a = amp(fn, policy=XLA)
     out, want = a(mha, x), fn(mha, x)
