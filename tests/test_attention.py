@@ -9,6 +9,7 @@ scales and gradients. The cuDNN tests run where a GPU is the default backend
 import functools
 import math
 import pathlib
+import re
 import sys
 
 import jax
@@ -581,26 +582,73 @@ def test_dtype_report_and_explain_say_which_path_each_attention_took():
 # -- on a GPU: cuDNN flash attention -----------------------------------------------------
 
 
-@pytest.mark.skipif(not GPU, reason="cuDNN fused attention needs a GPU")
-@pytest.mark.parametrize("name", ["causal-const-div", "jax.nn causal", "heads-first"])
-def test_cudnn_flash_attention_on_gpu(name):
-    q, k, v = (jax.random.normal(kk, (2, 128, 4, 64)) for kk in (KQ, KK, KV))
+def _fmha_calls(hlo: str) -> tuple[list[str], list[str]]:
+    """(forward, backward) cuDNN fused-attention custom-call targets in optimized HLO."""
+    targets = re.findall(r'custom_call_target="(__cudnn\$fmha[^"]*)"', hlo)
+    return [t for t in targets if "Backward" not in t], [t for t in targets if "Backward" in t]
+
+
+def _gpu_case(name):
+    """(fn, args) at a size cuDNN takes: T=128, head dim 64."""
+    ks = jax.random.split(KX, 4)
+    q, k, v = (jax.random.normal(kk, (2, 128, 4, 64)) for kk in ks[:3])
     mask = jnp.tril(jnp.ones((128, 128), bool))
-    fn = {
-        "causal-const-div": lambda q, k, v: _scaled(q, k, v, mask),
-        "jax.nn causal": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True),
-        "heads-first": lambda q, k, v: _scaled(q, k, v, mask, heads_first=True),
+    bias = jax.random.normal(ks[3], (1, 4, 128, 128))
+    k2, v2 = k[:, :, :2], v[:, :, :2]
+
+    def gqa_repeat(q, k, v):
+        k, v = (jnp.repeat(a, 2, axis=2) for a in (k, v))
+        return _scaled(q, k, v, mask)
+
+    def biased(q, k, v, b):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / 8.0 + b
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+
+    return {
+        "causal-const-div": (lambda q, k, v: _scaled(q, k, v, mask), (q, k, v)),
+        "jax.nn causal": (
+            lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True),
+            (q, k, v),
+        ),
+        "heads-first": (lambda q, k, v: _scaled(q, k, v, mask, heads_first=True), (q, k, v)),
+        "bias": (biased, (q, k, v, bias)),
+        "gqa jnp.repeat": (gqa_repeat, (q, k2, v2)),
+        "gqa jax.nn": (
+            lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True),
+            (q, k2, v2),
+        ),
     }[name]
+
+
+@pytest.mark.skipif(not GPU, reason="cuDNN fused attention needs a GPU")
+@pytest.mark.parametrize(
+    "name",
+    ["causal-const-div", "jax.nn causal", "heads-first", "bias", "gqa jnp.repeat", "gqa jax.nn"],
+)
+def test_cudnn_flash_attention_on_gpu(name):
+    fn, args = _gpu_case(name)
     a = amp(fn, policy="bfloat16")
-    _check_close(a, fn, q, k, v)
+    # values and gradients of every float argument (the bias too) within the bf16 floor
+    out, want = jax.jit(a)(*args), fn(*args)
+    assert out.dtype == want.dtype and out.shape == want.shape
+    np.testing.assert_allclose(out, want, rtol=0, atol=3e-2 * float(jnp.max(jnp.abs(want))))
+    argnums = tuple(range(len(args)))
+    loss = lambda f: lambda *x: jnp.sum(jnp.sin(f(*x)))  # noqa: E731
+    grads = jax.jit(jax.grad(loss(a), argnums))(*args)
+    with jax.default_matmul_precision("highest"):
+        wants = jax.jit(jax.grad(loss(fn), argnums))(*args)
+    for g, w in zip(grads, wants):
+        assert g.dtype == w.dtype
+        np.testing.assert_allclose(g, w, rtol=0, atol=6e-2 * float(jnp.max(jnp.abs(w))))
     assert [impl for _, impl, _ in _log(a)] == ["cudnn"], _log(a)
-    hlo = (
-        jax.jit(jax.grad(lambda *x: jnp.sum(a(*x)), argnums=(0, 1, 2)))
-        .lower(q, k, v)
-        .compile()
-        .as_text()
-    )
-    assert "__cudnn$fmha" in hlo
+    hlo = jax.jit(jax.value_and_grad(loss(a), argnums)).lower(*args).compile().as_text()
+    fwd, bwd = _fmha_calls(hlo)
+    assert fwd and bwd, (fwd, bwd)
+    if name == "bias":
+        assert all("Bias" in t for t in fwd + bwd), (fwd, bwd)
+    if name.startswith("gqa"):  # cuDNN reads k and v with their 2 heads, not repeated
+        calls = [ln for ln in hlo.splitlines() if "__cudnn$fmha" in ln]
+        assert all("bf16[2,128,2,64]" in ln for ln in calls), calls
 
 
 def _scaled(q, k, v, mask, heads_first=False):
