@@ -116,10 +116,11 @@ def _out(s, v):
     return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
 
 
-def _grouped(q, k, v):
+def _grouped(q, k, v, bias=None):
     """GQA as jax.nn's XLA path writes it: q as [B, T, Hkv, G, D], a grouped einsum."""
     qg = q.reshape(B, T, HKV, N // HKV, H)
-    s = jnp.where(CAUSAL, jnp.einsum("btkgd,bskd->bkgts", qg, k) / math.sqrt(H), -1e9)
+    s = jnp.einsum("btkgd,bskd->bkgts", qg, k) / math.sqrt(H)
+    s = jnp.where(CAUSAL, s if bias is None else s + bias, -1e9)
     o = jnp.einsum("bkgts,bskd->btkgd", jax.nn.softmax(s, axis=-1), v)
     return o.reshape(B, T, N, H)
 
@@ -166,6 +167,11 @@ BIAS_GQA = {
     ),
     "gqa jnp.repeat": (_repeated, (Q, K2, V2), "causal+gqa"),
     "gqa grouped einsum": (_grouped, (Q, K2, V2), "causal+gqa"),
+    "gqa grouped einsum + per-kv-head bias": (
+        lambda q, k, v, b: _grouped(q, k, v, b[:, :HKV, None]),
+        (Q, K2, V2, BIAS),
+        "causal+bias+gqa",
+    ),
     "gqa jax.nn": (
         lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True),
         (Q, K2, V2),

@@ -534,6 +534,10 @@ def _walk_scores(s_var, s_users, max_src, i_max, eqns, producer, need, prod, onl
             need(c is not None and c != 0.0, f"{name} by a non-constant between QK and softmax")
             st["scale"] = c if name == "mul" else 1.0 / c
             return walk(a, {j}, st)
+        if name == "add" and any(_literal_scalar(a) is not None for a in e.invars):
+            # a constant added to every score: the softmax does not change
+            a, b = e.invars
+            return walk(b if _literal_scalar(a) is not None else a, {j}, st)
         if name == "add" and st["bias"] is None:
             err = None
             for chain_op, other in (e.invars, e.invars[::-1]):
