@@ -583,6 +583,12 @@ def test_dtype_report_and_explain_say_which_path_each_attention_took():
     ex = explain(fn, Q, K, V, policy=XLA)
     reasons = {r.reason for r in ex.rows if r.primitive == "dot_general"}
     assert reasons == {"attention: fused, xla implementation"}, reasons
+    # left as written: the dtype reason stays, the attention's path is added
+    ex = explain(drop, Q, K, V, policy=XLA)
+    reasons = {r.reason for r in ex.rows if r.primitive == "exp"}
+    assert len(reasons) == 1 and reasons.pop().endswith(
+        "; attention left as written (xla: dropout on the probabilities)"
+    )
 
 
 # -- on a GPU: cuDNN flash attention -----------------------------------------------------

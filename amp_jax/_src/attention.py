@@ -213,6 +213,8 @@ def find(
                 if near is not None and x.args:
                     near.append(NearMiss(*x.args))
                 continue
+            except Exception:  # noqa: BLE001 -- a shape the matcher did not foresee:
+                continue  # never break the program, leave it as written
             if not (m.skip & taken):
                 found[m.d2] = m
                 taken |= m.skip

@@ -544,7 +544,7 @@ def _row_reason(
             return "cast inserted by amp"
         return "cast in the original program"
     attention = scope_reason(stack)  # the path each attention took (attention.py)
-    if attention:
+    if attention and attention.startswith("attention:"):  # run fused: amp wrote these ops
         reason = attention
     elif found:
         reason = found.most_common(1)[0][0]
@@ -556,6 +556,8 @@ def _row_reason(
             if merged
             else "no amp decision (added by a JAX transformation, or outside the amp function)"
         )
+    if attention and reason != attention:  # left as written: the dtype reason, and why
+        reason = f"{reason}; {attention}"
     if _is_backward(stack) and found:
         return f"backward of: {reason}"
     return reason

@@ -20,12 +20,12 @@ def _why(eqn: Any) -> str:
     stack = str(eqn.source_info.name_stack)
     from amp_jax._src.attention import scope_reason
 
-    attention = scope_reason(stack)  # amp_attention[cudnn] / amp_attention[xla: <reason>]
-    if attention:
-        return attention
     for tag, text in KEEP_REASONS.items():
         if f"{KEEP_SCOPE}.{tag}" in stack:
             return text
+    attention = scope_reason(stack)  # amp_attention[cudnn] / amp_attention[xla: <reason>]
+    if attention:
+        return attention
     if FULL_PRECISION_SCOPE in stack:
         return "full_precision scope"
     return ""
