@@ -12,10 +12,16 @@ the pattern in one jaxpr; :meth:`Match.evaluate` replaces it by one call of
 Recognised (each part optional except the two matmuls and the softmax):
 
 * ``S = dot_general(q, k)`` contracting one head dim, with 0-2 batch dims
-  (batch, heads) and one non-unit free dim per operand (query and key
-  positions; size-1 free dims, as in ``jax.nn.dot_product_attention``'s
-  grouped layout, are allowed), then an optional ``transpose``;
+  (batch, heads) and one non-unit free dim for the keys; the queries have
+  one non-unit free dim (positions) or two (positions and ``G``, the query
+  heads of one kv head: grouped-query attention as a grouped einsum, which is
+  how ``jax.nn.dot_product_attention`` writes it, or multi-query attention
+  with k and v without a heads dim); then an optional ``transpose``;
+* k and v repeated along the heads (``jnp.repeat``: a ``broadcast_in_dim``
+  and a ``reshape``): the fused call reads them un-repeated;
 * a scale: ``mul``/``div`` by a scalar literal or constant;
+* an additive bias: ``add(S, bias)`` (a scale applied after it is folded
+  into it); ``bias = jnp.where(mask, 0, fill)`` becomes a mask;
 * a mask: ``select_n(pred, fill, S)`` where ``fill`` is a broadcast scalar
   ``<= -1e4`` (``-1e9``, ``-inf``, ``finfo.min``) and ``pred`` is not
   computed from the float values q, k and v come from (a constant, iota
@@ -23,11 +29,18 @@ Recognised (each part optional except the two matmuls and the softmax):
   lower-triangular ``pred`` becomes ``is_causal=True``;
 * the softmax over the key axis, as ``jax.nn.softmax`` emits it (reduce_max,
   sub, exp, reduce_sum, div, with or without ``stop_gradient``);
-* ``dot_general(P, v)`` (or ``(v, P)``) contracting the key axis.
+* ``dot_general(P, v)`` (or ``(v, P)``) contracting the key axis; v's head
+  dim may differ from q's (the smaller one is zero-padded for the call).
 
-The intermediate values must have no other consumers. Anything else
-(dropout between softmax and the second matmul, a softmax over another axis,
-an additive bias, a mask computed from float values) is left as it is.
+The intermediate values must have no other consumers. A softmax between two
+matmuls that cannot be taken (dropout or other ops between the softmax and
+the second matmul, a softmax over another axis, a soft or value-dependent
+mask, the scores or probabilities used elsewhere, an op such as ``tanh``
+before the softmax) is a *near miss*: it is left as written and its reason
+recorded. :func:`plan` decides per attention (:func:`decide`: policy,
+compute dtype, backend, cuDNN's limits) and names the scope its ops are
+bound under: ``amp_attention[cudnn]``, ``amp_attention[xla-fused]`` or
+``amp_attention[xla: <reason>]``, which ``dtype_report`` and ``explain`` read.
 """
 
 from __future__ import annotations
