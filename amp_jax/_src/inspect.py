@@ -14,12 +14,11 @@ from amp_jax._src import compat
 
 def _why(eqn: Any) -> str:
     """Why amp left this eqn in its original precision, from its name stack."""
+    from amp_jax._src.attention import scope_reason
     from amp_jax._src.interpreter import KEEP_REASONS, KEEP_SCOPE
     from amp_jax._src.policy import FULL_PRECISION_SCOPE
 
     stack = str(eqn.source_info.name_stack)
-    from amp_jax._src.attention import scope_reason
-
     for tag, text in KEEP_REASONS.items():
         if f"{KEEP_SCOPE}.{tag}" in stack:
             return text
