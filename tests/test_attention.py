@@ -131,6 +131,17 @@ def _repeated(q, k, v):
     return einsum_attention(q, k, v, mask=CAUSAL)
 
 
+def _repeat_kv_heads_first(q, k, v):
+    """GQA as ports of PyTorch code write it: [B, H, T, D], kv heads expanded."""
+    q, k, v = (jnp.swapaxes(a, 1, 2) for a in (q, k, v))
+    k, v = (
+        jnp.broadcast_to(a[:, :, None], (B, HKV, N // HKV, T, H)).reshape(B, N, T, H)
+        for a in (k, v)
+    )
+    s = jnp.einsum("bhqd,bhkd->bhqk", q, k) / math.sqrt(H)
+    return jnp.swapaxes(jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(s, axis=-1), v), 1, 2)
+
+
 def _mqa(q, k, v):
     """Multi-query attention: one kv head, written without a heads dim."""
     s = jnp.einsum("bqhd,bkd->bhqk", q, k[:, :, 0]) / math.sqrt(H)
@@ -166,6 +177,7 @@ BIAS_GQA = {
         "causal",
     ),
     "gqa jnp.repeat": (_repeated, (Q, K2, V2), "causal+gqa"),
+    "gqa heads-first broadcast_to": (_repeat_kv_heads_first, (Q, K2, V2), "gqa"),
     "gqa grouped einsum": (_grouped, (Q, K2, V2), "causal+gqa"),
     "gqa grouped einsum + per-kv-head bias": (
         lambda q, k, v, b: _grouped(q, k, v, b[:, :HKV, None]),

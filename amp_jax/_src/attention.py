@@ -463,12 +463,14 @@ def _match_at(i_exp, eqns, producer, consumers, outs, consts, jaxpr) -> Match:
         if rk and rv and rk[1] == rv[1]:
             K, V = rk[0], rv[0]
             sizes["kvh"] = sizes["b1"] // rk[1]
-            for (_, _, idx), used_by in ((rk, i_d1), (rv, i_d2)):
-                reshaped = eqns[idx[0]].outvars[0]
-                if reshaped not in outs and set(consumers.get(reshaped, ())) <= {used_by}:
-                    bcast = eqns[idx[1]].outvars[0]
-                    if bcast not in outs and set(consumers.get(bcast, ())) <= {idx[0]}:
-                        skip.update(idx)
+            for (_, _, chain_), used_by in ((rk, i_d1), (rv, i_d2)):
+                users = {used_by}  # skip the repeat where only the attention reads it
+                for idx in chain_:
+                    out = eqns[idx].outvars[0]
+                    if out in outs or not set(consumers.get(out, ())) <= users:
+                        break
+                    skip.add(idx)
+                    users = {idx}
 
     def roles_of(atom, pre):
         names = pre_named if pre else s_named
@@ -627,29 +629,38 @@ def _mask_of_bias(atom, eqns, producer):
 
 
 def _unrepeat(x, axis, eqns, producer):
-    """``(x_small, repeats, (reshape eqn, broadcast eqn))`` if ``x`` is
-    ``jnp.repeat(x_small, repeats, axis)``, else None."""
+    """``(x_small, repeats, eqns)`` if ``x`` is ``jnp.repeat(x_small, repeats, axis)``
+    (a ``broadcast_in_dim`` inserting the repeats after ``axis``, or two, as
+    ``broadcast_to(x[:, :, None], ...)`` writes it, then a ``reshape``), else None."""
     j = producer.get(x)
     if axis is None or j is None or eqns[j].primitive.name != "reshape":
         return None
-    b = eqns[j].invars[0]
-    i = producer.get(b)
-    if i is None or eqns[i].primitive.name != "broadcast_in_dim":
+    n, chain = len(x.aval.shape), [j]
+    b = small = eqns[j].invars[0]
+    if len(b.aval.shape) != n + 1:
         return None
-    small = eqns[i].invars[0]
-    if isinstance(small, compat.Literal):
-        return None
+    dims = tuple(range(n + 1))  # where small's dims are in b
+    while True:
+        i = producer.get(small)
+        if i is None or eqns[i].primitive.name != "broadcast_in_dim":
+            return None
+        chain.append(i)
+        src = eqns[i].invars[0]
+        if isinstance(src, compat.Literal):
+            return None
+        dims = tuple(dims[d] for d in eqns[i].params["broadcast_dimensions"])
+        small = src
+        if len(small.aval.shape) <= n:
+            break
     xs, bs, ss = x.aval.shape, b.aval.shape, small.aval.shape
-    dims = tuple(eqns[i].params["broadcast_dimensions"])
-    n = len(xs)
-    if len(ss) != n or len(bs) != n + 1 or dims != tuple(d for d in range(n + 1) if d != axis + 1):
+    if len(ss) != n or dims != tuple(d for d in range(n + 1) if d != axis + 1):
         return None
     rep = bs[axis + 1]
     want_b = (*ss[: axis + 1], rep, *ss[axis + 1 :])
     want_x = (*ss[:axis], ss[axis] * rep, *ss[axis + 1 :])
     if tuple(bs) != want_b or tuple(xs) != want_x or rep < 2:
         return None
-    return small, rep, (j, i)
+    return small, rep, tuple(chain)
 
 
 def _ancestors(atoms, eqns, producer) -> set:
