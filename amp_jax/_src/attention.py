@@ -753,7 +753,9 @@ def scope_name(impl: str | None, reason: str) -> str:
         return f"{SCOPE}[cudnn]"
     if impl is not None:
         return f"{SCOPE}[{impl}-fused]"
-    return f"{SCOPE}[xla: {reason.replace('/', ' or ')}]"
+    # (a name stack splits at "/", and the scope ends at the first "]")
+    text = reason.replace("/", " or ").replace("[", "(").replace("]", ")")
+    return f"{SCOPE}[xla: {text}]"
 
 
 def scope_reason(stack: str) -> str | None:
