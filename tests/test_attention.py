@@ -550,6 +550,14 @@ def test_backend_dtype_and_off_decide_before_the_gpu_limits():
     assert impl is None and why.startswith("compute dtype float32")
     ((_, impl, why),) = _plan(fn, Q, K, V, dtype=jnp.float16).log
     assert impl == "cudnn"
+    if not GPU:  # forced cuDNN where there is none: left as written, not a crash
+        a = amp(fn, policy=Policy(jnp.bfloat16, attention="cudnn"))
+        np.testing.assert_allclose(
+            a(Q, K, V), fn(Q, K, V), atol=3e-2 * float(jnp.max(jnp.abs(fn(Q, K, V))))
+        )
+        assert [(impl, why) for _, impl, why in _log(a)] == [
+            (None, f"no cuDNN on {jax.default_backend()}: left as written")
+        ]
     off = _plan(fn, Q, K, V, mode="off")
     assert off.log == [] and off.fused == {} and off.scopes == {}
 

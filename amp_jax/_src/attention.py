@@ -835,7 +835,9 @@ def decide(match: Match, mode: str, backend: str, compute_dtype: Any) -> tuple[s
             f"odd length (Tq={tq}, Tk={tk}) with a mask or bias: cuDNN's backward needs even ones"
         )
     if not _have_cudnn():
-        return "cudnn", "cuDNN flash attention (planned without a GPU: cuDNN checks not run)"
+        if backend == "gpu":  # planned for a GPU on a machine without one
+            return "cudnn", "cuDNN flash attention (planned without a GPU: cuDNN checks not run)"
+        return None, f"no cuDNN on {backend}: left as written"
     read = _abstract_read(match, compute_dtype)
 
     def fused(*operands):
