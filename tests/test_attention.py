@@ -9,6 +9,7 @@ scales and gradients. The cuDNN tests run where a GPU is the default backend
 import functools
 import math
 import pathlib
+import re
 import sys
 
 import jax
@@ -99,6 +100,143 @@ def test_recognised_and_close_to_float32(name):
     assert not _fused(jax.make_jaxpr(fn)(Q, K, V))
 
 
+# -- additive bias, grouped-query attention ---------------------------------------------
+
+HKV = 2  # kv heads of the grouped cases (N query heads)
+BIAS = jax.random.normal(jax.random.PRNGKey(7), (1, N, T, T))
+PAD = jnp.arange(T)[None, :] < jnp.array([[T], [T // 2]])  # [B, Tk] valid keys
+K2, V2 = K[:, :, :HKV], V[:, :, :HKV]
+
+
+def _scores(q, k):
+    return jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(H)
+
+
+def _out(s, v):
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+
+
+def _grouped(q, k, v, bias=None):
+    """GQA as jax.nn's XLA path writes it: q as [B, T, Hkv, G, D], a grouped einsum."""
+    qg = q.reshape(B, T, HKV, N // HKV, H)
+    s = jnp.einsum("btkgd,bskd->bkgts", qg, k) / math.sqrt(H)
+    s = jnp.where(CAUSAL, s if bias is None else s + bias, -1e9)
+    o = jnp.einsum("bkgts,bskd->btkgd", jax.nn.softmax(s, axis=-1), v)
+    return o.reshape(B, T, N, H)
+
+
+def _repeated(q, k, v):
+    """GQA with the kv heads repeated (jnp.repeat along the heads)."""
+    k, v = (jnp.repeat(a, N // HKV, axis=2) for a in (k, v))
+    return einsum_attention(q, k, v, mask=CAUSAL)
+
+
+def _repeat_kv_heads_first(q, k, v):
+    """GQA as ports of PyTorch code write it: [B, H, T, D], kv heads expanded."""
+    q, k, v = (jnp.swapaxes(a, 1, 2) for a in (q, k, v))
+    k, v = (
+        jnp.broadcast_to(a[:, :, None], (B, HKV, N // HKV, T, H)).reshape(B, N, T, H)
+        for a in (k, v)
+    )
+    s = jnp.einsum("bhqd,bhkd->bhqk", q, k) / math.sqrt(H)
+    return jnp.swapaxes(jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(s, axis=-1), v), 1, 2)
+
+
+def _mqa(q, k, v):
+    """Multi-query attention: one kv head, written without a heads dim."""
+    s = jnp.einsum("bqhd,bkd->bhqk", q, k[:, :, 0]) / math.sqrt(H)
+    return jnp.einsum("bhqk,bkd->bqhd", jax.nn.softmax(s, axis=-1), v[:, :, 0])
+
+
+# name: (fn, args, Match.kind)
+BIAS_GQA = {
+    "bias [1,N,T,S]": (lambda q, k, v, b: _out(_scores(q, k) + b, v), (Q, K, V, BIAS), "bias"),
+    "bias [N,T,S] before the scale": (
+        lambda q, k, v, b: _out((jnp.einsum("bqhd,bkhd->bhqk", q, k) + b[0]) * 0.3, v),
+        (Q, K, V, BIAS),
+        "bias",
+    ),
+    "bias + causal mask": (
+        lambda q, k, v, b: _out(jnp.where(CAUSAL, _scores(q, k) + b, -1e9), v),
+        (Q, K, V, BIAS),
+        "causal+bias",
+    ),
+    "jax.nn bias": (
+        lambda q, k, v, b: jax.nn.dot_product_attention(q, k, v, bias=b),
+        (Q, K, V, BIAS),
+        "bias",
+    ),
+    "padding mask as a -1e9 bias": (
+        lambda q, k, v, pad: _out(_scores(q, k) + jnp.where(pad[:, None, None, :], 0.0, -1e9), v),
+        (Q, K, V, PAD),
+        "mask",
+    ),
+    "causal mask as a -inf bias": (
+        lambda q, k, v: _out(_scores(q, k) + jnp.where(CAUSAL, 0.0, -jnp.inf), v),
+        (Q, K, V),
+        "causal",
+    ),
+    "gqa jnp.repeat": (_repeated, (Q, K2, V2), "causal+gqa"),
+    "gqa heads-first broadcast_to": (_repeat_kv_heads_first, (Q, K2, V2), "gqa"),
+    "gqa grouped einsum": (_grouped, (Q, K2, V2), "causal+gqa"),
+    "gqa grouped einsum + per-kv-head bias": (
+        lambda q, k, v, b: _grouped(q, k, v, b[:, :HKV, None]),
+        (Q, K2, V2, BIAS),
+        "causal+bias+gqa",
+    ),
+    "gqa jax.nn": (
+        lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True),
+        (Q, K2, V2),
+        "causal+gqa",
+    ),
+    "mqa einsum": (_mqa, (Q, K2, V2), "gqa"),
+}
+
+
+WITH_GRADS = ("bias [1,N,T,S]", "padding mask as a -1e9 bias", "gqa jnp.repeat", "mqa einsum")
+
+
+def _match_of(fn, *args):
+    from amp_jax._src import attention, compat
+    from amp_jax._src.interpreter import inline_jits
+
+    closed = inline_jits(jax.make_jaxpr(fn)(*args))
+    jaxpr = compat.jaxpr_of(closed)
+    (m,) = attention.find(jaxpr, dict(zip(jaxpr.constvars, compat.consts_of(closed)))).values()
+    return m
+
+
+@pytest.mark.parametrize("name", list(BIAS_GQA))
+def test_bias_and_grouped_heads_recognised_and_close_to_float32(name):
+    fn, args, kind = BIAS_GQA[name]
+    assert _match_of(fn, *args).kind == kind
+    a = amp(fn, policy=XLA)
+    jaxpr = jax.make_jaxpr(a)(*args)
+    assert [impl for _, impl, _ in _log(a)] == ["xla"], _log(a)
+    assert _fused(jaxpr) and not _fused(jax.make_jaxpr(fn)(*args))
+    dots = [e for e, _ in eqns(jaxpr) if e.primitive.name == "dot_general"]
+    if "gqa" in kind:  # the kv heads are not repeated: q.k reads k with its HKV heads
+        k_heads = {e.invars[1].aval.shape for e in dots if e.invars[0].aval.ndim == 5}
+        assert k_heads == {(B, T, 1 if name.startswith("mqa") else HKV, H)}, k_heads
+        assert not any(
+            e.primitive.name == "broadcast_in_dim"
+            and e.outvars[0].aval.shape[2:4] == (HKV, N // HKV)
+            for e, _ in eqns(jaxpr)
+        )
+    # values and gradients (also of the bias) within the bf16 floor
+    out, want = jax.jit(a)(*args), fn(*args)
+    np.testing.assert_allclose(out, want, rtol=0, atol=3e-2 * float(jnp.max(jnp.abs(want))))
+    if name not in WITH_GRADS:  # (compiling every gradient would double the test's time)
+        return
+    argnums = tuple(i for i, x in enumerate(args) if x.dtype == jnp.float32)
+    loss = lambda f: lambda *x: jnp.sum(jnp.sin(f(*x)))  # noqa: E731
+    grads = jax.jit(jax.grad(loss(a), argnums))(*args)
+    wants = jax.grad(loss(fn), argnums)(*args)
+    for g, w in zip(grads, wants):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        np.testing.assert_allclose(g, w, rtol=0, atol=6e-2 * float(jnp.max(jnp.abs(w))))
+
+
 def test_constant_causal_mask_becomes_is_causal_and_a_padding_mask_is_passed():
     from amp_jax._src import attention, compat
     from amp_jax._src.interpreter import inline_jits
@@ -169,12 +307,37 @@ def _near_misses():
     }
 
 
+NEAR_MISS_REASONS = {
+    "no_softmax": None,  # not attention at all: nothing logged
+    "softmax_wrong_axis": "softmax not over the key axis",
+    "mask_from_values": "scores are also used outside",
+    "mask_from_inputs": "mask computed from the values",
+    "dropout_between": "dropout on the probabilities",
+    "probs_also_returned": "probabilities are also used outside",
+    "small_fill": "soft mask",
+}
+
+
 @pytest.mark.parametrize("name", list(_near_misses()))
-def test_near_misses_are_left_alone(name):
+def test_near_misses_are_left_alone_with_a_reason(name):
     fn = _near_misses()[name]
     a = amp(fn, policy=XLA)
     jaxpr = jax.make_jaxpr(a)(Q, K, V)
-    assert not _log(a) and not _fused(jaxpr)
+    assert not _fused(jaxpr)
+    want = NEAR_MISS_REASONS[name]
+    if want is None:
+        assert not _log(a)
+        assert not any("amp_attention" in str(e.source_info.name_stack) for e, _ in eqns(jaxpr))
+    else:
+        ((_, impl, why),) = _log(a)
+        assert impl is None and want in why, why
+        # the ops as written carry the reason in their name stack (dtype_report's "why")
+        scoped = [
+            e.primitive.name
+            for e, _ in eqns(jaxpr)
+            if f"amp_attention[xla: {why}]" in str(e.source_info.name_stack)
+        ]
+        assert "exp" in scoped and "dot_general" in scoped, scoped
     np.testing.assert_allclose(
         a(Q, K, V), fn(Q, K, V), atol=5e-2 * float(jnp.max(jnp.abs(fn(Q, K, V))))
     )
@@ -245,29 +408,279 @@ def test_real_layers_are_recognised():
         assert [impl for _, impl, _ in _log(a)] == ["xla"], (name, _log(a))
 
 
+# -- planning for a GPU (runs without one) ------------------------------------------------
+
+
+def _plan(fn, *args, backend="gpu", mode="auto", dtype=jnp.bfloat16):
+    """attention.plan of ``fn``'s jaxpr as amp makes it on ``backend``."""
+    from amp_jax._src import attention, compat
+    from amp_jax._src.interpreter import inline_jits
+
+    closed = inline_jits(jax.make_jaxpr(fn)(*args))
+    jaxpr = compat.jaxpr_of(closed)
+    consts = dict(zip(jaxpr.constvars, compat.consts_of(closed)))
+    return attention.plan(jaxpr, consts, mode=mode, backend=backend, compute_dtype=dtype)
+
+
+def _planned_cases():
+    import equinox as eqx
+    import flax.linen as nn
+    from flax import nnx
+
+    t, d = 8, 16
+    normal = np.random.default_rng(0).standard_normal  # (no new jax.random compilations)
+    x = jnp.asarray(normal((B, t, d)), jnp.float32)
+    causal = nn.make_causal_mask(jnp.ones((B, t)))
+    linen = nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=d)
+    # abstract parameters (shapes only): tracing is all a plan needs, and it is fast
+    variables = jax.eval_shape(linen.init, jax.random.PRNGKey(0), x)
+    qh = x.reshape(B, t, 2, 8)
+    bias = jnp.asarray(normal((1, 2, t, t)), jnp.float32)
+
+    def nnx_abstract(**kw):  # (graph, abstract state): a module without initialising it
+        return nnx.split(
+            nnx.eval_shape(
+                lambda: nnx.MultiHeadAttention(
+                    num_heads=2, in_features=d, decode=False, rngs=nnx.Rngs(0), **kw
+                )
+            )
+        )
+
+    nnx_graph, nnx_state = nnx_abstract()
+    drop_graph, drop_state = nnx_abstract(dropout_rate=0.1)
+    eqx_mha = eqx.filter_eval_shape(
+        eqx.nn.MultiheadAttention, 2, d, qk_size=8, vo_size=16, key=jax.random.PRNGKey(0)
+    )
+    eqx_params, eqx_static = eqx.partition(eqx_mha, lambda a: isinstance(a, jax.ShapeDtypeStruct))
+
+    def eqx_apply(p, x):
+        m = eqx.combine(p, eqx_static)
+        return jax.vmap(lambda xi: m(xi, xi, xi))(x)
+
+    q12 = jnp.asarray(normal((B, t, 2, 12)), jnp.float32)
+    pad = jnp.arange(7)[None, :] < jnp.array([[7], [3]])
+    q7 = Q[:, :7]
+    # name: (fn, args, implementation, reason fragment, Match.kind or None)
+    return {
+        "linen MultiHeadDotProductAttention": (
+            lambda v, x: linen.apply(v, x, mask=causal),
+            (variables, x),
+            "cudnn",
+            "cuDNN flash attention",
+            "causal",
+        ),
+        "linen dot_product_attention bias+mask": (
+            lambda q, b: nn.dot_product_attention(q, q, q, bias=b, mask=causal),
+            (qh, bias),
+            "cudnn",
+            "cuDNN flash attention",
+            "causal+bias",
+        ),
+        "nnx MultiHeadAttention": (
+            lambda st, x: nnx.merge(nnx_graph, st)(x, mask=causal),
+            (nnx_state, x),
+            "cudnn",
+            "cuDNN flash attention",
+            "causal",
+        ),
+        "equinox qk_size 8, vo_size 16": (
+            eqx_apply,
+            (eqx_params, x),
+            "cudnn",
+            "cuDNN flash attention",
+            "mla",
+        ),
+        "jax.nn gqa": (
+            lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True),
+            (Q, K2, V2),
+            "cudnn",
+            "cuDNN flash attention",
+            "causal+gqa",
+        ),
+        "nnx dropout": (
+            lambda st, x: nnx.merge(drop_graph, st)(x, deterministic=False, rngs=nnx.Rngs(1)),
+            (drop_state, x),
+            None,
+            "dropout on the probabilities",
+            None,
+        ),
+        "head dim 12": (
+            lambda q: jax.nn.dot_product_attention(q, q, q),
+            (q12,),
+            None,
+            "head dim 12: cuDNN needs a multiple of 8",
+            "plain",
+        ),
+        "odd length with a padding mask": (
+            lambda q, k, v, pad: einsum_attention(q, k, v, mask=pad[:, None, None, :]),
+            (q7, q7, q7, pad),
+            None,
+            "odd length (Tq=7, Tk=7) with a mask or bias",
+            "mask",
+        ),
+        "odd length causal (no bias needed)": (
+            lambda q: jax.nn.dot_product_attention(q, q, q, is_causal=True),
+            (q7,),
+            "cudnn",
+            "cuDNN flash attention",
+            "causal",
+        ),
+    }
+
+
+def test_real_layers_and_limits_planned_for_a_gpu():
+    """What amp decides on a GPU for each attention, decided here without one."""
+    for name, (fn, args, impl, why, kind) in _planned_cases().items():
+        plan = _plan(fn, *args)
+        ((_, got, reason),) = plan.log
+        assert got == impl and why in reason, (name, plan.log)
+        kinds = [m.kind for m, _ in plan.fused.values()]
+        assert kinds == ([kind] if impl else []), (name, kinds)
+        scopes = set(plan.scopes.values())
+        assert scopes == {"amp_attention[cudnn]" if impl else f"amp_attention[xla: {reason}]"}
+        if kind and not impl:  # recognised, then refused: the reason is cuDNN's limit
+            assert "dropout" not in reason
+
+
+def test_backend_dtype_and_off_decide_before_the_gpu_limits():
+    fn = CASES["causal-const-div"]
+    ((_, impl, why),) = _plan(fn, Q, K, V, backend="cpu").log
+    assert impl is None and why == "no fused attention kernel on cpu: left as written"
+    ((_, impl, why),) = _plan(fn, Q, K, V, dtype=jnp.float32).log
+    assert impl is None and why.startswith("compute dtype float32")
+    ((_, impl, why),) = _plan(fn, Q, K, V, dtype=jnp.float16).log
+    assert impl == "cudnn"
+    if not GPU:  # forced cuDNN where there is none: left as written, not a crash
+        a = amp(fn, policy=Policy(jnp.bfloat16, attention="cudnn"))
+        np.testing.assert_allclose(
+            a(Q, K, V), fn(Q, K, V), atol=3e-2 * float(jnp.max(jnp.abs(fn(Q, K, V))))
+        )
+        assert [(impl, why) for _, impl, why in _log(a)] == [
+            (None, f"no cuDNN on {jax.default_backend()}: left as written")
+        ]
+    off = _plan(fn, Q, K, V, mode="off")
+    assert off.log == [] and off.fused == {} and off.scopes == {}
+
+
+def test_equinox_with_unequal_head_dims_runs_fused():
+    """qk_size != vo_size: the smaller head dim is zero-padded for the fused call."""
+    import equinox as eqx
+
+    normal = np.random.default_rng(1).standard_normal  # (no new jax.random compilations)
+    x = jnp.asarray(normal((B, 8, 16)), jnp.float32)
+    shapes = eqx.filter_eval_shape(
+        eqx.nn.MultiheadAttention, 2, 16, qk_size=8, vo_size=16, key=jax.random.PRNGKey(0)
+    )
+    mha = jax.tree.map(
+        lambda a: (
+            jnp.asarray(0.3 * normal(a.shape), a.dtype)
+            if isinstance(a, jax.ShapeDtypeStruct)
+            else a
+        ),
+        shapes,
+    )
+    fn = lambda m, x: jax.vmap(lambda xi: m(xi, xi, xi))(x)  # noqa: E731
+    a = amp(fn, policy=XLA)
+    out, want = a(mha, x), fn(mha, x)
+    np.testing.assert_allclose(out, want, rtol=0, atol=3e-2 * float(jnp.max(jnp.abs(want))))
+    assert [impl for _, impl, _ in _log(a)] == ["xla"]
+    jaxpr = jax.make_jaxpr(lambda x: a(mha, x))(x)
+    pads = [e for e, _ in eqns(jaxpr) if e.primitive.name == "pad"]
+    assert pads and all(e.outvars[0].aval.shape[-1] == 16 for e in pads)
+
+
+def test_dtype_report_and_explain_say_which_path_each_attention_took():
+    from amp_jax import dtype_report, explain
+
+    fn = CASES["causal-const-div"]
+    why = {r[0]: r[5] for r in dtype_report(amp(fn, policy=XLA), Q, K, V) if r[0] == "exp"}
+    assert why == {"exp": "attention: fused, xla implementation"}
+    drop = _near_misses()["dropout_between"]
+    rows = dtype_report(amp(drop, policy=XLA), Q, K, V)
+    assert {r[5] for r in rows if r[0] in ("exp", "reduce_max")} == {
+        "attention left as written (xla: dropout on the probabilities)"
+    }
+    ex = explain(fn, Q, K, V, policy=XLA)
+    reasons = {r.reason for r in ex.rows if r.primitive == "dot_general"}
+    assert reasons == {"attention: fused, xla implementation"}, reasons
+    # left as written: the dtype reason stays, the attention's path is added
+    ex = explain(drop, Q, K, V, policy=XLA)
+    reasons = {r.reason for r in ex.rows if r.primitive == "exp"}
+    assert len(reasons) == 1 and reasons.pop().endswith(
+        "; attention left as written (xla: dropout on the probabilities)"
+    )
+
+
 # -- on a GPU: cuDNN flash attention -----------------------------------------------------
 
 
-@pytest.mark.skipif(not GPU, reason="cuDNN fused attention needs a GPU")
-@pytest.mark.parametrize("name", ["causal-const-div", "jax.nn causal", "heads-first"])
-def test_cudnn_flash_attention_on_gpu(name):
-    q, k, v = (jax.random.normal(kk, (2, 128, 4, 64)) for kk in (KQ, KK, KV))
+def _fmha_calls(hlo: str) -> tuple[list[str], list[str]]:
+    """(forward, backward) cuDNN fused-attention custom-call targets in optimized HLO."""
+    targets = re.findall(r'custom_call_target="(__cudnn\$fmha[^"]*)"', hlo)
+    return [t for t in targets if "Backward" not in t], [t for t in targets if "Backward" in t]
+
+
+def _gpu_case(name):
+    """(fn, args) at a size cuDNN takes: T=128, head dim 64."""
+    ks = jax.random.split(KX, 4)
+    q, k, v = (jax.random.normal(kk, (2, 128, 4, 64)) for kk in ks[:3])
     mask = jnp.tril(jnp.ones((128, 128), bool))
-    fn = {
-        "causal-const-div": lambda q, k, v: _scaled(q, k, v, mask),
-        "jax.nn causal": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True),
-        "heads-first": lambda q, k, v: _scaled(q, k, v, mask, heads_first=True),
+    bias = jax.random.normal(ks[3], (1, 4, 128, 128))
+    k2, v2 = k[:, :, :2], v[:, :, :2]
+
+    def gqa_repeat(q, k, v):
+        k, v = (jnp.repeat(a, 2, axis=2) for a in (k, v))
+        return _scaled(q, k, v, mask)
+
+    def biased(q, k, v, b):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / 8.0 + b
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+
+    return {
+        "causal-const-div": (lambda q, k, v: _scaled(q, k, v, mask), (q, k, v)),
+        "jax.nn causal": (
+            lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True),
+            (q, k, v),
+        ),
+        "heads-first": (lambda q, k, v: _scaled(q, k, v, mask, heads_first=True), (q, k, v)),
+        "bias": (biased, (q, k, v, bias)),
+        "gqa jnp.repeat": (gqa_repeat, (q, k2, v2)),
+        "gqa jax.nn": (
+            lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True),
+            (q, k2, v2),
+        ),
     }[name]
+
+
+@pytest.mark.skipif(not GPU, reason="cuDNN fused attention needs a GPU")
+@pytest.mark.parametrize(
+    "name",
+    ["causal-const-div", "jax.nn causal", "heads-first", "bias", "gqa jnp.repeat", "gqa jax.nn"],
+)
+def test_cudnn_flash_attention_on_gpu(name):
+    fn, args = _gpu_case(name)
     a = amp(fn, policy="bfloat16")
-    _check_close(a, fn, q, k, v)
+    # values and gradients of every float argument (the bias too) within the bf16 floor
+    out, want = jax.jit(a)(*args), fn(*args)
+    assert out.dtype == want.dtype and out.shape == want.shape
+    np.testing.assert_allclose(out, want, rtol=0, atol=3e-2 * float(jnp.max(jnp.abs(want))))
+    argnums = tuple(range(len(args)))
+    loss = lambda f: lambda *x: jnp.sum(jnp.sin(f(*x)))  # noqa: E731
+    grads = jax.jit(jax.grad(loss(a), argnums))(*args)
+    with jax.default_matmul_precision("highest"):
+        wants = jax.jit(jax.grad(loss(fn), argnums))(*args)
+    for g, w in zip(grads, wants):
+        assert g.dtype == w.dtype
+        np.testing.assert_allclose(g, w, rtol=0, atol=6e-2 * float(jnp.max(jnp.abs(w))))
     assert [impl for _, impl, _ in _log(a)] == ["cudnn"], _log(a)
-    hlo = (
-        jax.jit(jax.grad(lambda *x: jnp.sum(a(*x)), argnums=(0, 1, 2)))
-        .lower(q, k, v)
-        .compile()
-        .as_text()
-    )
-    assert "__cudnn$fmha" in hlo
+    hlo = jax.jit(jax.value_and_grad(loss(a), argnums)).lower(*args).compile().as_text()
+    fwd, bwd = _fmha_calls(hlo)
+    assert fwd and bwd, (fwd, bwd)
+    if name == "bias":
+        assert all("Bias" in t for t in fwd + bwd), (fwd, bwd)
+    if name.startswith("gqa"):  # cuDNN reads k and v with their 2 heads, not repeated
+        calls = [ln for ln in hlo.splitlines() if "__cudnn$fmha" in ln]
+        assert all("bf16[2,128,2,64]" in ln for ln in calls), calls
 
 
 def _scaled(q, k, v, mask, heads_first=False):

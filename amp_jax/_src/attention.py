@@ -12,10 +12,16 @@ the pattern in one jaxpr; :meth:`Match.evaluate` replaces it by one call of
 Recognised (each part optional except the two matmuls and the softmax):
 
 * ``S = dot_general(q, k)`` contracting one head dim, with 0-2 batch dims
-  (batch, heads) and one non-unit free dim per operand (query and key
-  positions; size-1 free dims, as in ``jax.nn.dot_product_attention``'s
-  grouped layout, are allowed), then an optional ``transpose``;
+  (batch, heads) and one non-unit free dim for the keys; the queries have
+  one non-unit free dim (positions) or two (positions and ``G``, the query
+  heads of one kv head: grouped-query attention as a grouped einsum, which is
+  how ``jax.nn.dot_product_attention`` writes it, or multi-query attention
+  with k and v without a heads dim); then an optional ``transpose``;
+* k and v repeated along the heads (``jnp.repeat``: a ``broadcast_in_dim``
+  and a ``reshape``): the fused call reads them un-repeated;
 * a scale: ``mul``/``div`` by a scalar literal or constant;
+* an additive bias: ``add(S, bias)`` (a scale applied after it is folded
+  into it); ``bias = jnp.where(mask, 0, fill)`` becomes a mask;
 * a mask: ``select_n(pred, fill, S)`` where ``fill`` is a broadcast scalar
   ``<= -1e4`` (``-1e9``, ``-inf``, ``finfo.min``) and ``pred`` is not
   computed from the float values q, k and v come from (a constant, iota
@@ -23,11 +29,18 @@ Recognised (each part optional except the two matmuls and the softmax):
   lower-triangular ``pred`` becomes ``is_causal=True``;
 * the softmax over the key axis, as ``jax.nn.softmax`` emits it (reduce_max,
   sub, exp, reduce_sum, div, with or without ``stop_gradient``);
-* ``dot_general(P, v)`` (or ``(v, P)``) contracting the key axis.
+* ``dot_general(P, v)`` (or ``(v, P)``) contracting the key axis; v's head
+  dim may differ from q's (the smaller one is zero-padded for the call).
 
-The intermediate values must have no other consumers. Anything else
-(dropout between softmax and the second matmul, a softmax over another axis,
-an additive bias, a mask computed from float values) is left as it is.
+The intermediate values must have no other consumers. A softmax between two
+matmuls that cannot be taken (dropout or other ops between the softmax and
+the second matmul, a softmax over another axis, a soft or value-dependent
+mask, the scores or probabilities used elsewhere, an op such as ``tanh``
+before the softmax) is a *near miss*: it is left as written and its reason
+recorded. :func:`plan` decides per attention (:func:`decide`: policy,
+compute dtype, backend, cuDNN's limits) and names the scope its ops are
+bound under: ``amp_attention[cudnn]``, ``amp_attention[xla-fused]`` or
+``amp_attention[xla: <reason>]``, which ``dtype_report`` and ``explain`` read.
 """
 
 from __future__ import annotations
@@ -48,18 +61,25 @@ _FILL_MAX = -1e4  # a mask fill at or below this is "masked out"
 
 @dataclasses.dataclass(frozen=True)
 class Match:
-    """One recognised attention: how to build it from the jaxpr's values."""
+    """One recognised attention: how to build it from the jaxpr's values.
+
+    Roles name the dims: ``b0``/``b1`` the batch dims of the scores matmul
+    (batch and heads; ``b1`` the kv heads when queries are grouped), ``Tq``/``Tk``
+    query and key positions, ``G`` the query heads of one kv head (grouped-query
+    attention written as a grouped einsum), ``H``/``Hv`` the head dims of q/k and
+    of v, ``u`` a size-1 dim.
+    """
 
     d2: int  # index of the second matmul (its output is the result)
     skip: frozenset[int]  # eqns replaced (not evaluated)
     q: Any
     k: Any
     v: Any
-    q_order: tuple[int, ...]  # q dims in [b0, T, b1, H] order (present roles only)
-    k_order: tuple[int, ...]
-    v_order: tuple[int, ...]
+    q_order: tuple[int, ...]  # q dims in [b0, Tq, b1, G, H] order (present roles only)
+    k_order: tuple[int, ...]  # k dims in [b0, Tk, b1, H] order
+    v_order: tuple[int, ...]  # v dims in [b0, Tk, b1, Hv] order
     n_batch: int  # 0, 1 or 2 batch roles
-    sizes: dict  # role -> size
+    sizes: dict  # role -> size ("kvh": kv heads, fewer than b1 when k/v were repeated)
     out_roles: tuple  # roles of the second matmul's output dims ("u" for size 1)
     scale: float
     pred: Any  # boolean atom (S-shaped or a broadcast source), or None
@@ -67,54 +87,103 @@ class Match:
     causal_const: bool  # pred is a constant lower-triangular mask
     head_dim: int
     source: Any  # eqn (for its source info)
+    bias: Any = None  # additive bias atom (S-shaped or a broadcast source), or None
+    bias_roles: tuple | None = None
+    bias_scale: float = 1.0  # the scale applied after the bias (folded into it)
+    eqns: frozenset[int] = frozenset()  # every eqn of the pattern (for the named scope)
+
+    @property
+    def kind(self) -> str:
+        """A short description: ``causal``/``mask``/``bias``, ``gqa``, ``mla``."""
+        parts = []
+        if self.causal_const:
+            parts.append("causal")
+        elif self.pred is not None:
+            parts.append("mask")
+        if self.bias is not None:
+            parts.append("bias")
+        heads = self.sizes.get("b1", 1) * self.sizes.get("G", 1)
+        if self.sizes.get("kvh", self.sizes.get("b1", 1)) != heads:
+            parts.append("gqa")
+        if self.sizes["H"] != self.sizes["Hv"]:
+            parts.append("mla")
+        return "+".join(parts) or "plain"
 
     def evaluate(self, read: Callable[[Any, Any], Any], dtype: Any, implementation: str) -> Any:
         """The attention output, in ``dtype``, laid out as the second matmul's output."""
-        b0, b1 = self.sizes.get("b0", 1), self.sizes.get("b1", 1)
+        s = self.sizes
+        b0, b1, g = s.get("b0", 1), s.get("b1", 1), s.get("G", 1)
+        kvh, h, hv = s.get("kvh", b1), s["H"], s["Hv"]
 
-        def canon(atom, order, seq, head):
+        def canon(atom, order, shape):
             x = read(atom, dtype)
             if tuple(order) != tuple(range(len(order))):
                 x = lax.transpose(x, order)
-            return x.reshape(b0, self.sizes[seq], b1, self.sizes[head])  # unit dims (last) dropped
+            return x.reshape(shape)  # unit dims (last) dropped
 
-        q = canon(self.q, self.q_order, "Tq", "H")
-        k = canon(self.k, self.k_order, "Tk", "H")
-        v = canon(self.v, self.v_order, "Tk", "Hv")
-        mask = None
+        q = canon(self.q, self.q_order, (b0, s["Tq"], b1 * g, h))
+        k = canon(self.k, self.k_order, (b0, s["Tk"], kvh, h))
+        v = canon(self.v, self.v_order, (b0, s["Tk"], kvh, hv))
+        # jax.nn.dot_product_attention needs one head dim: zero-pad the smaller
+        # (zeros add nothing to q.k; zero columns of v give zero outputs, cut off)
+        d = max(h, hv)
+        pad = lambda x, n: x if n == d else jnp.pad(x, [(0, 0)] * 3 + [(0, d - n)])  # noqa: E731
+        q, k, v = pad(q, h), pad(k, h), pad(v, hv)
+        mask = bias = None
         if self.pred is not None and not self.causal_const:
-            mask = self._mask(read(self.pred, None))
+            mask = self._bnts(read(self.pred, None), self.pred_roles)
+        if self.bias is not None:
+            bias = self._bnts(read(self.bias, None), self.bias_roles)
+            if self.bias_scale != 1.0:
+                bias = bias * jnp.asarray(self.bias_scale, bias.dtype)
+            bias = bias.astype(dtype)
         out = jax.nn.dot_product_attention(
             q,
             k,
             v,
+            bias=bias,
             mask=mask,
             scale=self.scale,
             is_causal=self.causal_const,
             implementation=implementation,
         )
-        # [B, Tq, N, Hv] -> the second matmul's layout
-        present = [r for r in ("b0", "Tq", "b1", "Hv") if r in self.sizes]
-        out = out.reshape([self.sizes[r] for r in present])
+        if hv != d:
+            out = out[..., :hv]
+        # [b0, Tq, b1 * G, Hv] -> the second matmul's layout
+        five = ("b0", "Tq", "b1", "G", "Hv")
+        out = out.reshape(b0, s["Tq"], b1, g, hv)
         target = [r for r in self.out_roles if r != "u"]
-        perm = [present.index(r) for r in target]
-        if perm != list(range(len(perm))):
+        perm = [five.index(r) for r in target] + [i for i, r in enumerate(five) if r not in target]
+        if perm != list(range(5)):
             out = lax.transpose(out, perm)
-        return out.reshape([1 if r == "u" else self.sizes[r] for r in self.out_roles])
+        return out.reshape([1 if r == "u" else s[r] for r in self.out_roles])
 
-    def _mask(self, pred):
-        """``pred`` (dims labelled by ``pred_roles``) as a [B, N, T, S]-broadcastable mask."""
-        roles = list(self.pred_roles)
-        want = ["b0", "b1", "Tq", "Tk"]
+    def _bnts(self, x, roles):
+        """``x`` (dims labelled by ``roles``) as a [B, N, T, S]-broadcastable array."""
+        roles = list(roles)
+        want = ["b0", "b1", "G", "Tq", "Tk"]
         keep = [i for i, r in enumerate(roles) if r in want]
-        if len(keep) != pred.ndim:  # the other dims are units
-            pred = pred.reshape([pred.shape[i] for i in keep])
+        if len(keep) != x.ndim:  # the other dims are units
+            x = x.reshape([x.shape[i] for i in keep])
         kept = [roles[i] for i in keep]
         order = sorted(range(len(kept)), key=lambda i: want.index(kept[i]))
         if order != list(range(len(order))):
-            pred = lax.transpose(pred, order)
+            x = lax.transpose(x, order)
         present = [kept[i] for i in order]
-        return pred.reshape([pred.shape[present.index(r)] if r in present else 1 for r in want])
+        x = x.reshape([x.shape[present.index(r)] if r in present else 1 for r in want])
+        b1, g = self.sizes.get("b1", 1), self.sizes.get("G", 1)
+        if g > 1 and x.shape[1] * x.shape[2] > 1:  # heads b1 x G, merged
+            x = jnp.broadcast_to(x, (x.shape[0], b1, g, *x.shape[3:]))
+        return x.reshape(x.shape[0], x.shape[1] * x.shape[2], *x.shape[3:])
+
+
+@dataclasses.dataclass(frozen=True)
+class NearMiss:
+    """Almost an attention: softmax and both matmuls found, something else is not."""
+
+    reason: str
+    eqns: frozenset[int]  # the eqns recognised so far (for the named scope)
+    source: Any  # eqn (for its source info)
 
 
 # -- recognition -------------------------------------------------------------------
@@ -128,11 +197,14 @@ def _literal_scalar(atom: Any) -> float | None:
     return None
 
 
-def find(jaxpr: Any, consts: dict[Any, Any]) -> dict[int, Match]:
+def find(
+    jaxpr: Any, consts: dict[Any, Any], near: list[NearMiss] | None = None
+) -> dict[int, Match]:
     """Recognised attentions of ``jaxpr``, keyed by the index of their second matmul.
 
     ``consts`` maps constvars to their (concrete) values, to recognise a
-    constant causal mask.
+    constant causal mask. Near misses (a softmax between two matmuls that
+    cannot be taken, with the reason) are appended to ``near`` if given.
     """
     eqns = jaxpr.eqns
     producer: dict[Any, int] = {}
@@ -145,37 +217,58 @@ def find(jaxpr: Any, consts: dict[Any, Any]) -> dict[int, Match]:
                 consumers.setdefault(v, []).append(i)
     outs = {v for v in jaxpr.outvars if not isinstance(v, compat.Literal)}
     found: dict[int, Match] = {}
+    taken: set[int] = set()
     for i, e in enumerate(eqns):
         if e.primitive.name == "exp":
             try:
                 m = _match_at(i, eqns, producer, consumers, outs, consts, jaxpr)
-            except _NoMatch:
+            except _NoMatch as x:
+                if near is not None and x.args:
+                    near.append(NearMiss(*x.args))
                 continue
-            if m is not None and not (m.skip & set().union(*(x.skip for x in found.values()))):
+            except Exception:  # noqa: BLE001 -- a shape the matcher did not foresee:
+                continue  # never break the program, leave it as written
+            if not (m.skip & taken):
                 found[m.d2] = m
+                taken |= m.skip
     return found
 
 
 class _NoMatch(Exception):
-    pass
+    """Not attention; with args ``(reason, eqns, source eqn)``: a near miss."""
 
 
-def _need(cond: bool) -> None:
-    if not cond:
-        raise _NoMatch
+_RANDOM = frozenset({"random_bits", "random_seed", "random_wrap", "threefry2x32", "rng_uniform"})
+_BETWEEN = frozenset({"mul", "div", "select_n", "convert_element_type"})
 
 
-def _match_at(i_exp, eqns, producer, consumers, outs, consts, jaxpr) -> Match | None:
-    def prod(atom, name=None):
-        _need(not isinstance(atom, compat.Literal) and atom in producer)
+def _match_at(i_exp, eqns, producer, consumers, outs, consts, jaxpr) -> Match:
+    """The attention whose softmax has its ``exp`` at ``i_exp``.
+
+    Raises ``_NoMatch()`` when it is not attention, ``_NoMatch(reason, eqns,
+    source)`` when the softmax and both matmuls are there but something else
+    is not (a near miss).
+    """
+    near: dict[str, Any] = {}  # set once the softmax and the values matmul are found
+
+    def need(cond: bool, reason: str | None = None) -> None:
+        if not cond:
+            if near and reason:
+                raise _NoMatch(reason, frozenset(near["eqns"]), near["source"])
+            raise _NoMatch
+
+    def prod(atom, name=None, reason=None):
+        need(not isinstance(atom, compat.Literal) and atom in producer, reason)
         j = producer[atom]
-        _need(
-            name is None or eqns[j].primitive.name in (name if isinstance(name, tuple) else (name,))
+        need(
+            name is None
+            or eqns[j].primitive.name in (name if isinstance(name, tuple) else (name,)),
+            reason,
         )
         return j
 
-    def only_used_by(var, allowed: set[int]):
-        _need(var not in outs and set(consumers.get(var, ())) <= allowed)
+    def only_used_by(var, allowed: set[int], reason=None):
+        need(var not in outs and set(consumers.get(var, ())) <= allowed, reason)
 
     skip: set[int] = set()
     e_exp = eqns[i_exp]
@@ -187,7 +280,7 @@ def _match_at(i_exp, eqns, producer, consumers, outs, consts, jaxpr) -> Match | 
     if eqns[j].primitive.name == "stop_gradient":
         chain.append(j)
         j = prod(eqns[j].invars[0])
-    _need(eqns[j].primitive.name == "broadcast_in_dim")
+    need(eqns[j].primitive.name == "broadcast_in_dim")
     chain.append(j)
     j = prod(eqns[j].invars[0])
     max_perm = None
@@ -199,88 +292,84 @@ def _match_at(i_exp, eqns, producer, consumers, outs, consts, jaxpr) -> Match | 
         chain.append(j)
         a, b = eqns[j].invars
         j = prod(a if isinstance(b, compat.Literal) else b)
-    _need(eqns[j].primitive.name == "reduce_max")
+    need(eqns[j].primitive.name == "reduce_max")
     chain.append(j)
     nd = len(s_var.aval.shape)
     max_src, axes = eqns[j].invars[0], tuple(eqns[j].params["axes"])
     if max_src is s_var:
-        _need(max_perm is None and axes == (nd - 1,))
+        axis_ok = max_perm is None and axes == (nd - 1,)
     else:  # S = transpose(max_src, perm) and the max is over S's last axis
         t = prod(s_var, "transpose")
         perm_s = tuple(eqns[t].params["permutation"])
-        _need(eqns[t].invars[0] is max_src and axes == (perm_s[-1],))
+        need(eqns[t].invars[0] is max_src)
+        axis_ok = axes == (perm_s[-1],)
     # exp -> reduce_sum -> broadcast -> div(exp, .)
     e_var = e_exp.outvars[0]
     uses = consumers.get(e_var, [])
-    _need(len(uses) == 2)
+    need(len(uses) == 2)
     i_rs = next((u for u in uses if eqns[u].primitive.name == "reduce_sum"), None)
     i_div = next((u for u in uses if eqns[u].primitive.name == "div"), None)
-    _need(i_rs is not None and i_div is not None)
-    _need(tuple(eqns[i_rs].params["axes"]) == (nd - 1,))
+    need(i_rs is not None and i_div is not None)
+    axis_ok = axis_ok and tuple(eqns[i_rs].params["axes"]) == (nd - 1,)
     (bs,) = consumers.get(eqns[i_rs].outvars[0], [None])
-    _need(bs is not None and eqns[bs].primitive.name == "broadcast_in_dim")
-    _need(eqns[i_div].invars[0] is e_var and eqns[i_div].invars[1] is eqns[bs].outvars[0])
+    need(bs is not None and eqns[bs].primitive.name == "broadcast_in_dim")
+    need(eqns[i_div].invars[0] is e_var and eqns[i_div].invars[1] is eqns[bs].outvars[0])
     p_var = eqns[i_div].outvars[0]
     skip.update(chain + [i_exp, i_rs, bs, i_div])
-    for k in chain[1:-1]:
-        only_used_by(eqns[k].outvars[0], set(chain) | skip)
-    only_used_by(eqns[chain[-1]].outvars[0], set(chain))
-    only_used_by(e_var, {i_rs, i_div})
-    only_used_by(eqns[i_rs].outvars[0], {bs})
-    only_used_by(eqns[bs].outvars[0], {i_div})
-    p_uses = consumers.get(p_var, [])
-    _need(len(p_uses) == 1 and p_var not in outs)
-    i_d2 = p_uses[0]
-    _need(eqns[i_d2].primitive.name == "dot_general")
 
-    # S <- [select_n mask] <- [scale] <- [transpose] <- dot_general(q, k)
-    scale, pred, perm = 1.0, None, None
-    s_users = {i_sub} | ({chain[-1]} if max_src is s_var else set())
-    cur = s_var
-    while True:
-        only_used_by(cur, s_users | ({chain[-1]} if cur is max_src else set()))
-        j = prod(cur)
-        e = eqns[j]
-        name = e.primitive.name
-        if name == "select_n" and pred is None and len(e.invars) == 3:
-            p_atom, on_false, on_true = e.invars
-            fill, users = on_false, {j}
-            while True:  # a scalar literal broadcast (possibly twice) to S's shape
-                fj = prod(fill, "broadcast_in_dim")
-                only_used_by(fill, users)
-                skip.add(fj)
-                fill, users = eqns[fj].invars[0], {fj}
-                fv = _literal_scalar(fill)
-                if fv is not None:
-                    break
-            _need(fv <= _FILL_MAX)
-            pred = p_atom
-            nxt = on_true
-        elif name in ("mul", "div") and scale == 1.0:
-            a, b = e.invars
-            c = _literal_scalar(b)
-            if c is None and name == "mul":
-                c, a = _literal_scalar(a), b
-            _need(c is not None and c != 0.0)
-            scale = c if name == "mul" else 1.0 / c
-            nxt = a
-        elif name == "transpose" and perm is None:
-            perm = tuple(e.params["permutation"])
-            nxt = e.invars[0]
-        elif name == "dot_general":
+    # P -> [elementwise ops, e.g. dropout] -> dot_general with the values
+    cur, between, i_d2, p_elsewhere = p_var, [], None, False
+    for _ in range(6):
+        uses = consumers.get(cur, [])
+        dots = [u for u in uses if eqns[u].primitive.name == "dot_general"]
+        if len(dots) == 1 and (len(uses) > 1 or cur in outs):
+            i_d2, p_elsewhere = dots[0], True
             break
-        else:
-            raise _NoMatch
-        skip.add(j)
-        s_users = {j}
-        cur = nxt
-    i_d1 = j
+        if len(uses) != 1 or cur in outs:
+            break
+        name = eqns[uses[0]].primitive.name
+        if name == "dot_general":
+            i_d2 = uses[0]
+            break
+        if name not in _BETWEEN:
+            break
+        between.append(uses[0])
+        cur = eqns[uses[0]].outvars[0]
+    need(i_d2 is not None)
+    near.update(eqns=set(skip) | set(between) | {i_d2}, source=eqns[i_d2])
+
+    # -- from here on, a failure is a near miss (with a reason) --------------------------
+    need(axis_ok, "softmax not over the key axis")
+    if between:
+        sides = [v for k in between for v in eqns[k].invars if v is not cur]
+        rand = any(
+            producer.get(a) is not None and eqns[producer[a]].primitive.name in _RANDOM
+            for a in _ancestors(sides, eqns, producer)
+        )
+        ops = ", ".join(eqns[k].primitive.name for k in between)
+        need(False, "dropout on the probabilities" if rand else f"{ops} between softmax and P.V")
+    need(not p_elsewhere, "the probabilities are also used outside the attention")
+    for k in chain[1:-1]:
+        only_used_by(eqns[k].outvars[0], set(chain) | skip, "softmax max used elsewhere")
+    only_used_by(eqns[chain[-1]].outvars[0], set(chain), "softmax max used elsewhere")
+    only_used_by(e_var, {i_rs, i_div}, "softmax exp used elsewhere")
+    only_used_by(eqns[i_rs].outvars[0], {bs}, "softmax sum used elsewhere")
+    only_used_by(eqns[bs].outvars[0], {i_div}, "softmax sum used elsewhere")
+
+    # S <- [select_n mask] <- [add bias] <- [scale] <- [transpose] <- dot_general(q, k)
+    s_users = {i_sub} | ({chain[-1]} if max_src is s_var else set())
+    st = _walk_scores(s_var, s_users, max_src, chain[-1], eqns, producer, need, prod, only_used_by)
+    i_d1, scale, pred, perm = st["d1"], st["scale"], st["pred"], st["perm"]
+    skip.update(st["skip"])
+    near["eqns"] |= skip | {i_d1}
+    near["source"] = eqns[i_d1]
     skip.update({i_d1, i_d2})
     d1 = eqns[i_d1]
+    layout = "scores matmul layout not recognised"
     (ca, cb), (ba, bb) = d1.params["dimension_numbers"]
-    _need(len(ca) == 1 and len(cb) == 1 and len(ba) <= 2)
+    need(len(ca) == 1 and len(cb) == 1 and len(ba) <= 2, layout)
     A, B = d1.invars
-    _need(not isinstance(A, compat.Literal) and not isinstance(B, compat.Literal))
+    need(not isinstance(A, compat.Literal) and not isinstance(B, compat.Literal), layout)
     nb = len(ba)
     a_free = [d for d in range(len(A.aval.shape)) if d not in ca and d not in ba]
     b_free = [d for d in range(len(B.aval.shape)) if d not in cb and d not in bb]
@@ -289,7 +378,7 @@ def _match_at(i_exp, eqns, producer, consumers, outs, consts, jaxpr) -> Match | 
     )
     s_roles = [out_roles[p] for p in perm] if perm is not None else out_roles
     key_role = s_roles[-1]
-    _need(key_role[0] in ("A", "B"))
+    need(key_role[0] in ("A", "B"), layout)
     if key_role[0] == "B":
         Q, K, cq, ck, bq, bk, qf, kf = A, B, ca[0], cb[0], ba, bb, a_free, b_free
         qtag = "A"
@@ -299,9 +388,15 @@ def _match_at(i_exp, eqns, producer, consumers, outs, consts, jaxpr) -> Match | 
     qs, ks = Q.aval.shape, K.aval.shape
     q_big = [d for d in qf if qs[d] != 1]
     k_big = [d for d in kf if ks[d] != 1]
-    _need(len(q_big) == 1 and k_big == [key_role[1]])
-    sizes = {"Tq": qs[q_big[0]], "Tk": ks[k_big[0]], "H": qs[cq]}
-    _need(ks[ck] == sizes["H"])
+    need(len(q_big) in (1, 2) and k_big == [key_role[1]], layout)
+    # the query positions: the free q dim nearest the keys in S; another one is G
+    in_s = [r[1] for r in s_roles if r[0] == qtag and r[1] in q_big]
+    tq_dim = in_s[-1]
+    g_dim = next((d for d in q_big if d != tq_dim), None)
+    sizes = {"Tq": qs[tq_dim], "Tk": ks[k_big[0]], "H": qs[cq]}
+    need(ks[ck] == sizes["H"], layout)
+    if g_dim is not None:
+        sizes["G"] = qs[g_dim]
     for r in range(nb):
         sizes[f"b{r}"] = qs[bq[r]]
 
@@ -309,78 +404,94 @@ def _match_at(i_exp, eqns, producer, consumers, outs, consts, jaxpr) -> Match | 
         if rr[0] == "b":
             return f"b{rr[1]}"
         if rr[0] == qtag:
-            return "Tq" if rr[1] == q_big[0] else "u"
+            return "Tq" if rr[1] == tq_dim else "G" if rr[1] == g_dim else "u"
         return "Tk" if rr[1] == k_big[0] else "u"
 
     s_named = [role_of(r) for r in s_roles]
-    _need(s_named[-1] == "Tk" and "Tq" in s_named)
+    pre_named = [role_of(r) for r in out_roles]
+    need(s_named[-1] == "Tk" and "Tq" in s_named, layout)
 
     # the second matmul: P's key axis against v's
     d2 = eqns[i_d2]
     (c2l, c2r), (b2l, b2r) = d2.params["dimension_numbers"]
     L, R = d2.invars
-    _need((L is p_var) != (R is p_var))
+    need((L is p_var) != (R is p_var), layout)
     p_left = L is p_var
     V = R if p_left else L
     cp, cv = (c2l, c2r) if p_left else (c2r, c2l)
     bp, bv = (b2l, b2r) if p_left else (b2r, b2l)
-    _need(len(cp) == 1 and s_named[cp[0]] == "Tk" and len(bp) == nb)
-    _need(sorted(s_named[d] for d in bp) == sorted(f"b{r}" for r in range(nb)))
+    layout2 = "values matmul layout not recognised"
+    need(len(cp) == 1 and s_named[cp[0]] == "Tk" and len(bp) == nb, layout2)
+    need(sorted(s_named[d] for d in bp) == sorted(f"b{r}" for r in range(nb)), layout2)
     vs = V.aval.shape
     v_free = [d for d in range(len(vs)) if d not in cv and d not in bv]
     v_big = [d for d in v_free if vs[d] != 1]
-    _need(len(v_big) == 1 and vs[cv[0]] == sizes["Tk"])
+    need(len(v_big) == 1 and vs[cv[0]] == sizes["Tk"], layout2)
     sizes["Hv"] = vs[v_big[0]]
     p_free = [d for d in range(nd) if d not in cp and d not in bp]
-    _need([s_named[d] for d in p_free if s_named[d] != "u"] == ["Tq"])
+    need(
+        sorted(s_named[d] for d in p_free if s_named[d] != "u")
+        == sorted(["Tq"] + (["G"] if g_dim is not None else [])),
+        layout2,
+    )
     batch_roles = [s_named[d] for d in bp]
-    if p_left:
-        out_roles2 = (
-            batch_roles
-            + [s_named[d] for d in p_free]
-            + ["Hv" if d == v_big[0] else "u" for d in v_free]
-        )
-    else:
-        out_roles2 = (
-            batch_roles
-            + ["Hv" if d == v_big[0] else "u" for d in v_free]
-            + [s_named[d] for d in p_free]
-        )
+    v_roles = ["Hv" if d == v_big[0] else "u" for d in v_free]
+    p_roles = [s_named[d] for d in p_free]
+    out_roles2 = batch_roles + (p_roles + v_roles if p_left else v_roles + p_roles)
 
-    # operand orders: [b0, T, b1, H] with the unit dims last
-    def order(x_shape, batch, tdim, hdim, nbatch_roles):
-        lead = []
-        if nbatch_roles >= 1:
-            lead.append(batch[0])
-        lead.append(tdim)
-        if nbatch_roles >= 2:
-            lead.append(batch[1])
-        lead.append(hdim)
+    # operand orders: [b0, T, b1, (G), H] with the unit dims last
+    def order(x_shape, lead):
+        lead = [d for d in lead if d is not None]
         rest = [d for d in range(len(x_shape)) if d not in lead]
-        _need(all(x_shape[d] == 1 for d in rest))
+        need(all(x_shape[d] == 1 for d in rest), layout)
         return tuple(lead + rest)
+
+    def batch(dims, r):
+        return dims[r] if nb > r else None
 
     v_batch = [None] * nb
     for j2, d in enumerate(bv):
         v_batch[int(s_named[bp[j2]][1])] = d
-    q_order = order(qs, list(bq), q_big[0], cq, nb)
-    k_order = order(ks, list(bk), k_big[0], ck, nb)
-    v_order = order(vs, v_batch, cv[0], v_big[0], nb)
+    q_order = order(qs, [batch(bq, 0), tq_dim, batch(bq, 1), g_dim, cq])
+    k_order = order(ks, [batch(bk, 0), k_big[0], batch(bk, 1), ck])
+    v_order = order(vs, [batch(v_batch, 0), cv[0], batch(v_batch, 1), v_big[0]])
+
+    # k and v repeated along the heads (jnp.repeat): read the kv heads as they are
+    if nb == 2 and g_dim is None:
+        rk = _unrepeat(K, bk[1], eqns, producer)
+        rv = _unrepeat(V, v_batch[1], eqns, producer)
+        if rk and rv and rk[1] == rv[1]:
+            K, V = rk[0], rv[0]
+            sizes["kvh"] = sizes["b1"] // rk[1]
+            for (_, _, chain_), used_by in ((rk, i_d1), (rv, i_d2)):
+                users = {used_by}  # skip the repeat where only the attention reads it
+                for idx in chain_:
+                    out = eqns[idx].outvars[0]
+                    if out in outs or not set(consumers.get(out, ())) <= users:
+                        break
+                    skip.add(idx)
+                    users = {idx}
+
+    def roles_of(atom, pre):
+        names = pre_named if pre else s_named
+        return _trace_source(atom, tuple(names), eqns, producer)
 
     # the mask: a broadcast of a source that depends on no float value
     pred_atom, pred_roles, causal = None, None, False
+    bias_atom, bias_roles = None, None
+    if st["bias"] is not None:
+        bias_atom, bias_roles = roles_of(st["bias"], st["bias_pre"])
+        as_mask = _mask_of_bias(bias_atom, eqns, producer)
+        if pred is None and as_mask is not None:  # jnp.where(mask, 0, -1e9) added
+            pred_atom, pred_roles = _trace_source(as_mask, bias_roles, eqns, producer)
+            bias_atom = bias_roles = None
     if pred is not None:
-        _need(not _mask_depends_on_values(pred, (Q, K, V), eqns, producer))
-        pred_atom, pred_roles = pred, tuple(s_named)
-        j = producer.get(pred)
-        if j is not None and eqns[j].primitive.name == "broadcast_in_dim":
-            src = eqns[j].invars[0]
-            dims = tuple(eqns[j].params["broadcast_dimensions"])
-            if not isinstance(src, compat.Literal):
-                pred_atom = src
-                pred_roles = tuple(
-                    s_named[d] if src.aval.shape[n] != 1 else "u" for n, d in enumerate(dims)
-                )
+        pred_atom, pred_roles = roles_of(pred, st["pred_pre"])
+    if pred_atom is not None:
+        need(
+            not _mask_depends_on_values(pred_atom, (Q, K, V), eqns, producer),
+            "mask computed from the values q, k and v come from",
+        )
         causal = _is_causal_constant(pred_atom, pred_roles, eqns, producer, consts, jaxpr)
     return Match(
         d2=i_d2,
@@ -400,7 +511,156 @@ def _match_at(i_exp, eqns, producer, consumers, outs, consts, jaxpr) -> Match | 
         causal_const=causal,
         head_dim=int(sizes["H"]),
         source=eqns[i_d1],
+        bias=bias_atom,
+        bias_roles=bias_roles,
+        bias_scale=float(st["bias_scale"]),
+        eqns=frozenset(near["eqns"] | skip),
     )
+
+
+def _walk_scores(s_var, s_users, max_src, i_max, eqns, producer, need, prod, only_used_by):
+    """Walks back from the softmax's input to the scores matmul, through at most
+    one mask (``select_n``), additive bias (``add``), scale and transpose."""
+    shared = "the scores are also used outside the attention"
+
+    def walk(cur, users, st):
+        only_used_by(cur, users | ({i_max} if cur is max_src else set()), shared)
+        j = prod(cur, reason="the scores are not computed by a matmul")
+        e = eqns[j]
+        name = e.primitive.name
+        st = dict(st, skip=st["skip"] | {j})
+        if name == "select_n" and st["pred"] is None and len(e.invars) == 3:
+            p_atom, on_false, on_true = e.invars
+            fill, fusers = on_false, {j}
+            while True:  # a scalar literal broadcast (possibly twice) to S's shape
+                fj = prod(fill, "broadcast_in_dim", "a mask whose fill is not a constant")
+                only_used_by(fill, fusers, "mask fill used elsewhere")
+                st["skip"] = st["skip"] | {fj}
+                fill, fusers = eqns[fj].invars[0], {fj}
+                fv = _literal_scalar(fill)
+                if fv is not None:
+                    break
+            need(fv <= _FILL_MAX, f"mask fill {fv:g} is above {_FILL_MAX:g}: a soft mask")
+            st.update(pred=p_atom, pred_pre=st["perm"] is not None)
+            return walk(on_true, {j}, st)
+        if name in ("mul", "div") and st["scale"] is None:
+            a, b = e.invars
+            c = _literal_scalar(b)
+            if c is None and name == "mul":
+                c, a = _literal_scalar(a), b
+            need(c is not None and c != 0.0, f"{name} by a non-constant between QK and softmax")
+            st["scale"] = c if name == "mul" else 1.0 / c
+            return walk(a, {j}, st)
+        if name == "add" and any(_literal_scalar(a) is not None for a in e.invars):
+            # a constant added to every score: the softmax does not change
+            a, b = e.invars
+            return walk(b if _literal_scalar(a) is not None else a, {j}, st)
+        if name == "add" and st["bias"] is None:
+            err = None
+            for chain_op, other in (e.invars, e.invars[::-1]):
+                if isinstance(chain_op, compat.Literal) or isinstance(other, compat.Literal):
+                    continue
+                st2 = dict(st, bias=other, bias_pre=st["perm"] is not None)
+                st2["bias_scale"] = 1.0 if st["scale"] is None else st["scale"]
+                try:
+                    return walk(chain_op, {j}, st2)
+                except _NoMatch as x:
+                    err = err or x
+            raise err or _NoMatch
+        if name == "transpose" and st["perm"] is None:
+            st["perm"] = tuple(e.params["permutation"])
+            return walk(e.invars[0], {j}, st)
+        if name == "dot_general":
+            return dict(st, d1=j, skip=st["skip"] - {j})
+        need(False, f"{name} between the scores matmul and the softmax")
+
+    st0 = dict(scale=None, pred=None, pred_pre=False, perm=None, bias=None, bias_pre=False)
+    st = walk(s_var, s_users, dict(st0, bias_scale=1.0, skip=frozenset()))
+    st["scale"] = 1.0 if st["scale"] is None else st["scale"]
+    return st
+
+
+def _trace_source(atom, roles, eqns, producer):
+    """``atom`` with dims labelled ``roles``, followed back through broadcasts and
+    same-kind converts to its source: (source atom, roles of its dims, "u" for size 1)."""
+    roles = list(roles)
+    while not isinstance(atom, compat.Literal) and atom in producer:
+        e = eqns[producer[atom]]
+        src = e.invars[0] if e.invars else None
+        if src is None or isinstance(src, compat.Literal):
+            break
+        if e.primitive.name == "broadcast_in_dim":
+            dims = tuple(e.params["broadcast_dimensions"])
+            roles = [roles[d] for d in dims]
+        elif e.primitive.name == "convert_element_type" and (
+            jnp.issubdtype(src.aval.dtype, jnp.floating)
+            == jnp.issubdtype(atom.aval.dtype, jnp.floating)
+        ):
+            pass
+        else:
+            break
+        atom = src
+    shape = atom.aval.shape
+    return atom, tuple("u" if shape[n] == 1 else r for n, r in enumerate(roles))
+
+
+def _mask_of_bias(atom, eqns, producer):
+    """The boolean mask of a bias ``jnp.where(mask, 0, fill)`` (fill <= -1e4), or None."""
+    j = producer.get(atom)
+    if j is None or eqns[j].primitive.name != "select_n" or len(eqns[j].invars) != 3:
+        return None
+    pred, on_false, on_true = eqns[j].invars
+
+    def scalar(a):
+        while not isinstance(a, compat.Literal):
+            k = producer.get(a)
+            if k is None or eqns[k].primitive.name not in (
+                "broadcast_in_dim",
+                "convert_element_type",
+            ):
+                return None
+            a = eqns[k].invars[0]
+        return _literal_scalar(a)
+
+    f, t = scalar(on_false), scalar(on_true)
+    if f is not None and t == 0.0 and f <= _FILL_MAX and pred.aval.dtype == np.bool_:
+        return pred
+    return None
+
+
+def _unrepeat(x, axis, eqns, producer):
+    """``(x_small, repeats, eqns)`` if ``x`` is ``jnp.repeat(x_small, repeats, axis)``
+    (a ``broadcast_in_dim`` inserting the repeats after ``axis``, or two, as
+    ``broadcast_to(x[:, :, None], ...)`` writes it, then a ``reshape``), else None."""
+    j = producer.get(x)
+    if axis is None or j is None or eqns[j].primitive.name != "reshape":
+        return None
+    n, chain = len(x.aval.shape), [j]
+    b = small = eqns[j].invars[0]
+    if len(b.aval.shape) != n + 1:
+        return None
+    dims = tuple(range(n + 1))  # where small's dims are in b
+    while True:
+        i = producer.get(small)
+        if i is None or eqns[i].primitive.name != "broadcast_in_dim":
+            return None
+        chain.append(i)
+        src = eqns[i].invars[0]
+        if isinstance(src, compat.Literal):
+            return None
+        dims = tuple(dims[d] for d in eqns[i].params["broadcast_dimensions"])
+        small = src
+        if len(small.aval.shape) <= n:
+            break
+    xs, bs, ss = x.aval.shape, b.aval.shape, small.aval.shape
+    if len(ss) != n or dims != tuple(d for d in range(n + 1) if d != axis + 1):
+        return None
+    rep = bs[axis + 1]
+    want_b = (*ss[: axis + 1], rep, *ss[axis + 1 :])
+    want_x = (*ss[:axis], ss[axis] * rep, *ss[axis + 1 :])
+    if tuple(bs) != want_b or tuple(xs) != want_x or rep < 2:
+        return None
+    return small, rep, tuple(chain)
 
 
 def _ancestors(atoms, eqns, producer) -> set:
@@ -471,6 +731,82 @@ def _is_causal_constant(atom, roles, eqns, producer, consts, jaxpr) -> bool:
 
 # -- the decision -------------------------------------------------------------------
 
+SCOPE = "amp_attention"  # named scope of the ops of every attention found: amp_attention[...]
+
+
+@dataclasses.dataclass
+class Plan:
+    """What to do with the attentions of one jaxpr."""
+
+    fused: dict[int, tuple[Match, str]]  # index of the second matmul -> (match, implementation)
+    log: list[tuple[str, str | None, str]]  # (source line, implementation or None, reason)
+    scopes: dict[int, str]  # eqn index -> named scope to bind it under
+
+    @property
+    def skip(self) -> frozenset[int]:
+        return frozenset().union(*(m.skip for m, _ in self.fused.values()))
+
+
+def scope_name(impl: str | None, reason: str) -> str:
+    """``amp_attention[cudnn]``, ``amp_attention[xla-fused]`` or ``amp_attention[xla: why]``."""
+    if impl == "cudnn":
+        return f"{SCOPE}[cudnn]"
+    if impl is not None:
+        return f"{SCOPE}[{impl}-fused]"
+    # (a name stack splits at "/", and the scope ends at the first "]")
+    text = reason.replace("/", " or ").replace("[", "(").replace("]", ")")
+    return f"{SCOPE}[xla: {text}]"
+
+
+def scope_reason(stack: str) -> str | None:
+    """The path an attention took, from a name stack holding its scope."""
+    i = stack.find(SCOPE + "[")
+    if i < 0:
+        return None
+    j = stack.find("]", i)
+    what = stack[i + len(SCOPE) + 1 : j if j > 0 else None]
+    if what == "cudnn":
+        return "attention: cuDNN flash attention"
+    if what.endswith("-fused"):
+        return f"attention: fused, {what[: -len('-fused')]} implementation"
+    return f"attention left as written ({what})"
+
+
+def plan(
+    jaxpr: Any,
+    consts: dict[Any, Any],
+    *,
+    mode: str,
+    backend: str,
+    compute_dtype: Any,
+    in_full_precision: Callable[[Any], bool] = lambda eqn: False,
+) -> Plan:
+    """Which attentions of ``jaxpr`` run fused, and the reasons for all of them.
+
+    ``backend`` is the platform planned for: ``"gpu"`` can be planned on a
+    machine without one (cuDNN's own trace-time checks then wait for the GPU).
+    """
+    out = Plan({}, [], {})
+    if mode == "off":
+        return out
+    near: list[NearMiss] = []
+    for i, match in find(jaxpr, consts, near).items():
+        where = compat.source_line(match.source)
+        if in_full_precision(match.source) or in_full_precision(jaxpr.eqns[i]):
+            impl, reason = None, "in a full_precision scope"
+        else:
+            impl, reason = decide(match, mode, backend, compute_dtype)
+        out.log.append((where, impl, reason))
+        if impl is not None:
+            out.fused[i] = (match, impl)
+            out.scopes[i] = scope_name(impl, reason)
+        else:
+            out.scopes.update(dict.fromkeys(match.eqns, scope_name(None, reason)))
+    for miss in near:
+        out.log.append((compat.source_line(miss.source), None, miss.reason))
+        out.scopes.update(dict.fromkeys(miss.eqns, scope_name(None, miss.reason)))
+    return out
+
 
 def decide(match: Match, mode: str, backend: str, compute_dtype: Any) -> tuple[str | None, str]:
     """(implementation or None, reason) for one recognised attention."""
@@ -478,17 +814,30 @@ def decide(match: Match, mode: str, backend: str, compute_dtype: Any) -> tuple[s
     if mode == "off":
         return None, "attention rewrite off (Policy(attention='off'))"
     if not low:
-        return None, f"compute dtype {np.dtype(compute_dtype).name}: fused attention needs bf16/f16"
+        return (
+            None,
+            f"compute dtype {np.dtype(compute_dtype).name}: fused attention needs bf16 or f16",
+        )
     if mode == "xla":
         return "xla", "fused attention, XLA implementation (Policy(attention='xla'))"
     if mode == "auto" and backend != "gpu":
         return None, f"no fused attention kernel on {backend}: left as written"
     h, hv = match.sizes["H"], match.sizes["Hv"]
+    d = max(h, hv)  # the smaller one is zero-padded
     limit = _cudnn_head_dim_limit()
-    if h != hv:
-        return None, f"head dims of q/k ({h}) and v ({hv}) differ: cuDNN needs them equal"
-    if h % 8 or h > limit:
-        return None, f"head dim {h}: cuDNN needs a multiple of 8 and at most {limit}"
+    if d % 8 or d > limit:
+        return None, f"head dim {d}: cuDNN needs a multiple of 8 and at most {limit}"
+    tq, tk = match.sizes["Tq"], match.sizes["Tk"]
+    if (match.bias is not None or (match.pred is not None and not match.causal_const)) and (
+        tq % 2 or tk % 2
+    ):
+        return None, (
+            f"odd length (Tq={tq}, Tk={tk}) with a mask or bias: cuDNN's backward needs even ones"
+        )
+    if not _have_cudnn():
+        if backend == "gpu":  # planned for a GPU on a machine without one
+            return "cudnn", "cuDNN flash attention (planned without a GPU: cuDNN checks not run)"
+        return None, f"no cuDNN on {backend}: left as written"
     read = _abstract_read(match, compute_dtype)
 
     def fused(*operands):
@@ -510,6 +859,13 @@ def decide(match: Match, mode: str, backend: str, compute_dtype: Any) -> tuple[s
     return "cudnn", "cuDNN flash attention"
 
 
+def _have_cudnn() -> bool:
+    try:
+        return any(d.platform == "gpu" for d in jax.devices())
+    except Exception:  # noqa: BLE001
+        return False
+
+
 def _abstract_read(match: Match, dtype: Any) -> Callable[[Any, Any], Any]:
     """A ``read`` that gives zeros of each operand's shape (for ``eval_shape``)."""
 
@@ -528,4 +884,4 @@ def _cudnn_head_dim_limit() -> int:
     return 256 if any(s in kind for s in ("H100", "H200", "H800", "GH200", "B200", "B100")) else 128
 
 
-__all__: Sequence[str] = ("Match", "decide", "find")
+__all__: Sequence[str] = ("Match", "NearMiss", "Plan", "decide", "find", "plan", "scope_name")

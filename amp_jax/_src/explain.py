@@ -30,6 +30,7 @@ import numpy as np
 from jax.extend import core as jex_core
 
 from amp_jax._src import compat
+from amp_jax._src.attention import scope_reason
 from amp_jax._src.inspect import iter_eqns
 from amp_jax._src.interpreter import HIGH, KEEP, LOW, OPAQUE, ORIG, SKIP, Context, plan
 from amp_jax._src.policy import FULL_PRECISION_SCOPE, Policy, get_policy, is_managed_float
@@ -542,7 +543,10 @@ def _row_reason(
         if seen[key] > orig_keys.get(key, 0):
             return "cast inserted by amp"
         return "cast in the original program"
-    if found:
+    attention = scope_reason(stack)  # the path each attention took (attention.py)
+    if attention and attention.startswith("attention:"):  # run fused: amp wrote these ops
+        reason = attention
+    elif found:
         reason = found.most_common(1)[0][0]
     else:
         line = [c for (w, _), c in decisions.items() if w == key[0]]
@@ -552,6 +556,8 @@ def _row_reason(
             if merged
             else "no amp decision (added by a JAX transformation, or outside the amp function)"
         )
+    if attention and reason != attention:  # left as written: the dtype reason, and why
+        reason = f"{reason}; {attention}"
     if _is_backward(stack) and found:
         return f"backward of: {reason}"
     return reason

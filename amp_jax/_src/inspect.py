@@ -14,6 +14,7 @@ from amp_jax._src import compat
 
 def _why(eqn: Any) -> str:
     """Why amp left this eqn in its original precision, from its name stack."""
+    from amp_jax._src.attention import scope_reason
     from amp_jax._src.interpreter import KEEP_REASONS, KEEP_SCOPE
     from amp_jax._src.policy import FULL_PRECISION_SCOPE
 
@@ -21,6 +22,9 @@ def _why(eqn: Any) -> str:
     for tag, text in KEEP_REASONS.items():
         if f"{KEEP_SCOPE}.{tag}" in stack:
             return text
+    attention = scope_reason(stack)  # amp_attention[cudnn] / amp_attention[xla: <reason>]
+    if attention:
+        return attention
     if FULL_PRECISION_SCOPE in stack:
         return "full_precision scope"
     return ""

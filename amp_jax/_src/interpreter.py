@@ -417,8 +417,8 @@ def eval_jaxpr(
     for v, a in zip(jaxpr.invars, args):
         env.write(v, a)
     cd = ctx.policy.compute_dtype
-    fused = ctx.cached("attention", closed, lambda: _plan_attention(ctx, closed))
-    skip = frozenset().union(*(m.skip for m, _ in fused.values())) if fused else frozenset()
+    att = ctx.cached("attention", closed, lambda: _plan_attention(ctx, closed))
+    fused, skip = att.fused, att.skip
     for idx, (eqn, color) in enumerate(zip(jaxpr.eqns, colors)):
         if idx in skip and idx not in fused:
             continue
@@ -428,6 +428,8 @@ def eval_jaxpr(
                 stack.enter_context(m)
             if id(eqn) in ctx.kept_high:
                 stack.enter_context(jax.named_scope(f"{KEEP_SCOPE}.{ctx.kept_high[id(eqn)]}"))
+            if idx in att.scopes:  # amp_attention[cudnn] / amp_attention[xla: <reason>]
+                stack.enter_context(jax.named_scope(att.scopes[idx]))
             if idx in fused:
                 match, impl = fused[idx]
                 outs = [match.evaluate(env.read, cd, impl)]
@@ -486,24 +488,21 @@ def eval_jaxpr(
     return [env.read(v, _orig_dtype(v) if cast_outputs else None) for v in jaxpr.outvars]
 
 
-def _plan_attention(ctx: Context, closed: Any) -> dict[int, tuple[Any, str]]:
-    """The attentions of ``closed`` to run fused: {index of the second matmul: (match, impl)}."""
+def _plan_attention(ctx: Context, closed: Any) -> attention.Plan:
+    """The attentions of ``closed``: which run fused, and the named scope of each one's ops."""
     if ctx.identity or ctx.policy.attention == "off" or not ctx.vjp_rules:
-        return {}
+        return attention.Plan({}, [], {})
     jaxpr = compat.jaxpr_of(closed)
     consts = dict(zip(jaxpr.constvars, compat.consts_of(closed)))
-    plan_ = {}
-    for i, match in attention.find(jaxpr, consts).items():
-        where = compat.source_line(match.source)
-        if ctx.in_full_precision(match.source) or ctx.in_full_precision(jaxpr.eqns[i]):
-            ctx.attention_log.append((where, None, "in a full_precision scope"))
-            continue
-        impl, reason = attention.decide(
-            match, ctx.policy.attention, ctx.backend, ctx.policy.compute_dtype
-        )
-        ctx.attention_log.append((where, impl, reason))
-        if impl is not None:
-            plan_[i] = (match, impl)
+    plan_ = attention.plan(
+        jaxpr,
+        consts,
+        mode=ctx.policy.attention,
+        backend=ctx.backend,
+        compute_dtype=ctx.policy.compute_dtype,
+        in_full_precision=ctx.in_full_precision,
+    )
+    ctx.attention_log.extend(plan_.log)
     return plan_
 
 

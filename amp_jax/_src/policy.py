@@ -396,13 +396,14 @@ class Policy:
         product of two state vectors) out of bf16, where they buy no speed
         and can cost the solver its accuracy; see "How amp works". ``0`` for
         both lowers everything.
-      attention: attention written out (``einsum`` -> scale -> mask ->
-        softmax -> ``einsum``, or ``jax.nn.dot_product_attention`` on float32
-        inputs) is recognised and run as one fused attention in the compute
-        dtype: ``"auto"`` (default) uses cuDNN flash attention on GPU where
-        cuDNN takes it and leaves it as written elsewhere; ``"off"`` never
-        rewrites; ``"cudnn"`` or ``"xla"`` force that implementation. See
-        "How amp works".
+      attention: attention written out (``einsum`` -> scale -> mask or
+        additive bias -> softmax -> ``einsum``, grouped-query spellings
+        included, or ``jax.nn.dot_product_attention`` on float32 inputs) is
+        recognised and run as one fused attention in the compute dtype:
+        ``"auto"`` (default) uses cuDNN flash attention on GPU where cuDNN
+        takes it and leaves it as written elsewhere, with the reason in
+        ``dtype_report``/``explain``; ``"off"`` never rewrites; ``"cudnn"``
+        or ``"xla"`` force that implementation. See "How amp works".
 
     Examples:
       >>> import jax.numpy as jnp
