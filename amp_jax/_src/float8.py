@@ -288,3 +288,11 @@ def float8_dot_rule(
         np.dtype(y.dtype),
     )
     return [f(x, y)]
+
+
+def why_from_stack(stack: str) -> str | None:
+    """dtype_report's words for an eqn whose name stack says it is part of an fp8 product."""
+    if SCOPE + "." not in stack:
+        return None
+    recipe = "rowwise" if f"{SCOPE}.rowwise" in stack else "tensorwise"
+    return describe(recipe, jax.default_backend())
