@@ -258,8 +258,13 @@ def _fp8_dot(
                 qx, sx, qy, sy = res
                 ct_for_dx = ct_for_dy = round_trip(ct, BWD_DTYPE)
                 y_for_dx, x_for_dy = dequantize(qy, sy), dequantize(qx, sx)
-            dx = _dot_transpose(ct_for_dx, y_for_dx, nx, xc, xb, yc, yb, ny, True, None, acc)
-            dy = _dot_transpose(ct_for_dy, x_for_dy, ny, yc, yb, xc, xb, nx, False, None, acc)
+            # (like=: an operand of the result's shape, for explicit-sharding outputs)
+            dx = _dot_transpose(
+                ct_for_dx, y_for_dx, nx, xc, xb, yc, yb, ny, True, None, acc, x_for_dy
+            )
+            dy = _dot_transpose(
+                ct_for_dy, x_for_dy, ny, yc, yb, xc, xb, nx, False, None, acc, y_for_dx
+            )
         return dx.astype(x_dtype), dy.astype(y_dtype)
 
     f.defvjp(fwd, bwd)
