@@ -118,9 +118,10 @@ def test_scales_are_finite_powers_of_two_for_extreme_tensors(dtype):
         "nan": jnp.zeros((4, 8)).at[0, 0].set(jnp.nan),
         "normal": _rand((4, 8), 5, 1000.0),
     }
+    scale_of = jax.jit(float8.scale_of, static_argnums=(1, 2))
     for name, x in cases.items():
         for axes in (None, (1,)):
-            s = np.asarray(float8.scale_of(x, dtype, axes))
+            s = np.asarray(scale_of(x, dtype, axes))
             assert np.all(np.isfinite(s)) and np.all(s > 0), (name, axes, s)
             m, _ = np.frexp(s)
             assert np.all(m == 0.5), (name, s)  # powers of two: dequantization is exact
@@ -172,16 +173,23 @@ def _mlp(params, x):
     return jnp.mean(x**2)
 
 
+NATIVE = compat.native_float8_matmul(jax.default_backend())
+
+
 def test_emulation_computes_the_fp8_products_exactly():
     x, w = _rand((128, 256), 1), _rand((256, 128), 2, 0.05)
-    out = jax.jit(amp(lambda a, b: a @ b, policy="float8"))(x, w)
+    f32_out = Policy(float8="tensorwise", allow_outputs="float32")
+    out = np.asarray(jax.jit(amp(lambda a, b: a @ b, policy=f32_out))(x, w), np.float64)
     xq = np.asarray(float8.round_trip(x, E4M3), np.float64)
     wq = np.asarray(float8.round_trip(w, E4M3), np.float64)
-    np.testing.assert_allclose(out, xq @ wq, rtol=1e-5, atol=1e-5)  # f32 accumulation
+    if NATIVE:  # the fp8 GEMM: same products, the tensor cores' own accumulation
+        assert np.linalg.norm(out - xq @ wq) / np.linalg.norm(xq @ wq) < 5e-3
+    else:  # emulated: the exact fp8 products, float32 accumulation
+        np.testing.assert_allclose(out, xq @ wq, rtol=1e-5, atol=1e-5)
     # and the fp8 rounding is really there (XLA did not fold the round trip away)
     ref = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
     err8 = np.linalg.norm(out - ref) / np.linalg.norm(ref)
-    out16 = jax.jit(amp(lambda a, b: a @ b, policy="bfloat16"))(x, w)
+    out16 = jax.jit(amp(lambda a, b: a @ b, policy=f32_out.replace(float8="off")))(x, w)
     err16 = np.linalg.norm(out16 - ref) / np.linalg.norm(ref)
     assert 0.01 < err8 < 0.08 and err16 < 0.01, (err8, err16)
 
@@ -195,7 +203,7 @@ def test_mlp_gradients_agree_within_the_fp8_floor(policy):
     e16, e8 = _rel(g16, g32), _rel(g8, g32)
     # measured (CPU, JAX 0.10.2): bf16 ~0.004, fp8 ~0.04-0.06: the fp8 floor, and
     # clearly above bf16 (a test that fp8 really ran)
-    assert e16 < 0.01 and 3 * e16 < e8 < 0.12, (e16, e8)
+    assert e16 < 0.02 and 3 * e16 < e8 < 0.12, (e16, e8)
     assert all(np.dtype(g.dtype) == F32 for g in jax.tree.leaves(g8))
 
 
@@ -257,14 +265,18 @@ def test_off_is_the_bf16_policy():
 
 
 def test_explain_and_dtype_report_say_float8_and_emulated():
+    backend = jax.default_backend()
     ex = amp_jax.explain(_layer, W, X, policy="float8_rowwise", grad=True)
     dots = [r for r in ex.rows if r.primitive == "dot_general"]
     assert len(dots) == 2  # forward, backward groups
     for r in dots:
-        assert "float8 rowwise" in r.reason and "emulated on cpu" in r.reason, r.reason
+        assert float8.describe("rowwise", backend) in r.reason, r.reason
+    assert "float8 rowwise" in ex.summary_lines()[0]
     rows = amp_jax.dtype_report(jax.grad(amp(_layer, policy="float8")), W, X)
     why = {r[5] for r in rows if r[0] == "dot_general"}
-    assert why and all("float8 tensorwise" in w and "emulated" in w for w in why), why
+    assert why == {float8.describe("tensorwise", backend)}, why
+    if backend == "cpu":
+        assert "float8 tensorwise" in why.pop() and "emulated on cpu" in r.reason
 
 
 def test_native_float8_matmul_off_gpu():
@@ -281,6 +293,7 @@ def test_native_float8_matmul_off_gpu():
 )
 def test_gpu_hlo_has_the_cublaslt_fp8_gemm():
     x, w = _rand((1024, 2048), 1), _rand((2048, 2048), 2, 0.02)
-    step = jax.jit(jax.grad(amp(lambda w, x: jnp.sum((x @ w) ** 2), policy="float8")))
+    loss = amp(lambda w, x: jnp.sum((x @ w) ** 2), policy="float8")
+    step = jax.jit(jax.grad(loss, argnums=(0, 1)))
     hlo = step.lower(w, x).compile().as_text()
     assert hlo.count("__cublas$lt$matmul$f8") >= 3, hlo[:2000]  # forward + two backward
