@@ -297,3 +297,32 @@ def test_gpu_hlo_has_the_cublaslt_fp8_gemm():
     step = jax.jit(jax.grad(loss, argnums=(0, 1)))
     hlo = step.lower(w, x).compile().as_text()
     assert hlo.count("__cublas$lt$matmul$f8") >= 3, hlo[:2000]  # forward + two backward
+
+
+def test_flax_dense_and_full_precision_scope():
+    nn = pytest.importorskip("flax.linen")
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = jax.nn.gelu(nn.Dense(256)(x))
+            with jax.named_scope("head"):  # e.g. the output head, kept out of low precision
+                return nn.Dense(256)(x)
+
+    net = Net()
+    params = net.init(jax.random.PRNGKey(0), X)
+
+    def loss(p, x):
+        return jnp.mean(net.apply(p, x) ** 2)
+
+    policy = Policy(float8="tensorwise", full_precision_scopes=("head",))
+    jaxpr = jax.make_jaxpr(jax.grad(amp(loss, policy=policy)))(params, X)
+    casts = _casts_to(jaxpr)
+    assert casts.get(E4M3, 0) >= 2 and casts.get(E5M2, 0) >= 1  # the first Dense
+    assert sorted(_dots(jaxpr)).count((F32, F32)) == 3  # the scoped head: f32, fwd + bwd
+    ex = amp_jax.explain(loss, params, X, policy=policy)
+    reasons = {r.reason for r in ex.rows if r.primitive == "dot_general"}
+    assert any("float8 tensorwise" in r for r in reasons)
+    assert any("'head'" in r for r in reasons), reasons
+    g8 = jax.jit(jax.grad(amp(loss, policy=policy)))(params, X)
+    assert _rel(g8, jax.grad(loss)(params, X)) < 0.12
