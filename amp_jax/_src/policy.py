@@ -395,6 +395,16 @@ class Policy:
         the activation traffic, float32 elsewhere (XLA:CPU runs bf16 dots
         fastest with a float32 result); ``"float32"`` or ``"compute"`` force
         one.
+      float8: ``"off"`` (default); ``"tensorwise"`` or ``"rowwise"`` run large
+        unbatched matmuls with ``float8_e4m3fn`` operands (``float8_e5m2``
+        gradients in the backward pass), dynamic power-of-two scales per
+        tensor or per row, float32 accumulation; emulated (fp8 round trip +
+        bf16 dot) where the backend has no fp8 matmuls. Needs
+        ``compute_dtype=bfloat16``. Presets ``"float8"`` and
+        ``"float8_rowwise"``. See "Float8".
+      float8_min_flops: an fp8-eligible matmul of fewer FLOPs than this
+        (default ``2**20``) runs the bfloat16 rule instead: the amax
+        reductions and casts of fp8 cost more than they save on small ones.
       min_low_contraction: an ``allow`` op whose contraction (the product of
         a dot's contracting dims; a convolution's input features times its
         window) is shorter than this stays float32. Default 8.
@@ -412,16 +422,6 @@ class Policy:
         cuDNN takes it and leaves it as written elsewhere; ``"off"`` never
         rewrites; ``"cudnn"`` or ``"xla"`` force that implementation. See
         "How amp works".
-      float8: ``"off"`` (default); ``"tensorwise"`` or ``"rowwise"`` run large
-        unbatched matmuls with ``float8_e4m3fn`` operands (``float8_e5m2``
-        gradients in the backward pass), dynamic power-of-two scales per
-        tensor or per row, float32 accumulation; emulated (fp8 round trip +
-        bf16 dot) where the backend has no fp8 matmuls. Needs
-        ``compute_dtype=bfloat16``. Presets ``"float8"`` and
-        ``"float8_rowwise"``. See "Float8".
-      float8_min_flops: an fp8-eligible matmul of fewer FLOPs than this
-        (default ``2**20``) runs the bfloat16 rule instead: the amax
-        reductions and casts of fp8 cost more than they save on small ones.
 
     Examples:
       >>> import jax.numpy as jnp
