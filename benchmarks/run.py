@@ -168,6 +168,7 @@ def variants(model: M.Model, which: tuple[str, ...]) -> dict[str, Callable[..., 
         # amp with float32 allow-op results on every backend (the CPU default)
         "amp_f32out": amp(loss, policy=Policy(BF16, allow_outputs="float32")),
         "amp_fp8": amp(loss, policy="float8"),
+        "amp_fp8_rowwise": amp(loss, policy="float8_rowwise"),
         "hand": functools.partial(loss, dtype=BF16),
         "hand_acc": functools.partial(loss, dtype=BF16, acc=F32),
     }

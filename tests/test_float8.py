@@ -324,3 +324,18 @@ def test_flax_dense_and_full_precision_scope():
     reasons = {r.reason for r in ex.rows if r.primitive == "dot_general"}
     assert any("float8 tensorwise" in r for r in reasons)
     assert any("'head'" in r for r in reasons), reasons
+
+
+@pytest.mark.skipif(
+    not compat.native_float8_matmul(jax.default_backend()),
+    reason="needs a GPU with fp8 matmuls (compute capability >= 8.9)",
+)
+def test_gpu_rowwise_runs_as_documented():
+    """docs/float8.md: XLA's fp8 GEMM takes per-tensor scales, so rowwise runs bf16 GEMMs.
+
+    If this fails, XLA now fuses per-row scales: update float8.describe and the docs.
+    """
+    x, w = _rand((1024, 2048), 1), _rand((2048, 2048), 2, 0.02)
+    loss = amp(lambda w, x: jnp.sum((x @ w) ** 2), policy="float8_rowwise")
+    hlo = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(w, x).compile().as_text()
+    assert "__cublas$lt$matmul$f8" not in hlo
