@@ -19,7 +19,8 @@ step ``jax.jit(jax.value_and_grad(loss))`` is built for these variants:
 * ``hand_acc``  the same with ``preferred_element_type=float32`` on every
   matmul/conv (an "expert" hand version);
 * ``amp_fp8``   ``amp_jax.amp(loss, policy="float8")``: the dense matmuls in
-  float8 (tensorwise dynamic scales), the rest as ``amp``. The ``gpt_fp8``
+  float8 (tensorwise dynamic scales), the rest as ``amp`` (``amp_fp8_rowwise``:
+  row-wise scales). The ``gpt_fp8``
   model (d_model 2048, 8 layers on a GPU) runs ``amp`` and ``amp_fp8`` by
   default: ``python benchmarks/run.py --models gpt_fp8`` on an H100.
 
