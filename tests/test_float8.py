@@ -98,6 +98,18 @@ def test_small_batched_and_conv_matmuls_keep_the_bf16_rule():
     assert _casts_to(jax.make_jaxpr(amp(f, policy=p))(*args)).get(E4M3) == 2
 
 
+def test_explain_says_why_a_dot_is_not_float8():
+    def f(a, b, q, k):
+        return jnp.sum(a @ b) + jnp.sum(jnp.einsum("bqd,bkd->bqk", q, k))
+
+    args = (_rand((8, 64), 0), _rand((64, 64), 1), _rand((2, 64, 64), 2), _rand((2, 64, 64), 3))
+    ex = amp_jax.explain(f, *args, policy="float8")
+    reasons = sorted(r.reason for r in ex.rows if r.primitive == "dot_general")
+    assert len(reasons) == 2 and all("not float8" in r for r in reasons), reasons
+    assert any("batched dot" in r for r in reasons), reasons
+    assert any("float8_min_flops" in r for r in reasons), reasons
+
+
 def test_short_contraction_stays_bf16():
     f = amp(lambda a, b: a @ b, policy=Policy(float8="tensorwise", float8_min_flops=0))
     jaxpr = jax.make_jaxpr(f)(_rand((512, 8), 0), _rand((8, 512), 1))

@@ -132,14 +132,19 @@ def allow_rule(ctx: Any, eqn: Any) -> Callable | None:
 
 
 def reason(ctx: Any, eqn: Any) -> str | None:
-    """What explain shows for a dot that runs in fp8 (None for the others)."""
-    if eqn.primitive.name != "dot_general" or not applies(ctx, eqn):
+    """What explain shows for a lowered ``allow`` eqn under a float8 policy: that it
+    runs in fp8, or why it runs the bfloat16 rule. None in every other case."""
+    pol, name = ctx.policy, eqn.primitive.name
+    if getattr(pol, "float8", "off") == "off" or pol.class_of(name) != "allow":
         return None
-    if ctx.in_full_precision(eqn) or ctx.policy.class_of("dot_general") != "allow":
+    if pol.effective_class_of(name, ctx.backend) != "allow" or ctx.in_full_precision(eqn):
         return None
-    if ctx.policy.effective_class_of("dot_general", ctx.backend) != "allow":
+    if not all(is_managed_float(getattr(v.aval, "dtype", None)) for v in eqn.invars):
         return None
-    return describe(ctx.policy.float8, ctx.backend)
+    if applies(ctx, eqn):
+        return describe(pol.float8, ctx.backend)
+    why = skip_reason(pol, eqn) or "inside a custom JVP rule (JAX transposes it)"
+    return f"allow class, the bfloat16 policy's rule; not float8: {why}"
 
 
 # -- scales and quantization -------------------------------------------------------------------
