@@ -342,11 +342,24 @@ def resnet50(batch: int = 1, size: int = 64, classes: int = 1000) -> Model:
     )
 
 
-MODELS: dict[str, Callable[..., Model]] = {"mlp": mlp, "gpt": gpt, "cnn": cnn}
+def gpt_fp8(small: bool = False, **sizes: Any) -> Model:
+    """The GPT decoder at a width where float8 matmuls pay (d_model >= 2048 on an H100).
+
+    The same model as :func:`gpt`; its default (CPU) sizes are a smoke-test
+    size, :data:`GPU_SIZES` has the H100 size (d=2048, 8 layers).
+    """
+    sizes = {**dict(batch=2, seq=128, d=256, layers=2, heads=4, vocab=1024), **sizes}
+    m = gpt(small=small, **sizes)
+    return dataclasses.replace(m, name="gpt_fp8")
+
+
+MODELS: dict[str, Callable[..., Model]] = {"mlp": mlp, "gpt": gpt, "cnn": cnn, "gpt_fp8": gpt_fp8}
 
 #: GPU-scale sizes (``benchmarks/run.py --scale gpu``, the default on a GPU).
 GPU_SIZES: dict[str, dict[str, Any]] = {
     "mlp": dict(batch=8192, width=4096, depth=7),
     "gpt": dict(batch=8, seq=1024, d=1024, layers=12, heads=16, vocab=8192),
     "cnn": dict(batch=64, size=56, widths=(256,), blocks_per_stage=6),
+    # issue 17: amp fp8 vs amp bf16, side by side
+    "gpt_fp8": dict(batch=8, seq=1024, d=2048, layers=8, heads=16, vocab=8192),
 }

@@ -17,7 +17,12 @@ step ``jax.jit(jax.value_and_grad(loss))`` is built for these variants:
   bf16 at the start, bf16 matmul/conv results, float32 norms/softmax/loss),
   as Flax ``dtype=bfloat16, param_dtype=float32`` or jmp users write it;
 * ``hand_acc``  the same with ``preferred_element_type=float32`` on every
-  matmul/conv (an "expert" hand version).
+  matmul/conv (an "expert" hand version);
+* ``amp_fp8``   ``amp_jax.amp(loss, policy="float8")``: the dense matmuls in
+  float8 (tensorwise dynamic scales), the rest as ``amp`` (``amp_fp8_rowwise``:
+  row-wise scales). The ``gpt_fp8``
+  model (d_model 2048, 8 layers on a GPU) runs ``amp`` and ``amp_fp8`` by
+  default: ``python benchmarks/run.py --models gpt_fp8`` on an H100.
 
 Per variant it reports the median step time (after warm-up; the variants are
 timed round-robin so that machine noise hits them alike), the lower+compile
@@ -75,6 +80,8 @@ GPU_TARGETS = {
     "gpt_temp_vs_hand_cudnn": 1.1,
     "mlp_vs_hand": 1.0,
     "cnn_vs_hand": 1.05,
+    # issue 17: amp fp8 step time vs amp bf16 on the d_model=2048 GPT
+    "gpt_fp8_vs_amp": 0.8,
 }
 #: dense bf16 peak used for MFU: H100 SXM datasheet (989 TFLOP/s).
 GPU_PEAK_FLOPS = 989e12
@@ -161,6 +168,8 @@ def variants(model: M.Model, which: tuple[str, ...]) -> dict[str, Callable[..., 
         "amp": amp(loss, policy="bfloat16"),
         # amp with float32 allow-op results on every backend (the CPU default)
         "amp_f32out": amp(loss, policy=Policy(BF16, allow_outputs="float32")),
+        "amp_fp8": amp(loss, policy="float8"),
+        "amp_fp8_rowwise": amp(loss, policy="float8_rowwise"),
         "hand": functools.partial(loss, dtype=BF16),
         "hand_acc": functools.partial(loss, dtype=BF16, acc=F32),
     }
@@ -341,9 +350,10 @@ def model_table(name: str, res: dict[str, dict[str, float]]) -> list[str]:
         flops = r.get("flops") or (f32 or {}).get("flops")
         mfu = f"{flops / r['step_s'] / GPU_PEAK_FLOPS:.0%}" if (gpu and flops) else "-"
         if "compile_s" in r:
+            temp_vs = f"{r['temp_bytes'] / f32['temp_bytes']:.2f}" if f32 else "-"
             xla = (
                 f"{r['compile_s']:.2f} ({r['lower_s']:.2f}) | {_mb(r['temp_bytes'])} | "
-                f"{r['temp_bytes'] / f32['temp_bytes']:.2f} | {_mb(r['arg_bytes'])} | {int(r['converts'])}"
+                f"{temp_vs} | {_mb(r['arg_bytes'])} | {int(r['converts'])}"
             )
         else:
             xla = f"- | peak {_mb(r.get('peak_bytes', float('nan')))} | - | - | -"
@@ -388,6 +398,8 @@ def gpu_targets(all_res: dict[str, dict[str, dict[str, float]]]) -> list[str]:
     )
     add("mlp: amp step vs hand", m.get("amp"), m.get("hand"), t["mlp_vs_hand"])
     add("cnn: amp step vs hand", c.get("amp"), c.get("hand"), t["cnn_vs_hand"])
+    g8 = all_res.get("gpt_fp8", {})
+    add("gpt_fp8: amp fp8 step vs amp bf16", g8.get("amp_fp8"), g8.get("amp"), t["gpt_fp8_vs_amp"])
     for name, r in all_res.items():
         add(
             f"{name}: amp compile vs f32",
@@ -408,7 +420,7 @@ def targets(
         rows.append(f"| {desc} | {value} | {'met' if ok else 'NOT met'} |")
 
     for m in ("mlp", "gpt"):
-        if m not in all_res:
+        if m not in all_res or "f32" not in all_res[m]:
             continue
         r = all_res[m]
         ratio = r["amp"]["step_s"] / r["f32"]["step_s"]
@@ -424,7 +436,7 @@ def targets(
                 f"{ratio:.2f}x",
                 ratio <= TARGET_STEP_VS_HAND,
             )
-    if "gpt" in all_res:
+    if "gpt" in all_res and "f32" in all_res["gpt"]:
         r = all_res["gpt"]
         ratio = r["amp"]["temp_bytes"] / r["f32"]["temp_bytes"]
         add(
@@ -433,6 +445,8 @@ def targets(
             ratio <= TARGET_TEMP_VS_F32,
         )
     for m, r in all_res.items():
+        if "amp" not in r or "f32" not in r:
+            continue
         ratio = r["amp"]["compile_s"] / r["f32"]["compile_s"]
         add(
             f"{m}: amp compile <= {TARGET_COMPILE_VS_F32}x f32",
@@ -471,6 +485,8 @@ def report(args, all_res, descs, conv_rows, dw_rows, r50) -> str:
         "`f32`: float32 model. `amp`: `amp(loss)` (bf16 policy, defaults). `hand`: hand-written bf16 "
         "(params/inputs cast at the start, bf16 matmul results, f32 norms/softmax/loss, like Flax "
         "`dtype=bfloat16`). `hand_acc`: hand-written bf16 with `preferred_element_type=float32`. "
+        "`amp_fp8`: `amp(loss, policy='float8')` (dense matmuls in float8, tensorwise scales; "
+        "emulated off Hopper/Ada). "
         "`amp vs this` = amp step time / this variant's step time. converts = `convert` "
         "instructions in the optimized HLO.",
         "",
@@ -561,12 +577,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--quick", action="store_true", help="fewer rounds; skip the ResNet-50 compile study"
     )
-    p.add_argument("--models", default="mlp,gpt,cnn", help="comma-separated subset of mlp,gpt,cnn")
+    p.add_argument(
+        "--models",
+        default="mlp,gpt,cnn",
+        help="comma-separated subset of mlp,gpt,cnn,gpt_fp8 (gpt_fp8: amp fp8 vs amp bf16)",
+    )
     p.add_argument(
         "--variants",
         default=None,
         help="comma-separated variants (default: f32,amp,hand,hand_acc on CPU; "
-        "f32,amp,hand,hand_cudnn on GPU)",
+        "f32,amp,hand,hand_cudnn on GPU; amp,amp_fp8 for gpt_fp8)",
     )
     p.add_argument(
         "--scale",
@@ -583,6 +603,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--no-write", action="store_true", help="print the report, don't write it")
     p.add_argument("--no-extras", action="store_true", help="skip conv / dW / ResNet-50 studies")
     args = p.parse_args(argv)
+    explicit_variants = args.variants is not None
+    unknown = sorted(set(args.models.split(",")) - set(M.MODELS))
+    if unknown:
+        p.error(f"--models: unknown {unknown}; valid: {','.join(M.MODELS)}")
     gpu = jax.default_backend() == "gpu"
     big = args.scale == "gpu" or (args.scale == "auto" and gpu)
     here = os.path.dirname(os.path.abspath(__file__))
@@ -596,7 +620,10 @@ def main(argv: list[str] | None = None) -> None:
     for name in args.models.split(","):
         model = M.MODELS[name](**(M.GPU_SIZES[name] if big else {}))
         t0 = time.perf_counter()
-        all_res[name] = bench_model(model, which, args.rounds, warmup)
+        model_which = which
+        if name == "gpt_fp8" and not explicit_variants:
+            model_which = ("amp", "amp_fp8")
+        all_res[name] = bench_model(model, model_which, args.rounds, warmup)
         descs[name] = model.description
         if name == "gpt" and gpu and not args.no_torch:
             try:

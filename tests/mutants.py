@@ -36,6 +36,7 @@ CORE_TESTS = [
     "tests/test_errors.py",
     "tests/test_solver.py",
     "tests/test_decisions.py",
+    "tests/test_float8.py",
 ]
 
 
@@ -136,6 +137,31 @@ def _low_outputs_off():
     policy.Policy.allow_output_dtype = lambda self, backend: policy.HIGH_DTYPE
 
 
+def _float8_off():
+    from amp_jax._src import float8
+
+    float8.allow_rule = lambda ctx, eqn: None
+
+
+def _float8_scales_unguarded():
+    import jax.numpy as jnp
+
+    from amp_jax._src import float8
+
+    def scale_of(x, dtype, axes=None):  # amax / fp8_max: no floor, no inf/nan handling
+        a = jnp.abs(x.astype(jnp.float32))
+        amax = jnp.max(a) if axes is None else jnp.max(a, axis=axes, keepdims=True)
+        return amax / float(jnp.finfo(dtype).max)
+
+    float8.scale_of = scale_of
+
+
+def _float8_backward_e4m3():
+    from amp_jax._src import float8
+
+    float8.BWD_DTYPE = float8.FWD_DTYPE
+
+
 MUTANTS = {
     "amp_identity": _amp_identity,
     "hoisting_off": _hoisting_off,
@@ -150,6 +176,9 @@ MUTANTS = {
     "low_outputs_off": _low_outputs_off,
     "thresholds_off": _thresholds_off,
     "attention_off": _attention_off,
+    "float8_off": _float8_off,
+    "float8_scales_unguarded": _float8_scales_unguarded,
+    "float8_backward_e4m3": _float8_backward_e4m3,
 }
 
 

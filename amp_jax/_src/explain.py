@@ -461,8 +461,11 @@ class Explanation:
         s = self.summary
         flops = ", ".join(f"{k} {_fmt_num(v)}" for k, v in s.flops_by_dtype.items()) or "none"
         mm = ", ".join(f"{k} {_fmt_num(v)}" for k, v in s.matmul_flops_by_dtype.items()) or "none"
+        name = s.compute_dtype
+        if getattr(self.policy, "float8", "off") != "off":
+            name += f" + float8 {self.policy.float8} (large dense matmuls; see the reasons)"
         return [
-            f"policy {s.compute_dtype}: {100 * s.low_flop_share:.1f}% of FLOPs in low precision "
+            f"policy {name}: {100 * s.low_flop_share:.1f}% of FLOPs in low precision "
             f"({100 * s.low_matmul_flop_share:.1f}% of matmul/conv FLOPs)",
             f"FLOPs by dtype: {flops}; matmul/conv: {mm}",
             f"bytes moved {_fmt_num(s.bytes_moved)}B vs {_fmt_num(s.bytes_moved_original)}B "

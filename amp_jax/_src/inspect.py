@@ -27,7 +27,9 @@ def _why(eqn: Any) -> str:
         return attention
     if FULL_PRECISION_SCOPE in stack:
         return "full_precision scope"
-    return ""
+    from amp_jax._src.float8 import why_from_stack
+
+    return why_from_stack(stack) or ""
 
 
 def iter_eqns(

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from amp_jax._src import attention, compat, painting
+from amp_jax._src import attention, compat, float8, painting
 from amp_jax._src.painting import HIGH, KEEP, LOW, OPAQUE, ORIG, SKIP
 from amp_jax._src.policy import FULL_PRECISION_SCOPE, HIGH_DTYPE, Policy, is_managed_float
 from amp_jax._src.rules import RULES, _cpu_batched, default_allow_rule
@@ -137,7 +137,7 @@ class Context:
     def reason(self, eqn: Any) -> str | None:
         """Why this context kept ``eqn`` in its original precision, if a rule did."""
         tag = self.kept_high.get(id(eqn))
-        return KEEP_REASONS[tag] if tag else None
+        return KEEP_REASONS[tag] if tag else float8.reason(self, eqn)
 
     def is_transparent(self, eqn: Any) -> bool:
         """A ``custom_jvp_call`` whose body only has follow/clear ops (``jax.nn.relu``).
@@ -462,7 +462,7 @@ def eval_jaxpr(
                 outs = compat.bind_eqn(eqn, [env.read(v, None) for v in eqn.invars])
             elif color == LOW and ctx.policy.class_of(eqn.primitive.name) == "allow":
                 invals = [env.read(v, None) for v in eqn.invars]
-                rule = (
+                rule = float8.allow_rule(ctx, eqn) or (
                     RULES.get(eqn.primitive.name, default_allow_rule)
                     if ctx.vjp_rules
                     else default_allow_rule

@@ -278,8 +278,17 @@ _ALIASES: dict[str, str] = {
     "f32": "float32",
     "fp32": "float32",
     "float": "float32",
+    "fp8": "float8",
+    "f8": "float8",
+    "fp8_rowwise": "float8_rowwise",
+    "f8_rowwise": "float8_rowwise",
 }
 _VALID_COMPUTE = (jnp.bfloat16, jnp.float16, jnp.float32)
+#: presets that set more than the compute dtype: {name: Policy fields}
+_POLICY_PRESETS: dict[str, dict[str, Any]] = {
+    "float8": {"compute_dtype": jnp.bfloat16, "float8": "tensorwise"},
+    "float8_rowwise": {"compute_dtype": jnp.bfloat16, "float8": "rowwise"},
+}
 
 #: Named scope that :func:`amp_jax.full_precision` opens; eqns under it are kept.
 FULL_PRECISION_SCOPE = "amp_full_precision"
@@ -386,6 +395,16 @@ class Policy:
         the activation traffic, float32 elsewhere (XLA:CPU runs bf16 dots
         fastest with a float32 result); ``"float32"`` or ``"compute"`` force
         one.
+      float8: ``"off"`` (default); ``"tensorwise"`` or ``"rowwise"`` run large
+        unbatched matmuls with ``float8_e4m3fn`` operands (``float8_e5m2``
+        gradients in the backward pass), dynamic power-of-two scales per
+        tensor or per row, float32 accumulation; emulated (fp8 round trip +
+        bf16 dot) where the backend has no fp8 matmuls. Needs
+        ``compute_dtype=bfloat16``. Presets ``"float8"`` and
+        ``"float8_rowwise"``. See "Float8".
+      float8_min_flops: an fp8-eligible matmul of fewer FLOPs than this
+        (default ``2**20``) runs the bfloat16 rule instead: the amax
+        reductions and casts of fp8 cost more than they save on small ones.
       min_low_contraction: an ``allow`` op whose contraction (the product of
         a dot's contracting dims; a convolution's input features times its
         window) is shorter than this stays float32. Default 8.
@@ -427,6 +446,8 @@ class Policy:
     attention: str = "auto"
     min_low_contraction: int = 8
     min_low_flops: int = 256
+    float8: str = "off"
+    float8_min_flops: int = 2**20
 
     def __post_init__(self):
         object.__setattr__(self, "compute_dtype", _as_dtype(self.compute_dtype, "compute_dtype"))
@@ -472,7 +493,7 @@ class Policy:
         object.__setattr__(self, "full_precision_scopes", tuple(sorted(set(scopes or ()))))
         if not isinstance(self.strict, bool) or not isinstance(self.backend_aware, bool):
             raise TypeError("strict and backend_aware must be bools.")
-        for name in ("min_low_contraction", "min_low_flops"):
+        for name in ("min_low_contraction", "min_low_flops", "float8_min_flops"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
                 raise ValueError(
@@ -483,6 +504,18 @@ class Policy:
             raise ValueError(
                 f"Policy(attention={self.attention!r}) is not one of {_ATTENTION}: 'auto' fuses "
                 "attention with cuDNN on GPU, 'off' never rewrites, 'cudnn'/'xla' force one."
+            )
+        if self.float8 not in _FLOAT8:
+            raise ValueError(
+                f"Policy(float8={self.float8!r}) is not one of {_FLOAT8}: 'tensorwise' scales "
+                "each fp8 operand by one dynamic scale, 'rowwise' by one per row, 'off' keeps "
+                "bfloat16 matmuls (or use policy='float8' / 'float8_rowwise')."
+            )
+        if self.float8 != "off" and self.compute_dtype != np.dtype(jnp.bfloat16):
+            raise ValueError(
+                f"Policy(float8={self.float8!r}) needs compute_dtype=jnp.bfloat16 (the dtype of "
+                f"the dequantized fp8 operands and of every other low op), got "
+                f"compute_dtype={self.compute_dtype.name!r}; or set float8='off'."
             )
         if self.allow_outputs not in _ALLOW_OUTPUTS:
             raise ValueError(
@@ -551,6 +584,7 @@ BACKEND_LOW_OUTPUTS: frozenset[str] = frozenset({"gpu"})
 """Backends where ``allow`` ops write the compute dtype (bf16 results, float32 accumulation inside the kernel) under ``Policy(allow_outputs="auto")``."""
 
 _ALLOW_OUTPUTS = ("auto", "float32", "compute")
+_FLOAT8 = ("off", "tensorwise", "rowwise")
 _ATTENTION = ("auto", "off", "cudnn", "xla")
 
 
@@ -560,7 +594,9 @@ def get_policy(policy: Policy | str | Any) -> Policy:
     Args:
       policy: a :class:`Policy`; one of the preset names ``"bfloat16"``,
         ``"float16"``, ``"float32"`` (aliases ``"bf16"``, ``"f16"``,
-        ``"f32"``...); or a dtype such as ``jnp.bfloat16``.
+        ``"f32"``...), ``"float8"`` (aliases ``"fp8"``, ``"f8"``: the
+        bfloat16 policy with ``float8="tensorwise"``) or ``"float8_rowwise"``;
+        or a dtype such as ``jnp.bfloat16``.
 
     Returns:
       The :class:`Policy`.
@@ -578,8 +614,10 @@ def get_policy(policy: Policy | str | Any) -> Policy:
         return policy
     if isinstance(policy, str):
         key = _ALIASES.get(policy.lower(), policy.lower())
+        if key in _POLICY_PRESETS:
+            return Policy(**_POLICY_PRESETS[key])
         if key not in _PRESETS:
-            valid = ", ".join(repr(n) for n in [*_PRESETS, *_ALIASES])
+            valid = ", ".join(repr(n) for n in [*_PRESETS, *_POLICY_PRESETS, *_ALIASES])
             raise ValueError(
                 f"policy={policy!r} is not a known policy. Valid names: {valid}; "
                 "or pass an amp_jax.Policy."

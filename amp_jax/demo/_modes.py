@@ -10,6 +10,10 @@ same batches; only the precision recipe changes:
 * ``bf16-kahan``: pure bfloat16 parameters (no float32 copy),
   ``amp(loss, policy="bfloat16")`` for float32 softmax/norm statistics,
   AdamW with bfloat16 moments and Kahan-compensated updates.
+* ``amp-fp8`` (opt-in, not in the default set): float32 parameters,
+  ``amp(loss, policy="float8")`` -- the dense matmuls in float8 with dynamic
+  per-tensor scales (emulated where the GPU has no fp8 matmuls, and on CPU),
+  the rest as ``amp-bf16``; AdamW. Compare it with ``--modes amp-bf16,amp-fp8``.
 """
 
 from __future__ import annotations
@@ -71,8 +75,19 @@ MODES: dict[str, Mode] = {
             jnp.bfloat16,
             lambda lr: optim.adamw(lr, mu_dtype=jnp.bfloat16, nu_dtype=jnp.bfloat16, kahan=True),
         ),
+        Mode(
+            "amp-fp8",
+            "float32 params, amp float8 (dense matmuls fp8, tensorwise scales), AdamW",
+            "float8",
+            jnp.float32,
+            lambda lr: optim.adamw(lr),
+        ),
     )
 }
+
+#: the modes a plain ``python -m amp_jax.demo`` runs (amp-fp8 is opt-in: it pays
+#: only on GPUs with fp8 matmuls, and is emulated -- slower -- elsewhere)
+DEFAULT_MODES: tuple[str, ...] = ("f32", "amp-bf16", "amp-f16", "bf16-kahan")
 
 
 @dataclasses.dataclass

@@ -1,0 +1,308 @@
+"""Float8 matmuls: the allow rule of ``dot_general`` under ``Policy(float8=...)``.
+
+A large, unbatched ``dot_general`` (a dense layer: ``x @ w``) runs with
+``float8_e4m3fn`` operands in the forward pass and a ``float8_e5m2`` cotangent
+in the two backward products, with dynamic scales computed from the current
+tensors (torchao's "tensorwise" recipe, or "rowwise": one scale per row of the
+non-contracted dims) and float32 accumulation. Everything else -- batched dots
+(attention), small dots, convolutions -- follows the bfloat16 policy.
+
+How a product is written (the same jaxpr on every backend)::
+
+    s  = 2 ** ceil(log2(amax(|x|) / fp8_max))          # a power of two
+    q  = convert(clamp(x / s, -fp8_max, fp8_max), f8)  # quantize
+    xd = convert(q, bf16) * s                          # dequantize (exact)
+    out = dot_general(xd, wd, preferred_element_type=float32 or bf16)
+
+The dequantize-then-dot pattern, with a scalar scale, is what XLA's GPU GEMM
+rewriter turns into a cuBLASLt fp8 GEMM (``__cublas$lt$matmul$f8``) on GPUs of
+compute capability 8.9 and up. Elsewhere (CPU, older GPUs) XLA runs it as
+written: the bf16 dot of the dequantized operands. Because the scales are
+powers of two and every fp8 value is a bf16 value, the dequantized operands are
+exactly the fp8 values times their scale, so this emulation computes the same
+products as the fp8 GEMM (up to accumulation order).
+
+Scales never overflow or divide by zero: an all-zero tensor gets the scale
+``2**-126`` (quantizes to zeros); an ``inf``/``nan`` amax gets the scale 1 and
+the non-finite entries stay non-finite (NaN: ``float8_e4m3fn`` has no inf), so
+loss scaling and ``is_finite`` checks still see the overflow -- never a
+silent saturation to a finite value.
+
+Convolutions are not lowered to fp8: XLA has no scaled-fp8 convolution
+rewrite, and neither torchao nor Transformer Engine trains convolutions in
+fp8; they keep the bfloat16 rule.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from amp_jax._src import compat
+from amp_jax._src.policy import HIGH_DTYPE, is_managed_float
+from amp_jax._src.rules import _acc_dtype, _dot_transpose
+
+#: ``Policy(float8=...)`` values.
+RECIPES = ("off", "tensorwise", "rowwise")
+
+#: forward operands (weights and activations) and the backward cotangent.
+FWD_DTYPE = np.dtype(jnp.float8_e4m3fn)
+BWD_DTYPE = np.dtype(jnp.float8_e5m2)
+
+#: fp8 tensor cores multiply 16-deep tiles: shorter contractions stay bf16.
+MIN_CONTRACTION = 16
+
+#: name scope of the ops of an fp8 product (dtype_report reads it back).
+SCOPE = "amp_float8"
+
+_LOW = np.dtype(jnp.bfloat16)
+_MIN_SCALE = 2.0**-126  # smallest normal float32: 0 / scale stays 0, x / scale stays finite
+
+
+# -- which dots --------------------------------------------------------------------------
+
+
+def _sizes(eqn: Any) -> tuple[int, int]:
+    """(contraction length, FLOPs) of a ``dot_general`` eqn."""
+    (lc, _), _ = eqn.params["dimension_numbers"]
+    k = int(np.prod([eqn.invars[0].aval.shape[d] for d in lc], dtype=np.int64))
+    return k, 2 * k * int(np.prod(eqn.outvars[0].aval.shape, dtype=np.int64))
+
+
+def skip_reason(policy: Any, eqn: Any) -> str | None:
+    """Why a lowered ``allow`` eqn runs the bfloat16 rule instead of fp8, or None.
+
+    Only meaningful when ``policy.float8 != "off"`` and the eqn is lowered.
+    """
+    if eqn.primitive.name != "dot_general":
+        return "not a dot_general (convolutions stay bfloat16)"
+    if not all(is_managed_float(getattr(v.aval, "dtype", None)) for v in eqn.invars):
+        return "non-float operand"
+    (_, _), (lb, _) = eqn.params["dimension_numbers"]
+    if lb:
+        return "batched dot (attention-style): bfloat16, as torchao and Transformer Engine do"
+    k, flops = _sizes(eqn)
+    if k < MIN_CONTRACTION:
+        return f"contraction {k} < {MIN_CONTRACTION}: too short for fp8"
+    if flops < policy.float8_min_flops:
+        return f"{flops} FLOPs < Policy.float8_min_flops={policy.float8_min_flops}: too small"
+    return None
+
+
+def applies(ctx: Any, eqn: Any) -> bool:
+    """Whether ``eqn`` (lowered by ``ctx``) runs as an fp8 product."""
+    return (
+        getattr(ctx.policy, "float8", "off") != "off"
+        and ctx.vjp_rules
+        and ctx.policy.compute_dtype == _LOW
+        and skip_reason(ctx.policy, eqn) is None
+    )
+
+
+def describe(recipe: str, backend: str) -> str:
+    """The words dtype_report/explain show for an fp8 product."""
+    how = "per-tensor" if recipe == "tensorwise" else "per-row"
+    where = (
+        f"native fp8 GEMM on {backend}"
+        if compat.native_float8_matmul(backend)
+        else f"emulated on {backend} (no fp8 matmul units): fp8 round trip + bf16 dot"
+    )
+    if recipe == "rowwise" and compat.native_float8_matmul(backend):
+        where = f"{backend}: per-row scales, XLA's fp8 GEMM takes per-tensor ones: bf16 dot"
+    return (
+        f"float8 {recipe}: e4m3 operands, e5m2 gradient, {how} dynamic scales, "
+        f"float32 accumulation; {where}"
+    )
+
+
+# -- the hooks the interpreter calls ---------------------------------------------------------
+
+
+def allow_rule(ctx: Any, eqn: Any) -> Callable | None:
+    """The fp8 rule for ``eqn`` when the policy asks for fp8 and the dot pays, else None."""
+    if not applies(ctx, eqn):
+        return None
+    return functools.partial(float8_dot_rule, recipe=ctx.policy.float8, backend=ctx.backend)
+
+
+def reason(ctx: Any, eqn: Any) -> str | None:
+    """What explain shows for a lowered ``allow`` eqn under a float8 policy: that it
+    runs in fp8, or why it runs the bfloat16 rule. None in every other case."""
+    pol, name = ctx.policy, eqn.primitive.name
+    if getattr(pol, "float8", "off") == "off" or pol.class_of(name) != "allow":
+        return None
+    if pol.effective_class_of(name, ctx.backend) != "allow" or ctx.in_full_precision(eqn):
+        return None
+    if not all(is_managed_float(getattr(v.aval, "dtype", None)) for v in eqn.invars):
+        return None
+    if applies(ctx, eqn):
+        return describe(pol.float8, ctx.backend)
+    why = skip_reason(pol, eqn) or "inside a custom JVP rule (JAX transposes it)"
+    return f"allow class, the bfloat16 policy's rule; not float8: {why}"
+
+
+# -- scales and quantization -------------------------------------------------------------------
+
+
+def _fp8_max(dtype: np.dtype) -> float:
+    return float(jnp.finfo(dtype).max)
+
+
+def scale_of(x: Any, dtype: Any, axes: tuple[int, ...] | None = None) -> Any:
+    """The power-of-two dynamic scale that maps ``x``'s amax into ``dtype``'s range.
+
+    ``axes``: the dims reduced for the amax (``None``: all, a per-tensor
+    scalar; else a per-row scale with those dims kept as size 1). Always
+    finite and positive: ``2**-126`` for an all-zero tensor, 1 for a
+    non-finite amax.
+    """
+    dtype = np.dtype(dtype)
+    a = jnp.abs(x.astype(HIGH_DTYPE))
+    amax = jnp.max(a) if axes is None else jnp.max(a, axis=axes, keepdims=True)
+    finite = jnp.isfinite(amax)
+    ratio = jnp.where(finite, amax, 0.0) / _fp8_max(dtype)
+    ratio = jnp.maximum(ratio, _MIN_SCALE)  # a normal float32 in [2**-126, 2**120]
+    # the next power of two up, from the bits (exact, unlike exp2(ceil(log2(.)))):
+    bits = lax.bitcast_convert_type(ratio, jnp.int32)
+    biased_exp = lax.shift_right_logical(bits, jnp.int32(23))
+    biased_exp = jnp.where((bits & 0x7FFFFF) == 0, biased_exp, biased_exp + 1)
+    scale = lax.bitcast_convert_type(lax.shift_left(biased_exp, jnp.int32(23)), jnp.float32)
+    return jnp.where(finite, scale, jnp.ones_like(scale))
+
+
+def quantize(x: Any, dtype: Any, scale: Any) -> Any:
+    """``x / scale`` in fp8 ``dtype``: finite values clamp to its range, inf/nan become NaN."""
+    dtype = np.dtype(dtype)
+    m = _fp8_max(dtype)
+    xs = x.astype(HIGH_DTYPE) / scale
+    q = jnp.clip(xs, -m, m)
+    q = jnp.where(jnp.isfinite(xs), q, jnp.nan)
+    return q.astype(dtype)
+
+
+def dequantize(q: Any, scale: Any, dtype: Any = _LOW) -> Any:
+    """``q * scale`` in ``dtype`` (exact for a power-of-two scale within range)."""
+    return q.astype(dtype) * scale.astype(dtype)
+
+
+def round_trip(x: Any, dtype: Any, axes: tuple[int, ...] | None = None) -> Any:
+    """``x`` through fp8 ``dtype`` with a dynamic scale, back in bfloat16."""
+    s = scale_of(x, dtype, axes)
+    return dequantize(quantize(x, dtype, s), s)
+
+
+def _kept(ndim: int, contract: Any, batch: Any) -> tuple[int, ...]:
+    return tuple(d for d in range(ndim) if d not in (*contract, *batch))
+
+
+# -- the rule ------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _fp8_dot(
+    dims: Any,
+    acc: Any,
+    out_sharding: Any,
+    recipe: str,
+    x_dtype: np.dtype,
+    y_dtype: np.dtype,
+) -> Callable:
+    (xc, yc), (xb, yb) = dims
+    extra = {} if out_sharding is None else {"out_sharding": out_sharding}
+    rowwise = recipe == "rowwise"
+
+    def qdq(v, dtype, reduce_axes):
+        return round_trip(v, dtype, tuple(reduce_axes) if rowwise else None)
+
+    def forward(x, y):
+        # rowwise: one scale per row of the non-contracted dims (amax over the contraction)
+        return qdq(x, FWD_DTYPE, xc), qdq(y, FWD_DTYPE, yc)
+
+    def primal(x, y):
+        with jax.named_scope(f"{SCOPE}.{recipe}"):
+            xd, yd = forward(x, y)
+            return lax.dot_general(xd, yd, dims, preferred_element_type=acc, **extra)
+
+    f = jax.custom_vjp(primal)
+
+    def fwd(x, y):
+        with jax.named_scope(f"{SCOPE}.{recipe}"):
+            if rowwise:  # the backward products re-quantize along their own contractions
+                xd, yd = forward(x, y)
+                res = (x.astype(_LOW), y.astype(_LOW))
+            else:  # fp8 residuals: half the bytes of bf16 ones
+                sx, sy = scale_of(x, FWD_DTYPE), scale_of(y, FWD_DTYPE)
+                qx, qy = quantize(x, FWD_DTYPE, sx), quantize(y, FWD_DTYPE, sy)
+                xd, yd = dequantize(qx, sx), dequantize(qy, sy)
+                res = (qx, sx, qy, sy)
+            out = lax.dot_general(xd, yd, dims, preferred_element_type=acc, **extra)
+        return out, res
+
+    def bwd(res, ct):
+        nx, ny = (res[0].ndim, res[1].ndim) if rowwise else (res[0].ndim, res[2].ndim)
+        nb = len(xb)
+        x_kept, y_kept = _kept(nx, xc, xb), _kept(ny, yc, yb)
+        # ct dims: [batch, x kept, y kept]
+        ct_x_kept = tuple(range(nb, nb + len(x_kept)))
+        ct_y_kept = tuple(range(nb + len(x_kept), nb + len(x_kept) + len(y_kept)))
+        with jax.named_scope(f"{SCOPE}.{recipe}.backward"):
+            if rowwise:
+                x, y = res
+                # dx = ct . y over y's kept dims; dy = x . ct over x's kept dims
+                ct_for_dx = qdq(ct, BWD_DTYPE, ct_y_kept)
+                y_for_dx = qdq(y, FWD_DTYPE, y_kept)
+                ct_for_dy = qdq(ct, BWD_DTYPE, ct_x_kept)
+                x_for_dy = qdq(x, FWD_DTYPE, x_kept)
+            else:
+                qx, sx, qy, sy = res
+                ct_for_dx = ct_for_dy = round_trip(ct, BWD_DTYPE)
+                y_for_dx, x_for_dy = dequantize(qy, sy), dequantize(qx, sx)
+            # (like=: an operand of the result's shape, for explicit-sharding outputs)
+            dx = _dot_transpose(
+                ct_for_dx, y_for_dx, nx, xc, xb, yc, yb, ny, True, None, acc, x_for_dy
+            )
+            dy = _dot_transpose(
+                ct_for_dy, x_for_dy, ny, yc, yb, xc, xb, nx, False, None, acc, y_for_dx
+            )
+        return dx.astype(x_dtype), dy.astype(y_dtype)
+
+    f.defvjp(fwd, bwd)
+    return f
+
+
+def float8_dot_rule(
+    eqn: Any,
+    invals: Any,
+    compute_dtype: np.dtype,
+    out_dtype: np.dtype = HIGH_DTYPE,
+    *,
+    recipe: str = "tensorwise",
+    backend: str = "cpu",
+) -> list[Any]:
+    """The fp8 allow rule of ``dot_general`` (same signature as the bf16 rules)."""
+    del compute_dtype, backend  # dequantized operands are bf16; the jaxpr is backend-independent
+    x, y = invals
+    p = eqn.params
+    f = _fp8_dot(
+        p["dimension_numbers"],
+        _acc_dtype(eqn, out_dtype),
+        p.get("out_sharding"),
+        recipe,
+        np.dtype(x.dtype),
+        np.dtype(y.dtype),
+    )
+    return [f(x, y)]
+
+
+def why_from_stack(stack: str) -> str | None:
+    """dtype_report's words for an eqn whose name stack says it is part of an fp8 product."""
+    if SCOPE + "." not in stack:
+        return None
+    recipe = "rowwise" if f"{SCOPE}.rowwise" in stack else "tensorwise"
+    return describe(recipe, jax.default_backend())
