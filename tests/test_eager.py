@@ -1,5 +1,7 @@
 """amp_jax.eager.scan_step: equivalence with the standard step, structure, memory, errors."""
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -232,6 +234,75 @@ def test_stochastic_rounding_keys_differ_per_layer():
     assert len(others) == 2 and not others & {tuple(k) for k in keys}
 
 
+def test_stochastic_rounding_per_layer_is_reproducible_and_differs_per_layer():
+    """Every layer gets the same gradient (blocks are h + b) and the same bf16
+    bias: only the per-layer rounding key can make the layers' results differ."""
+
+    def emb(p, x):
+        return x @ p["w"]
+
+    def blk(p, h):
+        return h + p["b"].astype(h.dtype)
+
+    def hd(p, h, x):
+        return jnp.mean((h @ p["w"] - x) ** 2)
+
+    def params():
+        return {
+            "embed": {"w": jnp.ones((D, 64)) / 8},
+            "blocks": {"b": jnp.ones((L, 64), jnp.bfloat16)},
+            "head": {"w": jnp.ones((64, D)) / 8},
+        }
+
+    x = jax.random.normal(jax.random.key(3), (4, D))
+    tx = optim.stochastic_rounding(optax.sgd(0.3), 7)
+    step = amp_jax.eager.scan_step(emb, blk, hd, tx)
+    g = jax.grad(step.loss)(params(), x)["blocks"]["b"]
+    np.testing.assert_array_equal(g[0], g[1])  # identical per-layer gradients
+
+    def run():
+        p = params()
+        s = step.init(p)
+        for _ in range(2):
+            p, s, _ = step(p, s, x)
+        return np.asarray(p["blocks"]["b"], np.float32), np.asarray(s.blocks.key)
+
+    b1, k1 = run()
+    b2, k2 = run()
+    np.testing.assert_array_equal(b1, b2)  # reproducible
+    np.testing.assert_array_equal(k1, k2)
+    assert len({r.tobytes() for r in b1}) == L  # every layer rounded differently
+
+
+class _NoisyState(NamedTuple):
+    seed: jax.Array  # raw uint32 key data
+    other: jax.Array
+
+    raw_key_fields = ("seed",)  # the per-copy key protocol (optim._tree.salt_keys)
+
+
+class _PlainState(NamedTuple):
+    seed: jax.Array
+    other: jax.Array
+
+
+@pytest.mark.parametrize("cls,distinct", [(_NoisyState, True), (_PlainState, False)])
+def test_raw_key_protocol_salts_declared_fields_only(cls, distinct):
+    """No special case for stochastic rounding: any state that declares
+    `raw_key_fields` gets per-layer keys; undeclared fields are left alone."""
+    tx = optax.GradientTransformation(
+        lambda p: cls(jax.random.key_data(jax.random.key(0)), jnp.zeros(2, jnp.uint32)),
+        lambda g, s, p=None: (g, s),
+    )
+    step = amp_jax.eager.scan_step(embed, block, head, tx)
+    s = step.init(make_params())
+    seeds = {np.asarray(k).tobytes() for k in s.blocks.seed}
+    seeds |= {np.asarray(getattr(s, q).seed).tobytes() for q in ("embed", "head")}
+    assert len(seeds) == (L + 2 if distinct else 1)
+    assert not np.asarray(s.blocks.other).any()  # other uint32 leaves untouched
+    assert isinstance(s.blocks, cls)
+
+
 def test_typed_prng_keys_differ_per_layer_and_part():
     """optax.add_noise keeps a typed key: vmap(init) would copy it to every layer."""
     step = amp_jax.eager.scan_step(embed, block, head, optax.add_noise(0.1, 0.55, 0))
@@ -252,7 +323,10 @@ def test_typed_prng_keys_differ_per_layer_and_part():
         ),
         (optax.apply_if_finite(optax.sgd(1e-3), 3), "depends on the gradient or value of"),
         (optax.MultiSteps(optax.sgd(1e-3), 4), "MultiSteps"),
-        (optim.dynamic_loss_scale(optax.sgd(1e-3)), "dynamic_loss_scale"),
+        (
+            optax.chain(optim.dynamic_loss_scale(optax.sgd(1e-3))),
+            "dynamic_loss_scale nested inside another transformation",
+        ),
         (
             optax.GradientTransformation(  # a global statistic kept in the state
                 lambda p: jnp.zeros(()),
@@ -283,3 +357,113 @@ def test_bad_params():
         bad = amp_jax.eager.scan_step(embed, lambda p, h: h[:, :2], head, optax.sgd(1.0))
         q = make_params()
         bad.update(q, bad.init(q), BATCH)
+
+
+# -- float16 + dynamic loss scaling (check-first) ----------------------------
+
+
+def dynamic_std(loss, tx):
+    @jax.jit
+    def step(p, s, x):
+        l, g = optim.scaled_value_and_grad(loss, s)(p, x)
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s, l
+
+    return step
+
+
+BAD = BATCH.at[0, 0].set(jnp.inf)  # every gradient becomes non-finite
+
+
+def run_dynamic(fns, dtype, batches, **kw):
+    tx = optim.dynamic_loss_scale(optax.adam(1e-2), init_scale=2.0**10, growth_interval=2, **kw)
+    step = amp_jax.eager.scan_step(*fns, tx)
+    p, ps = make_params(dtype), make_params(dtype)
+    s, ss = step.init(p), tx.init(ps)
+    std = dynamic_std(step.loss, tx)
+    out = []
+    for x in batches:
+        before = jax.tree.map(np.asarray, p)
+        p, s, l = step(p, s, x)
+        ps, ss, ls = std(ps, ss, x)
+        snap = lambda t: jax.tree.map(np.asarray, t)  # p and s are donated next step
+        out.append((before, snap(p), snap(s), l, ps, ss, ls))
+    return step, out
+
+
+def test_dynamic_loss_scale_matches_standard_and_skips_overflow():
+    step, out = run_dynamic((embed, block, head), jnp.float32, [BATCH, BATCH, BAD, BATCH, BATCH])
+    stats = [optim.loss_scale_stats(o[2]) for o in out]
+    # growth after 2 good steps, backoff on the overflow step, growth again
+    assert [float(t["scale"]) for t in stats] == [2.0**10, 2.0**11, 2.0**10, 2.0**10, 2.0**11]
+    assert [int(t["skipped_steps"]) for t in stats] == [0, 0, 1, 1, 1]
+    assert int(stats[-1]["last_skipped_step"]) == 3
+    for _, p, s, l, ps, ss, ls in out:
+        np.testing.assert_allclose(l, ls, **TOL)
+        assert isinstance(s, optim.DynamicLossScaleState)
+        assert isinstance(s.inner_state, amp_jax.eager.ScanStepState)
+        for k in ("scale", "good_steps", "skipped_steps", "steps", "last_skipped_step"):
+            assert np.asarray(getattr(s, k)) == np.asarray(getattr(ss, k)), k
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, **TOL), p, ps)
+        assert_states_match(ss.inner_state, s.inner_state, **TOL)
+    # the skipped step wrote nothing: parameters bitwise unchanged, counts not bumped
+    before, p, s, *_ = out[2]
+    jax.tree.map(np.testing.assert_array_equal, p, before)
+    assert np.all(np.asarray(s.inner_state.blocks[0].count) == 2)
+    assert int(s.inner_state.head[0].count) == 2 and int(s.inner_state.embed[0].count) == 2
+
+
+def test_dynamic_loss_scale_nan_in_one_layer_skips_every_part():
+    """A non-finite gradient only in layer 0 (the last the backward walk reaches)
+    must still keep the head and the later layers unchanged: the skip is decided
+    before any layer is written."""
+
+    def blk(p, h):  # d/dc of 0 * sqrt(c) at c = 0 is 0 * inf = nan; forward finite
+        return block(p, h) + 0.0 * jnp.sqrt(p["c"])
+
+    tx = optim.dynamic_loss_scale(optax.sgd(1e-2), init_scale=4.0)
+    step = amp_jax.eager.scan_step(embed, blk, head, tx)
+    p = make_params()
+    p["blocks"]["c"] = jnp.ones((L,)).at[0].set(0.0)
+    before = jax.tree.map(np.asarray, p)
+    g = jax.grad(step.loss)(p, BATCH)
+    assert np.isnan(g["blocks"]["c"][0]) and np.isfinite(g["blocks"]["c"][1:]).all()
+    assert all(np.isfinite(x).all() for k, x in g["blocks"].items() if k != "c")
+    p, s, _ = step(p, step.init(p), BATCH)
+    jax.tree.map(np.testing.assert_array_equal, p, before)
+    assert int(s.skipped_steps) == 1 and float(s.scale) == 2.0
+    # a finite step with the same state does write
+    p["blocks"]["c"] = jnp.ones((L,))
+    q, s, _ = step(p, s, BATCH)
+    assert int(s.skipped_steps) == 1 and not np.array_equal(q["head"]["w"], before["head"]["w"])
+
+
+@pytest.mark.parametrize("remat", [False, True])
+def test_float16_amp_dynamic_loss_scale_matches_standard(remat):
+    """float16 compute (amp policy) and float16 gradients, forced overflow."""
+    blk = amp_jax.amp(block, policy="float16")
+    tx = optim.dynamic_loss_scale(optax.adam(1e-2), init_scale=2.0**10, growth_interval=2)
+    step = amp_jax.eager.scan_step(embed, blk, head, tx, remat=remat)
+    p, ps = make_params(), make_params()
+    s, ss = step.init(p), tx.init(ps)
+    std = dynamic_std(step.loss, tx)
+    for x in [BATCH, BAD, BATCH, BATCH]:
+        p, s, l = step(p, s, x)
+        ps, ss, ls = std(ps, ss, x)
+        assert float(s.scale) == float(ss.scale)
+        assert int(s.skipped_steps) == int(ss.skipped_steps)
+    assert int(s.skipped_steps) == 1 and float(s.scale) == 2.0**10
+    np.testing.assert_allclose(l, ls, rtol=1e-6)
+    # same gradients up to float16 fusion differences (1e-3 relative), amplified
+    # by adam's normalisation of tiny gradients
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-3, atol=2e-4), p, ps)
+    jaxpr = str(jax.make_jaxpr(step.update)(make_params(), step.init(make_params()), BATCH))
+    assert "f16" in jaxpr
+
+
+def test_dynamic_loss_scale_bad_state():
+    tx = optim.dynamic_loss_scale(optax.sgd(1e-2))
+    step = amp_jax.eager.scan_step(embed, block, head, tx)
+    p = make_params()
+    with pytest.raises(ValueError, match=r"DynamicLossScaleState\(inner_state=ScanStepState"):
+        step.update(p, step.init(p).inner_state, BATCH)

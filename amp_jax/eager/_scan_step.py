@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -12,7 +13,7 @@ from jax import lax
 
 from amp_jax._src import compat
 from amp_jax.eager import _deps
-from amp_jax.optim import _check, _loss_scale, _stochastic, _tree
+from amp_jax.optim import _check, _loss_scale, _tree
 
 _PARTS = ("embed", "blocks", "head")
 
@@ -100,36 +101,6 @@ def _abstract(tree: Any) -> Any:
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype), tree)
 
 
-_GOLDEN = 0x9E3779B9
-
-
-def _decorrelate_keys(state: Any, salt: Any) -> Any:
-    """Gives every part (and, with a per-layer ``salt``, every layer) its own
-    random keys: ``salt`` is XORed into the data of every typed PRNG key
-    (``optax.add_noise``, ...) and of stochastic rounding's raw uint32 keys.
-    Without it, ``vmap(init)`` would copy one key to every layer."""
-
-    def xor(data):
-        s = jnp.asarray(salt, jnp.uint32)
-        s = s.reshape(s.shape + (1,) * (data.ndim - s.ndim))
-        return (data ^ (s * jnp.uint32(_GOLDEN))).astype(data.dtype)
-
-    def fix(node):
-        if isinstance(node, _stochastic.StochasticRoundingState):
-            return node._replace(
-                key=xor(node.key), inner_state=_decorrelate_keys(node.inner_state, salt)
-            )
-        if isinstance(node, jax.Array) and jnp.issubdtype(node.dtype, jax.dtypes.prng_key):
-            return jax.random.wrap_key_data(
-                xor(jax.random.key_data(node)), impl=jax.random.key_impl(node)
-            )
-        return node
-
-    return jax.tree.map(
-        fix, state, is_leaf=lambda x: isinstance(x, _stochastic.StochasticRoundingState)
-    )
-
-
 class ScanStep:
     """A training step with eager (in-backward) optimizer updates; see :func:`scan_step`.
 
@@ -147,7 +118,11 @@ class ScanStep:
         self.head_loss_fn = head_loss_fn
         self.optimizer = optimizer
         self.remat = remat
-        self._tx = optax.with_extra_args_support(optimizer)
+        # dynamic_loss_scale(inner): the step decides the skip itself (a finite
+        # check before the eager pass) and runs `inner` per part and layer.
+        self._rule = _loss_scale.dynamic_rule(optimizer)
+        self._inner = optimizer if self._rule is None else self._rule.inner
+        self._tx = optax.with_extra_args_support(self._inner)
         self._checked: set[Any] = set()
         self._jitted = jax.jit(self.update, donate_argnums=(0, 1))
 
@@ -171,13 +146,22 @@ class ScanStep:
             lambda x: jax.ShapeDtypeStruct(jnp.shape(x)[1:], x.dtype), params["blocks"]
         )
         head_state = jax.eval_shape(self._tx.init, _abstract(params["head"]))
+        if _tree.find_states(head_state, _loss_scale.DynamicLossScaleState):
+            raise ValueError(
+                "scan_step: `optimizer` contains amp_jax.optim.dynamic_loss_scale "
+                "nested inside another transformation. scan_step supports dynamic "
+                "loss scaling only as the outermost wrapper (it decides the skip "
+                "with a finite check before any layer is written): pass "
+                "dynamic_loss_scale(optax.chain(...)) instead of "
+                "optax.chain(..., dynamic_loss_scale(...), ...)."
+            )
         _deps.refuse_by_state(head_state)
         probe = {
             "embed": _abstract(params["embed"]),
             "blocks": [layer, layer],
             "head": _abstract(params["head"]),
         }
-        _deps.refuse_cross_parameter(self.optimizer, probe)
+        _deps.refuse_cross_parameter(self._inner, probe)
         self._checked.add(key)
 
     def _init_part(self, fn: Callable, part: Any, what: str) -> Any:
@@ -194,7 +178,7 @@ class ScanStep:
 
     # ---------------------------------------------------------------- API ---
 
-    def init(self, params: dict[str, Any]) -> ScanStepState:
+    def init(self, params: dict[str, Any]) -> Any:
         """Initialise the optimizer state for ``params``.
 
         Args:
@@ -202,12 +186,16 @@ class ScanStep:
             parameters stacked along a leading layer axis.
 
         Returns:
-          A :class:`ScanStepState`.
+          A :class:`ScanStepState`; for ``optimizer = dynamic_loss_scale(inner)``
+          a :class:`~amp_jax.optim.DynamicLossScaleState` whose ``inner_state``
+          is the :class:`ScanStepState` of ``inner`` (so
+          :func:`amp_jax.optim.loss_scale_stats` works on it).
 
         Raises:
           ValueError: if ``params`` does not have that structure, or the optimizer
             is refused (global-norm clipping, ``optax.MultiSteps``, dynamic loss
-            scaling; the message says why and what to use instead).
+            scaling nested inside another transformation; the message says why
+            and what to use instead).
         """
         num_layers = check_params(params)
         self._check_optimizer(params)
@@ -218,10 +206,18 @@ class ScanStep:
             "one layer of params['blocks'] (under jax.vmap)",
         )
         head = self._init_part(self._tx.init, params["head"], "params['head']")
-        blocks = _decorrelate_keys(blocks, jnp.arange(num_layers) + 1)
-        embed = _decorrelate_keys(embed, num_layers + 1)
-        head = _decorrelate_keys(head, num_layers + 2)
-        return ScanStepState(embed, blocks, head)
+        # vmap(init) copies one key to every layer: give every part and layer its
+        # own (typed PRNG keys, and raw key data of states that declare
+        # `raw_key_fields`, such as stochastic rounding's).
+        blocks = _tree.salt_keys(blocks, jnp.arange(num_layers) + 1)
+        embed = _tree.salt_keys(embed, num_layers + 1)
+        head = _tree.salt_keys(head, num_layers + 2)
+        state = ScanStepState(embed, blocks, head)
+        if self._rule is not None:
+            # the scale fields exactly as dynamic_loss_scale.init makes them
+            outer = self.optimizer.init({})
+            return outer._replace(inner_state=state)
+        return state
 
     def loss(self, params: dict[str, Any], batch: Any) -> jax.Array:
         """The loss of ``params`` on ``batch`` (forward pass only, no update).
@@ -241,11 +237,19 @@ class ScanStep:
         h, _ = lax.scan(lambda c, p: (self.block_fn(p, c), None), h, params["blocks"])
         return self.head_loss_fn(params["head"], h, batch)
 
-    def _apply(self, grads, state, params):
+    def _apply(self, grads, state, params, *, scale=None, finite=None):
+        """Update one part/layer; with dynamic loss scaling (``scale`` given),
+        unscale the gradients first and keep params and state when not ``finite``."""
+        if scale is not None:
+            grads = _loss_scale._unscale(grads, scale)
         updates, new_state = self._tx.update(grads, state, params)
         new_params = optax.apply_updates(params, updates)
         new_params = jax.tree.map(lambda n, o: n.astype(o.dtype), new_params, params)
         new_state = optax.tree_utils.tree_cast_like(new_state, state)
+        if finite is not None:
+            keep = lambda n, o: jnp.where(finite, n, o)
+            new_params = jax.tree.map(keep, new_params, params)
+            new_state = jax.tree.map(keep, new_state, state)
         return new_params, new_state
 
     def update(
@@ -260,8 +264,9 @@ class ScanStep:
 
         Args:
           params: the parameters (structure as for :meth:`init`).
-          opt_state: the :class:`ScanStepState` from :meth:`init` or a previous
-            step.
+          opt_state: the state from :meth:`init` or a previous step (a
+            :class:`ScanStepState`, or with ``dynamic_loss_scale`` a
+            ``DynamicLossScaleState`` wrapping one).
           batch: any pytree, passed to ``embed_fn`` and ``head_loss_fn``.
 
         Returns:
@@ -273,7 +278,19 @@ class ScanStep:
             function returns the wrong shape (the message names the function).
         """
         num_layers = check_params(params)
-        if not isinstance(opt_state, ScanStepState):
+        dyn = None
+        if self._rule is not None:
+            if not isinstance(opt_state, _loss_scale.DynamicLossScaleState) or not isinstance(
+                opt_state.inner_state, ScanStepState
+            ):
+                raise ValueError(
+                    f"scan_step: with optimizer=dynamic_loss_scale(...), `opt_state` "
+                    f"must be the DynamicLossScaleState(inner_state=ScanStepState(...)) "
+                    f"returned by step.init(params) (or a previous step), got "
+                    f"{type(opt_state).__name__}."
+                )
+            dyn, opt_state = opt_state, opt_state.inner_state
+        elif not isinstance(opt_state, ScanStepState):
             raise ValueError(
                 f"scan_step: `opt_state` must be the ScanStepState returned by "
                 f"step.init(params) (or a previous step), got "
@@ -285,6 +302,8 @@ class ScanStep:
 
         static = _tree.find_states(opt_state.head, _loss_scale.StaticLossScaleState)
         scale = _loss_scale.loss_scale(opt_state.head) if static else None
+        if dyn is not None:
+            scale = dyn.scale
 
         h0, embed_vjp = jax.vjp(lambda p: self.embed_fn(p, batch), p_embed)
         layer_aval = jax.tree.map(
@@ -335,12 +354,48 @@ class ScanStep:
         if scale is not None:
             seed = (seed.astype(jnp.float32) * scale).astype(loss.dtype)
         g_head, ct = head_vjp(seed)
-        new_head, head_state = self._apply(g_head, opt_state.head, p_head)
+
+        def layer_vjp(p_i, saved):
+            if mask is None:
+                _, vjp_fn = jax.vjp(self.block_fn, p_i, saved)
+                return vjp_fn
+            # Re-trace the block's vjp on a stub input: the residuals that depend
+            # only on the parameters (weights, their casts) are recomputed from
+            # p_i, the activation-dependent ones come from the forward pass; the
+            # unused stub computations are dead code.
+            _, stub = jax.vjp(self.block_fn, p_i, zeros_h)
+            leaves, treedef = compat.vjp_residuals(stub)
+            it = iter(saved)
+            leaves = [next(it) if m else x for x, m in zip(leaves, mask)]
+            return jax.tree.unflatten(treedef, leaves)
+
+        zeros_h = jax.tree.map(jnp.zeros_like, h0)
+        finite = None
+        if dyn is not None:
+            # Check-first: a backward pass that only reduces isfinite over every
+            # (unscaled) gradient, layer by layer; nothing is stored or updated.
+            # The eager pass below then writes each layer only if all are finite.
+            def check(carry, xs):
+                ct, ok = carry
+                p_i, saved = xs
+                g_i, ct_prev = layer_vjp(p_i, saved)(ct)
+                ok = ok & _loss_scale._all_finite(_loss_scale._unscale(g_i, scale))
+                return (ct_prev, ok), None
+
+            ok = _loss_scale._all_finite(_loss_scale._unscale(g_head, scale))
+            (ct_first, ok), _ = lax.scan(check, (ct, ok), (p_blocks, stored), reverse=True)
+            (g_embed,) = embed_vjp(ct_first)
+            finite = ok & _loss_scale._all_finite(_loss_scale._unscale(g_embed, scale))
+            del g_embed, ct_first
+            if self._rule.axis_name is not None:
+                finite = lax.pmin(finite.astype(jnp.int32), self._rule.axis_name).astype(bool)
+
+        apply = functools.partial(self._apply, scale=scale if dyn is not None else None)
+        new_head, head_state = apply(g_head, opt_state.head, p_head, finite=finite)
         del g_head
 
         # Backward: a reverse loop over the layers; each layer's gradient is used
         # for its update at once and written back into the carried stacks.
-        zeros_h = jax.tree.map(jnp.zeros_like, h0)
 
         # The loop is software-pipelined: the carry holds layer i's parameter and
         # state slices, read from the stacks in the previous iteration *after*
@@ -352,20 +407,8 @@ class ScanStep:
         def bwd(carry, xs):
             ct, blocks, states, p_i, s_i = carry
             i, saved = xs
-            if mask is None:
-                _, vjp_fn = jax.vjp(self.block_fn, p_i, saved)
-            else:
-                # Re-trace the block's vjp on a stub input: the residuals that depend
-                # only on the parameters (weights, their casts) are recomputed from
-                # p_i, the activation-dependent ones come from the forward pass; the
-                # unused stub computations are dead code.
-                _, stub = jax.vjp(self.block_fn, p_i, zeros_h)
-                leaves, treedef = compat.vjp_residuals(stub)
-                it = iter(saved)
-                leaves = [next(it) if m else x for x, m in zip(leaves, mask)]
-                vjp_fn = jax.tree.unflatten(treedef, leaves)
-            g_i, ct_prev = vjp_fn(ct)
-            new_p, new_s = self._apply(g_i, s_i, p_i)
+            g_i, ct_prev = layer_vjp(p_i, saved)(ct)
+            new_p, new_s = apply(g_i, s_i, p_i, finite=finite)
             blocks = _set_layer(blocks, new_p, i)
             states = _set_layer(states, new_s, i)
             nxt = jnp.maximum(i - 1, 0)
@@ -386,9 +429,12 @@ class ScanStep:
         )
 
         (g_embed,) = embed_vjp(ct0)
-        new_embed, embed_state = self._apply(g_embed, opt_state.embed, p_embed)
+        new_embed, embed_state = apply(g_embed, opt_state.embed, p_embed, finite=finite)
         new_params = {"embed": new_embed, "blocks": new_blocks, "head": new_head}
-        return new_params, ScanStepState(embed_state, blocks_state, head_state), loss
+        new_state = ScanStepState(embed_state, blocks_state, head_state)
+        if dyn is not None:
+            new_state = _loss_scale._advance(dyn, finite, new_state, self._rule)
+        return new_params, new_state, loss
 
     def __call__(
         self, params: dict[str, Any], opt_state: ScanStepState, batch: Any
@@ -432,10 +478,15 @@ def scan_step(
     Refused (``ValueError`` at ``init``): optimizers whose update of one
     parameter reads the gradient of another (``optax.clip_by_global_norm``,
     ``optax.apply_if_finite``: detected by tracing ``update`` on a probe tree
-    and following data dependences in its jaxpr), ``optax.MultiSteps`` and
-    :func:`amp_jax.optim.dynamic_loss_scale` (detected by state type).
+    and following data dependences in its jaxpr) and ``optax.MultiSteps``.
     :func:`amp_jax.optim.static_loss_scale` is supported: the backward pass is
-    seeded with its scale.
+    seeded with its scale. :func:`amp_jax.optim.dynamic_loss_scale` is
+    supported as the outermost wrapper (``dynamic_loss_scale(inner)``): the
+    step first runs a backward pass that only checks that every gradient is
+    finite (no updates, no stored gradients), then the eager pass, whose
+    writes keep the old parameters and state when the check failed; the scale
+    backs off or grows exactly as in ``dynamic_loss_scale``. The check costs
+    one more backward pass of compute and little memory (docs/eager.md).
 
     Args:
       embed_fn: ``embed_fn(params["embed"], batch) -> h``; ``h`` is an array or

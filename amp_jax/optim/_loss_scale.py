@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -80,6 +81,61 @@ def _all_finite(tree: Any) -> jax.Array:
     if not flags:
         return jnp.asarray(True)
     return jnp.stack(flags).all()
+
+
+class _DynamicRule(NamedTuple):
+    """The hyperparameters of one :func:`dynamic_loss_scale` (``inner`` with
+    extra-args support), for code that runs the skip decision itself
+    (``amp_jax.eager.scan_step``) and reuses :func:`_advance`."""
+
+    inner: Any
+    growth_interval: int
+    growth_factor: float
+    backoff_factor: float
+    min_scale: float
+    max_scale: float
+    axis_name: Any
+
+
+# update_fn of a dynamic_loss_scale -> its rule (weak: no leak per transformation)
+_DYNAMIC_RULES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def dynamic_rule(tx: Any) -> _DynamicRule | None:
+    """The rule of ``tx`` if it is (exactly) a :func:`dynamic_loss_scale`, else None."""
+    update = getattr(tx, "update", None)
+    try:
+        return _DYNAMIC_RULES.get(update)
+    except TypeError:  # not weak-referenceable
+        return None
+
+
+def _advance(
+    state: DynamicLossScaleState, finite: jax.Array, new_inner: Any, rule: _DynamicRule
+) -> DynamicLossScaleState:
+    """The next state: ``new_inner`` (already selected on ``finite``) and the
+    scale grown after ``growth_interval`` finite steps or backed off."""
+    scale = state.scale
+    good = optax.safe_increment(state.good_steps)
+    grow = good >= rule.growth_interval
+    grown = scale * jnp.float32(rule.growth_factor)
+    grown_scale = jnp.where(
+        jnp.isfinite(grown), jnp.minimum(grown, jnp.float32(rule.max_scale)), scale
+    )
+    ok_scale = jnp.where(grow, grown_scale, scale)
+    ok_good = jnp.where(grow, jnp.zeros_like(good), good)
+    bad_scale = jnp.maximum(scale * jnp.float32(rule.backoff_factor), jnp.float32(rule.min_scale))
+    skipped = state.skipped_steps
+    bad_skipped = jnp.where(skipped < _INT32_MAX, skipped + 1, skipped)
+    steps = optax.safe_increment(state.steps)
+    return DynamicLossScaleState(
+        scale=jnp.where(finite, ok_scale, bad_scale).astype(jnp.float32),
+        good_steps=jnp.where(finite, ok_good, 0).astype(jnp.int32),
+        skipped_steps=jnp.where(finite, skipped, bad_skipped).astype(jnp.int32),
+        steps=steps.astype(jnp.int32),
+        last_skipped_step=jnp.where(finite, state.last_skipped_step, steps).astype(jnp.int32),
+        inner_state=new_inner,
+    )
 
 
 def dynamic_loss_scale(
@@ -186,6 +242,9 @@ def dynamic_loss_scale(
             f"`backoff_factor` must be in (0, 1), got {backoff_factor!r}; use e.g. 0.5."
         )
     inner = optax.with_extra_args_support(inner)
+    rule = _DynamicRule(
+        inner, growth_interval, growth_factor, backoff_factor, min_scale, max_scale, axis_name
+    )
 
     def init_fn(params):
         return DynamicLossScaleState(
@@ -212,28 +271,10 @@ def dynamic_loss_scale(
         new_updates = jax.tree.map(lambda u: jnp.where(finite, u, jnp.zeros_like(u)), inner_updates)
         new_inner = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new_inner, state.inner_state)
 
-        good = optax.safe_increment(state.good_steps)
-        grow = good >= growth_interval
-        grown = scale * jnp.float32(growth_factor)
-        grown_scale = jnp.where(
-            jnp.isfinite(grown), jnp.minimum(grown, jnp.float32(max_scale)), scale
-        )
-        ok_scale = jnp.where(grow, grown_scale, scale)
-        ok_good = jnp.where(grow, jnp.zeros_like(good), good)
-        bad_scale = jnp.maximum(scale * jnp.float32(backoff_factor), jnp.float32(min_scale))
-        skipped = state.skipped_steps
-        bad_skipped = jnp.where(skipped < _INT32_MAX, skipped + 1, skipped)
-        steps = optax.safe_increment(state.steps)
-        new_state = DynamicLossScaleState(
-            scale=jnp.where(finite, ok_scale, bad_scale).astype(jnp.float32),
-            good_steps=jnp.where(finite, ok_good, 0).astype(jnp.int32),
-            skipped_steps=jnp.where(finite, skipped, bad_skipped).astype(jnp.int32),
-            steps=steps.astype(jnp.int32),
-            last_skipped_step=jnp.where(finite, state.last_skipped_step, steps).astype(jnp.int32),
-            inner_state=new_inner,
-        )
+        new_state = _advance(state, finite, new_inner, rule)
         return new_updates, new_state
 
+    _DYNAMIC_RULES[update_fn] = rule
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 

@@ -25,6 +25,10 @@ class StochasticRoundingState(NamedTuple):
     key: jax.Array
     inner_state: optax.OptState
 
+    # Per-copy PRNG protocol (amp_jax.optim._tree.salt_keys): this field holds raw
+    # key data that must differ per copy of the state (per layer in eager updates).
+    raw_key_fields = ("key",)
+
 
 def _round_bf16(x: jax.Array, bits: jax.Array) -> jax.Array:
     """Stochastically round float32 ``x`` to bfloat16 with 16 random bits."""

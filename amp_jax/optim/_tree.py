@@ -140,3 +140,51 @@ def float_dtype(value, argname: str, fix: str = ""):
     if not jnp.issubdtype(dtype, jnp.floating):
         raise ValueError(f"`{argname}` must be a floating dtype, got {value!r}{fix}.")
     return jnp.dtype(value)
+
+
+_GOLDEN = 0x9E3779B9
+
+
+def _has_raw_keys(node: Any) -> bool:
+    return (
+        isinstance(node, tuple)
+        and hasattr(type(node), "_fields")
+        and bool(getattr(type(node), "raw_key_fields", ()))
+    )
+
+
+def salt_keys(state: Any, salt: Any) -> Any:
+    """Gives a copy of an optimizer state its own random keys.
+
+    ``salt`` (a uint32 scalar, or an array whose leading axes are the copies,
+    e.g. ``arange(num_layers) + 1``) is mixed (XOR with ``salt * golden``) into
+
+    * every typed PRNG key leaf (``jax.random.key``: ``optax.add_noise``, ...),
+      found by dtype, and
+    * the fields named by ``type(node).raw_key_fields`` of every NamedTuple state
+      node that declares it: the protocol for states that store raw ``uint32``
+      key data (``StochasticRoundingState.raw_key_fields == ("key",)``). A
+      custom optimizer whose state holds raw key data opts in the same way.
+
+    Everything else is returned unchanged. Deterministic: the same state and
+    salt give the same keys; different salts give different keys.
+    """
+
+    def xor(data):
+        s = jnp.asarray(salt, jnp.uint32)
+        s = s.reshape(s.shape + (1,) * (data.ndim - s.ndim))
+        return (data ^ (s * jnp.uint32(_GOLDEN))).astype(data.dtype)
+
+    def fix(node):
+        if _has_raw_keys(node):
+            names = type(node).raw_key_fields
+            return type(node)(
+                *(xor(v) if f in names else salt_keys(v, salt) for f, v in zip(node._fields, node))
+            )
+        if isinstance(node, jax.Array) and jnp.issubdtype(node.dtype, jax.dtypes.prng_key):
+            return jax.random.wrap_key_data(
+                xor(jax.random.key_data(node)), impl=jax.random.key_impl(node)
+            )
+        return node
+
+    return jax.tree.map(fix, state, is_leaf=_has_raw_keys)
