@@ -95,10 +95,12 @@ def _custom_jvp_transparency_off():
 
 
 def _low_backward_off():
+    import amp_jax  # noqa: F401  (every module has registered its rules)
     from amp_jax._src import rules
 
-    rules.RULES.pop("dot_general", None)
-    rules.RULES.pop("conv_general_dilated", None)
+    # the default allow rule: low forward, JAX's own (mixed, float32) transposes
+    rules.TABLE["dot_general"] = rules.AllowRule()
+    rules.TABLE["conv_general_dilated"] = rules.AllowRule()
 
 
 def _explicit_rounding_off():

@@ -228,6 +228,23 @@ def map_subjaxprs(
     return params
 
 
+def custom_jvp_parts(eqn: Any) -> tuple[Any, Any, int]:
+    """(body closed jaxpr, JVP-rule thunk, number of leading consts) of a
+    ``custom_jvp_call`` eqn. The thunk maps the operands' symbolic-zero flags
+    to ``(jaxpr, consts, output zero flags)`` (:func:`call_thunk`)."""
+    p = eqn.params
+    return p["call_jaxpr"], p["jvp_jaxpr_fun"], p.get("num_consts", 0)
+
+
+def custom_jvp_params(eqn: Any, body: Any, jvp_thunk: Any) -> dict[str, Any]:
+    """``eqn``'s params with a new body and JVP-rule thunk (see :func:`custom_jvp_parts`)."""
+    return dict(eqn.params, call_jaxpr=body, jvp_jaxpr_fun=jvp_thunk)
+
+
+def call_thunk(thunk: Any, *args: Any) -> Any:
+    return thunk.call_wrapped(*args)
+
+
 def memoized_fun(fn: Callable[..., Any], like: Any) -> Any:
     """``fn`` (of hashable args) memoized, wrapped like the thunk ``like``."""
     memo: dict[tuple[Any, ...], Any] = {}
@@ -244,7 +261,7 @@ def _wrap_thunk(thunk: Any, rewrite_closed: Callable[[Any], Any], n_extra: int) 
     """Wraps a ``(*zeros) -> (jaxpr, consts, *extra)`` thunk to rewrite its jaxpr."""
 
     def rewrite(*zeros):
-        jaxpr, consts, *extra = thunk.call_wrapped(*zeros)
+        jaxpr, consts, *extra = call_thunk(thunk, *zeros)
         assert len(extra) == n_extra
         new = rewrite_closed(close(jaxpr, consts))
         return (jaxpr_of(new), consts_of(new), *extra)
@@ -278,6 +295,11 @@ def scan_params_with_body(eqn: Any, body: Any) -> dict[str, Any]:
 
 
 SHARD_MAP_NAMES = frozenset({"shard_map"})
+
+
+def shard_map_body(eqn: Any) -> Any:
+    """The body of a ``shard_map`` eqn, as a closed jaxpr."""
+    return close(eqn.params["jaxpr"], [])
 
 
 def shard_map_of(eqn: Any, body: Callable[..., list[Any]]) -> Callable[..., list[Any]]:

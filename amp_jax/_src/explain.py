@@ -32,7 +32,8 @@ from jax.extend import core as jex_core
 from amp_jax._src import compat
 from amp_jax._src.attention import scope_reason
 from amp_jax._src.inspect import iter_eqns
-from amp_jax._src.interpreter import HIGH, KEEP, LOW, OPAQUE, ORIG, SKIP, Context, plan
+from amp_jax._src.interpreter import Context, plan
+from amp_jax._src.painting import HIGH, KEEP, LOW, OPAQUE, ORIG, SKIP
 from amp_jax._src.policy import FULL_PRECISION_SCOPE, Policy, get_policy, is_managed_float
 from amp_jax._src.transform import AmpFunction, _is_dynamic
 
@@ -262,8 +263,8 @@ def _decide(
                 body = compat.jaxpr_of(ctx.prepare(sub))
                 _decide(ctx, body, [LOW] * len(body.eqns), out, reason)
             else:
-                flat = compat.jaxpr_of(ctx.prepare(sub))
-                _decide(ctx, flat, plan(ctx, flat), out, None)
+                sub_plan = plan(ctx, sub)
+                _decide(ctx, sub_plan.jaxpr, sub_plan.colors, out, None)
 
 
 # -- tracing ---------------------------------------------------------------------------------
@@ -346,7 +347,7 @@ def _trace_decisions(base: Callable[..., Any], pol: Policy, args: tuple, kwargs:
     dyn_mask = tuple(_is_dynamic(x) for x in leaves)
     traced = af._trace(treedef, leaves, dyn_mask)
     out: dict = collections.defaultdict(collections.Counter)
-    _decide(traced.ctx, compat.jaxpr_of(traced.closed), traced.colors, out, None)
+    _decide(traced.ctx, traced.plan.jaxpr, traced.plan.colors, out, None)
     return out
 
 

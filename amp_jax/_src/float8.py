@@ -44,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from amp_jax._src import compat
+from amp_jax._src import compat, rules
 from amp_jax._src.policy import HIGH_DTYPE, is_managed_float
 from amp_jax._src.rules import _acc_dtype, _dot_transpose
 
@@ -306,3 +306,14 @@ def why_from_stack(stack: str) -> str | None:
         return None
     recipe = "rowwise" if f"{SCOPE}.rowwise" in stack else "tensorwise"
     return describe(recipe, jax.default_backend())
+
+
+class Float8DotRule(rules.DotRule):
+    """``dot_general`` under a float8 policy: the fp8 function where
+    :func:`allow_rule` says it pays, else the bfloat16 policy's."""
+
+    def low_fn(self, ctx: Any, eqn: Any) -> rules.Rule:
+        return allow_rule(ctx, eqn) or super().low_fn(ctx, eqn)
+
+
+rules.register_eqn_rule("dot_general", Float8DotRule())

@@ -1,24 +1,31 @@
-"""Analysis and evaluation of a jaxpr under a mixed-precision policy.
+"""Rewriting a jaxpr under a mixed-precision policy.
 
-Three steps per jaxpr (and recursively per sub-jaxpr):
+:func:`rewrite` (and :func:`evaluate`, its eager form) run the same pipeline
+for the top-level jaxpr and every sub-jaxpr:
 
-1. *Inline* ``jit`` eqns that carry no shardings, so that the analysis sees
-   through ``jax.nn``/``jnp`` helpers that are jitted internally.
-2. *Paint* (:func:`paint`): give every eqn a color -- ``low`` (compute dtype),
-   ``high`` (float32) or ``orig`` (its original dtypes) -- following
-   TensorFlow's auto-mixed-precision passes: allow ops are low; deny ops are
-   high; deny propagates forward through follow ops (and through clear ops
-   that lead to one); follow/clear ops on a path between two allow ops are
-   low; clear ops next to a low op are low.
-3. *Evaluate* (:func:`eval_jaxpr`): bind every primitive under the caller's
-   trace with its operands cast to the eqn's color. Each (value, dtype) cast
-   is made once and shared. Higher-order primitives get their sub-jaxprs
-   rewritten with the same policy and keep their boundary dtypes.
+1. *Prepare* (:meth:`Context.prepare`): inline ``jit`` eqns that carry no
+   shardings, so that the analysis sees through ``jax.nn``/``jnp`` helpers
+   that are jitted internally.
+2. *Plan* (:meth:`Context.plan`): give every eqn a class (allow / deny /
+   follow / clear, or kept high with a reason: :meth:`Context.classify`) and
+   a color -- ``low`` (compute dtype), ``high`` (float32) or ``orig`` (its
+   original dtypes) -- with the pure painting of ``painting.py`` (after
+   TensorFlow's auto-mixed-precision pass), keep the values that decide
+   control flow out of the compute dtype, and find the attentions that run
+   fused (``attention.py``).
+3. *Evaluate*: bind every eqn under the caller's trace through its rule in
+   the primitive-keyed table of ``rules.py`` (:func:`rule_for`). A rule casts
+   its operands (:mod:`casting`: each (value, dtype) cast is made once and
+   shared) and says which operands it reads only in the compute dtype.
+   Higher-order primitives get their sub-jaxprs rewritten with the same
+   policy and keep their boundary dtypes.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -27,10 +34,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from amp_jax._src import attention, compat, float8, painting
-from amp_jax._src.painting import HIGH, KEEP, LOW, OPAQUE, ORIG, SKIP
-from amp_jax._src.policy import FULL_PRECISION_SCOPE, HIGH_DTYPE, Policy, is_managed_float
-from amp_jax._src.rules import RULES, _cpu_batched, default_allow_rule
+from amp_jax._src import attention, casting, compat, float8, painting, rules
+from amp_jax._src.painting import KEEP, LOW, OPAQUE, ORIG, SKIP
+from amp_jax._src.policy import FULL_PRECISION_SCOPE, Policy, is_managed_float
 
 
 class Context:
@@ -93,18 +99,6 @@ class Context:
 
     def mark_decides(self, closed: Any, outs: Iterable[int]) -> None:
         self._decides[id(closed)] = (closed, self.decides(closed) | frozenset(outs))
-
-    def rewrite_closed(self, closed: Any) -> Any:
-        """A closed jaxpr with the same in/out avals as ``closed``, rewritten."""
-
-        def make():
-            flat = self.prepare(closed)
-            colors = plan(self, compat.jaxpr_of(flat), self.decides(closed))
-            return compat.trace_to_closed_jaxpr(
-                lambda *a: eval_jaxpr(self, flat, a, colors), compat.in_avals(closed)
-            )
-
-        return self.cached("rewrite", closed, make)
 
     # -- classification -------------------------------------------------
     def classify(self, eqn: Any) -> str:
@@ -223,75 +217,35 @@ def stays_high(eqn: Any, policy: Policy) -> str | None:
     return None
 
 
-# -- evaluation -----------------------------------------------------------------
+# -- planning -------------------------------------------------------------------
 
 
-def _target_dtype(aval: Any, color: str, compute_dtype: np.dtype) -> Any:
-    """The dtype an operand of original type ``aval`` is read as under ``color``."""
-    dtype = getattr(aval, "dtype", None)
-    if not is_managed_float(dtype):
-        return None
-    dtype = np.dtype(dtype)
-    if color == LOW:
-        return compute_dtype if dtype.itemsize > compute_dtype.itemsize else dtype
-    if color == HIGH:
-        return HIGH_DTYPE
-    return dtype
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What amp decided for one (prepared) closed jaxpr, eqn by eqn."""
+
+    closed: Any
+    classes: tuple[str, ...]
+    colors: tuple[str, ...]
+    attention: attention.Plan
+
+    @property
+    def jaxpr(self) -> Any:
+        return compat.jaxpr_of(self.closed)
 
 
-class _Env:
-    def __init__(self):
-        self.vals: dict[Any, Any] = {}
-        self.casts: dict[tuple[Any, Any], Any] = {}
-
-    def write(self, v: Any, val: Any) -> None:
-        if type(v).__name__ != "DropVar":
-            self.vals[v] = val
-
-    def read_broadcast(self, atom: Any, dtype: Any, shape: tuple[int, ...]) -> Any:
-        """Reads ``atom`` broadcast to ``shape`` *before* casting it to ``dtype``.
-
-        For an operand that a low-precision op broadcasts implicitly (a bias
-        of shape [1, n] added to [b, n]): the transpose of the broadcast -- a
-        sum over the batch -- then runs in the operand's float32, not bf16.
-        """
-        if isinstance(atom, compat.Literal) or tuple(atom.aval.shape) == tuple(shape):
-            return self.read(atom, dtype)
-        val = self.vals[atom]
-        if (
-            dtype is None
-            or np.dtype(val.dtype) == dtype
-            or len(shape) != val.ndim
-            or any(a not in (b, 1) for a, b in zip(val.shape, shape))
-        ):
-            return self.read(atom, dtype)
-        key = (atom, dtype, tuple(shape))
-        if key not in self.casts:
-            full = lax.broadcast_in_dim(val, shape, tuple(range(val.ndim)))
-            self.casts[key] = lax.convert_element_type(full, dtype)
-        return self.casts[key]
-
-    def read(self, atom: Any, dtype: Any) -> Any:
-        if isinstance(atom, compat.Literal):
-            val = compat.literal_value(atom)
-            if dtype is not None and np.dtype(getattr(val, "dtype", type(val))) != dtype:
-                return compat.cast_constant(val, dtype)
-            return val
-        val = self.vals[atom]
-        if dtype is None or np.dtype(val.dtype) == dtype:
-            return val
-        key = (atom, dtype)
-        if key not in self.casts:
-            self.casts[key] = lax.convert_element_type(val, dtype)
-        return self.casts[key]
+_NO_ATTENTION = attention.Plan({}, [], {})
 
 
-def plan(ctx: Context, jaxpr: Any, decide_outs: Iterable[int] = ()) -> list[str]:
-    """Colors of ``jaxpr``'s eqns; ``decide_outs`` are output positions whose
-    values decide control flow (a while predicate, a loop's carried decision)."""
+def paint_jaxpr(
+    ctx: Context, jaxpr: Any, decide_outs: Iterable[int] = ()
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Classes and colors of ``jaxpr``'s eqns; ``decide_outs`` are output
+    positions whose values decide control flow (a while predicate, a loop's
+    carried decision)."""
     classes = [ctx.classify(e) for e in jaxpr.eqns]
     if ctx.identity:
-        return [c if c in (OPAQUE, SKIP, KEEP) else ORIG for c in classes]
+        return tuple(classes), tuple(c if c in (OPAQUE, SKIP, KEEP) else ORIG for c in classes)
     for i in _reads_unrepresentable_constant(jaxpr, ctx.policy.compute_dtype):
         if classes[i] in ("allow", "follow", "clear"):
             classes[i] = "never"
@@ -306,7 +260,7 @@ def plan(ctx: Context, jaxpr: Any, decide_outs: Iterable[int] = ()) -> list[str]
     for i in f32_out:
         ctx.f32_out.add(id(jaxpr.eqns[i]))
         ctx.kept_high[id(jaxpr.eqns[i])] = "decides_control"
-    return colors
+    return tuple(classes), tuple(colors)
 
 
 def _reached_inputs(ctx: Context, closed: Any, outs: Iterable[int]) -> set[int]:
@@ -399,93 +353,15 @@ def _reads_unrepresentable_constant(jaxpr: Any, dtype: np.dtype) -> list[int]:
     return found
 
 
-def eval_jaxpr(
-    ctx: Context,
-    closed: Any,
-    args: Sequence[Any],
-    colors: list[str] | None = None,
-    cast_outputs: bool = True,
-) -> list[Any]:
-    """Evaluates ``closed`` on ``args`` under the policy; outputs keep their
-    dtypes (unless ``cast_outputs`` is false: then they are as computed)."""
-    jaxpr = compat.jaxpr_of(closed)
-    if colors is None:
-        colors = plan(ctx, jaxpr)
-    env = _Env()
-    for v, c in zip(jaxpr.constvars, compat.consts_of(closed)):
-        env.write(v, c)
-    for v, a in zip(jaxpr.invars, args):
-        env.write(v, a)
-    cd = ctx.policy.compute_dtype
-    att = ctx.cached("attention", closed, lambda: _plan_attention(ctx, closed))
-    fused, skip = att.fused, att.skip
-    for idx, (eqn, color) in enumerate(zip(jaxpr.eqns, colors)):
-        if idx in skip and idx not in fused:
-            continue
-        managers = compat.eqn_context(eqn)
-        with contextlib.ExitStack() as stack:
-            for m in managers:
-                stack.enter_context(m)
-            if id(eqn) in ctx.kept_high:
-                stack.enter_context(jax.named_scope(f"{KEEP_SCOPE}.{ctx.kept_high[id(eqn)]}"))
-            if idx in att.scopes:  # amp_attention[cudnn] / amp_attention[xla: <reason>]
-                stack.enter_context(jax.named_scope(att.scopes[idx]))
-            if idx in fused:
-                match, impl = fused[idx]
-                outs = [match.evaluate(env.read, cd, impl)]
-            elif color == LOW and eqn.primitive.name in compat.CUSTOM_JVP_NAMES:
-                invals = [env.read(v, _target_dtype(v.aval, color, cd)) for v in eqn.invars]
-                avals = tuple(compat.aval_of(x) for x in invals)
-                params = ctx.cached(
-                    ("custom_jvp_low", avals), eqn, lambda: _custom_jvp_low(ctx, eqn, avals)
-                )
-                outs = compat.bind_eqn(eqn, invals, params)
-            elif color == OPAQUE or (color == ORIG and compat.has_subjaxprs(eqn)):
-                invals = [env.read(v, _target_dtype(v.aval, ORIG, cd)) for v in eqn.invars]
-                if eqn.primitive.name in compat.SHARD_MAP_NAMES:
-                    outs = ctx.cached("shard_map", eqn, lambda: _shard_map_fn(ctx, eqn))(*invals)
-                elif hoisted := ctx.cached("hoist", eqn, lambda: _plan_hoisted_casts(ctx, eqn)):
-                    hoist, new_params = hoisted
-                    for i in hoist:
-                        invals[i] = lax.convert_element_type(invals[i], cd)
-                    outs = compat.bind_eqn(eqn, invals, new_params)
-                else:
-                    params = ctx.cached(
-                        "params",
-                        eqn,
-                        lambda: compat.map_subjaxprs(
-                            eqn, ctx.rewrite_closed, ctx.linear.rewrite_closed
-                        ),
-                    )
-                    outs = compat.bind_eqn(eqn, invals, params)
-            elif color == SKIP:
-                outs = compat.bind_eqn(eqn, [env.read(v, None) for v in eqn.invars])
-            elif color == LOW and ctx.policy.class_of(eqn.primitive.name) == "allow":
-                invals = [env.read(v, None) for v in eqn.invars]
-                rule = float8.allow_rule(ctx, eqn) or (
-                    RULES.get(eqn.primitive.name, default_allow_rule)
-                    if ctx.vjp_rules
-                    else default_allow_rule
-                )
-                out_dtype = (
-                    HIGH_DTYPE
-                    if id(eqn) in ctx.f32_out
-                    else ctx.policy.allow_output_dtype(ctx.backend)
-                )
-                outs = rule(eqn, invals, cd, out_dtype)
-            elif color == LOW and eqn.primitive.name in _BROADCASTING:
-                shape = tuple(getattr(eqn.outvars[0].aval, "shape", ()))
-                invals = [
-                    env.read_broadcast(v, _target_dtype(v.aval, color, cd), shape)
-                    for v in eqn.invars
-                ]
-                outs = compat.bind_eqn(eqn, invals)
-            else:
-                invals = [env.read(v, _target_dtype(v.aval, color, cd)) for v in eqn.invars]
-                outs = compat.bind_eqn(eqn, invals)
-        for v, o in zip(eqn.outvars, outs):
-            env.write(v, o)
-    return [env.read(v, _orig_dtype(v) if cast_outputs else None) for v in jaxpr.outvars]
+def plan(ctx: Context, closed: Any) -> Plan:
+    """The plan of closed jaxpr ``closed`` (prepared, painted, attention found), once per context."""
+
+    def make() -> Plan:
+        flat = ctx.prepare(closed)
+        classes, colors = paint_jaxpr(ctx, compat.jaxpr_of(flat), ctx.decides(closed))
+        return Plan(flat, classes, colors, _plan_attention(ctx, flat))
+
+    return ctx.cached("plan", closed, make)
 
 
 def _plan_attention(ctx: Context, closed: Any) -> attention.Plan:
@@ -506,6 +382,204 @@ def _plan_attention(ctx: Context, closed: Any) -> attention.Plan:
     return plan_
 
 
+# -- evaluation -----------------------------------------------------------------
+
+
+class _Env:
+    """Values of a jaxpr being evaluated, and the casts made of them (each once)."""
+
+    def __init__(self):
+        self.vals: dict[Any, Any] = {}
+        self.casts: dict[tuple[Any, Any], Any] = {}
+
+    def write(self, v: Any, val: Any) -> None:
+        if type(v).__name__ != "DropVar":
+            self.vals[v] = val
+
+    def read_broadcast(self, atom: Any, dtype: Any, shape: tuple[int, ...]) -> Any:
+        """Reads ``atom`` broadcast to ``shape`` *before* casting it to ``dtype``.
+
+        For an operand that a low-precision op broadcasts implicitly (a bias
+        of shape [1, n] added to [b, n]): the transpose of the broadcast -- a
+        sum over the batch -- then runs in the operand's float32, not bf16.
+        """
+        if isinstance(atom, compat.Literal) or tuple(atom.aval.shape) == tuple(shape):
+            return self.read(atom, dtype)
+        val = self.vals[atom]
+        if (
+            dtype is None
+            or np.dtype(val.dtype) == dtype
+            or len(shape) != val.ndim
+            or any(a not in (b, 1) for a, b in zip(val.shape, shape))
+        ):
+            return self.read(atom, dtype)
+        key = (atom, dtype, tuple(shape))
+        if key not in self.casts:
+            full = lax.broadcast_in_dim(val, shape, tuple(range(val.ndim)))
+            self.casts[key] = lax.convert_element_type(full, dtype)
+        return self.casts[key]
+
+    def read(self, atom: Any, dtype: Any) -> Any:
+        if isinstance(atom, compat.Literal):
+            val = compat.literal_value(atom)
+            if dtype is not None and np.dtype(getattr(val, "dtype", type(val))) != dtype:
+                return compat.cast_constant(val, dtype)
+            return val
+        val = self.vals[atom]
+        if dtype is None or np.dtype(val.dtype) == dtype:
+            return val
+        key = (atom, dtype)
+        if key not in self.casts:
+            self.casts[key] = lax.convert_element_type(val, dtype)
+        return self.casts[key]
+
+
+def rewrite(ctx: Context, closed: Any, in_avals: Sequence[Any] | None = None) -> Any:
+    """``closed`` rewritten under ``ctx``: a closed jaxpr with the same output
+    avals, taking ``in_avals`` (default: ``closed``'s own). Once per context."""
+
+    def make() -> Any:
+        plan_ = plan(ctx, closed)
+        avals = compat.in_avals(closed) if in_avals is None else in_avals
+        return compat.trace_to_closed_jaxpr(lambda *a: evaluate(ctx, plan_, a), avals)
+
+    key = "rewrite" if in_avals is None else ("rewrite", tuple(in_avals))
+    return ctx.cached(key, closed, make)
+
+
+def evaluate(
+    ctx: Context, plan_: Plan, args: Sequence[Any], cast_outputs: bool = True
+) -> list[Any]:
+    """Evaluates a planned jaxpr on ``args`` under the caller's trace; outputs
+    keep their dtypes (unless ``cast_outputs`` is false: then as computed)."""
+    jaxpr = plan_.jaxpr
+    env = _Env()
+    for v, c in zip(jaxpr.constvars, compat.consts_of(plan_.closed)):
+        env.write(v, c)
+    for v, a in zip(jaxpr.invars, args):
+        env.write(v, a)
+    att = plan_.attention
+    for idx, (eqn, cls, color) in enumerate(zip(jaxpr.eqns, plan_.classes, plan_.colors)):
+        if idx in att.skip and idx not in att.fused:
+            continue  # computed by the fused attention
+        with contextlib.ExitStack() as stack:
+            for m in compat.eqn_context(eqn):
+                stack.enter_context(m)
+            if id(eqn) in ctx.kept_high:
+                stack.enter_context(jax.named_scope(f"{KEEP_SCOPE}.{ctx.kept_high[id(eqn)]}"))
+            if idx in att.scopes:  # amp_attention[cudnn] / amp_attention[xla: <reason>]
+                stack.enter_context(jax.named_scope(att.scopes[idx]))
+            if idx in att.fused:
+                match, impl = att.fused[idx]
+                outs = [match.evaluate(env.read, ctx.policy.compute_dtype, impl)]
+            else:
+                outs = rule_for(eqn, cls).evaluate(ctx, eqn, color, cls, env)
+        for v, o in zip(eqn.outvars, outs):
+            env.write(v, o)
+    return [env.read(v, _orig_dtype(v) if cast_outputs else None) for v in jaxpr.outvars]
+
+
+def _orig_dtype(atom: Any) -> Any:
+    dtype = getattr(atom.aval, "dtype", None)
+    return np.dtype(dtype) if is_managed_float(dtype) else None
+
+
+# -- the rules of higher-order primitives --------------------------------------------
+
+
+def rule_for(eqn: Any, cls: str) -> rules.EqnRule:
+    """The rule that binds ``eqn`` (of class ``cls``): its primitive's entry in
+    ``rules.TABLE``, else the generic rule of higher-order primitives, the
+    default ``allow`` rule, or the plain bind."""
+    rule = rules.TABLE.get(eqn.primitive.name)
+    if rule is not None:
+        return rule
+    if compat.has_subjaxprs(eqn):
+        return _HIGHER_ORDER
+    return _ALLOW if cls == "allow" else _BIND
+
+
+def _dtype(atom: Any) -> Any:
+    return getattr(atom.aval, "dtype", None)
+
+
+class HigherOrderRule(rules.EqnRule):
+    """A primitive with sub-jaxprs (``cond``, ``while``, ``remat``, ``pjit``,
+    ``custom_vjp_call``, ...): unless the policy keeps it as written (a
+    full_precision scope, the float32 policy), its operands keep their dtypes
+    and its sub-jaxprs are rewritten with the same policy."""
+
+    def evaluate(self, ctx: Any, eqn: Any, color: str, cls: str, env: Any) -> list[Any]:
+        if color not in (OPAQUE, ORIG):
+            return super().evaluate(ctx, eqn, color, cls, env)
+        cd = ctx.policy.compute_dtype
+        invals = [env.read(v, casting.target(_dtype(v), ORIG, cd)) for v in eqn.invars]
+        return self.bind_rewritten(ctx, eqn, invals)
+
+    def bind_rewritten(self, ctx: Context, eqn: Any, invals: list[Any]) -> list[Any]:
+        params = ctx.cached(
+            "params",
+            eqn,
+            lambda: compat.map_subjaxprs(
+                eqn, functools.partial(rewrite, ctx), functools.partial(rewrite, ctx.linear)
+            ),
+        )
+        return compat.bind_eqn(eqn, invals, params)
+
+    def reads_low(self, ctx: Any, eqn: Any, color: str, cls: str, atom: Any) -> bool:
+        return False
+
+
+class ScanRule(HigherOrderRule):
+    """``scan``: the casts of scanned-over inputs read only in the compute
+    dtype are hoisted out of the loop (:func:`_plan_hoisted_casts`)."""
+
+    def bind_rewritten(self, ctx: Context, eqn: Any, invals: list[Any]) -> list[Any]:
+        hoisted = ctx.cached("hoist", eqn, lambda: _plan_hoisted_casts(ctx, eqn))
+        if not hoisted:
+            return super().bind_rewritten(ctx, eqn, invals)
+        hoist, new_params = hoisted
+        cd = ctx.policy.compute_dtype
+        invals = [casting.cast(x, cd) if i in hoist else x for i, x in enumerate(invals)]
+        return compat.bind_eqn(eqn, invals, new_params)
+
+
+class ShardMapRule(HigherOrderRule):
+    """``shard_map``: rebuilt as a public ``jax.shard_map`` whose body is
+    evaluated under the policy (collectives need the manual-axes context)."""
+
+    def bind_rewritten(self, ctx: Context, eqn: Any, invals: list[Any]) -> list[Any]:
+        return ctx.cached("shard_map", eqn, lambda: _shard_map_fn(ctx, eqn))(*invals)
+
+
+class CustomJvpRule(HigherOrderRule):
+    """``custom_jvp_call``: a transparent one (``jax.nn.relu``: only follow
+    and clear ops) painted low runs its body in the compute dtype and keeps
+    the user's JVP rule (:func:`_custom_jvp_low`)."""
+
+    def evaluate(self, ctx: Any, eqn: Any, color: str, cls: str, env: Any) -> list[Any]:
+        if color != LOW:
+            return super().evaluate(ctx, eqn, color, cls, env)
+        cd = ctx.policy.compute_dtype
+        invals = [env.read(v, casting.target(_dtype(v), LOW, cd)) for v in eqn.invars]
+        avals = tuple(compat.aval_of(x) for x in invals)
+        params = ctx.cached(
+            ("custom_jvp_low", avals), eqn, lambda: _custom_jvp_low(ctx, eqn, avals)
+        )
+        return compat.bind_eqn(eqn, invals, params)
+
+    def reads_low(self, ctx: Any, eqn: Any, color: str, cls: str, atom: Any) -> bool:
+        return color == LOW
+
+
+_BIND = rules.EqnRule()
+_ALLOW = rules.AllowRule()
+_HIGHER_ORDER = HigherOrderRule()
+rules.register_eqn_rule("scan", ScanRule())
+rules.register_eqn_rule(compat.SHARD_MAP_NAMES, ShardMapRule())
+rules.register_eqn_rule(compat.CUSTOM_JVP_NAMES, CustomJvpRule())
+
+
 def _custom_jvp_low(ctx: Context, eqn: Any, low_avals: Sequence[Any]) -> dict[str, Any]:
     """Params to bind a transparent ``custom_jvp_call`` on compute-dtype operands.
 
@@ -515,20 +589,19 @@ def _custom_jvp_low(ctx: Context, eqn: Any, low_avals: Sequence[Any]) -> dict[st
     The primal outputs of the rule are the low body's, so the forward values
     are the same with and without differentiation.
     """
-    body = ctx.prepare(eqn.params["call_jaxpr"])
-    colors = [
-        c if c == SKIP else LOW for c in (ctx.classify(e) for e in compat.jaxpr_of(body).eqns)
-    ]
+    call_jaxpr, rule_fun, _ = compat.custom_jvp_parts(eqn)
+    body = ctx.prepare(call_jaxpr)
+    classes = tuple(ctx.classify(e) for e in compat.jaxpr_of(body).eqns)
+    low = Plan(body, classes, tuple(c if c == SKIP else LOW for c in classes), _NO_ATTENTION)
     orig_avals = [v.aval for v in eqn.invars]
 
     def primal(*xs):
-        return eval_jaxpr(ctx, body, xs, colors, cast_outputs=False)
+        return evaluate(ctx, low, xs, cast_outputs=False)
 
     new_call = compat.trace_to_closed_jaxpr(primal, low_avals)
-    rule_fun = eqn.params["jvp_jaxpr_fun"]
 
     def jvp_jaxpr(*zeros):
-        jaxpr, consts, out_zeros = rule_fun.call_wrapped(*zeros)
+        jaxpr, consts, out_zeros = compat.call_thunk(rule_fun, *zeros)
         rule = compat.close(jaxpr, consts)
         tan_in = [
             (lo.to_tangent_aval(), hi.to_tangent_aval())
@@ -539,44 +612,28 @@ def _custom_jvp_low(ctx: Context, eqn: Any, low_avals: Sequence[Any]) -> dict[st
         def jvp(*xs):
             prims, tans = xs[: len(low_avals)], xs[len(low_avals) :]
             p_out = primal(*prims)
-            up = [_cast(x, hi.dtype) for x, hi in zip(prims, orig_avals)]
-            up += [_cast(t, hi.dtype) for t, (_, hi) in zip(tans, tan_in)]
-            t_out = eval_jaxpr(ctx.linear, rule, up)[len(out_zeros) :]
+            up = [casting.cast(x, hi.dtype) for x, hi in zip(prims, orig_avals)]
+            up += [casting.cast(t, hi.dtype) for t, (_, hi) in zip(tans, tan_in)]
+            t_out = evaluate(ctx.linear, plan(ctx.linear, rule), up)[len(out_zeros) :]
             nz = [p for p, z in zip(p_out, out_zeros) if not z]
             return [
                 *p_out,
-                *(_cast(t, compat.aval_of(p).to_tangent_aval().dtype) for t, p in zip(t_out, nz)),
+                *(
+                    casting.cast(t, compat.aval_of(p).to_tangent_aval().dtype)
+                    for t, p in zip(t_out, nz)
+                ),
             ]
 
         new = compat.trace_to_closed_jaxpr(jvp, [*low_avals, *(lo for lo, _ in tan_in)])
         return compat.jaxpr_of(new), compat.consts_of(new), out_zeros
 
-    return dict(
-        eqn.params, call_jaxpr=new_call, jvp_jaxpr_fun=compat.memoized_fun(jvp_jaxpr, rule_fun)
-    )
+    return compat.custom_jvp_params(eqn, new_call, compat.memoized_fun(jvp_jaxpr, rule_fun))
 
 
 def _shard_map_fn(ctx: Context, eqn: Any) -> Any:
     """The public ``jax.shard_map`` of ``eqn``'s body, evaluated under the policy."""
-    body = ctx.prepare(compat.close(eqn.params["jaxpr"], []))
-    colors = plan(ctx, compat.jaxpr_of(body))
-    return compat.shard_map_of(eqn, lambda *a: eval_jaxpr(ctx, body, a, colors))
-
-
-def _reads_low(ctx: Context, eqn: Any, color: str, v: Any) -> bool:
-    """Whether ``eqn`` (painted ``color``) reads ``v`` only in the compute dtype."""
-    if (
-        color != LOW
-        or compat.has_subjaxprs(eqn)
-        and eqn.primitive.name not in compat.CUSTOM_JVP_NAMES
-    ):
-        return False
-    if eqn.primitive.name == "dot_general" and _cpu_batched(eqn):
-        return False  # upcast to float32 by its rule
-    out_shape = tuple(getattr(eqn.outvars[0].aval, "shape", ()))
-    if eqn.primitive.name in _BROADCASTING and tuple(v.aval.shape) != out_shape:
-        return False  # broadcast before the cast: its gradient is reduced in float32
-    return True
+    plan_ = plan(ctx, compat.shard_map_body(eqn))
+    return compat.shard_map_of(eqn, lambda *a: evaluate(ctx, plan_, a))
 
 
 def _plan_hoisted_casts(ctx: Context, eqn: Any) -> tuple[list[int], dict[str, Any]] | None:
@@ -596,54 +653,26 @@ def _plan_hoisted_casts(ctx: Context, eqn: Any) -> tuple[list[int], dict[str, An
     if found is None or ctx.identity:
         return None
     body, xs = found
-    flat = ctx.prepare(body)
-    bj = compat.jaxpr_of(flat)
-    colors = plan(ctx, bj, ctx.decides(body))
+    body_plan = plan(ctx, body)
+    bj = body_plan.jaxpr
     cd = ctx.policy.compute_dtype
     hoist = []
     for i in xs:
         v = bj.invars[i]
-        if _target_dtype(v.aval, LOW, cd) in (None, np.dtype(v.aval.dtype)) or v in bj.outvars:
+        if casting.target(_dtype(v), LOW, cd) in (None, np.dtype(_dtype(v))) or v in bj.outvars:
             continue
-        uses = [(e, c) for e, c in zip(bj.eqns, colors) if any(v is a for a in e.invars)]
-        if uses and all(_reads_low(ctx, e, c, v) for e, c in uses):
+        uses = [
+            (e, k, c)
+            for e, k, c in zip(bj.eqns, body_plan.classes, body_plan.colors)
+            if any(v is a for a in e.invars)
+        ]
+        if uses and all(rule_for(e, k).reads_low(ctx, e, c, k, v) for e, k, c in uses):
             hoist.append(i)
     if not hoist:
         return None
-    avals = compat.in_avals(flat)
+    avals = compat.in_avals(body)
     avals = [a.update(dtype=cd) if i in hoist else a for i, a in enumerate(avals)]
-    new_body = compat.trace_to_closed_jaxpr(lambda *a: eval_jaxpr(ctx, flat, a, colors), avals)
-    return hoist, compat.scan_params_with_body(eqn, new_body)
-
-
-def _cast(x: Any, dtype: Any) -> Any:
-    return x if np.dtype(x.dtype) == np.dtype(dtype) else lax.convert_element_type(x, dtype)
-
-
-#: n-ary elementwise primitives that broadcast size-1 dimensions implicitly.
-_BROADCASTING = frozenset(
-    {
-        "add",
-        "add_any",
-        "sub",
-        "mul",
-        "div",
-        "max",
-        "min",
-        "atan2",
-        "rem",
-        "pow",
-        "nextafter",
-        "select_n",
-        "clamp",
-        "copysign",
-    }
-)
-
-
-def _orig_dtype(atom: Any) -> Any:
-    dtype = getattr(atom.aval, "dtype", None)
-    return np.dtype(dtype) if is_managed_float(dtype) else None
+    return hoist, compat.scan_params_with_body(eqn, rewrite(ctx, body, avals))
 
 
 # -- inlining and sub-jaxprs ------------------------------------------------------------

@@ -1,9 +1,15 @@
-"""Rules for ``allow`` primitives: low-precision forward *and* backward.
+"""The rule table: how amp binds each primitive.
 
-A rule receives the operands in their current storage dtypes and returns the
-outputs. The default for an ``allow`` primitive (no entry in :data:`RULES`) is
-to bind it with managed float operands cast to the compute dtype and
-``preferred_element_type`` set to float32.
+Every eqn of a rewritten jaxpr is bound through one :class:`EqnRule`, looked
+up by primitive name in :data:`TABLE` (see ``interpreter.rule_for``): the
+default rule binds the primitive on operands cast to its color's dtype;
+higher-order primitives get the generic rule that rewrites their sub-jaxprs
+(registered by the interpreter, with ``scan``, ``shard_map`` and
+``custom_jvp_call`` rules of their own); broadcasting elementwise ops read
+implicitly broadcast operands before casting them; ``allow`` ops run the
+low-precision *function* of their rule. Each rule also answers
+:meth:`EqnRule.reads_low`: whether it reads an operand only in the compute
+dtype, which is what the scan cast hoisting needs to know.
 
 ``dot_general`` and ``conv_general_dilated`` get a ``jax.custom_vjp`` so that
 under ``jax.grad`` their cotangent products also take compute-dtype operands
@@ -14,20 +20,112 @@ operand: a mixed, slow, float32 product).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 from jax import lax
 
-from amp_jax._src import compat
+from amp_jax._src import casting, compat
+from amp_jax._src.painting import LOW
 from amp_jax._src.policy import HIGH_DTYPE, is_managed_float
 
-#: ``rule(eqn, invals, compute_dtype, out_dtype) -> list of outputs``.
+#: ``rule(eqn, invals, compute_dtype, out_dtype) -> list of outputs``: the
+#: low-precision function of an ``allow`` primitive (:func:`register_rule`).
 Rule = Callable[[Any, Sequence[Any], np.dtype, np.dtype], list[Any]]
 
-RULES: dict[str, Rule] = {}
+
+def _dtype(atom: Any) -> Any:
+    return getattr(atom.aval, "dtype", None)
+
+
+class EqnRule:
+    """How amp binds one primitive. The default: bind it with every operand
+    cast to the dtype of the eqn's color (:func:`casting.target`)."""
+
+    def evaluate(self, ctx: Any, eqn: Any, color: str, cls: str, env: Any) -> list[Any]:
+        """The outputs of ``eqn``, painted ``color`` (of class ``cls``), under
+        ``ctx`` (policy, backend), reading operands from ``env``."""
+        cd = ctx.policy.compute_dtype
+        return compat.bind_eqn(
+            eqn, [env.read(v, casting.target(_dtype(v), color, cd)) for v in eqn.invars]
+        )
+
+    def reads_low(self, ctx: Any, eqn: Any, color: str, cls: str, atom: Any) -> bool:
+        """Whether ``evaluate`` reads operand ``atom`` only in the compute dtype."""
+        return color == LOW
+
+
+class BroadcastRule(EqnRule):
+    """n-ary elementwise ops that broadcast size-1 dimensions implicitly: a
+    low op reads such an operand (a bias of shape [1, n] added to [b, n])
+    broadcast *before* the cast, so the transpose of the broadcast -- a sum
+    over the batch -- runs in the operand's float32, not the compute dtype."""
+
+    def evaluate(self, ctx: Any, eqn: Any, color: str, cls: str, env: Any) -> list[Any]:
+        if color != LOW:
+            return super().evaluate(ctx, eqn, color, cls, env)
+        cd = ctx.policy.compute_dtype
+        shape = tuple(getattr(eqn.outvars[0].aval, "shape", ()))
+        return compat.bind_eqn(
+            eqn,
+            [
+                env.read_broadcast(v, casting.target(_dtype(v), color, cd), shape)
+                for v in eqn.invars
+            ],
+        )
+
+    def reads_low(self, ctx: Any, eqn: Any, color: str, cls: str, atom: Any) -> bool:
+        out_shape = tuple(getattr(eqn.outvars[0].aval, "shape", ()))
+        return color == LOW and tuple(atom.aval.shape) == out_shape
+
+
+class AllowRule(EqnRule):
+    """An ``allow`` primitive: painted low, it runs ``fn`` (a :data:`Rule`) on
+    its operands as stored; otherwise (kept high, or not in the allow class
+    under this policy) it is bound like any other op."""
+
+    def __init__(self, fn: Rule | None = None):
+        self.fn = fn
+
+    def low_fn(self, ctx: Any, eqn: Any) -> Rule:
+        """The function of a lowered eqn. Inside custom JVP rules (which JAX
+        transposes: no custom_vjp may appear) the plain default."""
+        return self.fn if self.fn is not None and ctx.vjp_rules else default_allow_rule
+
+    def evaluate(self, ctx: Any, eqn: Any, color: str, cls: str, env: Any) -> list[Any]:
+        if color != LOW or cls != "allow":
+            return super().evaluate(ctx, eqn, color, cls, env)
+        out_dtype = (
+            HIGH_DTYPE if id(eqn) in ctx.f32_out else ctx.policy.allow_output_dtype(ctx.backend)
+        )
+        invals = [env.read(v, None) for v in eqn.invars]
+        return self.low_fn(ctx, eqn)(eqn, invals, ctx.policy.compute_dtype, out_dtype)
+
+
+class DotRule(AllowRule):
+    """``dot_general``: low-precision forward and backward, with the operand
+    layouts each backend runs fast; batched dots stay float32 on XLA:CPU."""
+
+    def low_fn(self, ctx: Any, eqn: Any) -> Rule:
+        if not ctx.vjp_rules:
+            return default_allow_rule
+        return functools.partial(dot_general_rule, backend=ctx.backend)
+
+    def reads_low(self, ctx: Any, eqn: Any, color: str, cls: str, atom: Any) -> bool:
+        return color == LOW and not (cls == "allow" and _cpu_batched(eqn, ctx.backend))
+
+
+#: primitive name -> its rule; names without an entry get the interpreter's
+#: fallbacks (higher-order, allow or plain bind: ``interpreter.rule_for``).
+TABLE: dict[str, EqnRule] = {}
+
+
+def register_eqn_rule(names: str | Iterable[str], rule: EqnRule) -> None:
+    """Binds every eqn of primitive(s) ``names`` through ``rule`` (internal)."""
+    for name in [names] if isinstance(names, str) else names:
+        TABLE[name] = rule
 
 
 def register_rule(primitive_name: str, rule: Rule) -> None:
@@ -40,20 +138,25 @@ def register_rule(primitive_name: str, rule: Rule) -> None:
         ``eqn.params`` are the original params; ``out_dtype`` is the dtype
         the policy wants the op to write on this backend
         (:meth:`Policy.allow_output_dtype`), e.g. its
-        ``preferred_element_type``.
+        ``preferred_element_type``. It runs for eqns of the primitive that
+        the policy puts in the ``allow`` class and amp lowers.
     """
     if not isinstance(primitive_name, str):
         raise TypeError(
             f"primitive_name must be a str such as 'dot_general', got {primitive_name!r}."
         )
-    RULES[primitive_name] = rule
-
-
-def _lower(x: Any, compute_dtype: np.dtype) -> Any:
-    dt = np.dtype(x.dtype) if hasattr(x, "dtype") else None
-    if dt is not None and is_managed_float(dt) and dt.itemsize > compute_dtype.itemsize:
-        return lax.convert_element_type(x, compute_dtype)
-    return x
+    if not callable(rule):
+        raise TypeError(
+            f"rule must be a function rule(eqn, invals, compute_dtype, out_dtype), got {rule!r}."
+        )
+    current = TABLE.get(primitive_name)
+    if current is not None and not isinstance(current, AllowRule):
+        raise ValueError(
+            f"amp_jax binds {primitive_name!r} with its own structural rule "
+            f"({type(current).__name__}); register_rule is for allow primitives "
+            "(matmul-like ops that have a low-precision form)."
+        )
+    TABLE[primitive_name] = AllowRule(rule)
 
 
 def _acc_dtype(eqn: Any, out_dtype: Any = HIGH_DTYPE) -> Any:
@@ -68,7 +171,7 @@ def _acc_dtype(eqn: Any, out_dtype: Any = HIGH_DTYPE) -> Any:
 def default_allow_rule(
     eqn: Any, invals: Sequence[Any], compute_dtype: np.dtype, out_dtype: np.dtype = HIGH_DTYPE
 ) -> list[Any]:
-    vals = [_lower(v, compute_dtype) for v in invals]
+    vals = [casting.lower(v, compute_dtype) for v in invals]
     params = dict(eqn.params)
     if "preferred_element_type" in params:
         params["preferred_element_type"] = _acc_dtype(eqn, out_dtype)
@@ -96,6 +199,7 @@ def _dot_transpose(
     precision: Any,
     acc: Any,
     like: Any = None,
+    cpu_layouts: bool = False,
 ) -> Any:
     """Cotangent of one dot_general operand ``a`` given ``other``.
 
@@ -124,8 +228,8 @@ def _dot_transpose(
     perm1, perm2 = _perm_to(res1), _perm_to(res2)
     ident = tuple(range(ndim))
     if perm2 == ident and perm1 != ident:
-        return _dot(other, ct, dims2, precision, acc, _explicit_out(like, res2))
-    out = _dot(ct, other, dims1, precision, acc, _explicit_out(like, res1))
+        return _dot(other, ct, dims2, precision, acc, _explicit_out(like, res2), cpu_layouts)
+    out = _dot(ct, other, dims1, precision, acc, _explicit_out(like, res1), cpu_layouts)
     return out if perm1 == ident else lax.transpose(out, perm1)
 
 
@@ -172,11 +276,20 @@ def materialized_transpose(x: Any, perm: Sequence[int]) -> Any:
     return lax.reshape(lax.transpose(lax.reshape(x, shape3), tuple(new_perm)), out_shape)
 
 
-def _cpu_fast_layouts() -> bool:
-    return jax.default_backend() == "cpu"
+def _cpu_fast_layouts(backend: str) -> bool:
+    """Whether backward dots get the operand layouts of :func:`_dot` on ``backend``."""
+    return backend == "cpu"
 
 
-def _dot(a: Any, b: Any, dims: Any, precision: Any, acc: Any, out_sharding: Any = None) -> Any:
+def _dot(
+    a: Any,
+    b: Any,
+    dims: Any,
+    precision: Any,
+    acc: Any,
+    out_sharding: Any = None,
+    cpu_layouts: bool = False,
+) -> Any:
     """A backward-pass dot_general, with operand layouts XLA:CPU runs fast.
 
     XLA:CPU (jaxlib 0.10) runs a bf16 x bf16 -> f32 dot in its fast kernel only
@@ -192,7 +305,7 @@ def _dot(a: Any, b: Any, dims: Any, precision: Any, acc: Any, out_sharding: Any 
     if (
         ba
         or bb
-        or not _cpu_fast_layouts()
+        or not cpu_layouts
         or np.dtype(a.dtype) != np.dtype(jax.numpy.bfloat16)
         or np.dtype(b.dtype) != np.dtype(jax.numpy.bfloat16)
         or out_sharding is not None
@@ -222,12 +335,13 @@ def _amp_dot(
     compute_dtype: np.dtype,
     x_dtype: np.dtype,
     y_dtype: np.dtype,
+    cpu_layouts: bool,
 ) -> Callable:
     (xc, yc), (xb, yb) = dims
     extra = {} if out_sharding is None else {"out_sharding": out_sharding}
 
     def cast(v: Any) -> Any:
-        return _lower(v, compute_dtype)
+        return casting.lower(v, compute_dtype)
 
     def primal(x, y):
         return lax.dot_general(
@@ -245,30 +359,39 @@ def _amp_dot(
 
     def bwd(res, ct):
         xl, yl = res
-        ctl = _lower(ct, compute_dtype)
-        dx = _dot_transpose(ctl, yl, xl.ndim, xc, xb, yc, yb, yl.ndim, True, precision, acc, xl)
-        dy = _dot_transpose(ctl, xl, yl.ndim, yc, yb, xc, xb, xl.ndim, False, precision, acc, yl)
+        ctl = casting.lower(ct, compute_dtype)
+        dx = _dot_transpose(
+            ctl, yl, xl.ndim, xc, xb, yc, yb, yl.ndim, True, precision, acc, xl, cpu_layouts
+        )
+        dy = _dot_transpose(
+            ctl, xl, yl.ndim, yc, yb, xc, xb, xl.ndim, False, precision, acc, yl, cpu_layouts
+        )
         return dx.astype(x_dtype), dy.astype(y_dtype)
 
     f.defvjp(fwd, bwd)
     return f
 
 
-def _cpu_batched(eqn: Any) -> bool:
+def _cpu_batched(eqn: Any, backend: str) -> bool:
     """XLA:CPU (jaxlib 0.10) has no kernel for a *batched* bf16 x bf16 -> f32 dot
     (``Unsupported element type for DotThunk``): such dots stay float32 there."""
     (_, _), (xb, _) = eqn.params["dimension_numbers"]
-    return bool(xb) and jax.default_backend() == "cpu"
+    return bool(xb) and backend == "cpu"
 
 
 def dot_general_rule(
-    eqn: Any, invals: Sequence[Any], compute_dtype: np.dtype, out_dtype: np.dtype = HIGH_DTYPE
+    eqn: Any,
+    invals: Sequence[Any],
+    compute_dtype: np.dtype,
+    out_dtype: np.dtype = HIGH_DTYPE,
+    *,
+    backend: str,
 ) -> list[Any]:
     x, y = invals
     if not (is_managed_float(x.dtype) and is_managed_float(y.dtype)):
         return default_allow_rule(eqn, invals, compute_dtype, out_dtype)
     p = eqn.params
-    if _cpu_batched(eqn):
+    if _cpu_batched(eqn, backend):
         return default_allow_rule(eqn, [v.astype(HIGH_DTYPE) for v in invals], HIGH_DTYPE)
     f = _amp_dot(
         p["dimension_numbers"],
@@ -278,6 +401,7 @@ def dot_general_rule(
         compute_dtype,
         np.dtype(x.dtype),
         np.dtype(y.dtype),
+        _cpu_fast_layouts(backend),
     )
     return [f(x, y)]
 
@@ -304,12 +428,12 @@ def _amp_conv(
         return prim.bind(x, w, **{**params, "preferred_element_type": out_dtype})
 
     def primal(x, w):
-        return conv(_lower(x, compute_dtype), _lower(w, compute_dtype), acc)
+        return conv(casting.lower(x, compute_dtype), casting.lower(w, compute_dtype), acc)
 
     f = jax.custom_vjp(primal)
 
     def fwd(x, w):
-        xl, wl = _lower(x, compute_dtype), _lower(w, compute_dtype)
+        xl, wl = casting.lower(x, compute_dtype), casting.lower(w, compute_dtype)
         return conv(xl, wl, acc), (xl, wl)
 
     def bwd(res, ct):
@@ -342,5 +466,26 @@ def conv_rule(
     return [f(x, w)]
 
 
-register_rule("dot_general", dot_general_rule)
-register_rule("conv_general_dilated", conv_rule)
+#: n-ary elementwise primitives that broadcast size-1 dimensions implicitly.
+BROADCASTING = frozenset(
+    {
+        "add",
+        "add_any",
+        "sub",
+        "mul",
+        "div",
+        "max",
+        "min",
+        "atan2",
+        "rem",
+        "pow",
+        "nextafter",
+        "select_n",
+        "clamp",
+        "copysign",
+    }
+)
+
+register_eqn_rule(BROADCASTING, BroadcastRule())
+register_eqn_rule("dot_general", DotRule())
+register_eqn_rule("conv_general_dilated", AllowRule(conv_rule))

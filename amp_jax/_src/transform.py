@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 from amp_jax._src import compat
-from amp_jax._src.interpreter import Context, eval_jaxpr, plan
+from amp_jax._src.interpreter import Context, evaluate, plan
 from amp_jax._src.policy import FULL_PRECISION_SCOPE, Policy, get_policy
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -155,12 +155,12 @@ def _as_output(x: Any) -> Any:
 
 
 class _Traced:
-    """A traced, inlined and painted jaxpr for one input signature."""
+    """The plan of the traced jaxpr of one input signature, and its context."""
 
-    __slots__ = ("closed", "colors", "out_tree", "ctx")
+    __slots__ = ("plan", "out_tree", "ctx")
 
-    def __init__(self, closed, colors, out_tree, ctx):
-        self.closed, self.colors, self.out_tree, self.ctx = closed, colors, out_tree, ctx
+    def __init__(self, plan, out_tree, ctx):
+        self.plan, self.out_tree, self.ctx = plan, out_tree, ctx
 
 
 class AmpFunction:
@@ -221,9 +221,7 @@ class AmpFunction:
         self.trace_count += 1
         out_tree = jax.tree.structure(out_shape)
         ctx = Context(self.policy, jax.default_backend())
-        flat = ctx.prepare(closed)
-        colors = plan(ctx, compat.jaxpr_of(flat))
-        return _Traced(flat, colors, out_tree, ctx)
+        return _Traced(plan(ctx, closed), out_tree, ctx)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         leaves, treedef = jax.tree.flatten((args, kwargs))
@@ -255,14 +253,14 @@ class AmpFunction:
             # A jaxpr that captured tracers of an enclosing transformation is
             # only valid inside that transformation: don't cache it.
             if key is not None and not any(
-                isinstance(c, compat.Tracer) for c in compat.consts_of(traced.closed)
+                isinstance(c, compat.Tracer) for c in compat.consts_of(traced.plan.closed)
             ):
                 with self._lock:
                     self._cache[key] = traced
                     while len(self._cache) > self.cache_size:
                         self._cache.popitem(last=False)
         dyn = [x for x, d in zip(leaves, dyn_mask) if d]
-        outs = eval_jaxpr(traced.ctx, traced.closed, dyn, traced.colors)
+        outs = evaluate(traced.ctx, traced.plan, dyn)
         return jax.tree.unflatten(traced.out_tree, [_as_output(o) for o in outs])
 
 
