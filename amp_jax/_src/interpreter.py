@@ -139,9 +139,11 @@ class Context:
         Such a call is painted like a follow op, so an activation between two
         matmuls runs in the compute dtype; its JVP rule still applies.
         """
-        if eqn.primitive.name not in compat.CUSTOM_JVP_NAMES or eqn.params.get("num_consts", 0):
+        if eqn.primitive.name not in compat.CUSTOM_JVP_NAMES:
             return False
-        body = eqn.params["call_jaxpr"]
+        body, _, n_consts = compat.custom_jvp_parts(eqn)
+        if n_consts:
+            return False
         return self.cached(
             "transparent",
             body,

@@ -296,8 +296,9 @@ def _dot(
     when the lhs contracts over its trailing dims and the rhs over its
     leading or trailing dims; otherwise (e.g. the weight gradient ``x.T @ g``,
     which contracts dim 0 of ``x``) it upcasts both operands to f32 and uses
-    a ~5x slower kernel. There, such an operand is transposed explicitly with
-    :func:`materialized_transpose` (a memory-bound copy of a bf16 array).
+    a slower kernel (benchmarks/RESULTS.md). There, such an operand is
+    transposed explicitly with :func:`materialized_transpose` (a memory-bound
+    copy of a bf16 array).
     Batched and non-bf16 dots are left as they are.
     """
     (ca, cb), (ba, bb) = dims

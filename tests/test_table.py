@@ -1,0 +1,164 @@
+"""The rule table of the core: which rule binds each eqn, what it reads low,
+the one casting rule, and the public ``register_rule``."""
+
+from __future__ import annotations
+
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import amp_jax
+from amp_jax._src import casting, compat, interpreter, rules
+from amp_jax._src.painting import HIGH, LOW, ORIG
+
+
+def _eqns(fn, *args):
+    return compat.jaxpr_of(jax.make_jaxpr(fn)(*args)).eqns
+
+
+def _rule_name(eqn, cls="follow"):
+    return type(interpreter.rule_for(eqn, cls)).__name__
+
+
+def test_every_eqn_is_bound_through_the_rule_of_its_primitive():
+    x = jnp.ones((4, 8))
+    w = jnp.ones((8, 8))
+
+    def fn(x, w):
+        y = x @ w  # dot_general
+        y = y + jnp.ones((1, 8))  # broadcasting add
+        y = jax.nn.relu(y)  # custom_jvp_call
+        y = jnp.tanh(y)  # plain
+        c, _ = lax.scan(lambda c, _: (c * 2.0, None), y, None, length=2)  # scan
+        return lax.cond(c.sum() > 0, lambda a: a, lambda a: -a, c)  # cond
+
+    names = {e.primitive.name: _rule_name(e) for e in _eqns(fn, x, w)}
+    assert names["dot_general"] == "Float8DotRule"  # the float8 rule extends DotRule
+    assert isinstance(interpreter.rule_for(_eqns(fn, x, w)[0], "allow"), rules.DotRule)
+    assert names["add"] == "BroadcastRule"
+    assert names["custom_jvp_call"] == "CustomJvpRule"
+    assert names["tanh"] == "EqnRule"
+    assert names["scan"] == "ScanRule"
+    assert names["cond"] == "HigherOrderRule"  # the generic rule of higher-order primitives
+    conv = _eqns(
+        lambda a, k: lax.conv(a, k, (1, 1), "SAME"), jnp.ones((1, 2, 5, 5)), jnp.ones((3, 2, 3, 3))
+    )
+    assert [_rule_name(e, "allow") for e in conv] == ["AllowRule"]
+
+
+def test_an_unknown_primitive_in_the_allow_class_gets_the_default_allow_rule():
+    (eqn,) = _eqns(jnp.tanh, jnp.ones(3))
+    assert type(interpreter.rule_for(eqn, "allow")) is rules.AllowRule
+    assert type(interpreter.rule_for(eqn, "follow")) is rules.EqnRule
+
+
+def _ctx(backend="cpu", policy="bfloat16"):
+    return interpreter.Context(amp_jax.get_policy(policy), backend)
+
+
+def test_rules_say_which_operands_they_read_low():
+    ctx = _ctx()
+    batched = _eqns(
+        lambda a, b: jnp.einsum("bij,bjk->bik", a, b), jnp.ones((2, 3, 4)), jnp.ones((2, 4, 5))
+    )
+    (bdot,) = [e for e in batched if e.primitive.name == "dot_general"]
+    rule = interpreter.rule_for(bdot, "allow")
+    # XLA:CPU has no batched bf16 dot: the rule reads its operands in float32 there
+    assert not rule.reads_low(ctx, bdot, LOW, "allow", bdot.invars[0])
+    assert rule.reads_low(_ctx("gpu"), bdot, LOW, "allow", bdot.invars[0])
+    # the same dot in the follow class (a user override) is a plain low bind
+    assert rule.reads_low(ctx, bdot, LOW, "follow", bdot.invars[0])
+    assert not rule.reads_low(ctx, bdot, ORIG, "allow", bdot.invars[0])
+
+    (add,) = _eqns(lambda a, b: a + b, jnp.ones((4, 8)), jnp.ones((1, 8)))
+    brule = interpreter.rule_for(add, "follow")
+    assert brule.reads_low(ctx, add, LOW, "follow", add.invars[0])  # same shape as the output
+    assert not brule.reads_low(ctx, add, LOW, "follow", add.invars[1])  # broadcast first
+
+    cond = [e for e in _eqns(lambda p, a: lax.cond(p, jnp.sin, jnp.cos, a), True, jnp.ones(3))]
+    (c,) = [e for e in cond if e.primitive.name == "cond"]
+    assert not interpreter.rule_for(c, "opaque").reads_low(ctx, c, ORIG, "opaque", c.invars[1])
+
+
+@pytest.mark.parametrize(
+    "dtype, color, expected",
+    [
+        (jnp.float32, LOW, jnp.bfloat16),
+        (jnp.float16, LOW, jnp.float16),  # never widened: a float16 value stays float16
+        (jnp.bfloat16, LOW, jnp.bfloat16),
+        (jnp.bfloat16, HIGH, jnp.float32),
+        (jnp.float32, ORIG, jnp.float32),
+        (jnp.float16, ORIG, jnp.float16),
+        (jnp.float64, LOW, None),  # not managed: read as it is
+        (jnp.int32, LOW, None),
+        (None, LOW, None),
+    ],
+)
+def test_one_casting_rule(dtype, color, expected):
+    got = casting.target(dtype, color, np.dtype(jnp.bfloat16))
+    assert got == (None if expected is None else np.dtype(expected))
+
+
+def test_cast_and_lower_make_no_convert_when_none_is_needed():
+    x = jnp.ones(3, jnp.bfloat16)
+    assert casting.cast(x, jnp.bfloat16) is x
+    assert casting.cast(x, None) is x
+    assert casting.lower(x, np.dtype(jnp.float16)) is x  # equal width: kept
+    i = jnp.ones(3, jnp.int32)
+    assert casting.lower(i, np.dtype(jnp.bfloat16)) is i
+    assert casting.lower(jnp.ones(3), np.dtype(jnp.bfloat16)).dtype == jnp.bfloat16
+    jaxpr = jax.make_jaxpr(lambda a: casting.cast(a, jnp.float32))(jnp.ones(2))
+    assert not compat.jaxpr_of(jaxpr).eqns
+
+
+def test_register_rule_binds_a_new_allow_primitive(monkeypatch):
+    calls = []
+
+    def tanh_rule(eqn, invals, compute_dtype, out_dtype):
+        calls.append((np.dtype(invals[0].dtype), np.dtype(compute_dtype), np.dtype(out_dtype)))
+        (x,) = invals
+        return [jnp.tanh(x.astype(compute_dtype)).astype(out_dtype)]
+
+    monkeypatch.setitem(rules.TABLE, "tanh", rules.TABLE.get("tanh"))  # restored after the test
+    amp_jax.register_rule("tanh", tanh_rule)
+    pol = amp_jax.Policy(overrides={"tanh": "allow"})
+    x = jnp.linspace(-2, 2, 16)
+    out = amp_jax.amp(jnp.tanh, policy=pol)(x)
+    assert calls and calls[0][:2] == (np.dtype(jnp.float32), np.dtype(jnp.bfloat16))
+    expected = jnp.tanh(x.astype(jnp.bfloat16)).astype(jnp.float32)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(expected))
+    # in the default policy tanh is not allow: the rule is not used
+    calls.clear()
+    amp_jax.amp(jnp.tanh)(x)
+    assert not calls
+
+
+def test_register_rule_refuses_structural_primitives_and_bad_arguments():
+    with pytest.raises(ValueError, match="'scan'.*structural rule"):
+        amp_jax.register_rule("scan", lambda *a: None)
+    with pytest.raises(TypeError, match="primitive_name must be a str"):
+        amp_jax.register_rule(lax.tanh_p, lambda *a: None)
+    with pytest.raises(TypeError, match="rule must be a function"):
+        amp_jax.register_rule("tanh", 3)
+
+
+def test_backend_comes_from_the_context_not_the_process():
+    """The dot rule's CPU layouts and batched-dot fallback follow ctx.backend."""
+    a, b = jnp.ones((2, 16, 32)), jnp.ones((2, 32, 16))
+    (eqn,) = _eqns(lambda a, b: lax.dot_general(a, b, (((2,), (1,)), ((0,), (0,)))), a, b)
+
+    def dtypes_of(backend):
+        ctx = _ctx(backend)
+
+        def fn(a, b):  # a reader of the operands, as the interpreter's _Env
+            env = types.SimpleNamespace(read=lambda v, d: (a, b)[eqn.invars.index(v)])
+            return rules.TABLE["dot_general"].evaluate(ctx, eqn, LOW, "allow", env)
+
+        return str(jax.make_jaxpr(fn)(a, b))  # (with the custom_vjp's inner jaxpr)
+
+    assert "bf16" not in dtypes_of("cpu")  # batched bf16 dot: float32 on XLA:CPU
+    assert "bf16[2,16,32]" in dtypes_of("gpu")
