@@ -292,3 +292,21 @@ def test_memoized_fun_calls_once_per_argument_tuple():
     assert wrapped.call_wrapped(1, 2) == 3
     assert wrapped.call_wrapped(1, 2) == 3
     assert calls == [(1, 2)]
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        jax.jit(jnp.sin),
+        jax.checkpoint(jnp.sin),
+        jax.nn.relu,
+        jax.custom_vjp(jnp.sin),
+    ],
+    ids=["jit", "checkpoint", "custom_jvp", "custom_vjp"],
+)
+def test_call_like_names_cover_this_jax(fn):
+    if isinstance(fn, jax.custom_vjp):
+        fn.defvjp(lambda x: (jnp.sin(x), x), lambda x, g: (g * jnp.cos(x),))
+    (eqn,) = compat.jaxpr_of(jax.make_jaxpr(fn)(jnp.ones(3))).eqns
+    assert eqn.primitive.name in compat.CALL_LIKE_NAMES, eqn.primitive.name
+    assert len(list(jax.extend.core.jaxprs_in_params(eqn.params))) == 1

@@ -63,22 +63,7 @@ CASES = {
 }
 
 
-_XFAIL = {
-    # JAX 0.10 names jax.checkpoint's primitive "remat2", which _deps._CALL_LIKE
-    # lacks: it is treated conservatively (both outputs get {b, c}).
-    "checkpoint_entered": "checkpoint's primitive (remat2) is not entered",
-}
-
-
-@pytest.mark.parametrize(
-    "name",
-    [
-        pytest.param(n, marks=pytest.mark.xfail(reason=_XFAIL[n], strict=True))
-        if n in _XFAIL
-        else n
-        for n in CASES
-    ],
-)
+@pytest.mark.parametrize("name", list(CASES))
 def test_dependencies_table(name):
     fn, expected = CASES[name]
     x = jnp.linspace(-1.0, 1.0, 3)

@@ -148,6 +148,14 @@ def name_stack_str(eqn: Any) -> str:
 JIT_NAMES = frozenset({"jit", "pjit"})
 CUSTOM_JVP_NAMES = frozenset({"custom_jvp_call"})
 CUSTOM_VJP_NAMES = frozenset({"custom_vjp_call", "custom_vjp_call_jaxpr"})
+#: Primitives whose one sub-jaxpr is called once with the eqn's operands and
+#: gives its results (``jax.checkpoint`` is ``remat2`` in JAX 0.10).
+CALL_LIKE_NAMES = (
+    JIT_NAMES
+    | CUSTOM_JVP_NAMES
+    | CUSTOM_VJP_NAMES
+    | frozenset({"closed_call", "core_call", "remat", "remat2", "checkpoint"})
+)
 
 
 def _is_unspecified(s: Any) -> bool:
