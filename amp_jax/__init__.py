@@ -23,12 +23,6 @@ from amp_jax._src.explain import (
 from amp_jax._src.explain import (
     explain as explain,
 )
-from amp_jax._src.inspect import (
-    dtype_report as dtype_report,
-)
-from amp_jax._src.inspect import (
-    format_dtype_report as format_dtype_report,
-)
 from amp_jax._src.policy import (
     BACKEND_LOW_OUTPUTS as BACKEND_LOW_OUTPUTS,
 )
@@ -55,6 +49,12 @@ from amp_jax._src.policy import (
 )
 from amp_jax._src.policy import (
     get_policy as get_policy,
+)
+from amp_jax._src.report import (
+    dtype_report as dtype_report,
+)
+from amp_jax._src.report import (
+    format_dtype_report as format_dtype_report,
 )
 from amp_jax._src.rules import register_rule as register_rule
 from amp_jax._src.transform import amp as amp

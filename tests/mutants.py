@@ -37,6 +37,7 @@ CORE_TESTS = [
     "tests/test_solver.py",
     "tests/test_decisions.py",
     "tests/test_float8.py",
+    "tests/test_table.py",
 ]
 
 

@@ -119,3 +119,194 @@ def test_closed_and_open_jaxprs():
     assert [v.aval for v in opened.invars] == compat.in_avals(closed)
     again = compat.close(opened, compat.consts_of(closed))
     assert compat.is_closed_jaxpr(again)
+
+
+# -- helpers read by the interpreter, debug and transform -----------------------
+
+
+def test_literal_value_and_cast_constant_stay_constants():
+    closed = jax.make_jaxpr(lambda x: x * 2.5)(jnp.ones(3, jnp.float32))
+    (eqn,) = compat.jaxpr_of(closed).eqns
+    lit = eqn.invars[1]
+    assert isinstance(lit, compat.Literal)
+    val = compat.literal_value(lit)
+    assert float(val) == 2.5 and np.dtype(val.dtype) == np.float32
+    low = compat.cast_constant(val, np.dtype(jnp.bfloat16))
+    # a numpy scalar of the new dtype, not a traced or device array
+    assert isinstance(low, np.generic) and np.dtype(low.dtype) == np.dtype(jnp.bfloat16)
+    assert float(low) == 2.5
+    arr = compat.cast_constant(np.array([1.0, 1e-8, 3.0]), np.dtype(np.float16))
+    assert isinstance(arr, np.ndarray) and arr.dtype == np.float16 and arr.shape == (3,)
+    np.testing.assert_array_equal(arr, np.array([1.0, 0.0, 3.0], np.float16))
+    # a python scalar too
+    assert np.dtype(compat.cast_constant(2, np.dtype(np.float32)).dtype) == np.float32
+
+
+def test_while_split_counts_cond_and_body_consts():
+    k1, k2, k3 = jnp.float32(1.0), jnp.float32(2.0), jnp.float32(3.0)
+
+    def f(x, a, b, c):
+        return lax.while_loop(
+            lambda s: s[0] < a,  # cond reads one const
+            lambda s: (s[0] + b * c, s[1] * c),  # body reads two
+            (x, x),
+        )
+
+    closed = jax.make_jaxpr(f)(jnp.float32(0.0), k1, k2, k3)
+    eqn = _eqn(closed, {"while"})
+    cn, bn = compat.while_split(eqn.params)
+    assert (cn, bn) == (1, 2)
+    # the rest of the operands is the carry
+    assert len(eqn.invars) - cn - bn == 2
+    assert len(compat.jaxpr_of(eqn.params["cond_jaxpr"]).invars) == cn + 2
+    assert len(compat.jaxpr_of(eqn.params["body_jaxpr"]).invars) == bn + 2
+
+
+@pytest.mark.parametrize("n_consts, n_carry, n_xs", [(0, 1, 1), (2, 3, 1), (1, 2, 2)])
+def test_scan_split_counts_consts_and_carry(n_consts, n_carry, n_xs):
+    consts = [jnp.full((3,), float(i + 2)) for i in range(n_consts)]
+    xs = [jnp.ones((4, 3)) * (i + 1) for i in range(n_xs)]
+
+    def f(carry, xs):
+        def body(c, x):
+            return tuple(ci * sum(consts, 1.0) + sum(x) for ci in c), c[0]
+
+        return lax.scan(body, carry, xs)
+
+    carry = tuple(jnp.zeros(3) for _ in range(n_carry))
+    eqn = _eqn(jax.make_jaxpr(f)(carry, xs), {"scan"})
+    assert compat.scan_split(eqn.params) == (n_consts, n_carry)
+    nc, ncarry = compat.scan_split(eqn.params)
+    assert nc + ncarry + compat.scan_num_xs(eqn.params) == len(eqn.invars)
+
+
+def test_name_stack_str_has_the_named_scopes():
+    def f(x):
+        with jax.named_scope("outer"):
+            with jax.named_scope("inner"):
+                y = jnp.sin(x)
+        return y + 1.0
+
+    eqns = compat.jaxpr_of(jax.make_jaxpr(f)(jnp.ones(2))).eqns
+    sin = next(e for e in eqns if e.primitive.name == "sin")
+    add = next(e for e in eqns if e.primitive.name == "add")
+    assert compat.name_stack_str(sin) == "outer/inner"
+    assert "outer" not in compat.name_stack_str(add)
+
+
+def test_trace_to_closed_jaxpr_round_trip():
+    def f(x, y):
+        return jnp.tanh(x) @ y, x.sum()
+
+    avals = [jax.ShapeDtypeStruct((2, 3), jnp.float32), jax.ShapeDtypeStruct((3, 4), jnp.bfloat16)]
+    closed = compat.trace_to_closed_jaxpr(f, avals)
+    assert compat.is_closed_jaxpr(closed)
+    assert not compat.is_open_jaxpr(closed)
+    assert compat.is_open_jaxpr(compat.jaxpr_of(closed))
+    assert [(a.shape, a.dtype) for a in compat.in_avals(closed)] == [
+        ((2, 3), jnp.float32),
+        ((3, 4), jnp.bfloat16),
+    ]
+    x = jnp.arange(6.0).reshape(2, 3) / 6
+    y = jnp.ones((3, 4), jnp.bfloat16)
+    want = f(x, y)
+    got = jax.core.eval_jaxpr(compat.jaxpr_of(closed), compat.consts_of(closed), x, y)
+    assert len(got) == 2
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32))
+    # re-closing the open jaxpr gives an equivalent closed jaxpr
+    again = compat.close(compat.jaxpr_of(closed), compat.consts_of(closed))
+    assert compat.in_avals(again) == compat.in_avals(closed)
+    assert compat.closed_to_open_no_consts(closed, "test") is compat.jaxpr_of(closed)
+
+
+def test_closed_to_open_no_consts_refuses_captured_constants():
+    c = np.arange(3.0, dtype=np.float32)
+    open_ = compat.jaxpr_of(jax.make_jaxpr(lambda x, k: x + k)(jnp.ones(3), c))
+    assert compat.closed_to_open_no_consts(compat.close(open_, []), "x") is open_
+    # a jaxpr that closes over an array constant
+    const_closed = jax.make_jaxpr(lambda x: x + jnp.asarray(c) * 2)(jnp.ones(3))
+    assert len(compat.consts_of(const_closed)) == 1
+    with pytest.raises(NotImplementedError, match="captured constants"):
+        compat.closed_to_open_no_consts(const_closed, "scan")
+
+
+def test_trace_with_shape_kw_orders_args_then_kwargs():
+    def f(x, *, scale):
+        return {"y": x * scale["s"]}
+
+    x = jax.ShapeDtypeStruct((2,), jnp.float32)
+    s = jax.ShapeDtypeStruct((), jnp.float32)
+    closed, shape = compat.trace_with_shape_kw(f, [x], {"scale": {"s": s}})
+    assert [a.shape for a in compat.in_avals(closed)] == [(2,), ()]
+    assert jax.tree.structure(shape) == jax.tree.structure({"y": 0})
+    assert shape["y"].shape == (2,) and shape["y"].dtype == jnp.float32
+    closed2, shape2 = compat.trace_with_shape(lambda a: (a, a.sum()), [x])
+    assert [o.shape for o in shape2] == [(2,), ()]
+    assert len(compat.jaxpr_of(closed2).outvars) == 2
+
+
+def test_abstract_key_tells_dtypes_and_weak_types_apart():
+    a32 = compat.abstract_key(jnp.ones(3, jnp.float32))
+    assert a32 == compat.abstract_key(jnp.zeros(3, jnp.float32))
+    assert a32 != compat.abstract_key(jnp.ones(3, jnp.bfloat16))
+    assert a32 != compat.abstract_key(jnp.ones(4, jnp.float32))
+    assert compat.abstract_key(jnp.float32(1.0)) != compat.abstract_key(jnp.asarray(1.0))
+    hash(a32)
+    aval = compat.abstractify(jnp.ones((2, 3), jnp.bfloat16))
+    assert aval.shape == (2, 3) and aval.dtype == jnp.bfloat16
+    assert compat.aval_of(jnp.ones(2)).shape == (2,)
+
+
+def test_vjp_residuals_rebuild_the_pullback():
+    def f(x):
+        return jnp.sin(x) * x
+
+    x = jnp.linspace(0.0, 1.0, 4)
+    _, vjp = jax.vjp(f, x)
+    got = compat.vjp_residuals(vjp)
+    assert got is not None
+    leaves, treedef = got
+    assert leaves and all(isinstance(l, jax.Array) for l in leaves)
+    rebuilt = jax.tree.unflatten(treedef, leaves)
+    (g,) = rebuilt(jnp.ones(4))
+    np.testing.assert_allclose(np.asarray(g), np.asarray(jnp.cos(x) * x + jnp.sin(x)), rtol=1e-6)
+
+
+def test_source_line_names_this_file():
+    eqn = compat.jaxpr_of(jax.make_jaxpr(lambda x: jnp.cos(x))(1.0)).eqns[0]
+    line = compat.source_line(eqn)
+    assert "test_compat.py" in line, line
+
+
+def test_memoized_fun_calls_once_per_argument_tuple():
+    calls = []
+
+    def fn(*args):
+        calls.append(args)
+        return sum(args)
+
+    like = jax.make_jaxpr(jax.nn.relu)(jnp.ones(2)).eqns[0].params["jvp_jaxpr_fun"]
+    wrapped = compat.memoized_fun(fn, like)
+    assert wrapped.call_wrapped(1, 2) == 3
+    assert wrapped.call_wrapped(1, 2) == 3
+    assert calls == [(1, 2)]
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        jax.jit(jnp.sin),
+        jax.checkpoint(jnp.sin),
+        jax.nn.relu,
+        jax.custom_vjp(jnp.sin),
+    ],
+    ids=["jit", "checkpoint", "custom_jvp", "custom_vjp"],
+)
+def test_call_like_names_cover_this_jax(fn):
+    if isinstance(fn, jax.custom_vjp):
+        fn.defvjp(lambda x: (jnp.sin(x), x), lambda x, g: (g * jnp.cos(x),))
+    (eqn,) = compat.jaxpr_of(jax.make_jaxpr(fn)(jnp.ones(3))).eqns
+    assert eqn.primitive.name in compat.CALL_LIKE_NAMES, eqn.primitive.name
+    assert len(list(jax.extend.core.jaxprs_in_params(eqn.params))) == 1

@@ -18,12 +18,9 @@ from jax.extend import core as jex_core
 from jax.extend import linear_util as jex_lu
 from jax.extend import source_info_util
 
-JAX_VERSION: tuple[int, ...] = tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())
-
 ClosedJaxpr = jex_core.ClosedJaxpr
 Jaxpr = jex_core.Jaxpr
 Literal = jex_core.Literal
-Var = jex_core.Var
 Tracer = jax.core.Tracer
 
 # In 0.11 the two classes are one: a "closed" jaxpr is a Jaxpr with consts.
@@ -53,10 +50,6 @@ def close(jaxpr: Any, consts: Sequence[Any]) -> Any:
 
 def in_avals(cj: Any) -> list[Any]:
     return list(cj.in_avals)
-
-
-def out_avals(cj: Any) -> list[Any]:
-    return list(cj.out_avals)
 
 
 def aval_of(x: Any) -> Any:
@@ -155,6 +148,14 @@ def name_stack_str(eqn: Any) -> str:
 JIT_NAMES = frozenset({"jit", "pjit"})
 CUSTOM_JVP_NAMES = frozenset({"custom_jvp_call"})
 CUSTOM_VJP_NAMES = frozenset({"custom_vjp_call", "custom_vjp_call_jaxpr"})
+#: Primitives whose one sub-jaxpr is called once with the eqn's operands and
+#: gives its results (``jax.checkpoint`` is ``remat2`` in JAX 0.10).
+CALL_LIKE_NAMES = (
+    JIT_NAMES
+    | CUSTOM_JVP_NAMES
+    | CUSTOM_VJP_NAMES
+    | frozenset({"closed_call", "core_call", "remat", "remat2", "checkpoint"})
+)
 
 
 def _is_unspecified(s: Any) -> bool:

@@ -31,10 +31,10 @@ from jax.extend import core as jex_core
 
 from amp_jax._src import compat
 from amp_jax._src.attention import scope_reason
-from amp_jax._src.inspect import iter_eqns
 from amp_jax._src.interpreter import Context, plan
 from amp_jax._src.painting import HIGH, KEEP, LOW, OPAQUE, ORIG, SKIP
 from amp_jax._src.policy import FULL_PRECISION_SCOPE, Policy, get_policy, is_managed_float
+from amp_jax._src.report import iter_eqns
 from amp_jax._src.transform import AmpFunction, _is_dynamic
 
 #: primitives that move data without arithmetic (0 FLOPs).

@@ -27,13 +27,12 @@ import dataclasses
 import difflib
 import functools
 from collections.abc import Iterable, Mapping
-from typing import Any, Literal
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-OpClass = Literal["allow", "deny", "follow", "clear", "never"]
 OP_CLASSES: tuple[str, ...] = ("allow", "deny", "follow", "clear", "never")
 
 #: Matmuls and convolutions: compute-dtype operands, float32 accumulation.

@@ -10,31 +10,20 @@ import jax
 import optax
 from jax.extend import core as jex_core
 
+from amp_jax._src import compat
 from amp_jax.optim import _loss_scale, _tree
 
 # Primitives whose single sub-jaxpr is called once with the eqn's operands and
 # returns its results: dependence can be traced through them exactly. Any other
 # higher-order primitive (scan, while, cond, ...) is treated conservatively: each
 # output depends on every input.
-_CALL_LIKE = frozenset(
-    {
-        "pjit",
-        "jit",
-        "closed_call",
-        "core_call",
-        "remat",
-        "checkpoint",
-        "custom_jvp_call",
-        "custom_vjp_call",
-        "custom_vjp_call_jaxpr",
-    }
-)
+_CALL_LIKE = compat.CALL_LIKE_NAMES
 
 _EMPTY: frozenset = frozenset()
 
 
 def _open(j: Any) -> Any:
-    return j.jaxpr if hasattr(j, "jaxpr") and not isinstance(j, jex_core.Jaxpr) else j
+    return compat.jaxpr_of(j) if compat.is_closed_jaxpr(j) else j
 
 
 def dependencies(jaxpr: Any, in_deps: Sequence[frozenset]) -> list[frozenset]:
@@ -49,7 +38,7 @@ def dependencies(jaxpr: Any, in_deps: Sequence[frozenset]) -> list[frozenset]:
     env: dict[Any, frozenset] = {}
 
     def read(v):
-        if isinstance(v, jex_core.Literal):
+        if isinstance(v, compat.Literal):
             return _EMPTY
         return env.get(v, _EMPTY)
 
@@ -79,8 +68,6 @@ def residual_depends_on_input(block_fn: Callable, p_layer: Any, h: Any) -> list[
     None when the pullback is not a pytree of arrays (see
     ``compat.vjp_residuals``); the caller then recomputes the forward pass.
     """
-    from amp_jax._src import compat
-
     opaque = []
 
     def res(p, x):
@@ -96,7 +83,7 @@ def residual_depends_on_input(block_fn: Callable, p_layer: Any, h: Any) -> list[
         return None
     n_p = len(jax.tree.leaves(p_layer))
     n_h = len(jax.tree.leaves(h))
-    outs = dependencies(closed.jaxpr, [_EMPTY] * n_p + [frozenset({0})] * n_h)
+    outs = dependencies(closed, [_EMPTY] * n_p + [frozenset({0})] * n_h)
     return [bool(d) for d in outs]
 
 
@@ -172,7 +159,7 @@ def refuse_cross_parameter(optimizer: Any, probe_params: Any) -> None:
     leaves = jax.tree.leaves(probe_params)
     n = len(leaves)
     labels = [frozenset({i}) for i in range(n)]
-    outs = dependencies(closed.jaxpr, labels + labels)
+    outs = dependencies(closed, labels + labels)
     n_state = len(jax.tree.leaves(state_shape))
     if len(outs) != n + n_state:
         return

@@ -1,0 +1,158 @@
+"""amp_jax._src.rules: the dot_general cotangents and the materialized transpose.
+
+``_dot_transpose`` is checked against JAX's own transpose rule (``jax.vjp`` of
+``lax.dot_general``) for many dimension-number layouts, on both operands, in
+float32 and with bfloat16 operands (where, on CPU, ``rules._dot`` rewrites the
+operand layouts with materialized transposes).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+from amp_jax._src import compat, rules
+
+# name: (x shape, y shape, ((xc, yc), (xb, yb)))
+LAYOUTS = {
+    "matmul": ((3, 4), (4, 5), (((1,), (0,)), ((), ()))),
+    "xT_y": ((4, 3), (4, 5), (((0,), (0,)), ((), ()))),
+    "x_yT": ((3, 4), (5, 4), (((1,), (1,)), ((), ()))),
+    "xT_yT": ((4, 3), (5, 4), (((0,), (1,)), ((), ()))),
+    "two_contracting": ((2, 3, 4), (3, 4, 5), (((1, 2), (0, 1)), ((), ()))),
+    "two_contracting_crossed": ((2, 3, 4), (4, 5, 3), (((1, 2), (2, 0)), ((), ()))),
+    "contract_leading_two": ((3, 4, 6), (5, 4, 3), (((0, 1), (2, 1)), ((), ()))),
+    "batch_leading": ((2, 3, 4), (2, 4, 5), (((2,), (1,)), ((0,), (0,)))),
+    "batch_not_leading": ((3, 2, 4), (4, 5, 2), (((2,), (0,)), ((1,), (2,)))),
+    "two_batch_mixed": ((3, 2, 4, 6), (6, 4, 2, 5), (((2,), (1,)), ((3, 1), (0, 2)))),
+    "vector_matrix": ((4,), (4, 5), (((0,), (0,)), ((), ()))),
+    "matrix_vector": ((3, 4), (4,), (((1,), (0,)), ((), ()))),
+    "outer": ((3,), (5,), (((), ()), ((), ()))),
+}
+
+
+def _inputs(xs, ys, dims, dtype):
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal(xs, np.float32)).astype(dtype)
+    y = jnp.asarray(rng.standard_normal(ys, np.float32)).astype(dtype)
+    ct_shape = jax.eval_shape(lambda a, b: lax.dot_general(a, b, dims), x, y).shape
+    ct = jnp.asarray(rng.standard_normal(ct_shape, np.float32)).astype(dtype)
+    return x, y, ct
+
+
+def _ours(ct, x, y, dims, acc=jnp.float32):
+    (xc, yc), (xb, yb) = dims
+    dx = rules._dot_transpose(ct, y, x.ndim, xc, xb, yc, yb, y.ndim, True, None, acc)
+    dy = rules._dot_transpose(ct, x, y.ndim, yc, yb, xc, xb, x.ndim, False, None, acc)
+    return dx, dy
+
+
+def _both(ct, x, y, dims):
+    """(ours, JAX's) cotangents; JAX's of float32 copies of the (rounded) inputs."""
+
+    def run(ct, x, y):
+        f32 = lambda v: v.astype(jnp.float32)
+        _, vjp = jax.vjp(lambda a, b: lax.dot_general(a, b, dims), f32(x), f32(y))
+        return _ours(ct, x, y, dims), vjp(f32(ct))
+
+    return jax.jit(run)(ct, x, y)
+
+
+def _check(name, dtype, tol):
+    xs, ys, dims = LAYOUTS[name]
+    x, y, ct = _inputs(xs, ys, dims, dtype)
+    (dx, dy), (rdx, rdy) = _both(ct, x, y, dims)
+    assert dx.shape == x.shape and dy.shape == y.shape
+    assert dx.dtype == jnp.float32 and dy.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(dx), np.asarray(rdx), rtol=tol, atol=tol)
+    np.testing.assert_allclose(np.asarray(dy), np.asarray(rdy), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_dot_transpose_matches_jax_float32(name):
+    _check(name, jnp.float32, 1e-5)
+
+
+def _batched(dims):
+    return bool(dims[1][0])
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_dot_transpose_matches_jax_bfloat16_operands(name):
+    if _batched(LAYOUTS[name][2]) and jax.default_backend() == "cpu":
+        pytest.skip(
+            "XLA:CPU has no batched bf16 x bf16 -> f32 dot kernel; "
+            "dot_general_rule keeps such dots in float32 there (rules._cpu_batched)"
+        )
+    # bf16 operands, float32 accumulation: only the summation order differs
+    _check(name, jnp.bfloat16, 1e-2)
+
+
+def _dots(closed):
+    out = []
+
+    def walk(j):
+        for e in j.eqns:
+            if e.primitive.name == "dot_general":
+                out.append(e)
+            for sub in jax.extend.core.jaxprs_in_params(e.params):
+                walk(compat.jaxpr_of(sub) if compat.is_closed_jaxpr(sub) else sub)
+
+    walk(compat.jaxpr_of(closed))
+    return out
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU layout rewrite")
+@pytest.mark.parametrize("name", [n for n, v in LAYOUTS.items() if not _batched(v[2])])
+def test_bfloat16_backward_dots_use_cpu_fast_layouts(name):
+    """On CPU every unbatched bf16 cotangent dot contracts the lhs over its
+    trailing dims and the rhs over its leading or trailing dims."""
+    xs, ys, dims = LAYOUTS[name]
+    x, y, ct = _inputs(xs, ys, dims, jnp.bfloat16)
+    closed = jax.make_jaxpr(lambda c, a, b: _ours(c, a, b, dims))(ct, x, y)
+    dots = _dots(closed)
+    assert len(dots) == 2
+    for e in dots:
+        (ca, cb), _ = e.params["dimension_numbers"]
+        na, nb, k = e.invars[0].aval.ndim, e.invars[1].aval.ndim, len(ca)
+        assert tuple(ca) == tuple(range(na - k, na)), e
+        assert tuple(cb) in (tuple(range(k)), tuple(range(nb - k, nb))), e
+        assert e.params["preferred_element_type"] == jnp.float32
+        assert all(v.aval.dtype == jnp.bfloat16 for v in e.invars)
+
+
+@pytest.mark.parametrize(
+    "shape, perm",
+    [
+        ((4, 6), (1, 0)),
+        ((2, 3, 8), (2, 0, 1)),
+        ((8, 3, 5), (1, 2, 0)),
+        ((3, 5, 7), (2, 1, 0)),
+        ((16, 2, 3, 4), (3, 1, 0, 2)),
+        ((4, 6), (0, 1)),
+    ],
+)
+def test_materialized_transpose_equals_lax_transpose(shape, perm):
+    x = jnp.arange(np.prod(shape), dtype=jnp.float32).reshape(shape)
+    got = rules.materialized_transpose(x, perm)
+    want = lax.transpose(x, perm)
+    assert got.shape == want.shape
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    got_jit = jax.jit(lambda a: rules.materialized_transpose(a, perm))(x)
+    np.testing.assert_array_equal(np.asarray(got_jit), np.asarray(want))
+
+
+def _prims(fn, x):
+    return [e.primitive.name for e in compat.jaxpr_of(jax.make_jaxpr(fn)(x)).eqns]
+
+
+def test_materialized_transpose_splits_a_dim_into_reshapes():
+    x = jnp.ones((8, 6), jnp.bfloat16)
+    prims = _prims(lambda a: rules.materialized_transpose(a, (1, 0)), x)
+    assert prims.count("reshape") == 2 and prims.count("transpose") == 1, prims
+    # the identity permutation is no op at all
+    assert _prims(lambda a: rules.materialized_transpose(a, (0, 1)), x) == []
+    # no splittable dim (primes with no listed factor, or 1): a plain transpose
+    prims = _prims(lambda a: rules.materialized_transpose(a, (1, 0)), jnp.ones((11, 13)))
+    assert prims == ["transpose"], prims
