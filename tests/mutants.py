@@ -38,6 +38,7 @@ CORE_TESTS = [
     "tests/test_decisions.py",
     "tests/test_float8.py",
     "tests/test_table.py",
+    "tests/test_rules.py",
 ]
 
 

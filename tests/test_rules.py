@@ -42,9 +42,13 @@ def _inputs(xs, ys, dims, dtype):
 
 
 def _ours(ct, x, y, dims, acc=jnp.float32):
+    """Both cotangents, as the dot rule computes them on this backend."""
     (xc, yc), (xb, yb) = dims
-    dx = rules._dot_transpose(ct, y, x.ndim, xc, xb, yc, yb, y.ndim, True, None, acc)
-    dy = rules._dot_transpose(ct, x, y.ndim, yc, yb, xc, xb, x.ndim, False, None, acc)
+    layouts = rules._cpu_fast_layouts(jax.default_backend())
+    dx = rules._dot_transpose(ct, y, x.ndim, xc, xb, yc, yb, y.ndim, True, None, acc, None, layouts)
+    dy = rules._dot_transpose(
+        ct, x, y.ndim, yc, yb, xc, xb, x.ndim, False, None, acc, None, layouts
+    )
     return dx, dy
 
 
