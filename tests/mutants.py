@@ -166,6 +166,23 @@ def _float8_backward_e4m3():
     float8.BWD_DTYPE = float8.FWD_DTYPE
 
 
+def _casting_widens():
+    import numpy as np
+
+    from amp_jax._src import casting
+
+    casting.narrowed = lambda dtype, compute_dtype: np.dtype(compute_dtype)  # f16 -> bf16 too
+
+
+def _backend_from_process():
+    import jax
+
+    from amp_jax._src import rules
+
+    orig = rules._cpu_batched  # the rules ask the process, not the context
+    rules._cpu_batched = lambda eqn, backend: orig(eqn, jax.default_backend())
+
+
 MUTANTS = {
     "amp_identity": _amp_identity,
     "hoisting_off": _hoisting_off,
@@ -183,6 +200,8 @@ MUTANTS = {
     "float8_off": _float8_off,
     "float8_scales_unguarded": _float8_scales_unguarded,
     "float8_backward_e4m3": _float8_backward_e4m3,
+    "casting_widens": _casting_widens,
+    "backend_from_process": _backend_from_process,
 }
 
 
