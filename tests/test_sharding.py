@@ -295,14 +295,15 @@ def test_checkpoint_restores_onto_another_mesh_and_resumes_bitwise(name, tmp_pat
 # -- eager updates with FSDP-sharded parameter stacks ------------------------------
 
 
-def test_scan_step_with_fsdp_stacks_matches_standard_step():
-    L = 3
+def _fsdp_scan_step(tx, policy, layers=3):
+    """(scan_step of ``tx`` over amp blocks, the fsdp mesh, the stack specs,
+    a function making the FSDP-sharded parameters)."""
 
     def embed(p, b):
         return b[0] @ p["w"]
 
     def blk(p, h):
-        return amp_jax.amp(sm.block)(p, h)
+        return amp_jax.amp(sm.block, policy=policy)(p, h)
 
     def head(p, h, b):
         return jnp.mean(((h @ p["w"]) - b[1]) ** 2)
@@ -311,13 +312,17 @@ def test_scan_step_with_fsdp_stacks_matches_standard_step():
     stack_specs = {k: P(None, *v) for k, v in sm.SPECS["fsdp"].items()}
 
     def params():
-        blocks = jax.vmap(sm.init)(jax.random.split(jax.random.key(0), L))
+        blocks = jax.vmap(sm.init)(jax.random.split(jax.random.key(0), layers))
         blocks = {k: jax.device_put(v, NamedSharding(m, stack_specs[k])) for k, v in blocks.items()}
         w = jax.device_put(jnp.eye(sm.D), NamedSharding(m, P("data")))
         return {"embed": {"w": w}, "blocks": blocks, "head": {"w": w + 0.0}}
 
+    return amp_jax.eager.scan_step(embed, blk, head, tx), m, stack_specs, params
+
+
+def test_scan_step_with_fsdp_stacks_matches_standard_step():
     tx = optax.adamw(1e-3, weight_decay=0.1)
-    step = amp_jax.eager.scan_step(embed, blk, head, tx)
+    step, m, stack_specs, params = _fsdp_scan_step(tx, "bfloat16")
     with jax.set_mesh(m):
         b = sm.batch(jax.random.key(1), 16, m)
         p, ps = params(), params()
@@ -343,28 +348,8 @@ def test_scan_step_with_fsdp_stacks_matches_standard_step():
 def test_scan_step_float16_dynamic_loss_scale_with_fsdp_stacks_matches_standard_step():
     """float16 compute + dynamic loss scaling (check-first) on FSDP-sharded stacks,
     with a forced overflow step: same skips and scales as the standard step."""
-    L = 3
-
-    def embed(p, b):
-        return b[0] @ p["w"]
-
-    def blk(p, h):
-        return amp_jax.amp(sm.block, policy="float16")(p, h)
-
-    def head(p, h, b):
-        return jnp.mean(((h @ p["w"]) - b[1]) ** 2)
-
-    m = sm.mesh("fsdp", AxisType.Auto)
-    stack_specs = {k: P(None, *v) for k, v in sm.SPECS["fsdp"].items()}
-
-    def params():
-        blocks = jax.vmap(sm.init)(jax.random.split(jax.random.key(0), L))
-        blocks = {k: jax.device_put(v, NamedSharding(m, stack_specs[k])) for k, v in blocks.items()}
-        w = jax.device_put(jnp.eye(sm.D), NamedSharding(m, P("data")))
-        return {"embed": {"w": w}, "blocks": blocks, "head": {"w": w + 0.0}}
-
     tx = optim.dynamic_loss_scale(optax.adam(1e-3), init_scale=2.0**12, growth_interval=2)
-    step = amp_jax.eager.scan_step(embed, blk, head, tx)
+    step, m, stack_specs, params = _fsdp_scan_step(tx, "float16")
     with jax.set_mesh(m):
         b = sm.batch(jax.random.key(1), 16, m)
         bad = (b[0].at[3, 0, 0].set(jnp.inf), b[1])  # one shard of one device

@@ -16,6 +16,11 @@ from amp_jax._src.painting import HIGH, LOW
 from amp_jax._src.policy import HIGH_DTYPE, is_managed_float
 
 
+def dtype_of(atom: Any) -> Any:
+    """The dtype of a jaxpr variable or literal (None for tokens and the like)."""
+    return getattr(atom.aval, "dtype", None)
+
+
 def narrowed(dtype: Any, compute_dtype: np.dtype) -> np.dtype:
     """``dtype`` read in ``compute_dtype``: the narrower of the two (a
     float16 value under a bfloat16 policy stays float16)."""

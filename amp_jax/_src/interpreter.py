@@ -6,7 +6,7 @@ for the top-level jaxpr and every sub-jaxpr:
 1. *Prepare* (:meth:`Context.prepare`): inline ``jit`` eqns that carry no
    shardings, so that the analysis sees through ``jax.nn``/``jnp`` helpers
    that are jitted internally.
-2. *Plan* (:meth:`Context.plan`): give every eqn a class (allow / deny /
+2. *Plan* (:func:`plan`): give every eqn a class (allow / deny /
    follow / clear, or kept high with a reason: :meth:`Context.classify`) and
    a color -- ``low`` (compute dtype), ``high`` (float32) or ``orig`` (its
    original dtypes) -- with the pure painting of ``painting.py`` (after
@@ -369,7 +369,7 @@ def plan(ctx: Context, closed: Any) -> Plan:
 def _plan_attention(ctx: Context, closed: Any) -> attention.Plan:
     """The attentions of ``closed``: which run fused, and the named scope of each one's ops."""
     if ctx.identity or ctx.policy.attention == "off" or not ctx.vjp_rules:
-        return attention.Plan({}, [], {})
+        return _NO_ATTENTION
     jaxpr = compat.jaxpr_of(closed)
     consts = dict(zip(jaxpr.constvars, compat.consts_of(closed)))
     plan_ = attention.plan(
@@ -432,7 +432,7 @@ class _Env:
             return val
         key = (atom, dtype)
         if key not in self.casts:
-            self.casts[key] = lax.convert_element_type(val, dtype)
+            self.casts[key] = casting.cast(val, dtype)
         return self.casts[key]
 
 
@@ -478,12 +478,11 @@ def evaluate(
                 outs = rule_for(eqn, cls).evaluate(ctx, eqn, color, cls, env)
         for v, o in zip(eqn.outvars, outs):
             env.write(v, o)
-    return [env.read(v, _orig_dtype(v) if cast_outputs else None) for v in jaxpr.outvars]
-
-
-def _orig_dtype(atom: Any) -> Any:
-    dtype = getattr(atom.aval, "dtype", None)
-    return np.dtype(dtype) if is_managed_float(dtype) else None
+    cd = ctx.policy.compute_dtype
+    return [
+        env.read(v, casting.target(casting.dtype_of(v), ORIG, cd) if cast_outputs else None)
+        for v in jaxpr.outvars
+    ]
 
 
 # -- the rules of higher-order primitives --------------------------------------------
@@ -501,10 +500,6 @@ def rule_for(eqn: Any, cls: str) -> rules.EqnRule:
     return _ALLOW if cls == "allow" else _BIND
 
 
-def _dtype(atom: Any) -> Any:
-    return getattr(atom.aval, "dtype", None)
-
-
 class HigherOrderRule(rules.EqnRule):
     """A primitive with sub-jaxprs (``cond``, ``while``, ``remat``, ``pjit``,
     ``custom_vjp_call``, ...): unless the policy keeps it as written (a
@@ -515,7 +510,7 @@ class HigherOrderRule(rules.EqnRule):
         if color not in (OPAQUE, ORIG):
             return super().evaluate(ctx, eqn, color, cls, env)
         cd = ctx.policy.compute_dtype
-        invals = [env.read(v, casting.target(_dtype(v), ORIG, cd)) for v in eqn.invars]
+        invals = [env.read(v, casting.target(casting.dtype_of(v), ORIG, cd)) for v in eqn.invars]
         return self.bind_rewritten(ctx, eqn, invals)
 
     def bind_rewritten(self, ctx: Context, eqn: Any, invals: list[Any]) -> list[Any]:
@@ -563,7 +558,7 @@ class CustomJvpRule(HigherOrderRule):
         if color != LOW:
             return super().evaluate(ctx, eqn, color, cls, env)
         cd = ctx.policy.compute_dtype
-        invals = [env.read(v, casting.target(_dtype(v), LOW, cd)) for v in eqn.invars]
+        invals = [env.read(v, casting.target(casting.dtype_of(v), LOW, cd)) for v in eqn.invars]
         avals = tuple(compat.aval_of(x) for x in invals)
         params = ctx.cached(
             ("custom_jvp_low", avals), eqn, lambda: _custom_jvp_low(ctx, eqn, avals)
@@ -661,7 +656,10 @@ def _plan_hoisted_casts(ctx: Context, eqn: Any) -> tuple[list[int], dict[str, An
     hoist = []
     for i in xs:
         v = bj.invars[i]
-        if casting.target(_dtype(v), LOW, cd) in (None, np.dtype(_dtype(v))) or v in bj.outvars:
+        if (
+            casting.target(casting.dtype_of(v), LOW, cd) in (None, np.dtype(casting.dtype_of(v)))
+            or v in bj.outvars
+        ):
             continue
         uses = [
             (e, k, c)

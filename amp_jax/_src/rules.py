@@ -36,10 +36,6 @@ from amp_jax._src.policy import HIGH_DTYPE, is_managed_float
 Rule = Callable[[Any, Sequence[Any], np.dtype, np.dtype], list[Any]]
 
 
-def _dtype(atom: Any) -> Any:
-    return getattr(atom.aval, "dtype", None)
-
-
 class EqnRule:
     """How amp binds one primitive. The default: bind it with every operand
     cast to the dtype of the eqn's color (:func:`casting.target`)."""
@@ -49,7 +45,7 @@ class EqnRule:
         ``ctx`` (policy, backend), reading operands from ``env``."""
         cd = ctx.policy.compute_dtype
         return compat.bind_eqn(
-            eqn, [env.read(v, casting.target(_dtype(v), color, cd)) for v in eqn.invars]
+            eqn, [env.read(v, casting.target(casting.dtype_of(v), color, cd)) for v in eqn.invars]
         )
 
     def reads_low(self, ctx: Any, eqn: Any, color: str, cls: str, atom: Any) -> bool:
@@ -71,7 +67,7 @@ class BroadcastRule(EqnRule):
         return compat.bind_eqn(
             eqn,
             [
-                env.read_broadcast(v, casting.target(_dtype(v), color, cd), shape)
+                env.read_broadcast(v, casting.target(casting.dtype_of(v), color, cd), shape)
                 for v in eqn.invars
             ],
         )
