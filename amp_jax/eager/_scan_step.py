@@ -97,6 +97,65 @@ def _set_layer(tree: Any, new: Any, i: Any) -> Any:
     )
 
 
+def _after(i: Any, stacks: list[Any]) -> Any:
+    """``i``, made data-dependent on row ``i`` of every stack in ``stacks``.
+
+    The value is always ``i`` (``min(i, i + k)`` with ``k`` a count of NaNs,
+    ``k >= 0``), but XLA cannot prove it: a read or write of another stack at
+    the returned index is ordered after the writes that produced ``stacks``.
+    """
+    dep = jnp.zeros((), i.dtype)
+    for x in stacks:
+        if _orders(x):
+            first = lax.dynamic_index_in_dim(x, i, keepdims=False)[(0,) * (x.ndim - 1)]
+            dep = dep + jnp.isnan(first).astype(i.dtype)
+    return jnp.minimum(i, i + dep)
+
+
+def _orders(x: Any) -> bool:
+    """Whether ``_after`` can take a dependence on ``x`` (a non-empty float stack;
+    ``isnan`` of an integer or key is a constant XLA folds away)."""
+    return bool(jnp.issubdtype(x.dtype, jnp.inexact) and x.size)
+
+
+def _update_rows(stacks: Any, update: Callable[[Any], Any], i: Any, after: list[Any]) -> Any:
+    """Replace row ``i`` of every leaf of ``stacks`` by ``update(rows)``, leaf by leaf.
+
+    Each leaf's row is read and written at an index that depends on the
+    previous write (the first on ``after``), so XLA updates one stack at a
+    time, in place, without materialising the rows of all stacks at once: the
+    optimizer state slice of a layer is never a buffer of its own. ``update``
+    is called once per leaf; only that leaf of its result is used (XLA drops
+    the rest), and every call reads the rows of the stacks as they were before
+    this function wrote any of them.
+    """
+    leaves, treedef = jax.tree.flatten(stacks)
+    out = list(leaves)
+    for k, x in enumerate(leaves):
+        j = _after(i, after)
+        rows = jax.tree.unflatten(
+            treedef, [lax.dynamic_index_in_dim(y, j, keepdims=False) for y in leaves]
+        )
+        new = jax.tree.leaves(update(rows))[k]
+        out[k] = lax.dynamic_update_index_in_dim(x, new.astype(x.dtype), j, 0)
+        after = [out[k]] if _orders(out[k]) else [*after, out[k]]
+    return jax.tree.unflatten(treedef, out)
+
+
+def _partitioned_by_mesh() -> bool:
+    """Whether the step is being traced for a mesh of several devices that
+    jit partitions (``jax.set_mesh`` with an Auto or Explicit axis of size > 1;
+    inside ``shard_map`` the axes are Manual and the arrays local)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return False
+    manual = jax.sharding.AxisType.Manual
+    return any(
+        mesh.shape[name] > 1 and kind != manual
+        for name, kind in zip(mesh.axis_names, mesh.axis_types)
+    )
+
+
 def _abstract(tree: Any) -> Any:
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype), tree)
 
@@ -395,35 +454,56 @@ class ScanStep:
         del g_head
 
         # Backward: a reverse loop over the layers; each layer's gradient is used
-        # for its update at once and written back into the carried stacks.
+        # for its update at once and written back into the carried stacks, in
+        # place. The order of reads and writes decides whether XLA can do that
+        # without copying a stack (reading and writing every stack in the same
+        # iteration, unordered, makes copy insertion copy every stack on every
+        # iteration: the update arithmetic fused into one stack's write reads
+        # the other stacks):
+        # - Parameters are software-pipelined: the carry holds layer i's slice,
+        #   read from the stacks in the previous iteration *after* that
+        #   iteration's write (the slice is needed anyway, by the layer's vjp).
+        # - Optimizer state, on one device or inside shard_map: not carried
+        #   (that would hold one layer's state besides the stacks). The
+        #   parameter update reads the state rows from the stacks, and the
+        #   state writes are ordered after the parameter writes and after each
+        #   other through data-dependent indices (`_update_rows`), so the fused
+        #   read-modify-writes run one stack at a time.
+        # - Optimizer state under jit on a mesh (jax.set_mesh): pipelined like
+        #   the parameters. There the ordering index would read an element of a
+        #   sharded row, which costs a scalar all-reduce per state leaf and
+        #   layer; carrying the state slice costs one layer of state per device
+        #   instead. benchmarks/EAGER_MEMORY.md and docs/eager.md have numbers.
+        carry_state = _partitioned_by_mesh()
+        # traced once, called once per state leaf (XLA keeps that leaf's part)
+        update_state = jax.jit(lambda g, s, p, f: apply(g, s, p, finite=f)[1])
 
-        # The loop is software-pipelined: the carry holds layer i's parameter and
-        # state slices, read from the stacks in the previous iteration *after*
-        # that iteration's in-place write. Every read of a stack is then ordered
-        # after its write by data dependence, which lets XLA update the stacks in
-        # place; reading the slice in the same iteration as the write makes XLA's
-        # copy insertion copy every stack on every iteration (the update
-        # arithmetic fused into one stack's write reads the other stacks).
         def bwd(carry, xs):
             ct, blocks, states, p_i, s_i = carry
             i, saved = xs
             g_i, ct_prev = layer_vjp(p_i, saved)(ct)
-            new_p, new_s = apply(g_i, s_i, p_i, finite=finite)
-            blocks = _set_layer(blocks, new_p, i)
-            states = _set_layer(states, new_s, i)
             nxt = jnp.maximum(i - 1, 0)
-            return (ct_prev, blocks, states, _layer(blocks, nxt), _layer(states, nxt)), None
+            if carry_state:
+                new_p, new_s = apply(g_i, s_i, p_i, finite=finite)
+                blocks = _set_layer(blocks, new_p, i)
+                states = _set_layer(states, new_s, i)
+                s_i = _layer(states, nxt)
+            else:
+                new_p, _ = apply(g_i, _layer(states, i), p_i, finite=finite)
+                blocks = _set_layer(blocks, new_p, i)
+                states = _update_rows(
+                    states,
+                    lambda s: update_state(g_i, s, p_i, finite),
+                    i,
+                    jax.tree.leaves(blocks),
+                )
+            return (ct_prev, blocks, states, _layer(blocks, nxt), s_i), None
 
         last = num_layers - 1
+        s_last = _layer(opt_state.blocks, last) if carry_state else ()
         (ct0, new_blocks, blocks_state, _, _), _ = lax.scan(
             bwd,
-            (
-                ct,
-                p_blocks,
-                opt_state.blocks,
-                _layer(p_blocks, last),
-                _layer(opt_state.blocks, last),
-            ),
+            (ct, p_blocks, opt_state.blocks, _layer(p_blocks, last), s_last),
             (jnp.arange(num_layers), stored),
             reverse=True,
         )
