@@ -183,6 +183,18 @@ def _backend_from_process():
     rules._cpu_batched = lambda eqn, backend: orig(eqn, jax.default_backend())
 
 
+def _eager_state_carried():
+    from amp_jax.eager import _scan_step
+
+    _scan_step._partitioned_by_mesh = lambda: True  # the pipelined state slice everywhere
+
+
+def _eager_writes_unordered():
+    from amp_jax.eager import _scan_step
+
+    _scan_step._after = lambda i, stacks: i  # state writes not ordered after the others
+
+
 MUTANTS = {
     "amp_identity": _amp_identity,
     "hoisting_off": _hoisting_off,
@@ -202,6 +214,8 @@ MUTANTS = {
     "float8_backward_e4m3": _float8_backward_e4m3,
     "casting_widens": _casting_widens,
     "backend_from_process": _backend_from_process,
+    "eager_state_carried": _eager_state_carried,
+    "eager_writes_unordered": _eager_writes_unordered,
 }
 
 
