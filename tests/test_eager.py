@@ -58,6 +58,8 @@ OPTS = {
     "adamw": lambda: optax.adamw(1e-2, weight_decay=0.1),
     "sgd_momentum": lambda: optax.sgd(1e-2, momentum=0.9),
     "lion": lambda: optax.lion(1e-3, weight_decay=0.1),
+    # float32 parameters: the master copy must not alias the donated params
+    "master_adam": lambda: optim.master_weights(optax.adam(1e-2)),
 }
 
 

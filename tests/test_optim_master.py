@@ -1,5 +1,7 @@
 """master_weights: landing bitwise, master trajectory equals float32 training."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -108,6 +110,31 @@ def test_float32_params_get_inner_updates_unchanged():
     _bits_equal(updates["w"], jnp.array([1e-8, -0.0], jnp.float32))
     new = optax.apply_updates(params, updates)
     _bits_equal(new["w"], optim.master_params(state)["w"])
+
+
+def test_donated_step_with_float32_leaves():
+    """bf16 weights next to float32 norm scales (the usual mixed tree): the
+    float32 master leaves are copies, not the parameters' own buffers, so a
+    step that donates params and state runs (it failed with "donate the same
+    buffer twice" when init returned the float32 parameter itself)."""
+    params = {"w": jnp.ones((4, 4), jnp.bfloat16), "scale": jnp.ones(4, jnp.float32)}
+    tx = optim.master_weights(optax.adam(1e-3))
+    state = tx.init(params)
+    assert state.master["scale"] is not params["scale"]
+    assert state.master["scale"].unsafe_buffer_pointer() != params["scale"].unsafe_buffer_pointer()
+
+    @jax.jit
+    def grads(p):
+        return jax.grad(lambda p: jnp.sum(p["w"].astype(jnp.float32)) + jnp.sum(p["scale"]))(p)
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def step(p, s):
+        u, s = tx.update(grads(p), s, p)
+        return optax.apply_updates(p, u), s
+
+    for _ in range(2):
+        params, state = step(params, state)
+    np.testing.assert_allclose(params["scale"], 1 - 2e-3, rtol=1e-6)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])

@@ -53,7 +53,8 @@ def master_weights(
 ) -> optax.GradientTransformationExtraArgs:
     """Keep a high-precision master copy of low-precision parameters.
 
-    ``init`` stores every floating parameter cast to ``master_dtype``. ``update``
+    ``init`` stores every floating parameter cast to ``master_dtype`` (always a
+    new buffer, so params and state can both be donated). ``update``
     casts the gradients to ``master_dtype``, runs ``inner`` with the master copy
     as ``params``, applies the inner updates to the master copy exactly like
     ``optax.apply_updates`` (so, given the same gradients, the master trajectory
@@ -113,7 +114,10 @@ def master_weights(
         return x.astype(master_dtype) if _tree.is_float(x) else jnp.asarray(x)
 
     def init_fn(params):
-        master = jax.tree.map(to_master, params)
+        # a copy even where the dtype already is master_dtype: a master leaf
+        # that aliased its parameter's buffer would make a step that donates
+        # both params and state fail ("donate the same buffer twice")
+        master = jax.tree.map(lambda x: jnp.array(to_master(x), copy=True), params)
         return MasterWeightsState(master=master, inner_state=inner.init(master))
 
     def update_fn(updates, state, params=None, **extra_args):
