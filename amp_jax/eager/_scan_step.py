@@ -545,7 +545,11 @@ def scan_step(
     carries, and ``step(...)`` donates them) and drops the gradient before the
     next layer. The embedding is updated last. At no point does a gradient of
     the whole block stack exist: peak memory is weights + optimizer state + one
-    layer's gradient + activations, instead of + a full gradient.
+    layer's gradient + activations, instead of + a full gradient. (Besides
+    those, the loop holds the current and next layer's parameter slices; the
+    optimizer state is updated in place, stack by stack. On a mesh, jit the
+    step inside ``jax.set_mesh``: it then also holds the layer's state slice,
+    which keeps scalar all-reduces out of the loop; docs/eager.md.)
 
     Parameters are a dict ``{"embed": ..., "blocks": ..., "head": ...}`` where
     every leaf of ``blocks`` has a leading layer axis (e.g. built with
