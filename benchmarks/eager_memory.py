@@ -22,7 +22,6 @@ import argparse
 import datetime
 import os
 import platform
-import re
 import sys
 
 if "--fsdp" in sys.argv:  # before jax is imported
@@ -188,20 +187,13 @@ def rows_f16(name, inner, width, layers, seq, reps):
     return out
 
 
-def _loop_scalar_all_reduces(hlo):
-    """all-reduces of one element inside while bodies (per-iteration collectives)."""
-    n = 0
-    for body in re.findall(r"body=%([\w.\-]+)", hlo):
-        text = re.search(r"^%" + re.escape(body) + r" .*?^}", hlo, re.S | re.M).group(0)
-        for m in re.finditer(r"= \(?\w+\[([\d,]*)\]\S* all-reduce(?:-start)?\(", text):
-            n += all(d == "1" for d in m.group(1).split(",") if d)
-    return n
-
-
 def fsdp_table(width, layers, seq):
     """Per-device peaks with every block weight's last dim sharded over 8 devices."""
     from jax.sharding import AxisType, NamedSharding
     from jax.sharding import PartitionSpec as P
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+    from _sharded_model import loop_scalar_all_reduces
 
     mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
 
@@ -271,7 +263,7 @@ def fsdp_table(width, layers, seq):
             std = std or peak
             lines.append(
                 f"| {name} | {v} | {m.temp_size_in_bytes / 2**20:.2f} | {peak / 2**20:.2f} | "
-                f"{peak / std:.3f} | {_loop_scalar_all_reduces(c.as_text())} |"
+                f"{peak / std:.3f} | {loop_scalar_all_reduces(c.as_text())} |"
             )
     return "\n".join(lines) + "\n"
 

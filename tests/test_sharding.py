@@ -6,7 +6,6 @@ finite check; stochastic rounding per shard; orbax checkpoints restored onto
 another mesh; eager updates with FSDP-sharded stacks."""
 
 import functools
-import re
 
 import _sharded_model as sm
 import jax
@@ -346,18 +345,6 @@ def test_scan_step_with_fsdp_stacks_matches_standard_step():
         np.testing.assert_allclose(p["blocks"][k], ps["blocks"][k], rtol=2e-5, atol=2e-6)
 
 
-def _scalar_all_reduces_in_loops(hlo):
-    """all-reduces of one element inside while bodies of compiled HLO text."""
-    n = 0
-    for body in re.findall(r"body=%([\w.\-]+)", hlo):
-        text = re.search(r"^%" + re.escape(body) + r" .*?^}", hlo, re.S | re.M).group(0)
-        for line in text.splitlines():
-            m = re.search(r"= \(?(\w+)\[([\d,]*)\]\S* all-reduce(?:-start)?\(", line)
-            if m and all(d == "1" for d in m.group(2).split(",") if d):
-                n += 1
-    return n
-
-
 def test_scan_step_under_set_mesh_adds_no_collectives_to_the_backward_loop():
     """On one device the eager step orders its state writes through an index
     read from the written rows (in place, no state slice held); on a mesh that
@@ -373,8 +360,8 @@ def test_scan_step_under_set_mesh_adds_no_collectives_to_the_backward_loop():
     compile_ = lambda: jax.jit(step.update).lower(p, s, b).compile().as_text()
     with jax.set_mesh(m):
         under_mesh = compile_()
-    assert _scalar_all_reduces_in_loops(under_mesh) == 0
-    assert _scalar_all_reduces_in_loops(compile_()) > 0
+    assert sm.loop_scalar_all_reduces(under_mesh) == 0
+    assert sm.loop_scalar_all_reduces(compile_()) > 0
 
 
 def test_scan_step_float16_dynamic_loss_scale_with_fsdp_stacks_matches_standard_step():
