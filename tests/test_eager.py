@@ -27,28 +27,23 @@ def head(p, h, x):
     return jnp.mean((h @ p["w"] - x) ** 2)
 
 
-def make_params(dtype=jnp.float32):
+def make_params(dtype=jnp.float32, layers=L, width=D):
     k = jax.random.split(jax.random.key(0), 4)
     n = lambda key, *s: (jax.random.normal(key, s) / 3).astype(dtype)
     return {
-        "embed": {"w": n(k[0], D, D)},
-        "blocks": {"w1": n(k[1], L, D, D), "b1": jnp.zeros((L, D), dtype), "w2": n(k[2], L, D, D)},
-        "head": {"w": n(k[3], D, D)},
+        "embed": {"w": n(k[0], width, width)},
+        "blocks": {
+            "w1": n(k[1], layers, width, width),
+            "b1": jnp.zeros((layers, width), dtype),
+            "w2": n(k[2], layers, width, width),
+        },
+        "head": {"w": n(k[3], width, width)},
     }
 
 
 def abstract_params(width, layers):
     """Shapes of make_params at another size (for compile-only memory tests)."""
-    z = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
-    return {
-        "embed": {"w": z(width, width)},
-        "blocks": {
-            "w1": z(layers, width, width),
-            "b1": z(layers, width),
-            "w2": z(layers, width, width),
-        },
-        "head": {"w": z(width, width)},
-    }
+    return jax.eval_shape(lambda: make_params(layers=layers, width=width))
 
 
 BATCH = jax.random.normal(jax.random.key(9), (4, D))

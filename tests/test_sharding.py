@@ -320,6 +320,16 @@ def _fsdp_scan_step(tx, policy, layers=3):
     return amp_jax.eager.scan_step(embed, blk, head, tx), m, stack_specs, params
 
 
+def _assert_stacks_match(p, ps, m, stack_specs, **tol):
+    """The eager step's block stacks keep their FSDP shardings and equal the
+    standard step's within ``tol``."""
+    for k in p["blocks"]:
+        assert p["blocks"][k].sharding.is_equivalent_to(
+            NamedSharding(m, stack_specs[k]), p["blocks"][k].ndim
+        ), k
+        np.testing.assert_allclose(p["blocks"][k], ps["blocks"][k], **tol)
+
+
 def test_scan_step_with_fsdp_stacks_matches_standard_step():
     tx = optax.adamw(1e-3, weight_decay=0.1)
     step, m, stack_specs, params = _fsdp_scan_step(tx, "bfloat16")
@@ -338,11 +348,7 @@ def test_scan_step_with_fsdp_stacks_matches_standard_step():
             p, s, loss = step(p, s, b)
             ps, ss, ls = std(ps, ss, b)
     np.testing.assert_allclose(loss, ls, rtol=1e-6)
-    for k in p["blocks"]:
-        assert p["blocks"][k].sharding.is_equivalent_to(
-            NamedSharding(m, stack_specs[k]), p["blocks"][k].ndim
-        ), k
-        np.testing.assert_allclose(p["blocks"][k], ps["blocks"][k], rtol=2e-5, atol=2e-6)
+    _assert_stacks_match(p, ps, m, stack_specs, rtol=2e-5, atol=2e-6)
 
 
 def test_scan_step_under_set_mesh_adds_no_collectives_to_the_backward_loop():
@@ -397,8 +403,4 @@ def test_scan_step_float16_dynamic_loss_scale_with_fsdp_stacks_matches_standard_
     # parameter differences of a fraction of the learning rate (1e-3). Measured
     # (CPU, 8 host devices, 3 updates): loss 4.7e-6 relative, parameters 8.1e-5.
     np.testing.assert_allclose(loss, ls, rtol=5e-5)
-    for k in p["blocks"]:
-        assert p["blocks"][k].sharding.is_equivalent_to(
-            NamedSharding(m, stack_specs[k]), p["blocks"][k].ndim
-        ), k
-        np.testing.assert_allclose(p["blocks"][k], ps["blocks"][k], rtol=1e-3, atol=2e-4)
+    _assert_stacks_match(p, ps, m, stack_specs, rtol=1e-3, atol=2e-4)

@@ -475,8 +475,11 @@ class ScanStep:
         #   layer; carrying the state slice costs one layer of state per device
         #   instead. benchmarks/EAGER_MEMORY.md and docs/eager.md have numbers.
         carry_state = _partitioned_by_mesh()
-        # traced once, called once per state leaf (XLA keeps that leaf's part)
-        update_state = jax.jit(lambda g, s, p, f: apply(g, s, p, finite=f)[1])
+        # the state update of the in-place order: traced once, called once per
+        # state leaf (XLA keeps that leaf's part)
+        update_state = (
+            None if carry_state else jax.jit(lambda g, s, p, f: apply(g, s, p, finite=f)[1])
+        )
 
         def bwd(carry, xs):
             ct, blocks, states, p_i, s_i = carry
