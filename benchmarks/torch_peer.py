@@ -6,7 +6,8 @@ embedding, float32 parameters. The train step is forward + ``backward()``
 under ``torch.autocast(dtype=torch.bfloat16)`` -- what a PyTorch user writes
 for mixed precision -- with attention either hand-written (einsum, mask,
 softmax, einsum: the same program ``amp`` sees) or
-``F.scaled_dot_product_attention`` (flash attention).
+``F.scaled_dot_product_attention`` (flash attention), eagerly and under
+``torch.compile`` (the loss compiled, the default mode).
 
 Only imported by ``benchmarks/run.py`` when ``torch`` with CUDA is available.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import time
 
 import torch
 import torch.nn.functional as F
@@ -96,16 +98,29 @@ def bench_gpt(
     tokens, targets = toks[:, :-1], toks[:, 1:]
     mask = torch.tril(torch.ones(seq, seq, dtype=torch.bool, device=dev))
     out = {}
-    for name, sdpa in (("torch_autocast", False), ("torch_autocast_sdpa", True)):
+    compiled_loss = torch.compile(_loss)
+    for name, sdpa, loss_fn in (
+        ("torch_autocast", False, _loss),
+        ("torch_autocast_sdpa", True, _loss),
+        ("torch_compile_sdpa", True, compiled_loss),
+    ):
 
-        def step():
+        def step(loss_fn=loss_fn, sdpa=sdpa):
             for t in leaves:
                 t.grad = None
             with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = _loss(p, tokens, targets, heads, sdpa, mask)
+                loss = loss_fn(p, tokens, targets, heads, sdpa, mask)
             loss.backward()
             return loss
 
+        try:
+            t0 = time.perf_counter()
+            step()
+            torch.cuda.synchronize()
+            compile_s = time.perf_counter() - t0
+        except Exception as e:  # torch.compile needs a working Triton; report, don't die
+            print(f"# {name} failed: {type(e).__name__}: {e}"[:500], flush=True)
+            continue
         for _ in range(warmup):
             step()
         torch.cuda.synchronize()
@@ -125,6 +140,7 @@ def bench_gpt(
             "step_s": statistics.median(times),
             "loss": float(loss.detach()),
             "peak_bytes": float(torch.cuda.max_memory_allocated()),
+            "first_step_s": compile_s,
         }
     p.clear()  # drop the tensors before empty_cache
     leaves.clear()

@@ -156,19 +156,21 @@ def _memory_bytes(compiled) -> int | None:
     return int(stats.temp_size_in_bytes + stats.argument_size_in_bytes)
 
 
-def train(
-    mode: Mode,
-    cfg: _model.Config,
-    corpus: _data.Corpus,
-    *,
-    steps: int,
-    lr: float,
-    seed: int,
-    eval_every: int,
-    val_batches: int,
-    progress: Callable[..., Any] | None = None,
-) -> RunResult:
-    """Trains one mode and measures it. ``progress`` wraps the step range (e.g. tqdm)."""
+@dataclasses.dataclass
+class BuiltStep:
+    """One mode's compiled train step ``(params, opt_state, x, y) -> (params,
+    opt_state, loss)`` (params and state donated), its loss and initial state."""
+
+    compiled: Any
+    loss: Callable[..., jax.Array]
+    params: Any
+    opt_state: Any
+
+
+def build_step(
+    mode: Mode, cfg: _model.Config, *, steps: int, lr: float, seed: int, x: Any, y: Any
+) -> BuiltStep:
+    """The train step the demo runs for ``mode``, compiled for batches like ``x, y``."""
     loss = functools.partial(_model.loss_fn, heads=cfg.heads)
     if mode.policy is not None:
         loss = amp(loss, policy=mode.policy)
@@ -186,15 +188,33 @@ def train(
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, value
 
+    compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, opt_state, x, y).compile()
+    return BuiltStep(compiled, loss, params, opt_state)
+
+
+def train(
+    mode: Mode,
+    cfg: _model.Config,
+    corpus: _data.Corpus,
+    *,
+    steps: int,
+    lr: float,
+    seed: int,
+    eval_every: int,
+    val_batches: int,
+    progress: Callable[..., Any] | None = None,
+) -> RunResult:
+    """Trains one mode and measures it. ``progress`` wraps the step range (e.g. tqdm)."""
     offsets = _data.batch_offsets(len(corpus.train), cfg.seq, cfg.batch, steps, seed + 1)
     val_offsets = _data.batch_offsets(len(corpus.val), cfg.seq, cfg.batch, val_batches, seed + 2)
     val = [_data.windows(corpus.val, o, cfg.seq) for o in val_offsets]
     x0, y0 = _data.windows(corpus.train, offsets[0], cfg.seq)
 
     t0 = time.perf_counter()
-    compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, opt_state, x0, y0).compile()
+    built = build_step(mode, cfg, steps=steps, lr=lr, seed=seed, x=x0, y=y0)
     compile_s = time.perf_counter() - t0
-    eval_loss = jax.jit(loss)
+    compiled, params, opt_state = built.compiled, built.params, built.opt_state
+    eval_loss = jax.jit(built.loss)
 
     def evaluate(p):
         return float(np.mean([float(eval_loss(p, x, y)) for x, y in val]))
