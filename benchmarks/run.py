@@ -602,7 +602,7 @@ def main(argv: list[str] | None = None) -> None:
         "--variants",
         default=None,
         help="comma-separated variants (default: f32,amp,hand,hand_acc on CPU; "
-        "f32,amp,hand,hand_cudnn on GPU; amp,amp_fp8 for gpt_fp8)",
+        "f32,amp,amp_bf16_stream,hand,hand_cudnn on GPU; amp,amp_fp8 for gpt_fp8)",
     )
     p.add_argument(
         "--scale",
@@ -627,7 +627,9 @@ def main(argv: list[str] | None = None) -> None:
     big = args.scale == "gpu" or (args.scale == "auto" and gpu)
     here = os.path.dirname(os.path.abspath(__file__))
     args.out = args.out or os.path.join(here, "RESULTS_GPU.md" if gpu else "RESULTS.md")
-    args.variants = args.variants or ("f32,amp,hand,hand_cudnn" if gpu else "f32,amp,hand,hand_acc")
+    args.variants = args.variants or (
+        "f32,amp,amp_bf16_stream,hand,hand_cudnn" if gpu else "f32,amp,hand,hand_acc"
+    )
     args.rounds = 5 if args.quick else 10
     warmup = 1 if args.quick else 3
     args.r50_reps = 2

@@ -13,6 +13,7 @@ import re
 import sys
 
 import jax
+import jax.extend.core as jex_core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -318,6 +319,15 @@ NEAR_MISS_REASONS = {
 }
 
 
+def _is_dot(e):
+    """A dot_general, or a call whose body is one dot_general (amp's lowered dot)."""
+    if e.primitive.name == "dot_general":
+        return True
+    subs = [s for s in jex_core.jaxprs_in_params(e.params)]
+    inner = [x.primitive.name for s in subs for x in getattr(s, "jaxpr", s).eqns]
+    return "dot_general" in inner and e.primitive.name.startswith("custom_")
+
+
 @pytest.mark.parametrize("name", list(_near_misses()))
 def test_near_misses_are_left_alone_with_a_reason(name):
     fn = _near_misses()[name]
@@ -332,8 +342,10 @@ def test_near_misses_are_left_alone_with_a_reason(name):
         ((_, impl, why),) = _log(a)
         assert impl is None and want in why, why
         # the ops as written carry the reason in their name stack (dtype_report's "why")
+        # (a lowered dot is a custom_vjp around its dot_general where it runs low,
+        # e.g. on a GPU; the scope is on the call)
         scoped = [
-            e.primitive.name
+            "dot_general" if _is_dot(e) else e.primitive.name
             for e, _ in eqns(jaxpr)
             if f"amp_attention[xla: {why}]" in str(e.source_info.name_stack)
         ]
@@ -528,11 +540,19 @@ def _planned_cases():
     }
 
 
+#: cases whose plan on a real GPU depends on the cuDNN version there
+CUDNN_VERSION_DEPENDENT = {"odd length causal (no bias needed)"}
+
+
 def test_real_layers_and_limits_planned_for_a_gpu():
     """What amp decides on a GPU for each attention, decided here without one."""
     for name, (fn, args, impl, why, kind) in _planned_cases().items():
         plan = _plan(fn, *args)
         ((_, got, reason),) = plan.log
+        if GPU and name in CUDNN_VERSION_DEPENDENT and "cuDNN refused it" in reason:
+            # on a GPU the plan asks cuDNN itself; cuDNN 9.x on an H100 refuses an
+            # odd sequence length also without a bias (JAX 0.11.2): left as written
+            impl, why, kind = None, "Unsupported sequence length", kind
         assert got == impl and why in reason, (name, plan.log)
         kinds = [m.kind for m, _ in plan.fused.values()]
         assert kinds == ([kind] if impl else []), (name, kinds)

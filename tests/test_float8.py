@@ -1,11 +1,15 @@
 """Float8 matmuls (``Policy(float8=...)``): structure, scales, numerics, policy.
 
-On CPU the fp8 products are emulated (fp8 round trip + bf16 dot); the jaxpr
-is the one a Hopper GPU compiles, so the structure checks hold there too.
-The one GPU-only test checks that XLA turned it into a cuBLASLt fp8 GEMM.
+On CPU the fp8 products are emulated (fp8 round trip + bf16 dot); on a GPU
+with fp8 matmuls (compute capability >= 8.9) they are dots of the fp8
+operands themselves, their scales applied to the result. Both forms are
+checked on CPU (``NATIVE_OVERRIDE``); the GPU-only test checks that XLA turned
+them into fp8 GEMMs (cuBLASLt or a Triton GEMM fusion).
 """
 
 from __future__ import annotations
+
+import re
 
 import jax
 import jax.numpy as jnp
@@ -299,16 +303,73 @@ def test_native_float8_matmul_off_gpu():
 # -- GPU ---------------------------------------------------------------------------------
 
 
+_F8_DOT = re.compile(r"\bdot\(f8e[45]m[23]\w*\[[^)]*f8e[45]m[23]\w*\[")
+
+
+def fp8_gemms(hlo: str) -> int:
+    """fp8 GEMMs in an optimized HLO module: cuBLASLt fp8 custom calls plus dots
+    of two fp8 operands (XLA GPU may fuse a scaled fp8 dot into a Triton GEMM
+    fusion instead of calling cuBLASLt; both run on the fp8 tensor cores)."""
+    return hlo.count("__cublas$lt$matmul$f8") + len(_F8_DOT.findall(hlo))
+
+
+def test_fp8_gemm_counter():
+    text = (
+        "%d = f32[8,8]{1,0} dot(f8e4m3fn[8,16]{1,0} %a, f8e4m3fn[16,8]{1,0} %b)\n"
+        "%e = f32[8,8]{1,0} dot(f8e5m2[8,16]{1,0} %c, f8e4m3fn[16,8]{1,0} %b)\n"
+        "%f = f32[8,8]{1,0} dot(bf16[8,16]{1,0} %g, bf16[16,8]{1,0} %h)\n"
+        '%k = (f32[8,8]{1,0}, s8[0]) custom-call(...), custom_call_target="__cublas$lt$matmul$f8"'
+    )
+    assert fp8_gemms(text) == 3
+
+
+CASES = {
+    "x @ w": (lambda x, w: x @ w, (64, 256), (256, 128)),
+    "x @ w.T": (lambda x, w: x @ w.T, (64, 256), (128, 256)),
+    "3-D x": (lambda x, w: jnp.einsum("btd,df->btf", x, w), (4, 16, 256), (256, 128)),
+}
+
+
+@pytest.mark.parametrize("policy", ["float8", "float8_rowwise"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_native_fp8_products_equal_the_emulated_ones(case, policy, monkeypatch):
+    """The native form (a dot of the fp8 operands, scales applied to its result)
+    computes the emulated form's products, forward and both backward ones; checked
+    here with XLA running the fp8 dot on any backend."""
+    f, xs, ws = CASES[case]
+    x, w = _rand(xs, 5), _rand(ws, 6, 0.05)
+
+    def loss(x, w):
+        return jnp.sum(jnp.tanh(f(x, w)) ** 2)
+
+    out = {}
+    for native in (True, False):
+        monkeypatch.setattr(float8, "NATIVE_OVERRIDE", native)
+        vg = jax.value_and_grad(amp(loss, policy=policy), argnums=(0, 1))
+        # the native form's three dots take fp8 operands; the emulated form's, bf16
+        dots = [
+            tuple(np.dtype(v.aval.dtype) for v in e.invars)
+            for e, _ in eqns(jax.make_jaxpr(vg)(x, w))
+            if e.primitive.name == "dot_general"
+        ]
+        fp8 = {(E4M3, E4M3), (E5M2, E4M3), (E4M3, E5M2)}
+        assert sum(d in fp8 for d in dots) == (3 if native else 0), dots
+        out[native] = jax.jit(vg)(x, w)
+    g32 = jax.grad(loss, argnums=(0, 1))(x, w)
+    assert _rel(out[True], out[False]) < 1e-5
+    assert 0.005 < _rel(out[True][1], g32) < 0.12  # and both really are fp8
+
+
 @pytest.mark.skipif(
     not compat.native_float8_matmul(jax.default_backend()),
     reason="needs a GPU with fp8 matmuls (compute capability >= 8.9)",
 )
-def test_gpu_hlo_has_the_cublaslt_fp8_gemm():
+def test_gpu_hlo_has_fp8_gemms():
     x, w = _rand((1024, 2048), 1), _rand((2048, 2048), 2, 0.02)
     loss = amp(lambda w, x: jnp.sum((x @ w) ** 2), policy="float8")
     step = jax.jit(jax.grad(loss, argnums=(0, 1)))
     hlo = step.lower(w, x).compile().as_text()
-    assert hlo.count("__cublas$lt$matmul$f8") >= 3, hlo[:2000]  # forward + two backward
+    assert fp8_gemms(hlo) >= 3, hlo[-4000:]  # forward + two backward
 
 
 def test_flax_dense_and_full_precision_scope():

@@ -7,20 +7,29 @@ tensors (torchao's "tensorwise" recipe, or "rowwise": one scale per row of the
 non-contracted dims) and float32 accumulation. Everything else -- batched dots
 (attention), small dots, convolutions -- follows the bfloat16 policy.
 
-How a product is written (the same jaxpr on every backend)::
+How a product is written where the GPU has fp8 matmuls (compute capability
+8.9 and up)::
 
     s  = 2 ** ceil(log2(amax(|x|) / fp8_max))          # a power of two
     q  = convert(clamp(x / s, -fp8_max, fp8_max), f8)  # quantize
+    out = dot_general(qx, qy, preferred_element_type=float32) * (sx * sy)
+
+a dot of the fp8 operands themselves, which XLA runs as an fp8 GEMM
+(``__cublas$lt$matmul$f8``, or a Triton GEMM fusion with fp8 operands); a
+per-row scale lies along a kept dim, so it also factors out of the product.
+(The dequantize-then-dot form below, which XLA's GEMM rewriter was meant to
+turn into an fp8 GEMM, ran as a bf16 GEMM of the unrounded values on an H100
+with JAX 0.11.2: the fp8 rounding was gone, the gradients equal to bf16's.)
+
+Elsewhere (CPU, older GPUs) the product is emulated::
+
     xd = convert(q, bf16) * s                          # dequantize (exact)
     out = dot_general(xd, wd, preferred_element_type=float32 or bf16)
 
-The dequantize-then-dot pattern, with a scalar scale, is what XLA's GPU GEMM
-rewriter turns into a cuBLASLt fp8 GEMM (``__cublas$lt$matmul$f8``) on GPUs of
-compute capability 8.9 and up. Elsewhere (CPU, older GPUs) XLA runs it as
-written: the bf16 dot of the dequantized operands. Because the scales are
-powers of two and every fp8 value is a bf16 value, the dequantized operands are
-exactly the fp8 values times their scale, so this emulation computes the same
-products as the fp8 GEMM (up to accumulation order).
+Because the scales are powers of two and every fp8 value is a bf16 value, the
+dequantized operands are exactly the fp8 values times their scale, so the
+emulation computes the same products as the fp8 GEMM (up to accumulation
+order; ``tests/test_float8.py`` checks both forms against each other on CPU).
 
 Scales never overflow or divide by zero: an all-zero tensor gets the scale
 ``2**-126`` (quantizes to zeros); an ``inf``/``nan`` amax gets the scale 1 and
@@ -62,6 +71,9 @@ MIN_CONTRACTION = 16
 SCOPE = "amp_float8"
 
 _LOW = np.dtype(jnp.bfloat16)
+
+#: tests only: force the native (True) or emulated (False) products on any backend
+NATIVE_OVERRIDE: bool | None = None
 _MIN_SCALE = 2.0**-126  # smallest normal float32: 0 / scale stays 0, x / scale stays finite
 
 
@@ -114,7 +126,7 @@ def describe(recipe: str, backend: str) -> str:
         else f"emulated on {backend} (no fp8 matmul units): fp8 round trip + bf16 dot"
     )
     if recipe == "rowwise" and compat.native_float8_matmul(backend):
-        where = f"{backend}: per-row scales, XLA's fp8 GEMM takes per-tensor ones: bf16 dot"
+        where = f"native fp8 GEMM on {backend}, per-row scales applied to its result"
     return (
         f"float8 {recipe}: e4m3 operands, e5m2 gradient, {how} dynamic scales, "
         f"float32 accumulation; {where}"
@@ -204,6 +216,38 @@ def _kept(ndim: int, contract: Any, batch: Any) -> tuple[int, ...]:
 # -- the rule ------------------------------------------------------------------------------------
 
 
+def _placed(scale: Any, src: tuple[int, ...], dst: tuple[int, ...], ndim: int) -> Any:
+    """A per-row ``scale`` (its operand's shape, the dims it was reduced over of
+    size 1) as a factor of an ``ndim``-dim product: its dim ``src[i]`` becomes
+    the product's dim ``dst[i]``, every other dim size 1."""
+    pairs = sorted(zip(dst, src))
+    order = tuple(d for _, d in pairs)
+    rest = tuple(d for d in range(scale.ndim) if d not in order)
+    kept = lax.transpose(scale, order + rest).reshape([scale.shape[d] for d in order])
+    shape = [1] * ndim
+    for (d, _), n in zip(pairs, kept.shape):
+        shape[d] = n
+    return kept.reshape(shape)
+
+
+def _native_dot(qx, sx, qy, sy, dims, acc, extra, rowwise):
+    """``(qx * sx) . (qy * sy)`` as an fp8 GEMM: the dot of the fp8 operands
+    themselves (float32 accumulation), its scales applied to the result. A
+    per-row scale lies along a kept (or batch) dim, so it factors out of the
+    contraction."""
+    (xc, yc), (xb, yb) = dims
+    out = lax.dot_general(qx, qy, dims, preferred_element_type=HIGH_DTYPE, **extra)
+    if rowwise:
+        x_kept, y_kept = _kept(qx.ndim, xc, xb), _kept(qy.ndim, yc, yb)
+        nb, n = len(xb), out.ndim
+        out = out * _placed(sx, (*xb, *x_kept), tuple(range(nb + len(x_kept))), n)
+        y_at = tuple(range(nb)) + tuple(range(nb + len(x_kept), n))
+        out = out * _placed(sy, (*yb, *y_kept), y_at, n)
+    else:
+        out = out * (sx * sy)
+    return out.astype(acc)
+
+
 @functools.cache
 def _fp8_dot(
     dims: Any,
@@ -212,37 +256,52 @@ def _fp8_dot(
     recipe: str,
     x_dtype: np.dtype,
     y_dtype: np.dtype,
+    native: bool = False,
 ) -> Callable:
     (xc, yc), (xb, yb) = dims
     extra = {} if out_sharding is None else {"out_sharding": out_sharding}
     rowwise = recipe == "rowwise"
 
+    def axes(reduce_axes):
+        return tuple(reduce_axes) if rowwise else None
+
     def qdq(v, dtype, reduce_axes):
-        return round_trip(v, dtype, tuple(reduce_axes) if rowwise else None)
+        return round_trip(v, dtype, axes(reduce_axes))
+
+    def quantized(v, dtype, reduce_axes):
+        s = scale_of(v, dtype, axes(reduce_axes))
+        return quantize(v, dtype, s), s
 
     def forward(x, y):
         # rowwise: one scale per row of the non-contracted dims (amax over the contraction)
         return qdq(x, FWD_DTYPE, xc), qdq(y, FWD_DTYPE, yc)
 
+    def product(x, y):
+        """The forward product and the fp8 operands with their scales."""
+        if native:
+            (qx, sx), (qy, sy) = quantized(x, FWD_DTYPE, xc), quantized(y, FWD_DTYPE, yc)
+            return _native_dot(qx, sx, qy, sy, dims, acc, extra, rowwise), (qx, sx, qy, sy)
+        if rowwise:
+            xd, yd = forward(x, y)
+            return lax.dot_general(xd, yd, dims, preferred_element_type=acc, **extra), None
+        sx, sy = scale_of(x, FWD_DTYPE), scale_of(y, FWD_DTYPE)
+        qx, qy = quantize(x, FWD_DTYPE, sx), quantize(y, FWD_DTYPE, sy)
+        xd, yd = dequantize(qx, sx), dequantize(qy, sy)
+        out = lax.dot_general(xd, yd, dims, preferred_element_type=acc, **extra)
+        return out, (qx, sx, qy, sy)
+
     def primal(x, y):
         with jax.named_scope(f"{SCOPE}.{recipe}"):
-            xd, yd = forward(x, y)
-            return lax.dot_general(xd, yd, dims, preferred_element_type=acc, **extra)
+            return product(x, y)[0]
 
     f = jax.custom_vjp(primal)
 
     def fwd(x, y):
         with jax.named_scope(f"{SCOPE}.{recipe}"):
-            if rowwise:  # the backward products re-quantize along their own contractions
-                xd, yd = forward(x, y)
-                res = (x.astype(_LOW), y.astype(_LOW))
-            else:  # fp8 residuals: half the bytes of bf16 ones
-                sx, sy = scale_of(x, FWD_DTYPE), scale_of(y, FWD_DTYPE)
-                qx, qy = quantize(x, FWD_DTYPE, sx), quantize(y, FWD_DTYPE, sy)
-                xd, yd = dequantize(qx, sx), dequantize(qy, sy)
-                res = (qx, sx, qy, sy)
-            out = lax.dot_general(xd, yd, dims, preferred_element_type=acc, **extra)
-        return out, res
+            out, quant = product(x, y)
+        # rowwise: the backward products re-quantize along their own contractions;
+        # tensorwise: fp8 residuals, half the bytes of bf16 ones
+        return out, ((x.astype(_LOW), y.astype(_LOW)) if rowwise else quant)
 
     def bwd(res, ct):
         nx, ny = (res[0].ndim, res[1].ndim) if rowwise else (res[0].ndim, res[2].ndim)
@@ -252,6 +311,25 @@ def _fp8_dot(
         ct_x_kept = tuple(range(nb, nb + len(x_kept)))
         ct_y_kept = tuple(range(nb + len(x_kept), nb + len(x_kept) + len(y_kept)))
         with jax.named_scope(f"{SCOPE}.{recipe}.backward"):
+            if native:  # fp8 GEMMs: dx = ct . y, dy = x . ct, e5m2 cotangent
+                if rowwise:  # each product re-quantizes along its own contraction
+                    x, y = res
+                    qct_x, sct_x = quantized(ct, BWD_DTYPE, ct_y_kept)
+                    qct_y, sct_y = quantized(ct, BWD_DTYPE, ct_x_kept)
+                    qy, sy = quantized(y, FWD_DTYPE, y_kept)
+                    qx, sx = quantized(x, FWD_DTYPE, x_kept)
+                    ct_b = tuple(range(nb))
+                    fx = _placed(sct_x, ct_b + ct_x_kept, (*xb, *x_kept), nx)
+                    fx = fx * _placed(sy, (*yb, *yc), (*xb, *xc), nx)
+                    fy = _placed(sct_y, ct_b + ct_y_kept, (*yb, *y_kept), ny)
+                    fy = fy * _placed(sx, (*xb, *xc), (*yb, *yc), ny)
+                else:
+                    qx, sx, qy, sy = res
+                    qct_x, sct = quantized(ct, BWD_DTYPE, ())
+                    qct_y, fx, fy = qct_x, sct * sy, sct * sx
+                dx = _dot_transpose(qct_x, qy, nx, xc, xb, yc, yb, ny, True, None, HIGH_DTYPE, qx)
+                dy = _dot_transpose(qct_y, qx, ny, yc, yb, xc, xb, nx, False, None, HIGH_DTYPE, qy)
+                return (dx * fx).astype(x_dtype), (dy * fy).astype(y_dtype)
             if rowwise:
                 x, y = res
                 # dx = ct . y over y's kept dims; dy = x . ct over x's kept dims
@@ -286,7 +364,7 @@ def float8_dot_rule(
     backend: str = "cpu",
 ) -> list[Any]:
     """The fp8 allow rule of ``dot_general`` (same signature as the bf16 rules)."""
-    del compute_dtype, backend  # dequantized operands are bf16; the jaxpr is backend-independent
+    del compute_dtype
     x, y = invals
     p = eqn.params
     f = _fp8_dot(
@@ -296,6 +374,7 @@ def float8_dot_rule(
         recipe,
         np.dtype(x.dtype),
         np.dtype(y.dtype),
+        NATIVE_OVERRIDE if NATIVE_OVERRIDE is not None else compat.native_float8_matmul(backend),
     )
     return [f(x, y)]
 
