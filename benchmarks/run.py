@@ -180,11 +180,13 @@ def variants(model: M.Model, which: tuple[str, ...]) -> dict[str, Callable[..., 
     }
     if model.name == "gpt":  # hand bf16 + jax.nn.dot_product_attention(implementation="cudnn")
         table["hand_cudnn"] = functools.partial(loss, dtype=BF16, attention="cudnn")
+        # the same bf16-stream program (cuDNN attention) under amp
+        table["amp_bf16_stream"] = amp(table["hand_cudnn"], policy="bfloat16")
     return {k: table[k] for k in which if k in table}
 
 
 def bench_model(
-    model: M.Model, which: tuple[str, ...], rounds: int, warmup: int
+    model: M.Model, which: tuple[str, ...], rounds: int, warmup: int, hlo_dir: str | None = None
 ) -> dict[str, dict[str, float]]:
     params = model.init(jax.random.PRNGKey(0))
     batch = model.batch(jax.random.PRNGKey(1))
@@ -203,6 +205,10 @@ def bench_model(
             "converts": float(count_converts(compiled.as_text())),
         }
         fns[name] = compiled
+        if hlo_dir:
+            os.makedirs(hlo_dir, exist_ok=True)
+            with open(os.path.join(hlo_dir, f"{model.name}_{name}.hlo.txt"), "w") as fh:
+                fh.write(compiled.as_text())
         res[name]["scan_out_bytes"] = float(scan_output_bytes(jax.value_and_grad(loss), args))
         out = compiled(*args)
         jax.block_until_ready(out)
@@ -526,7 +532,7 @@ def report(args, all_res, descs, conv_rows, dw_rows, r50) -> str:
             "`F.scaled_dot_product_attention`, eager or `torch.compile`d (`torch_compile_sdpa`); "
             "their memory column is the CUDA peak allocation. `amp_bf16_stream`: amp of the "
             "program with its parameters cast to bf16 at the start (the residual stream between "
-            "blocks in bf16, as in `hand`).",
+            "blocks in bf16, as in `hand`; on the GPT, of `hand_cudnn`).",
             "",
         ]
         out += gpu_targets(all_res) + [""]
@@ -618,6 +624,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--no-write", action="store_true", help="print the report, don't write it")
     p.add_argument("--no-extras", action="store_true", help="skip conv / dW / ResNet-50 studies")
+    p.add_argument("--hlo-dir", default=None, help="write each variant's optimized HLO here")
     args = p.parse_args(argv)
     explicit_variants = args.variants is not None
     unknown = sorted(set(args.models.split(",")) - set(M.MODELS))
@@ -641,7 +648,7 @@ def main(argv: list[str] | None = None) -> None:
         model_which = which
         if name == "gpt_fp8" and not explicit_variants:
             model_which = ("amp", "amp_fp8")
-        all_res[name] = bench_model(model, model_which, args.rounds, warmup)
+        all_res[name] = bench_model(model, model_which, args.rounds, warmup, args.hlo_dir)
         descs[name] = model.description
         if name == "gpt" and gpu and not args.no_torch:
             try:
