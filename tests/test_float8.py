@@ -368,7 +368,9 @@ def test_native_fp8_products_equal_the_emulated_ones(case, policy, monkeypatch):
         assert sum(d in fp8 for d in dots) == (3 if native else 0), dots
         out[native] = jax.jit(vg)(x, w)
     g32 = jax.grad(loss, argnums=(0, 1))(x, w)
-    assert _rel(out[True], out[False]) < 1e-5
+    # the same products; on CPU to float32 accumulation order, elsewhere the bf16
+    # matmul outputs (Policy.allow_outputs) can round an element either way
+    assert _rel(out[True], out[False]) < (1e-5 if jax.default_backend() == "cpu" else 1e-3)
     assert 0.005 < _rel(out[True][1], g32) < 0.12  # and both really are fp8
 
 

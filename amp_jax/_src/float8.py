@@ -329,7 +329,9 @@ def _fp8_dot(
                     qct_y, fx, fy = qct_x, sct * sy, sct * sx
                 dx = _dot_transpose(qct_x, qy, nx, xc, xb, yc, yb, ny, True, None, HIGH_DTYPE, qx)
                 dy = _dot_transpose(qct_y, qx, ny, yc, yb, xc, xb, nx, False, None, HIGH_DTYPE, qy)
-                return (dx * fx).astype(x_dtype), (dy * fy).astype(y_dtype)
+                # written in the policy's matmul output dtype, as the other rules do
+                dx, dy = (dx * fx).astype(acc), (dy * fy).astype(acc)
+                return dx.astype(x_dtype), dy.astype(y_dtype)
             if rowwise:
                 x, y = res
                 # dx = ct . y over y's kept dims; dy = x . ct over x's kept dims
