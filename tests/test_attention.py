@@ -724,3 +724,41 @@ def test_cudnn_refusal_falls_back_with_a_reason():
     _check_close(a, fn, q, q, q)
     ((_, impl, why),) = _log(a)
     assert impl is None and "head dim 12" in why
+
+
+def _fused_kinds(fn):
+    """The kinds of the attentions amp fused in every (sub-)jaxpr it planned for ``fn``."""
+    (traced,) = fn._cache.values()
+    return [
+        m.kind
+        for (kind, _), (_, p) in traced.ctx._memo.items()
+        if kind == "plan"
+        for m, _ in p.attention.fused.values()
+    ]
+
+
+def test_causal_mask_closed_over_by_a_scanned_layer_becomes_is_causal():
+    """A GPT's layers under lax.scan read the model's causal mask as a loop
+    constant: amp gives the loop body its value, so the attention is fused as
+    causal (cuDNN skips the masked blocks) rather than with the mask as a bias."""
+    b, t, h, d = Q.shape
+    mask = jnp.tril(jnp.ones((t, t), bool))
+
+    def model(x, ws):
+        def layer(x, w):
+            q = (x @ w).reshape(b, t, h, d)
+            s = jnp.einsum("bqhd,bkhd->bhqk", q, q) / math.sqrt(d)
+            p = jax.nn.softmax(jnp.where(mask, s, -1e9), axis=-1)
+            return x + jnp.einsum("bhqk,bkhd->bqhd", p, q).reshape(x.shape) @ w, None
+
+        return jnp.sum(jax.lax.scan(layer, x, ws)[0] ** 2)
+
+    x = Q.reshape(b, t, h * d)
+    ws = jax.random.normal(jax.random.PRNGKey(7), (2, h * d, h * d)) * (h * d) ** -0.5
+    a = amp(model, policy=XLA)
+    np.testing.assert_allclose(a(x, ws), model(x, ws), rtol=3e-2)
+    assert _fused_kinds(a) == ["causal"]
+    g = jax.grad(amp(model, policy=XLA), argnums=1)(x, ws)
+    np.testing.assert_allclose(
+        g, jax.grad(model, argnums=1)(x, ws), rtol=0.1, atol=0.05 * float(jnp.max(jnp.abs(g)))
+    )

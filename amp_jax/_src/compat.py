@@ -290,6 +290,11 @@ def scan_num_xs(params: dict[str, Any]) -> int:
     return n_in - params["num_consts"] - params["num_carry"]
 
 
+def jaxpr_as_fun(cj: Any) -> Callable[..., list[Any]]:
+    """A closed jaxpr as a function of its inputs (``jax.extend.core.jaxpr_as_fun``)."""
+    return jex_core.jaxpr_as_fun(cj)
+
+
 def scan_params_with_body(eqn: Any, body: Any) -> dict[str, Any]:
     """``eqn``'s params with the body jaxpr replaced (its input types may differ)."""
     return dict(eqn.params, jaxpr=body)

@@ -532,6 +532,7 @@ class ScanRule(HigherOrderRule):
     dtype are hoisted out of the loop (:func:`_plan_hoisted_casts`)."""
 
     def bind_rewritten(self, ctx: Context, eqn: Any, invals: list[Any]) -> list[Any]:
+        eqn = ctx.cached("masks", eqn, lambda: _with_constant_masks(eqn, invals))
         hoisted = ctx.cached("hoist", eqn, lambda: _plan_hoisted_casts(ctx, eqn))
         if not hoisted:
             return super().bind_rewritten(ctx, eqn, invals)
@@ -539,6 +540,28 @@ class ScanRule(HigherOrderRule):
         cd = ctx.policy.compute_dtype
         invals = [casting.cast(x, cd) if i in hoist else x for i, x in enumerate(invals)]
         return compat.bind_eqn(eqn, invals, new_params)
+
+
+def _with_constant_masks(eqn: Any, invals: list[Any]) -> Any:
+    """``eqn`` (a scan) with its concrete boolean loop constants -- a causal mask
+    closed over by the loop body -- made constants of its body, so that the
+    body's plan sees their values (a constant causal mask becomes cuDNN's
+    ``is_causal``, which skips the masked blocks, instead of a bias it must
+    read). The operands stay; the body no longer reads them."""
+    n_consts, _ = compat.scan_split(eqn.params)
+    known = {
+        i: x
+        for i, x in enumerate(invals[:n_consts])
+        if not isinstance(x, compat.Tracer) and np.dtype(x.dtype) == np.bool_
+    }
+    if not known:
+        return eqn
+    body = eqn.params["jaxpr"]
+    run = compat.jaxpr_as_fun(body)
+    new_body = compat.trace_to_closed_jaxpr(
+        lambda *a: run(*[known.get(i, x) for i, x in enumerate(a)]), compat.in_avals(body)
+    )
+    return eqn.replace(params=compat.scan_params_with_body(eqn, new_body))
 
 
 class ShardMapRule(HigherOrderRule):
