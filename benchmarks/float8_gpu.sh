@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The float8 checks that need a GPU with fp8 matmuls (compute capability >= 8.9, e.g. H100).
 # Run from the repository root:  bash benchmarks/float8_gpu.sh [out dir]   (about 15 min on an H100)
-#   1. tests/test_float8.py, including the cuBLASLt fp8 GEMM check on the optimized HLO
+#   1. tests/test_float8.py, including the fp8 GEMM checks on the optimized HLO
 #   2. benchmarks/run.py --models gpt_fp8: amp fp8 vs amp bf16 step time (target <= 0.8x)
 #   3. the demo, 1000 steps of amp-bf16 and amp-fp8 (target: final val loss within 1.5%)
 set -euo pipefail
