@@ -87,7 +87,17 @@ CASES = {
     ),
     "jax.nn causal": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True),
     "jax.nn plain": lambda q, k, v: jax.nn.dot_product_attention(q, k, v),
+    "hand-cast bf16": lambda q, k, v: _hand_cast_bf16(q, k, v),
 }
+
+
+def _hand_cast_bf16(q, k, v):
+    """bf16 attention as Flax and hand-written code write it: the scores cast to
+    float32 for the softmax, the probabilities cast back to bf16 for P.V."""
+    q, k, v = (a.astype(BF16) for a in (q, k, v))
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / math.sqrt(H)
+    p = jax.nn.softmax(jnp.where(CAUSAL, s, -1e9), axis=-1).astype(BF16)
+    return jnp.einsum("bhqk,bkhd->bqhd", p, v).astype(jnp.float32)
 
 
 @pytest.mark.parametrize("name", list(CASES))

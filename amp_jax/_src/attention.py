@@ -337,6 +337,12 @@ def _match_at(i_exp, eqns, producer, consumers, outs, consts, jaxpr) -> Match:
         cur = eqns[uses[0]].outvars[0]
     need(i_d2 is not None)
     near.update(eqns=set(skip) | set(between) | {i_d2}, source=eqns[i_d2])
+    if all(_is_float_cast(eqns[k]) for k in between):
+        # P cast to another float dtype (softmax in float32, then the compute dtype,
+        # as Flax and hand-written bf16 code do): the fused attention computes P in
+        # its own dtype, so the casts are part of it
+        skip.update(between)
+        between, p_var = [], cur
 
     # -- from here on, a failure is a near miss (with a reason) --------------------------
     need(axis_ok, "softmax not over the key axis")
@@ -570,6 +576,8 @@ def _walk_scores(s_var, s_users, max_src, i_max, eqns, producer, need, prod, onl
         if name == "transpose" and st["perm"] is None:
             st["perm"] = tuple(e.params["permutation"])
             return walk(e.invars[0], {j}, st)
+        if _is_float_cast(e):  # scores cast to float32 for the softmax (hand-written bf16)
+            return walk(e.invars[0], {j}, st)
         if name == "dot_general":
             return dict(st, d1=j, skip=st["skip"] - {j})
         need(False, f"{name} between the scores matmul and the softmax")
@@ -578,6 +586,13 @@ def _walk_scores(s_var, s_users, max_src, i_max, eqns, producer, need, prod, onl
     st = walk(s_var, s_users, dict(st0, bias_scale=1.0, skip=frozenset()))
     st["scale"] = 1.0 if st["scale"] is None else st["scale"]
     return st
+
+
+def _is_float_cast(e) -> bool:
+    """A ``convert_element_type`` from one floating dtype to another."""
+    return e.primitive.name == "convert_element_type" and all(
+        jnp.issubdtype(v.aval.dtype, jnp.floating) for v in (e.invars[0], e.outvars[0])
+    )
 
 
 def _trace_source(atom, roles, eqns, producer):
