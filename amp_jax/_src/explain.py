@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import html
 import math
 from collections.abc import Callable, Sequence
@@ -270,7 +271,9 @@ def _decide(
 # -- tracing ---------------------------------------------------------------------------------
 
 
-def _flat_call(fn: Callable[..., Any], args: tuple, kwargs: dict, grad: Any):
+def _flat_call(
+    fn: Callable[..., Any], args: tuple, kwargs: dict, grad: Any, caller: str = "explain"
+):
     """``(flat function of the dynamic leaves, those leaves)``; with ``grad``, the
     function returns the gradient w.r.t. the floating leaves of ``args[grad...]``."""
     leaves, treedef = jax.tree.flatten((args, kwargs))
@@ -285,7 +288,10 @@ def _flat_call(fn: Callable[..., Any], args: tuple, kwargs: dict, grad: Any):
 
     def call(*dyn_vals):
         a, k = rebuild(dyn_vals)
-        return fn(*a, **k)
+        out = fn(*a, **k)
+        if grad is not None:
+            _no_aux_hint(out, caller)
+        return out
 
     if grad is None:
         return call, dyn
@@ -339,6 +345,37 @@ def _split_fn(fn: Callable[..., Any], policy: Any) -> tuple[Callable[..., Any], 
     if isinstance(fn, AmpFunction):
         return fn.fn, (fn.policy if policy is None else get_policy(policy))
     return fn, get_policy("bfloat16" if policy is None else policy)
+
+
+def _loss_of(fn: Callable[..., Any], has_aux: Any, caller: str) -> Callable[..., Any]:
+    """``fn`` itself, or with ``has_aux=True`` the function returning only the
+    first element of ``fn``'s ``(loss, aux)`` output (aux is not analysed)."""
+    if not isinstance(has_aux, bool):
+        raise TypeError(f"{caller}: `has_aux` must be a bool, got {has_aux!r}.")
+    if not has_aux:
+        return fn
+
+    @functools.wraps(fn)
+    def loss_only(*args, **kwargs):
+        out = fn(*args, **kwargs)
+        if not (isinstance(out, (tuple, list)) and len(out) == 2):
+            raise TypeError(
+                f"{caller}(has_aux=True): the function must return a pair (loss, aux), "
+                f"got {type(out).__name__}; pass has_aux=False for a function that "
+                "returns the loss alone."
+            )
+        return out[0]
+
+    return loss_only
+
+
+def _no_aux_hint(out: Any, caller: str) -> None:
+    if isinstance(out, (tuple, list)):
+        raise TypeError(
+            f"{caller}: the function returned a {type(out).__name__} of {len(out)}, not "
+            "an array; if it returns (loss, aux) as for jax.value_and_grad(..., "
+            f"has_aux=True), pass has_aux=True to {caller}."
+        )
 
 
 def _trace_decisions(base: Callable[..., Any], pol: Policy, args: tuple, kwargs: dict) -> dict:
@@ -423,6 +460,12 @@ def _fmt_num(n: float) -> str:
     return f"{n:.3g}" if isinstance(n, float) else str(n)
 
 
+def _saved_or_more(saved: int) -> str:
+    if saved < 0:
+        return f"moved {_fmt_num(-saved)}B more"
+    return f"saved {_fmt_num(saved)}B"
+
+
 class Explanation:
     """What :func:`explain` returns: rows, a summary, text and HTML views.
 
@@ -470,8 +513,8 @@ class Explanation:
             f"({100 * s.low_matmul_flop_share:.1f}% of matmul/conv FLOPs)",
             f"FLOPs by dtype: {flops}; matmul/conv: {mm}",
             f"bytes moved {_fmt_num(s.bytes_moved)}B vs {_fmt_num(s.bytes_moved_original)}B "
-            f"in float32 (saved {_fmt_num(s.bytes_saved)}B); casts inserted: {s.casts_inserted} "
-            f"({s.casts_run} executed)",
+            f"in float32 ({_saved_or_more(s.bytes_saved)}); casts inserted: "
+            f"{s.casts_inserted} ({s.casts_run} executed)",
         ]
 
     def format(self, max_rows: int | None = 40, *, min_flops: int = 0) -> str:
@@ -572,6 +615,7 @@ def explain(
     *args: Any,
     policy: Policy | str | Any = None,
     grad: bool | int | tuple[int, ...] = False,
+    has_aux: bool = False,
     **kwargs: Any,
 ) -> Explanation:
     """What low precision did to every op of ``fn(*args, **kwargs)``, and why.
@@ -599,6 +643,9 @@ def explain(
       grad: ``True`` (or the argnums, an int or a tuple of ints) to explain
         ``jax.value_and_grad`` of ``fn`` w.r.t. those arguments (a non-scalar
         output is summed); the training step's backward pass then shows too.
+      has_aux: as in ``jax.value_and_grad``: ``fn`` returns ``(loss, aux)``;
+        the loss is explained, ``aux`` (new batch statistics, metrics, strings)
+        is not.
       **kwargs: keyword arguments of ``fn``.
 
     Returns:
@@ -623,6 +670,7 @@ def explain(
       2
     """
     base, pol = _split_fn(fn, policy)
+    base = _loss_of(base, has_aux, "explain")
     g = _check_grad(grad)
     decisions = _trace_decisions(base, pol, args, kwargs)
     amp_fn = AmpFunction(base, pol)
