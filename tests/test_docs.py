@@ -7,6 +7,7 @@ import pathlib
 import re
 import subprocess
 import sys
+import traceback
 
 import pytest
 
@@ -106,9 +107,12 @@ def _previous(example: CodeExample) -> CodeExample:
     return same[-1]
 
 
-def _source_name(text: str) -> str:
-    # the module a block runs as is `<page>_<first>_<last>.py`: show it as train.py
-    return re.sub(r"\b[\w-]+_\d+_\d+\.py", "train.py", text)
+def _write_train_py(example: CodeExample) -> pathlib.Path:
+    # every block runs as ./train.py (cwd: the test's tmp_path), so the source
+    # lines explain and first_nonfinite print read `train.py:<line in the block>`
+    path = pathlib.Path("train.py")
+    path.write_text(example.source)
+    return path
 
 
 def _run(example: CodeExample, eval_example: EvalExample, check: bool) -> dict:
@@ -118,19 +122,43 @@ def _run(example: CodeExample, eval_example: EvalExample, check: bool) -> dict:
     names = {}
     if _first_line(example) == _CONTINUES:
         names = _run(_previous(example), eval_example, check=False)
-    eval_example.print_callback = _source_name
-    if check and eval_example.update_examples:
-        names = eval_example.run_print_update(example, module_globals=names)
-    elif check:
-        names = eval_example.run_print_check(example, module_globals=names)
-    else:
-        names = eval_example.run(example, module_globals=names)
+    eval_example._write_file = _write_train_py
+    try:
+        if check and eval_example.update_examples:
+            names = eval_example.run_print_update(example, module_globals=names)
+        elif check:
+            names = eval_example.run_print_check(example, module_globals=names)
+        else:
+            names = eval_example.run(example, module_globals=names)
+    except Exception as exc:
+        # pytest-examples' own traceback (rewritten to point into the page) makes
+        # pytest's report crash on Python 3.11: name the page line ourselves
+        lines, tb = [], exc.__traceback__
+        while tb is not None:  # its frames carry the page's file name and line numbers
+            if tb.tb_frame.f_code.co_filename == str(example.path):
+                lines.append(tb.tb_lineno)
+            tb = tb.tb_next
+        at = f"{example.path.name}:{lines[-1]}" if lines else str(example)
+        raise AssertionError(
+            f"the example at {at} raised\n"
+            + "".join(traceback.format_exception_only(type(exc), exc))
+        ) from None
     _DONE[key] = names
     return names
 
 
+@pytest.fixture(scope="module")
+def _examples_dir(tmp_path_factory):
+    # one directory for all: a block continuing another calls functions whose
+    # source is the other's train.py, named relative to the working directory
+    return tmp_path_factory.mktemp("doc_examples")
+
+
 @pytest.mark.parametrize("example", EXAMPLES, ids=str)
-def test_doc_example_runs(example: CodeExample, eval_example: EvalExample, monkeypatch, tmp_path):
+def test_doc_example_runs(
+    example: CodeExample, eval_example: EvalExample, monkeypatch, _examples_dir
+):
+    monkeypatch.chdir(_examples_dir)  # blocks that write files write them here
     first = _first_line(example)
     if first.startswith(_SKIP):
         pytest.skip(first[len(_SKIP) :].strip())
@@ -138,5 +166,4 @@ def test_doc_example_runs(example: CodeExample, eval_example: EvalExample, monke
         with pytest.raises(Exception):  # noqa: B017 (the page says which error)
             _run(example, eval_example, check=True)
         pytest.xfail(first[len(_XFAIL) :].strip())
-    monkeypatch.chdir(tmp_path)  # blocks that write files write them here
     _run(example, eval_example, check=True)

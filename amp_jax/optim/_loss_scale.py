@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -70,11 +72,25 @@ def _mark_read(scale: Any) -> None:
             pass
 
 
+_CALLER_SCALED = contextvars.ContextVar("amp_jax_caller_scaled", default=False)
+
+
+@contextlib.contextmanager
+def caller_scaled():
+    """Within it, ``update`` trusts that its gradients carry the scale: for code
+    that seeds the backward pass with the scale itself (``eager.scan_step``)."""
+    token = _CALLER_SCALED.set(True)
+    try:
+        yield
+    finally:
+        _CALLER_SCALED.reset(token)
+
+
 def _check_scaled(scale: Any, caller: str) -> None:
     """Under a trace, refuse an ``update`` when no loss scale read by
     :func:`loss_scale` is alive: the gradients were computed without it (plain
     ``jax.value_and_grad``). Concrete (eager) calls are not checked."""
-    if not isinstance(scale, jax.core.Tracer):
+    if not isinstance(scale, jax.core.Tracer) or _CALLER_SCALED.get():
         return
     ref = _SCALES_READ.get(id(scale))
     if ref is not None and ref() is scale:
