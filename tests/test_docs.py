@@ -2,6 +2,7 @@
 
 import importlib
 import inspect
+import itertools
 import os
 import pathlib
 import re
@@ -80,10 +81,12 @@ def test_mkdocs_build_strict(tmp_path):
 # pytest-examples finds the ```python blocks, runs each one as a module and
 # compares what it prints with the `#> ` lines (or the quoted block) written
 # under its `print` calls; `pytest tests/test_docs.py --update-examples`
-# rewrites them. A block whose first line is
-#   `# (continues the example above)`   runs with the previous block's names;
+# rewrites them. A block whose leading comment lines include
+#   `# (continues the example above)`   runs with the names of the previous
+#                                        block that runs;
 #   `# Not run by the doc tests: <why>` is skipped, the reason shown;
-#   `# Expected to fail: <why>`         is an xfail (a strict one).
+#   `# Expected to fail: "<error>" <why>` must raise an error whose message
+#                                        holds <error> (an xfail).
 # docs/accelerators.md is a record of GPU runs, not a tutorial: not collected.
 
 from pytest_examples import CodeExample, EvalExample, find_examples  # noqa: E402
@@ -96,12 +99,24 @@ _XFAIL = "# Expected to fail:"
 _DONE: dict[str, dict] = {}  # example -> its module's names after running
 
 
-def _first_line(example: CodeExample) -> str:
-    return example.source.lstrip().splitlines()[0].strip()
+def _markers(example: CodeExample) -> list[str]:
+    lines = example.source.lstrip().splitlines()
+    return [l.strip() for l in itertools.takewhile(lambda l: l.startswith("#"), lines)]
+
+
+def _marked(example: CodeExample, prefix: str) -> str | None:
+    return next((m[len(prefix) :].strip() for m in _markers(example) if m.startswith(prefix)), None)
 
 
 def _previous(example: CodeExample) -> CodeExample:
-    same = [e for e in EXAMPLES if e.path == example.path and e.start_line < example.start_line]
+    same = [
+        e
+        for e in EXAMPLES
+        if e.path == example.path
+        and e.start_line < example.start_line
+        and _marked(e, _SKIP) is None
+        and _marked(e, _XFAIL) is None
+    ]
     if not same:
         raise AssertionError(f"{example} says it continues an example, but none comes before it")
     return same[-1]
@@ -120,7 +135,7 @@ def _run(example: CodeExample, eval_example: EvalExample, check: bool) -> dict:
     if key in _DONE:
         return _DONE[key]
     names = {}
-    if _first_line(example) == _CONTINUES:
+    if _CONTINUES in _markers(example):
         names = _run(_previous(example), eval_example, check=False)
     eval_example._write_file = _write_train_py
     try:
@@ -159,11 +174,12 @@ def test_doc_example_runs(
     example: CodeExample, eval_example: EvalExample, monkeypatch, _examples_dir
 ):
     monkeypatch.chdir(_examples_dir)  # blocks that write files write them here
-    first = _first_line(example)
-    if first.startswith(_SKIP):
-        pytest.skip(first[len(_SKIP) :].strip())
-    if first.startswith(_XFAIL):
-        with pytest.raises(Exception):  # noqa: B017 (the page says which error)
+    if (why := _marked(example, _SKIP)) is not None:
+        pytest.skip(why)
+    if (why := _marked(example, _XFAIL)) is not None:
+        error = re.match(r'"([^"]+)"', why)
+        assert error, f'{example}: write the expected error first: # Expected to fail: "<error>" ...'
+        with pytest.raises(AssertionError, match=re.escape(error.group(1))):
             _run(example, eval_example, check=True)
-        pytest.xfail(first[len(_XFAIL) :].strip())
+        pytest.xfail(why)
     _run(example, eval_example, check=True)
