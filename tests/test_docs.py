@@ -178,7 +178,9 @@ def test_doc_example_runs(
         pytest.skip(why)
     if (why := _marked(example, _XFAIL)) is not None:
         error = re.match(r'"([^"]+)"', why)
-        assert error, f'{example}: write the expected error first: # Expected to fail: "<error>" ...'
+        assert error, (
+            f'{example}: write the expected error first: # Expected to fail: "<error>" ...'
+        )
         with pytest.raises(AssertionError, match=re.escape(error.group(1))):
             _run(example, eval_example, check=True)
         pytest.xfail(why)

@@ -1,7 +1,7 @@
 """Composition with optax, jit, cond, tree.map, shard_map; public API docs."""
 
-import functools
 import doctest
+import functools
 import importlib
 import importlib.util
 import inspect
@@ -34,9 +34,7 @@ def _params(dtype=jnp.bfloat16):
 
 
 WRAPPERS = {
-    "dynamic_loss_scale": lambda: _dls(
-        optax.adam(1e-2), init_scale=8.0, growth_interval=2
-    ),
+    "dynamic_loss_scale": lambda: _dls(optax.adam(1e-2), init_scale=8.0, growth_interval=2),
     "static_loss_scale": lambda: _sls(optax.adam(1e-2), 8.0),
     "master_weights": lambda: optim.master_weights(optax.adam(1e-2)),
     "kahan_summation": lambda: optim.kahan_summation(optax.adam(1e-2)),
@@ -113,9 +111,7 @@ def test_clipping_inside_sees_unscaled_gradients():
     updates, _ = jax.jit(tx.update)(scaled, state, params)
     np.testing.assert_allclose(np.asarray(updates["w"]), -np.asarray(g["w"]), rtol=1e-6)
     # Clipping *outside* the wrapper would have seen the scaled gradients.
-    outside = optax.chain(
-        optax.clip_by_global_norm(1.0), _dls(optax.sgd(1.0), init_scale=2.0**12)
-    )
+    outside = optax.chain(optax.clip_by_global_norm(1.0), _dls(optax.sgd(1.0), init_scale=2.0**12))
     s2 = outside.init(params)
     u2, _ = outside.update(scaled, s2, params)
     assert np.abs(np.asarray(u2["w"])).sum() < 0.01

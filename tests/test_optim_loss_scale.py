@@ -1,6 +1,7 @@
 """Loss-scaling state machine, unscaling and state search."""
 
 import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -118,9 +119,7 @@ def test_clamped_at_min_scale():
 
 
 def test_clamped_at_max_scale_and_growth_only_if_finite():
-    tx = _dls(
-        optax.sgd(0.1), init_scale=16.0, max_scale=24.0, growth_interval=1
-    )
+    tx = _dls(optax.sgd(0.1), init_scale=16.0, max_scale=24.0, growth_interval=1)
     state = tx.init(jnp.ones(1))
     _, state = tx.update(jnp.ones(1), state, jnp.ones(1))
     assert float(state.scale) == 24.0
@@ -128,9 +127,7 @@ def test_clamped_at_max_scale_and_growth_only_if_finite():
     assert float(state.scale) == 24.0
     # A grown scale that overflows float32 is not taken.
     big = float(2.0**127)
-    tx = _dls(
-        optax.sgd(0.1), init_scale=big, max_scale=3e38, growth_interval=1, growth_factor=4.0
-    )
+    tx = _dls(optax.sgd(0.1), init_scale=big, max_scale=3e38, growth_interval=1, growth_factor=4.0)
     state = tx.init(jnp.ones(1))
     _, state = tx.update(jnp.ones(1), state, jnp.ones(1))
     assert float(state.scale) == big
@@ -253,9 +250,7 @@ def test_loss_scale_found_in_nested_states():
 def test_loss_scale_errors():
     with pytest.raises(ValueError, match="dynamic_loss_scale"):
         optim.loss_scale(optax.adam(0.1).init(jnp.ones(2)))
-    two = optax.chain(
-        _sls(optax.identity(), 2.0), _dls(optax.sgd(0.1))
-    )
+    two = optax.chain(_sls(optax.identity(), 2.0), _dls(optax.sgd(0.1)))
     with pytest.raises(ValueError, match="found 2"):
         optim.loss_scale(two.init(jnp.ones(2)))
     nested = _dls(_sls(optax.sgd(1), 2.0))
@@ -295,3 +290,69 @@ def test_loss_scale_stats_count_steps_and_skips_under_jit():
     assert {k: float(v) for k, v in optim.loss_scale_stats(static).items()} == {"scale": 8.0}
     with pytest.raises(ValueError, match="loss_scale_stats"):
         optim.loss_scale_stats(optax.sgd(0.1).init(jnp.zeros(2)))
+
+
+def _misuse_setup():
+    params = {"w": jnp.ones(3)}
+    loss_fn = lambda p: jnp.sum(p["w"] ** 2)
+    return params, loss_fn
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: optim.dynamic_loss_scale(optax.sgd(0.1)),
+        lambda: optim.static_loss_scale(optax.sgd(0.1), 2.0**10),
+    ],
+)
+def test_update_refuses_gradients_that_were_never_scaled(make):
+    params, loss_fn = _misuse_setup()
+    tx = make()
+    state = tx.init(params)
+
+    @jax.jit
+    def plain(params, state):  # the mistake: jax.value_and_grad, no loss scale
+        _, g = jax.value_and_grad(loss_fn)(params)
+        return tx.update(g, state, params)[0]
+
+    with pytest.raises(ValueError, match="scaled_value_and_grad"):
+        plain(params, state)
+
+    @jax.jit
+    def scaled(params, state):
+        _, g = optim.scaled_value_and_grad(loss_fn, state)(params)
+        return tx.update(g, state, params)[0]
+
+    np.testing.assert_allclose(np.asarray(scaled(params, state)["w"]), -0.2, rtol=1e-6)
+
+
+def test_update_accepts_scaled_gradients_inside_multisteps_and_nnx():
+    params, loss_fn = _misuse_setup()
+    tx = optax.MultiSteps(optim.dynamic_loss_scale(optax.sgd(0.1)), 2)
+    state = tx.init(params)
+
+    @jax.jit
+    def step(params, state):  # MultiSteps runs the inner update inside a cond
+        _, g = optim.scaled_value_and_grad(loss_fn, state)(params)
+        return tx.update(g, state, params)
+
+    step(params, state)
+    unchecked = optim.dynamic_loss_scale(optax.sgd(0.1), check_scaled=False)
+    s = unchecked.init(params)
+    jax.jit(unchecked.update)({"w": jnp.ones(3)}, s, params)  # opted out: no error
+
+
+def test_loss_scaler_after_another_transformation_in_a_chain_is_refused():
+    params, loss_fn = _misuse_setup()
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optim.dynamic_loss_scale(optax.sgd(0.1)))
+    with pytest.raises(ValueError, match=r"dynamic_loss_scale\(optax.chain\("):
+        optim.scaled_value_and_grad(loss_fn, tx.init(params))(params)
+    first = optax.chain(optim.dynamic_loss_scale(optax.sgd(0.1)), optax.identity())
+    optim.scaled_value_and_grad(loss_fn, first.init(params))(params)
+
+
+def test_forgotten_has_aux_is_named():
+    params, loss_fn = _misuse_setup()
+    state = optim.dynamic_loss_scale(optax.sgd(0.1)).init(params)
+    with pytest.raises(TypeError, match="has_aux=True"):
+        optim.scaled_value_and_grad(lambda p: (loss_fn(p), {"n": 1.0}), state)(params)

@@ -8,9 +8,8 @@ Only public API is used: ``jax.extend.core``, ``jax.extend.linear_util``,
 
 from __future__ import annotations
 
-import os
-
 import functools
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 

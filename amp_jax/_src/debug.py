@@ -26,9 +26,9 @@ from amp_jax._src import compat
 from amp_jax._src.explain import (
     _check_grad,
     _flat_call,
-    _loss_of,
     _full_stack,
     _is_backward,
+    _loss_of,
     _scope,
     _split_fn,
     ran_in,
@@ -326,10 +326,10 @@ def first_nonfinite(
     base, pol = _split_fn(
         fn, "float16" if policy is None and not isinstance(fn, AmpFunction) else policy
     )
-    base = _loss_of(base, has_aux, "first_nonfinite")
     g = _check_grad(grad)
-    run, dyn = _flat_call(AmpFunction(base, pol), args, kwargs, g, "first_nonfinite")
-    orig, _ = _flat_call(base, args, kwargs, g, "first_nonfinite")
+    base = _loss_of(base, has_aux, "first_nonfinite", g is not None)
+    run, dyn = _flat_call(AmpFunction(base, pol), args, kwargs, g)
+    orig, _ = _flat_call(base, args, kwargs, g)
     new = jax.make_jaxpr(run)(*dyn)
     old = jax.make_jaxpr(orig)(*dyn)
     probe = _Probe(stop_at_first=True)

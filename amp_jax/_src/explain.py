@@ -271,9 +271,7 @@ def _decide(
 # -- tracing ---------------------------------------------------------------------------------
 
 
-def _flat_call(
-    fn: Callable[..., Any], args: tuple, kwargs: dict, grad: Any, caller: str = "explain"
-):
+def _flat_call(fn: Callable[..., Any], args: tuple, kwargs: dict, grad: Any):
     """``(flat function of the dynamic leaves, those leaves)``; with ``grad``, the
     function returns the gradient w.r.t. the floating leaves of ``args[grad...]``."""
     leaves, treedef = jax.tree.flatten((args, kwargs))
@@ -288,10 +286,7 @@ def _flat_call(
 
     def call(*dyn_vals):
         a, k = rebuild(dyn_vals)
-        out = fn(*a, **k)
-        if grad is not None:
-            _no_aux_hint(out, caller)
-        return out
+        return fn(*a, **k)
 
     if grad is None:
         return call, dyn
@@ -347,35 +342,34 @@ def _split_fn(fn: Callable[..., Any], policy: Any) -> tuple[Callable[..., Any], 
     return fn, get_policy("bfloat16" if policy is None else policy)
 
 
-def _loss_of(fn: Callable[..., Any], has_aux: Any, caller: str) -> Callable[..., Any]:
+def _loss_of(fn: Callable[..., Any], has_aux: Any, caller: str, grad: bool) -> Callable[..., Any]:
     """``fn`` itself, or with ``has_aux=True`` the function returning only the
-    first element of ``fn``'s ``(loss, aux)`` output (aux is not analysed)."""
+    first element of ``fn``'s ``(loss, aux)`` output (aux is not analysed);
+    differentiating a pair without ``has_aux`` raises an error naming it."""
     if not isinstance(has_aux, bool):
         raise TypeError(f"{caller}: `has_aux` must be a bool, got {has_aux!r}.")
-    if not has_aux:
+    if not has_aux and not grad:
         return fn
 
     @functools.wraps(fn)
     def loss_only(*args, **kwargs):
         out = fn(*args, **kwargs)
-        if not (isinstance(out, (tuple, list)) and len(out) == 2):
+        pair = isinstance(out, (tuple, list))
+        if has_aux and not (pair and len(out) == 2):
             raise TypeError(
                 f"{caller}(has_aux=True): the function must return a pair (loss, aux), "
                 f"got {type(out).__name__}; pass has_aux=False for a function that "
                 "returns the loss alone."
             )
-        return out[0]
+        if not has_aux and pair:
+            raise TypeError(
+                f"{caller}(grad=...): the function returned a {type(out).__name__} of "
+                f"{len(out)}, not a loss; if it returns (loss, aux) as for "
+                f"jax.value_and_grad(..., has_aux=True), pass has_aux=True to {caller}."
+            )
+        return out[0] if has_aux else out
 
     return loss_only
-
-
-def _no_aux_hint(out: Any, caller: str) -> None:
-    if isinstance(out, (tuple, list)):
-        raise TypeError(
-            f"{caller}: the function returned a {type(out).__name__} of {len(out)}, not "
-            "an array; if it returns (loss, aux) as for jax.value_and_grad(..., "
-            f"has_aux=True), pass has_aux=True to {caller}."
-        )
 
 
 def _trace_decisions(base: Callable[..., Any], pol: Policy, args: tuple, kwargs: dict) -> dict:
@@ -670,8 +664,8 @@ def explain(
       2
     """
     base, pol = _split_fn(fn, policy)
-    base = _loss_of(base, has_aux, "explain")
     g = _check_grad(grad)
+    base = _loss_of(base, has_aux, "explain", g is not None)
     decisions = _trace_decisions(base, pol, args, kwargs)
     amp_fn = AmpFunction(base, pol)
     run, dyn = _flat_call(amp_fn, args, kwargs, g)

@@ -350,7 +350,9 @@ def _edits(a: str, b: str) -> int:
     d = [[i + j if i * j == 0 else 0 for j in range(len(b) + 1)] for i in range(len(a) + 1)]
     for i in range(1, len(a) + 1):
         for j in range(1, len(b) + 1):
-            d[i][j] = min(d[i - 1][j] + 1, d[i][j - 1] + 1, d[i - 1][j - 1] + (a[i - 1] != b[j - 1]))
+            d[i][j] = min(
+                d[i - 1][j] + 1, d[i][j - 1] + 1, d[i - 1][j - 1] + (a[i - 1] != b[j - 1])
+            )
             if i > 1 and j > 1 and a[i - 1] == b[j - 2] and a[i - 2] == b[j - 1]:
                 d[i][j] = min(d[i][j], d[i - 2][j - 2] + 1)
     return d[-1][-1]
@@ -361,7 +363,11 @@ def _nearest(name: str, candidates: list[str]) -> str | None:
     None when even the nearest needs more than a third of the name changed."""
     if not candidates:
         return None
-    key = lambda c: (_edits(name, c), abs(len(c) - len(name)), -difflib.SequenceMatcher(None, name, c).ratio())
+    key = lambda c: (
+        _edits(name, c),
+        abs(len(c) - len(name)),
+        -difflib.SequenceMatcher(None, name, c).ratio(),
+    )
     best = min(candidates, key=key)
     return best if _edits(name, best) <= max(1, len(name) // 3) else None
 

@@ -117,14 +117,14 @@ def dtype_report(
     from amp_jax._src.explain import _check_grad, _flat_call, _loss_of, _split_fn
     from amp_jax._src.transform import AmpFunction, _is_dynamic
 
+    g = _check_grad(grad)
     if policy is not None or isinstance(fn, AmpFunction):
         base, pol = _split_fn(fn, policy)
-        fn = AmpFunction(_loss_of(base, has_aux, "dtype_report"), pol)
+        fn = AmpFunction(_loss_of(base, has_aux, "dtype_report", g is not None), pol)
     else:
-        fn = _loss_of(fn, has_aux, "dtype_report")
-    g = _check_grad(grad)
+        fn = _loss_of(fn, has_aux, "dtype_report", g is not None)
     if g is not None:
-        run, dyn = _flat_call(fn, args, kwargs, g, "dtype_report")
+        run, dyn = _flat_call(fn, args, kwargs, g)
         fn, args, kwargs = run, tuple(dyn), {}
 
     # Array leaves are traced; the others (a mode string, a callable) are

@@ -73,7 +73,9 @@ MODES: dict[str, Mode] = {
             "bfloat16 params, amp bfloat16, AdamW (bf16 moments) + Kahan",
             "bfloat16",
             jnp.bfloat16,
-            lambda lr: optim.adamw(lr, weight_decay=0.0, mu_dtype=jnp.bfloat16, nu_dtype=jnp.bfloat16, kahan=True),
+            lambda lr: optim.adamw(
+                lr, weight_decay=0.0, mu_dtype=jnp.bfloat16, nu_dtype=jnp.bfloat16, kahan=True
+            ),
         ),
         Mode(
             "amp-fp8",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -65,11 +66,15 @@ def _mark_read(scale: Any) -> None:
     # a Flax NNX optimizer state holds Variables: mark the array inside too
     get = getattr(scale, "get_value", None)
     raw = get() if callable(get) else scale
-    for x in {id(scale): scale, id(raw): raw}.values():
+    for key, x in {id(scale): scale, id(raw): raw}.items():
         try:
-            _SCALES_READ[id(x)] = weakref.ref(x, lambda _, k=id(x): _SCALES_READ.pop(k, None))
+            _SCALES_READ[key] = weakref.ref(x, functools.partial(_forget, key))
         except TypeError:  # not weak-referenceable (a Python float): nothing to check
             pass
+
+
+def _forget(key: int, _ref: Any) -> None:
+    _SCALES_READ.pop(key, None)
 
 
 _CALLER_SCALED = contextvars.ContextVar("amp_jax_caller_scaled", default=False)
@@ -460,7 +465,9 @@ def _check_first_in_chain(opt_state: Any) -> None:
             index = getattr(key, "idx", None)
             if type(node) is tuple and index:  # an optax.chain state, not the first part
                 kind = type(leaf).__name__.removesuffix("State")
-                wrapper = "dynamic_loss_scale" if kind.startswith("Dynamic") else "static_loss_scale"
+                wrapper = (
+                    "dynamic_loss_scale" if kind.startswith("Dynamic") else "static_loss_scale"
+                )
                 raise ValueError(
                     f"loss_scale: the {wrapper} state is part {index} of an optax.chain "
                     f"(at {jax.tree_util.keystr(path[: path.index(key) + 1])}), not part 0: "
