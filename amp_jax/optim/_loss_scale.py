@@ -464,10 +464,8 @@ def _check_first_in_chain(opt_state: Any) -> None:
         for key in path:
             index = getattr(key, "idx", None)
             if type(node) is tuple and index:  # an optax.chain state, not the first part
-                kind = type(leaf).__name__.removesuffix("State")
-                wrapper = (
-                    "dynamic_loss_scale" if kind.startswith("Dynamic") else "static_loss_scale"
-                )
+                dynamic = isinstance(leaf, DynamicLossScaleState)
+                wrapper = "dynamic_loss_scale" if dynamic else "static_loss_scale"
                 raise ValueError(
                     f"loss_scale: the {wrapper} state is part {index} of an optax.chain "
                     f"(at {jax.tree_util.keystr(path[: path.index(key) + 1])}), not part 0: "
