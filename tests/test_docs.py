@@ -79,7 +79,7 @@ def test_mkdocs_build_strict(tmp_path):
 # --- every Python block of README.md and docs/*.md runs as written ---------
 #
 # pytest-examples finds the ```python blocks, runs each one as a module and
-# compares what it prints with the `#> ` lines (or the quoted block) written
+# compares what it prints with the `# > ` lines (or the quoted block) written
 # under its `print` calls; `pytest tests/test_docs.py --update-examples`
 # rewrites them. A block whose leading comment lines include
 #   `# (continues the example above)`   runs with the names of the previous
@@ -90,6 +90,12 @@ def test_mkdocs_build_strict(tmp_path):
 # docs/accelerators.md is a record of GPU runs, not a tutorial: not collected.
 
 from pytest_examples import CodeExample, EvalExample, find_examples  # noqa: E402
+from pytest_examples import run_code as _run_code  # noqa: E402
+
+# `ruff format` (which formats the Python blocks of markdown files too) writes
+# pytest-examples' `#> output` comments as `# > output`: use that spelling.
+_run_code.comment_prefix = "# > "
+_run_code.comment_prefix_re = re.compile(r"^ *# > ", re.MULTILINE)
 
 _PAGES = [ROOT / "README.md", *sorted(p for p in DOCS.glob("*.md") if p.name != "accelerators.md")]
 EXAMPLES = list(find_examples(*_PAGES))
