@@ -5,6 +5,8 @@ tests pin the version-dependent reads so that a change in JAX fails here,
 by name, rather than deep inside a rewrite.
 """
 
+import pathlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -278,6 +280,15 @@ def test_source_line_names_this_file():
     eqn = compat.jaxpr_of(jax.make_jaxpr(lambda x: jnp.cos(x))(1.0)).eqns[0]
     line = compat.source_line(eqn)
     assert "test_compat.py" in line, line
+
+
+def test_source_line_is_relative_to_the_working_directory(tmp_path, monkeypatch):
+    eqn = compat.jaxpr_of(jax.make_jaxpr(lambda x: jnp.cos(x))(1.0)).eqns[0]
+    here = pathlib.Path(__file__).resolve()
+    monkeypatch.chdir(here.parent)
+    assert compat.source_line(eqn).startswith("test_compat.py:"), compat.source_line(eqn)
+    monkeypatch.chdir(tmp_path)
+    assert compat.source_line(eqn).startswith(str(here)), compat.source_line(eqn)
 
 
 def test_memoized_fun_calls_once_per_argument_tuple():

@@ -20,6 +20,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 F16 = amp_jax.Policy(jnp.float16, min_low_contraction=0, min_low_flops=0, allow_outputs="float32")
 BF16_F32OUT = amp_jax.Policy(jnp.bfloat16, allow_outputs="float32")
 HERE = pathlib.Path(__file__).read_text().splitlines()
+# how explain and first_nonfinite name this file: relative to the working directory
+THIS = os.path.relpath(__file__) if __file__.startswith(os.getcwd() + os.sep) else __file__
 
 
 def _line(marker):
@@ -41,7 +43,7 @@ def test_first_overflow_located_exactly():
     x, w = jnp.full((2, 16), 100.0), jnp.full((16, 16), 50.0)  # x @ w = 80000
     found = debug.first_nonfinite(overflowing, x, w, policy=F16)
     assert found is not None
-    assert found.where.startswith(f"{__file__}:{_line('MARK-OVERFLOW')}:")
+    assert found.where.startswith(f"{THIS}:{_line('MARK-OVERFLOW')}:")
     assert "overflowing" in found.where
     assert found.primitive == "convert_element_type" and found.dtype == "float32->float16"
     assert found.cast_of.startswith("dot_general at ")
@@ -73,7 +75,7 @@ def scanned(x, w):
 def test_overflow_inside_scan_and_full_precision_fixes_it():
     x, w = jnp.ones((2, 4)), jnp.ones((4, 4))
     found = debug.first_nonfinite(scanned, x, w, policy=F16)
-    assert found.where.startswith(f"{__file__}:{_line('MARK-SCAN')}:")
+    assert found.where.startswith(f"{THIS}:{_line('MARK-SCAN')}:")
     assert found.cast_of.startswith("add at ")
     assert found.float32_finite and found.float32_max_abs > 65504
     # an amp function's own policy is used
@@ -134,11 +136,7 @@ def small(w, x):
 def test_explain_reasons_dtypes_and_casts():
     w, x = jnp.ones((8, 8)), jnp.ones((4, 8))
     ex = amp_jax.explain(small, w, x, policy=BF16_F32OUT)
-    by = {
-        (int(r.where.split(":")[1]), r.primitive): r
-        for r in ex.rows
-        if r.where.startswith(__file__)
-    }
+    by = {(int(r.where.split(":")[1]), r.primitive): r for r in ex.rows if r.where.startswith(THIS)}
     dot = by[(_line("MARK-DOT"), "dot_general")]
     assert (
         dot.dtype == "bfloat16"
@@ -271,3 +269,46 @@ def test_doctests_of_explain_and_debug():
     for mod in ("amp_jax._src.explain", "amp_jax._src.debug"):
         result = doctest.testmod(importlib.import_module(mod), optionflags=doctest.ELLIPSIS)
         assert result.attempted > 0 and result.failed == 0, mod
+
+
+def _aux_loss(params, x):
+    h = x @ params["w"]
+    return jnp.mean(h @ params["w"]), {"names": ["drop"], "mean": jnp.mean(h)}
+
+
+_AUX_ARGS = ({"w": jnp.ones((32, 32))}, jnp.ones((16, 32)))
+
+
+def test_explain_and_dtype_report_take_has_aux_and_the_same_options():
+    ex = amp_jax.explain(_aux_loss, *_AUX_ARGS, policy="float16", grad=True, has_aux=True)
+    dots = {(r.dtype, r.backward) for r in ex.rows if r.primitive == "dot_general"}
+    assert dots == {("float16", False), ("float16", True)}
+    rows = amp_jax.dtype_report(_aux_loss, *_AUX_ARGS, policy="float16", grad=True, has_aux=True)
+    assert {r[1] for r in rows if r[0] == "dot_general"} == {"float16,float16"}
+    assert sum(r[4] for r in rows if r[0] == "dot_general") >= 5  # 2 forward, the backward
+    # an amp function and the raw function with policy= report the same
+    f = lambda a, b: a @ b
+    a = jnp.ones((64, 64))
+    assert amp_jax.dtype_report(f, a, a, policy="bfloat16") == amp_jax.dtype_report(amp(f), a, a)
+
+
+def test_first_nonfinite_takes_has_aux():
+    params = {"w": jnp.full((16, 16), 50.0)}
+    x = jnp.full((2, 16), 100.0)  # x @ w = 80000 > float16's 65504
+    found = debug.first_nonfinite(_aux_loss, params, x, grad=True, has_aux=True)
+    assert found is not None and found.dtype == "float32->float16"
+
+
+def test_a_pair_without_has_aux_names_it():
+    with pytest.raises(TypeError, match="has_aux=True"):
+        amp_jax.explain(_aux_loss, *_AUX_ARGS, grad=True)
+
+
+def test_explain_says_moved_more_not_negative_savings():
+    f = lambda a, b: jnp.sum(a @ b)
+    text = str(amp_jax.explain(f, jnp.ones((64, 8)), jnp.ones((8, 64)), policy="float16"))
+    assert "saved -" not in text
+    assert "more)" in text or "saved " in text
+    ex = amp_jax.explain(f, jnp.ones((64, 8)), jnp.ones((8, 64)), policy="float16")
+    if ex.summary.bytes_saved < 0:
+        assert "B more)" in text

@@ -2,11 +2,13 @@
 
 import importlib
 import inspect
+import itertools
 import os
 import pathlib
 import re
 import subprocess
 import sys
+import traceback
 
 import pytest
 
@@ -72,3 +74,131 @@ def test_mkdocs_build_strict(tmp_path):
     api = "".join(page.read_text() for page in sorted((site / "api").rglob("index.html")))
     for module, name in PUBLIC:
         assert f'id="{module}.{name}"' in api, f"{module}.{name} was not rendered on an API page"
+
+
+# --- every Python block of README.md and docs/*.md runs as written ---------
+#
+# pytest-examples finds the ```python blocks, runs each one as a module and
+# compares what it prints with the `# > ` lines (or the quoted block) written
+# under its `print` calls; `pytest tests/test_docs.py --update-examples`
+# rewrites them. A block whose leading comment lines include
+#   `# (continues the example above)`   runs with the names of the previous
+#                                        block that runs;
+#   `# Not run by the doc tests: <why>` is skipped, the reason shown;
+#   `# Expected to fail: "<error>" <why>` must raise an error whose message
+#                                        holds <error> (an xfail).
+# docs/accelerators.md is a record of GPU runs, not a tutorial: not collected.
+
+from pytest_examples import CodeExample, EvalExample, find_examples  # noqa: E402
+from pytest_examples import run_code as _run_code  # noqa: E402
+
+# `ruff format` (which formats the Python blocks of markdown files too) writes
+# pytest-examples' `#> output` comments as `# > output`: use that spelling.
+_run_code.comment_prefix = "# > "
+_run_code.comment_prefix_re = re.compile(r"^ *# > ", re.MULTILINE)
+
+_PAGES = [ROOT / "README.md", *sorted(p for p in DOCS.glob("*.md") if p.name != "accelerators.md")]
+EXAMPLES = list(find_examples(*_PAGES))
+_CONTINUES = "# (continues the example above)"
+_SKIP = "# Not run by the doc tests:"
+_XFAIL = "# Expected to fail:"
+_DONE: dict[str, dict] = {}  # example -> its module's names after running
+
+
+def _markers(example: CodeExample) -> list[str]:
+    lines = example.source.lstrip().splitlines()
+    return [l.strip() for l in itertools.takewhile(lambda l: l.startswith("#"), lines)]
+
+
+def _marked(example: CodeExample, prefix: str) -> str | None:
+    return next((m[len(prefix) :].strip() for m in _markers(example) if m.startswith(prefix)), None)
+
+
+def _previous(example: CodeExample) -> CodeExample:
+    same = [
+        e
+        for e in EXAMPLES
+        if e.path == example.path
+        and e.start_line < example.start_line
+        and _marked(e, _SKIP) is None
+        and _marked(e, _XFAIL) is None
+    ]
+    if not same:
+        raise AssertionError(f"{example} says it continues an example, but none comes before it")
+    return same[-1]
+
+
+def _write_train_py(example: CodeExample) -> pathlib.Path:
+    # every block runs as ./train.py (cwd: the test's tmp_path), so the source
+    # lines explain and first_nonfinite print read `train.py:<line in the block>`
+    path = pathlib.Path("train.py")
+    path.write_text(example.source)
+    return path
+
+
+def _run(example: CodeExample, eval_example: EvalExample, check: bool) -> dict:
+    key = str(example)
+    if key in _DONE:
+        return _DONE[key]
+    names = {}
+    if _CONTINUES in _markers(example):
+        names = _run(_previous(example), eval_example, check=False)
+    eval_example._write_file = _write_train_py
+    try:
+        if check and eval_example.update_examples:
+            names = eval_example.run_print_update(example, module_globals=names)
+        elif check:
+            names = eval_example.run_print_check(example, module_globals=names)
+        else:
+            names = eval_example.run(example, module_globals=names)
+    except Exception as exc:
+        # pytest-examples' own traceback (rewritten to point into the page) makes
+        # pytest's report crash on Python 3.11: name the page line ourselves
+        lines, tb = [], exc.__traceback__
+        while tb is not None:  # its frames carry the page's file name and line numbers
+            if tb.tb_frame.f_code.co_filename == str(example.path):
+                lines.append(tb.tb_lineno)
+            tb = tb.tb_next
+        at = f"{example.path.name}:{lines[-1]}" if lines else str(example)
+        raise AssertionError(
+            f"the example at {at} raised\n"
+            + "".join(traceback.format_exception_only(type(exc), exc))
+        ) from None
+    _DONE[key] = names
+    return names
+
+
+@pytest.fixture(scope="module")
+def _examples_dir(tmp_path_factory):
+    # one directory for all: a block continuing another calls functions whose
+    # source is the other's train.py, named relative to the working directory
+    return tmp_path_factory.mktemp("doc_examples")
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=str)
+def test_doc_example_runs(
+    example: CodeExample, eval_example: EvalExample, monkeypatch, _examples_dir
+):
+    monkeypatch.chdir(_examples_dir)  # blocks that write files write them here
+    if (why := _marked(example, _SKIP)) is not None:
+        pytest.skip(why)
+    if (why := _marked(example, _XFAIL)) is not None:
+        error = re.match(r'"([^"]+)"', why)
+        assert error, (
+            f'{example}: write the expected error first: # Expected to fail: "<error>" ...'
+        )
+        with pytest.raises(AssertionError, match=re.escape(error.group(1))):
+            _run(example, eval_example, check=True)
+        pytest.xfail(why)
+    _run(example, eval_example, check=True)
+
+
+def test_committed_generated_tables_are_current():
+    # the op tables are committed so the page reads the same in the repository view
+    sys.path.insert(0, str(DOCS / "hooks"))
+    try:
+        hook = importlib.import_module("amp_docs")
+    finally:
+        sys.path.remove(str(DOCS / "hooks"))
+    page = (DOCS / "how-amp-works.md").read_text()
+    assert hook.fill_blocks(page) == page, "run `python docs/hooks/amp_docs.py` and commit"

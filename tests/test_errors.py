@@ -163,6 +163,8 @@ def test_tiny_contractions_stay_float32_and_say_why():
         ),
         (dict(allow=["dot_generl"]), ValueError, "did you mean 'dot_general'"),
         (dict(overrides={"tan_h": "deny"}), ValueError, "did you mean 'tanh'"),
+        # two swapped letters: the nearest name, not the most alike prefix ('tan')
+        (dict(overrides={"tahn": "deny"}), ValueError, "did you mean 'tanh'"),
         (dict(min_low_flops=-1), ValueError, r"min_low_flops=-1\) must be an int >= 0"),
         (dict(allow_outputs="bf16"), ValueError, "allow_outputs='bf16'"),
     ],
@@ -489,3 +491,9 @@ def test_random_program_right_or_refused(pieces):
         assert err <= hand_err + 1e-2 * scale, (pieces, err, hand_err)
         if "dot" not in pieces:  # every matmul is explicit-precision, float64 or complex
             assert err <= 1e-6 * scale, (pieces, err)
+
+
+def test_positional_policy_names_the_keyword():
+    f = lambda x: x @ x
+    with pytest.raises(TypeError, match=r"amp\(fn, policy='float16'\)"):
+        amp(f, "float16")

@@ -145,3 +145,12 @@ def test_errors():
         optim.adamw(1e-3, nu_dtype="int8")
     with pytest.raises(ValueError, match="`compensation_dtype`"):
         optim.adamw(1e-3, compensation_dtype=jnp.float32)
+
+
+def test_defaults_are_optax_adamw_defaults():
+    params = {"w": jnp.linspace(-1.0, 1.0, 6).reshape(2, 3)}
+    g = {"w": jnp.full((2, 3), 0.1)}
+    ours, ref = optim.adamw(1e-1), optax.adamw(1e-1)
+    u1, _ = ours.update(g, ours.init(params), params)
+    u2, _ = ref.update(g, ref.init(params), params)
+    np.testing.assert_array_equal(np.asarray(u1["w"]), np.asarray(u2["w"]))

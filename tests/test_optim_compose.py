@@ -1,6 +1,7 @@
 """Composition with optax, jit, cond, tree.map, shard_map; public API docs."""
 
 import doctest
+import functools
 import importlib
 import importlib.util
 import inspect
@@ -19,6 +20,11 @@ import pytest
 
 from amp_jax import optim
 
+# These tests feed hand-scaled gradients to (often jitted) updates, with the
+# scale read outside the trace: the unscaled-gradient check does not apply.
+_dls = functools.partial(optim.dynamic_loss_scale, check_scaled=False)
+_sls = functools.partial(optim.static_loss_scale, check_scaled=False)
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -28,10 +34,8 @@ def _params(dtype=jnp.bfloat16):
 
 
 WRAPPERS = {
-    "dynamic_loss_scale": lambda: optim.dynamic_loss_scale(
-        optax.adam(1e-2), init_scale=8.0, growth_interval=2
-    ),
-    "static_loss_scale": lambda: optim.static_loss_scale(optax.adam(1e-2), 8.0),
+    "dynamic_loss_scale": lambda: _dls(optax.adam(1e-2), init_scale=8.0, growth_interval=2),
+    "static_loss_scale": lambda: _sls(optax.adam(1e-2), 8.0),
     "master_weights": lambda: optim.master_weights(optax.adam(1e-2)),
     "kahan_summation": lambda: optim.kahan_summation(optax.adam(1e-2)),
     "stochastic_rounding": lambda: optim.stochastic_rounding(optax.adam(1e-2), jax.random.key(1)),
@@ -101,15 +105,13 @@ def test_clipping_inside_sees_unscaled_gradients():
     params = {"w": jnp.zeros(4)}
     g = {"w": jnp.array([0.1, -0.2, 0.1, 0.05])}  # global norm < 1
     inner = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(1.0))
-    tx = optim.dynamic_loss_scale(inner, init_scale=2.0**12)
+    tx = _dls(inner, init_scale=2.0**12)
     state = tx.init(params)
     scaled = jax.tree.map(lambda x: x * optim.loss_scale(state), g)
     updates, _ = jax.jit(tx.update)(scaled, state, params)
     np.testing.assert_allclose(np.asarray(updates["w"]), -np.asarray(g["w"]), rtol=1e-6)
     # Clipping *outside* the wrapper would have seen the scaled gradients.
-    outside = optax.chain(
-        optax.clip_by_global_norm(1.0), optim.dynamic_loss_scale(optax.sgd(1.0), init_scale=2.0**12)
-    )
+    outside = optax.chain(optax.clip_by_global_norm(1.0), _dls(optax.sgd(1.0), init_scale=2.0**12))
     s2 = outside.init(params)
     u2, _ = outside.update(scaled, s2, params)
     assert np.abs(np.asarray(u2["w"])).sum() < 0.01
@@ -120,12 +122,12 @@ def test_chain_and_inject_hyperparams_schedule_match_plain_optimizer():
     params = _params(jnp.float32)
     plain = optax.inject_hyperparams(optax.adamw)(learning_rate=sched)
     wrapped = optax.chain(
-        optax.identity(),
-        optim.dynamic_loss_scale(
+        _dls(
             optax.inject_hyperparams(optim.adamw)(learning_rate=sched, weight_decay=1e-4),
             init_scale=2.0**10,
             growth_interval=3,
         ),
+        optax.identity(),
     )
     sp, sw = plain.init(params), wrapped.init(params)
     pp = pw = params
@@ -145,7 +147,7 @@ def test_chain_and_inject_hyperparams_schedule_match_plain_optimizer():
 
 def test_multisteps_accumulates_and_skips_whole_step():
     params = _params(jnp.float32)
-    ms = optax.MultiSteps(optim.dynamic_loss_scale(optax.adam(1e-2), init_scale=4.0), 2)
+    ms = optax.MultiSteps(_dls(optax.adam(1e-2), init_scale=4.0), 2)
     ref = optax.MultiSteps(optax.adam(1e-2), 2)
     sm, sr = ms.init(params), ref.init(params)
     pm = pr = params
@@ -173,7 +175,7 @@ def test_loss_scale_around_multisteps_drops_only_the_bad_micro_batch():
     # Recommended order: each micro-batch is unscaled and checked on its own; a
     # non-finite one is dropped without touching the accumulator.
     params = _params(jnp.float32)
-    tx = optim.dynamic_loss_scale(optax.MultiSteps(optax.sgd(1.0), 2), init_scale=4.0)
+    tx = _dls(optax.MultiSteps(optax.sgd(1.0), 2), init_scale=4.0)
     state = tx.init(params)
     bad = jax.tree.map(lambda x: x.at[0].set(jnp.nan), _grads(params, 0))
     g1, g2 = _grads(params, 1), _grads(params, 2)
@@ -191,7 +193,7 @@ def test_loss_scale_around_multisteps_drops_only_the_bad_micro_batch():
 
 def test_full_recipe_loss_scale_master_weights_float16():
     params = _params(jnp.float16)
-    tx = optim.dynamic_loss_scale(
+    tx = _dls(
         optim.master_weights(optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2))),
         init_scale=2.0**15,
     )
@@ -230,7 +232,7 @@ _SHARD_MAP_SCRIPT = textwrap.dedent("""
     mesh = jax.make_mesh((4,), ("d",))
     out = {}
     for axis in ["d", None]:
-      tx = optim.dynamic_loss_scale(optax.adam(0.1), init_scale=4.0,
+      tx = optim.dynamic_loss_scale(optax.adam(0.1), init_scale=4.0, check_scaled=False,
                                     axis_name=axis)
       def body(g, params, state):
         u, s = tx.update(g[0], state, params)

@@ -1,5 +1,7 @@
 """Loss-scaling state machine, unscaling and state search."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,6 +9,11 @@ import optax
 import pytest
 
 from amp_jax import optim
+
+# These tests feed hand-scaled gradients to (often jitted) updates, with the
+# scale read outside the trace: the unscaled-gradient check does not apply.
+_dls = functools.partial(optim.dynamic_loss_scale, check_scaled=False)
+_sls = functools.partial(optim.static_loss_scale, check_scaled=False)
 
 
 def _tree_equal(a, b):
@@ -35,17 +42,17 @@ def _tree_equal(a, b):
 )
 def test_bad_arguments_name_the_argument(kwargs, name):
     with pytest.raises(ValueError, match=f"`{name}`"):
-        optim.dynamic_loss_scale(optax.sgd(0.1), **kwargs)
+        _dls(optax.sgd(0.1), **kwargs)
 
 
 @pytest.mark.parametrize("scale", [0.0, -1.0, float("inf")])
 def test_static_bad_scale(scale):
     with pytest.raises(ValueError, match="`scale`"):
-        optim.static_loss_scale(optax.sgd(0.1), scale)
+        _sls(optax.sgd(0.1), scale)
 
 
 def test_state_fields_and_dtypes():
-    tx = optim.dynamic_loss_scale(optax.adam(1e-3))
+    tx = _dls(optax.adam(1e-3))
     state = tx.init({"w": jnp.zeros(3)})
     assert isinstance(state, optim.DynamicLossScaleState)
     assert state._fields == (
@@ -64,7 +71,7 @@ def test_state_fields_and_dtypes():
 
 
 def test_growth_after_exactly_growth_interval():
-    tx = optim.dynamic_loss_scale(optax.sgd(0.1), init_scale=4.0, growth_interval=3)
+    tx = _dls(optax.sgd(0.1), init_scale=4.0, growth_interval=3)
     params = jnp.ones(2)
     state = tx.init(params)
     update = jax.jit(tx.update)
@@ -80,7 +87,7 @@ def test_growth_after_exactly_growth_interval():
 
 @pytest.mark.parametrize("bad", [jnp.inf, -jnp.inf, jnp.nan])
 def test_backoff_and_skip_on_nonfinite(bad):
-    tx = optim.dynamic_loss_scale(optax.adam(0.1), init_scale=64.0, growth_interval=5)
+    tx = _dls(optax.adam(0.1), init_scale=64.0, growth_interval=5)
     params = {"a": jnp.ones(3), "b": jnp.ones(2)}
     state = tx.init(params)
     update = jax.jit(tx.update)
@@ -103,7 +110,7 @@ def test_backoff_and_skip_on_nonfinite(bad):
 
 
 def test_clamped_at_min_scale():
-    tx = optim.dynamic_loss_scale(optax.sgd(0.1), init_scale=2.0, min_scale=1.0)
+    tx = _dls(optax.sgd(0.1), init_scale=2.0, min_scale=1.0)
     state = tx.init(jnp.ones(1))
     for expected in [1.0, 1.0, 1.0]:
         _, state = tx.update(jnp.array([jnp.nan]), state, jnp.ones(1))
@@ -112,9 +119,7 @@ def test_clamped_at_min_scale():
 
 
 def test_clamped_at_max_scale_and_growth_only_if_finite():
-    tx = optim.dynamic_loss_scale(
-        optax.sgd(0.1), init_scale=16.0, max_scale=24.0, growth_interval=1
-    )
+    tx = _dls(optax.sgd(0.1), init_scale=16.0, max_scale=24.0, growth_interval=1)
     state = tx.init(jnp.ones(1))
     _, state = tx.update(jnp.ones(1), state, jnp.ones(1))
     assert float(state.scale) == 24.0
@@ -122,9 +127,7 @@ def test_clamped_at_max_scale_and_growth_only_if_finite():
     assert float(state.scale) == 24.0
     # A grown scale that overflows float32 is not taken.
     big = float(2.0**127)
-    tx = optim.dynamic_loss_scale(
-        optax.sgd(0.1), init_scale=big, max_scale=3e38, growth_interval=1, growth_factor=4.0
-    )
+    tx = _dls(optax.sgd(0.1), init_scale=big, max_scale=3e38, growth_interval=1, growth_factor=4.0)
     state = tx.init(jnp.ones(1))
     _, state = tx.update(jnp.ones(1), state, jnp.ones(1))
     assert float(state.scale) == big
@@ -134,7 +137,7 @@ def test_clamped_at_max_scale_and_growth_only_if_finite():
 def test_unscales_with_the_scale_used_not_the_adjusted_one():
     # growth_interval=1: the scale grows on every step. A wrapper that unscaled
     # with the adjusted scale would halve every update.
-    tx = optim.dynamic_loss_scale(optax.sgd(1.0), init_scale=2.0, growth_interval=1)
+    tx = _dls(optax.sgd(1.0), init_scale=2.0, growth_interval=1)
     params = jnp.ones(3)
     state = tx.init(params)
     true_grad = jnp.array([0.5, -0.25, 3.0])
@@ -147,7 +150,7 @@ def test_unscales_with_the_scale_used_not_the_adjusted_one():
 
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32])
 def test_low_precision_gradients(dtype):
-    tx = optim.dynamic_loss_scale(optax.sgd(1.0), init_scale=2.0**8)
+    tx = _dls(optax.sgd(1.0), init_scale=2.0**8)
     params = jnp.ones(4, dtype)
     state = tx.init(params)
     g = jnp.array([0.5, -0.125, 3.0, 2.0**-10], dtype)
@@ -165,7 +168,7 @@ def test_low_precision_gradients(dtype):
 def test_float16_loss_with_scaled_value_and_grad():
     # A float16 model: with scale 2**16 the cotangent 65536 overflows float16, so
     # the step is skipped and the scale backs off; the next step goes through.
-    tx = optim.dynamic_loss_scale(optax.sgd(0.5), init_scale=2.0**16)
+    tx = _dls(optax.sgd(0.5), init_scale=2.0**16)
     params = jnp.array([0.25, 0.5], jnp.float16)
     state = tx.init(params)
 
@@ -191,7 +194,7 @@ def test_float16_loss_with_scaled_value_and_grad():
 
 
 def test_scaled_value_and_grad_has_aux():
-    tx = optim.static_loss_scale(optax.sgd(1.0), 4.0)
+    tx = _sls(optax.sgd(1.0), 4.0)
     state = tx.init(jnp.ones(2))
     fn = lambda p, x: (jnp.sum(p * x), {"n": 3})
     (loss, aux), grads = optim.scaled_value_and_grad(fn, state, has_aux=True)(
@@ -202,7 +205,7 @@ def test_scaled_value_and_grad_has_aux():
 
 
 def test_non_float_leaves_pass_through():
-    tx = optim.dynamic_loss_scale(optax.identity(), init_scale=4.0)
+    tx = _dls(optax.identity(), init_scale=4.0)
     params = {"f": jnp.ones(2), "i": jnp.arange(3)}
     state = tx.init(params)
     grads = {"f": jnp.array([4.0, 8.0]), "i": jnp.array([4, 5, 6])}
@@ -214,7 +217,7 @@ def test_non_float_leaves_pass_through():
 
 
 def test_static_loss_scale_unscales_without_skipping():
-    tx = optim.static_loss_scale(optax.sgd(1.0), 16.0)
+    tx = _sls(optax.sgd(1.0), 16.0)
     state = tx.init(jnp.ones(2))
     assert isinstance(state, optim.StaticLossScaleState)
     assert state.scale.dtype == jnp.float32
@@ -225,12 +228,12 @@ def test_static_loss_scale_unscales_without_skipping():
 
 def test_loss_scale_found_in_nested_states():
     params = {"w": jnp.ones(2)}
-    ls = optim.dynamic_loss_scale(optax.sgd(0.1), init_scale=8.0)
+    ls = _dls(optax.sgd(0.1), init_scale=8.0)
     wrappers = {
-        "chain": optax.chain(optax.identity(), ls),
+        "chain": optax.chain(ls, optax.identity()),
         "multisteps": optax.MultiSteps(ls, 2),
         "inject": optax.inject_hyperparams(
-            lambda learning_rate: optim.dynamic_loss_scale(optax.sgd(learning_rate), init_scale=8.0)
+            lambda learning_rate: _dls(optax.sgd(learning_rate), init_scale=8.0)
         )(learning_rate=0.1),
         "masked": optax.masked(ls, {"w": True}),
         "dict": optax.multi_transform({"a": ls, "b": optax.sgd(0.1)}, {"w": "a"}),
@@ -247,12 +250,10 @@ def test_loss_scale_found_in_nested_states():
 def test_loss_scale_errors():
     with pytest.raises(ValueError, match="dynamic_loss_scale"):
         optim.loss_scale(optax.adam(0.1).init(jnp.ones(2)))
-    two = optax.chain(
-        optim.static_loss_scale(optax.identity(), 2.0), optim.dynamic_loss_scale(optax.sgd(0.1))
-    )
+    two = optax.chain(_sls(optax.identity(), 2.0), _dls(optax.sgd(0.1)))
     with pytest.raises(ValueError, match="found 2"):
         optim.loss_scale(two.init(jnp.ones(2)))
-    nested = optim.dynamic_loss_scale(optim.static_loss_scale(optax.sgd(1), 2.0))
+    nested = _dls(_sls(optax.sgd(1), 2.0))
     with pytest.raises(ValueError, match="exactly one"):
         optim.loss_scale(nested.init(jnp.ones(2)))
 
@@ -260,7 +261,7 @@ def test_loss_scale_errors():
 def test_float16_gradients_below_float16_range_survive_unscaling():
     """1e-9 is below float16's smallest subnormal (6e-8): only the scaled value
     is representable, and unscaling must not cast it back to float16."""
-    tx = optim.dynamic_loss_scale(optim.master_weights(optax.sgd(1.0)), init_scale=2.0**15)
+    tx = _dls(optim.master_weights(optax.sgd(1.0)), init_scale=2.0**15)
     params = jnp.zeros(3, jnp.float16)  # (the float32 master of 0 - 1e-9 is exact)
     state = tx.init(params)
     true = np.array([1e-9, 3e-8, 1e-6], np.float32)
@@ -271,7 +272,7 @@ def test_float16_gradients_below_float16_range_survive_unscaling():
 
 
 def test_loss_scale_stats_count_steps_and_skips_under_jit():
-    tx = optim.dynamic_loss_scale(optax.sgd(0.1), init_scale=2.0**4, growth_interval=100)
+    tx = _dls(optax.sgd(0.1), init_scale=2.0**4, growth_interval=100)
     state = tx.init(jnp.zeros(2))
     update = jax.jit(tx.update)
     stats_fn = jax.jit(optim.loss_scale_stats)
@@ -285,7 +286,73 @@ def test_loss_scale_stats_count_steps_and_skips_under_jit():
         assert stats["last_skipped_step"] == max([0] + [b for b in bad if b <= i])
         assert stats["scale"] == 2.0**4 / 2 ** stats["skipped_steps"]
     assert stats["good_steps"] == 2 and abs(stats["skip_rate"] - 2 / 7) < 1e-6
-    static = optim.static_loss_scale(optax.sgd(0.1), 8.0).init(jnp.zeros(2))
+    static = _sls(optax.sgd(0.1), 8.0).init(jnp.zeros(2))
     assert {k: float(v) for k, v in optim.loss_scale_stats(static).items()} == {"scale": 8.0}
     with pytest.raises(ValueError, match="loss_scale_stats"):
         optim.loss_scale_stats(optax.sgd(0.1).init(jnp.zeros(2)))
+
+
+def _misuse_setup():
+    params = {"w": jnp.ones(3)}
+    loss_fn = lambda p: jnp.sum(p["w"] ** 2)
+    return params, loss_fn
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: optim.dynamic_loss_scale(optax.sgd(0.1)),
+        lambda: optim.static_loss_scale(optax.sgd(0.1), 2.0**10),
+    ],
+)
+def test_update_refuses_gradients_that_were_never_scaled(make):
+    params, loss_fn = _misuse_setup()
+    tx = make()
+    state = tx.init(params)
+
+    @jax.jit
+    def plain(params, state):  # the mistake: jax.value_and_grad, no loss scale
+        _, g = jax.value_and_grad(loss_fn)(params)
+        return tx.update(g, state, params)[0]
+
+    with pytest.raises(ValueError, match="scaled_value_and_grad"):
+        plain(params, state)
+
+    @jax.jit
+    def scaled(params, state):
+        _, g = optim.scaled_value_and_grad(loss_fn, state)(params)
+        return tx.update(g, state, params)[0]
+
+    np.testing.assert_allclose(np.asarray(scaled(params, state)["w"]), -0.2, rtol=1e-6)
+
+
+def test_update_accepts_scaled_gradients_inside_multisteps_and_nnx():
+    params, loss_fn = _misuse_setup()
+    tx = optax.MultiSteps(optim.dynamic_loss_scale(optax.sgd(0.1)), 2)
+    state = tx.init(params)
+
+    @jax.jit
+    def step(params, state):  # MultiSteps runs the inner update inside a cond
+        _, g = optim.scaled_value_and_grad(loss_fn, state)(params)
+        return tx.update(g, state, params)
+
+    step(params, state)
+    unchecked = optim.dynamic_loss_scale(optax.sgd(0.1), check_scaled=False)
+    s = unchecked.init(params)
+    jax.jit(unchecked.update)({"w": jnp.ones(3)}, s, params)  # opted out: no error
+
+
+def test_loss_scaler_after_another_transformation_in_a_chain_is_refused():
+    params, loss_fn = _misuse_setup()
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optim.dynamic_loss_scale(optax.sgd(0.1)))
+    with pytest.raises(ValueError, match=r"dynamic_loss_scale\(optax.chain\("):
+        optim.scaled_value_and_grad(loss_fn, tx.init(params))(params)
+    first = optax.chain(optim.dynamic_loss_scale(optax.sgd(0.1)), optax.identity())
+    optim.scaled_value_and_grad(loss_fn, first.init(params))(params)
+
+
+def test_forgotten_has_aux_is_named():
+    params, loss_fn = _misuse_setup()
+    state = optim.dynamic_loss_scale(optax.sgd(0.1)).init(params)
+    with pytest.raises(TypeError, match="has_aux=True"):
+        optim.scaled_value_and_grad(lambda p: (loss_fn(p), {"n": 1.0}), state)(params)

@@ -9,6 +9,7 @@ Only public API is used: ``jax.extend.core``, ``jax.extend.linear_util``,
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -370,11 +371,14 @@ def while_split(params: dict[str, Any]) -> tuple[int, int]:
 
 
 def source_line(eqn: Any) -> str:
-    """The user's source line of ``eqn`` (``file:line:col (function)``), or ``"-"``."""
+    """The user's source line of ``eqn`` (``file:line:col (function)``), or ``"-"``;
+    files under the working directory are named relative to it (``train.py:12:5``)."""
     try:
-        return source_info_util.summarize(eqn.source_info) or "-"
+        where = source_info_util.summarize(eqn.source_info) or "-"
     except Exception:  # an eqn without a traceback
         return "-"
+    cwd = os.getcwd().rstrip(os.sep) + os.sep
+    return where[len(cwd) :] if where.startswith(cwd) else where
 
 
 def explicit_sharding_in_order(x: Any, order: Sequence[int]) -> Any:

@@ -28,6 +28,7 @@ from amp_jax._src.explain import (
     _flat_call,
     _full_stack,
     _is_backward,
+    _loss_of,
     _scope,
     _split_fn,
     ran_in,
@@ -277,6 +278,7 @@ def first_nonfinite(
     *args: Any,
     policy: Any = None,
     grad: bool | int | tuple[int, ...] = False,
+    has_aux: bool = False,
     **kwargs: Any,
 ) -> FirstNonfinite | None:
     """Runs the program :func:`amp` makes of ``fn`` and finds its first non-finite op.
@@ -297,6 +299,8 @@ def first_nonfinite(
       policy: the policy (default: ``fn``'s, else ``"float16"``).
       grad: ``True`` or argnums: run ``jax.value_and_grad`` of ``fn`` (a
         non-scalar output is summed), to also search the backward pass.
+      has_aux: as in ``jax.value_and_grad``: ``fn`` returns ``(loss, aux)``;
+        only the loss is searched.
       **kwargs: keyword arguments of ``fn``.
 
     Returns:
@@ -323,6 +327,7 @@ def first_nonfinite(
         fn, "float16" if policy is None and not isinstance(fn, AmpFunction) else policy
     )
     g = _check_grad(grad)
+    base = _loss_of(base, has_aux, "first_nonfinite", g is not None)
     run, dyn = _flat_call(AmpFunction(base, pol), args, kwargs, g)
     orig, _ = _flat_call(base, args, kwargs, g)
     new = jax.make_jaxpr(run)(*dyn)

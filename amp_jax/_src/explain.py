@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import html
 import math
 from collections.abc import Callable, Sequence
@@ -341,6 +342,36 @@ def _split_fn(fn: Callable[..., Any], policy: Any) -> tuple[Callable[..., Any], 
     return fn, get_policy("bfloat16" if policy is None else policy)
 
 
+def _loss_of(fn: Callable[..., Any], has_aux: Any, caller: str, grad: bool) -> Callable[..., Any]:
+    """``fn`` itself, or with ``has_aux=True`` the function returning only the
+    first element of ``fn``'s ``(loss, aux)`` output (aux is not analysed);
+    differentiating a pair without ``has_aux`` raises an error naming it."""
+    if not isinstance(has_aux, bool):
+        raise TypeError(f"{caller}: `has_aux` must be a bool, got {has_aux!r}.")
+    if not has_aux and not grad:
+        return fn
+
+    @functools.wraps(fn)
+    def loss_only(*args, **kwargs):
+        out = fn(*args, **kwargs)
+        pair = isinstance(out, (tuple, list))
+        if has_aux and not (pair and len(out) == 2):
+            raise TypeError(
+                f"{caller}(has_aux=True): the function must return a pair (loss, aux), "
+                f"got {type(out).__name__}; pass has_aux=False for a function that "
+                "returns the loss alone."
+            )
+        if not has_aux and pair:
+            raise TypeError(
+                f"{caller}(grad=...): the function returned a {type(out).__name__} of "
+                f"{len(out)}, not a loss; if it returns (loss, aux) as for "
+                f"jax.value_and_grad(..., has_aux=True), pass has_aux=True to {caller}."
+            )
+        return out[0] if has_aux else out
+
+    return loss_only
+
+
 def _trace_decisions(base: Callable[..., Any], pol: Policy, args: tuple, kwargs: dict) -> dict:
     af = AmpFunction(base, pol)
     leaves, treedef = jax.tree.flatten((args, kwargs))
@@ -423,6 +454,12 @@ def _fmt_num(n: float) -> str:
     return f"{n:.3g}" if isinstance(n, float) else str(n)
 
 
+def _saved_or_more(saved: int) -> str:
+    if saved < 0:
+        return f"moved {_fmt_num(-saved)}B more"
+    return f"saved {_fmt_num(saved)}B"
+
+
 class Explanation:
     """What :func:`explain` returns: rows, a summary, text and HTML views.
 
@@ -470,8 +507,8 @@ class Explanation:
             f"({100 * s.low_matmul_flop_share:.1f}% of matmul/conv FLOPs)",
             f"FLOPs by dtype: {flops}; matmul/conv: {mm}",
             f"bytes moved {_fmt_num(s.bytes_moved)}B vs {_fmt_num(s.bytes_moved_original)}B "
-            f"in float32 (saved {_fmt_num(s.bytes_saved)}B); casts inserted: {s.casts_inserted} "
-            f"({s.casts_run} executed)",
+            f"in float32 ({_saved_or_more(s.bytes_saved)}); casts inserted: "
+            f"{s.casts_inserted} ({s.casts_run} executed)",
         ]
 
     def format(self, max_rows: int | None = 40, *, min_flops: int = 0) -> str:
@@ -572,6 +609,7 @@ def explain(
     *args: Any,
     policy: Policy | str | Any = None,
     grad: bool | int | tuple[int, ...] = False,
+    has_aux: bool = False,
     **kwargs: Any,
 ) -> Explanation:
     """What low precision did to every op of ``fn(*args, **kwargs)``, and why.
@@ -599,6 +637,9 @@ def explain(
       grad: ``True`` (or the argnums, an int or a tuple of ints) to explain
         ``jax.value_and_grad`` of ``fn`` w.r.t. those arguments (a non-scalar
         output is summed); the training step's backward pass then shows too.
+      has_aux: as in ``jax.value_and_grad``: ``fn`` returns ``(loss, aux)``;
+        the loss is explained, ``aux`` (new batch statistics, metrics, strings)
+        is not.
       **kwargs: keyword arguments of ``fn``.
 
     Returns:
@@ -624,6 +665,7 @@ def explain(
     """
     base, pol = _split_fn(fn, policy)
     g = _check_grad(grad)
+    base = _loss_of(base, has_aux, "explain", g is not None)
     decisions = _trace_decisions(base, pol, args, kwargs)
     amp_fn = AmpFunction(base, pol)
     run, dyn = _flat_call(amp_fn, args, kwargs, g)

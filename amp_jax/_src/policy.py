@@ -345,6 +345,33 @@ def _known_primitives() -> frozenset[str]:
     return frozenset(names)
 
 
+def _edits(a: str, b: str) -> int:
+    """Edit distance counting a swap of two neighbours as one edit (``tahn``/``tanh``)."""
+    d = [[i + j if i * j == 0 else 0 for j in range(len(b) + 1)] for i in range(len(a) + 1)]
+    for i in range(1, len(a) + 1):
+        for j in range(1, len(b) + 1):
+            d[i][j] = min(
+                d[i - 1][j] + 1, d[i][j - 1] + 1, d[i - 1][j - 1] + (a[i - 1] != b[j - 1])
+            )
+            if i > 1 and j > 1 and a[i - 1] == b[j - 2] and a[i - 2] == b[j - 1]:
+                d[i][j] = min(d[i][j], d[i - 2][j - 2] + 1)
+    return d[-1][-1]
+
+
+def _nearest(name: str, candidates: list[str]) -> str | None:
+    """The candidate fewest edits away (then: same length, then most alike), or
+    None when even the nearest needs more than a third of the name changed."""
+    if not candidates:
+        return None
+    key = lambda c: (
+        _edits(name, c),
+        abs(len(c) - len(name)),
+        -difflib.SequenceMatcher(None, name, c).ratio(),
+    )
+    best = min(candidates, key=key)
+    return best if _edits(name, best) <= max(1, len(name) // 3) else None
+
+
 def _check_spelling(name: str, argname: str) -> None:
     """A name JAX does not know but that is close to one it knows is a typo.
 
@@ -354,10 +381,10 @@ def _check_spelling(name: str, argname: str) -> None:
     known = _known_primitives()
     if name in known:
         return
-    close = difflib.get_close_matches(name, known, n=1, cutoff=0.8)
-    if close:
+    close = _nearest(name, difflib.get_close_matches(name, known, n=8, cutoff=0.75))
+    if close is not None:
         raise ValueError(
-            f"{argname}: {name!r} is not a JAX primitive; did you mean {close[0]!r}? "
+            f"{argname}: {name!r} is not a JAX primitive; did you mean {close!r}? "
             "(amp_jax.get_policy('bfloat16').table() lists the classified ones.)"
         )
 

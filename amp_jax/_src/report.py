@@ -66,17 +66,32 @@ def _walk(jaxpr: Any, counts: collections.Counter, path: str) -> None:
 
 
 def dtype_report(
-    fn: Callable[..., Any], *args: Any, **kwargs: Any
+    fn: Callable[..., Any],
+    *args: Any,
+    policy: Any = None,
+    grad: bool | int | tuple[int, ...] = False,
+    has_aux: bool = False,
+    **kwargs: Any,
 ) -> list[tuple[str, str, str, str, int, str]]:
     """Which primitives ran with which dtypes when calling ``fn(*args, **kwargs)``.
 
-    Traces ``fn`` (typically an :func:`amp_jax.amp`-wrapped function, possibly
-    under ``jax.grad``) and walks the resulting jaxpr, including every
-    sub-jaxpr (``scan`` bodies, ``cond`` branches, ``custom_vjp`` calls, ...).
+    Traces ``fn`` and walks the resulting jaxpr, including every sub-jaxpr
+    (``scan`` bodies, ``cond`` branches, ``custom_vjp`` calls, ...). It takes
+    the same function and options as :func:`amp_jax.explain`: the float32
+    function with ``policy=``, or an :func:`amp_jax.amp`-wrapped one, and
+    ``grad=True`` for the training step's backward pass. Any other function
+    (``jax.grad(amp(f))``) is traced as it is.
 
     Args:
-      fn: the function to inspect.
+      fn: the function to inspect: a float32 function (with ``policy``), an
+        :func:`amp_jax.amp`-wrapped one, or any function of arrays.
       *args: its positional arguments.
+      policy: run ``fn`` under ``amp`` with this policy (an amp function's own
+        policy is replaced); ``None``: ``fn`` as given.
+      grad: ``True`` (or argnums) to report ``jax.value_and_grad`` of ``fn``
+        w.r.t. those arguments, backward pass included.
+      has_aux: ``fn`` returns ``(loss, aux)``, as for ``jax.value_and_grad``;
+        only the loss's computation is differentiated.
       **kwargs: its keyword arguments.
 
     Array leaves of the arguments are traced; other leaves (a mode string, a
@@ -92,11 +107,25 @@ def dtype_report(
     Examples:
       >>> import jax.numpy as jnp
       >>> from amp_jax import amp, dtype_report
-      >>> rows = dtype_report(amp(lambda a, b: a @ b), jnp.ones((2, 2)), jnp.ones((2, 2)))
+      >>> a, b = jnp.ones((64, 64)), jnp.ones((64, 64))  # 2x2 is too small to pay
+      >>> rows = dtype_report(lambda a, b: a @ b, a, b, policy="bfloat16")
       >>> [r[:3] for r in rows if r[0] == "dot_general"]
       [('dot_general', 'bfloat16,bfloat16', 'float32')]
+      >>> rows == dtype_report(amp(lambda a, b: a @ b), a, b)
+      True
     """
-    from amp_jax._src.transform import _is_dynamic
+    from amp_jax._src.explain import _check_grad, _flat_call, _loss_of, _split_fn
+    from amp_jax._src.transform import AmpFunction, _is_dynamic
+
+    g = _check_grad(grad)
+    if policy is not None or isinstance(fn, AmpFunction):
+        base, pol = _split_fn(fn, policy)
+        fn = AmpFunction(_loss_of(base, has_aux, "dtype_report", g is not None), pol)
+    else:
+        fn = _loss_of(fn, has_aux, "dtype_report", g is not None)
+    if g is not None:
+        run, dyn = _flat_call(fn, args, kwargs, g)
+        fn, args, kwargs = run, tuple(dyn), {}
 
     # Array leaves are traced; the others (a mode string, a callable) are
     # passed as they are, as amp passes them.

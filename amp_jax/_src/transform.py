@@ -282,7 +282,7 @@ def amp(
 ) -> Callable[[F], F]: ...
 
 
-def amp(fn=None, *, policy="bfloat16", strict=None, cache_size=_CACHE_SIZE):
+def amp(fn=None, *extra, policy="bfloat16", strict=None, cache_size=_CACHE_SIZE):
     """Automatic mixed precision: runs ``fn`` with its primitives recast by ``policy``.
 
     ``amp`` traces ``fn`` to a jaxpr once per input signature, decides for
@@ -319,7 +319,8 @@ def amp(fn=None, *, policy="bfloat16", strict=None, cache_size=_CACHE_SIZE):
       be used as ``@amp``, ``@amp(policy=...)`` or ``amp(fn, policy=...)``.
 
     Raises:
-      TypeError: ``fn`` is not callable.
+      TypeError: ``fn`` is not callable, or the policy was passed by position
+        (``amp(f, "float16")``: write ``amp(f, policy="float16")``).
       ValueError: ``policy`` is not a known preset, Policy or float dtype,
         or ``cache_size`` is not an int >= 1.
 
@@ -333,6 +334,11 @@ def amp(fn=None, *, policy="bfloat16", strict=None, cache_size=_CACHE_SIZE):
       >>> jax.grad(loss)(w, x).dtype
       dtype('float32')
     """
+    if extra:
+        raise TypeError(
+            f"amp() takes its options by keyword: write amp(fn, policy={extra[0]!r}) "
+            f"(got {len(extra) + 1} positional arguments: fn and {extra[0]!r})."
+        )
     pol = get_policy(policy)
     if strict is not None:
         if not isinstance(strict, bool):

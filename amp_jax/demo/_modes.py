@@ -51,21 +51,21 @@ MODES: dict[str, Mode] = {
             "float32 params and compute, AdamW",
             None,
             jnp.float32,
-            lambda lr: optim.adamw(lr),
+            lambda lr: optim.adamw(lr, weight_decay=0.0),
         ),
         Mode(
             "amp-bf16",
             "float32 params, amp bfloat16, AdamW",
             "bfloat16",
             jnp.float32,
-            lambda lr: optim.adamw(lr),
+            lambda lr: optim.adamw(lr, weight_decay=0.0),
         ),
         Mode(
             "amp-f16",
             "float32 params, amp float16, AdamW + dynamic loss scale",
             "float16",
             jnp.float32,
-            lambda lr: optim.dynamic_loss_scale(optim.adamw(lr)),
+            lambda lr: optim.dynamic_loss_scale(optim.adamw(lr, weight_decay=0.0)),
             loss_scaled=True,
         ),
         Mode(
@@ -73,14 +73,16 @@ MODES: dict[str, Mode] = {
             "bfloat16 params, amp bfloat16, AdamW (bf16 moments) + Kahan",
             "bfloat16",
             jnp.bfloat16,
-            lambda lr: optim.adamw(lr, mu_dtype=jnp.bfloat16, nu_dtype=jnp.bfloat16, kahan=True),
+            lambda lr: optim.adamw(
+                lr, weight_decay=0.0, mu_dtype=jnp.bfloat16, nu_dtype=jnp.bfloat16, kahan=True
+            ),
         ),
         Mode(
             "amp-fp8",
             "float32 params, amp float8 (dense matmuls fp8, tensorwise scales), AdamW",
             "float8",
             jnp.float32,
-            lambda lr: optim.adamw(lr),
+            lambda lr: optim.adamw(lr, weight_decay=0.0),
         ),
     )
 }

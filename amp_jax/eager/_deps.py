@@ -141,7 +141,8 @@ def refuse_cross_parameter(optimizer: Any, probe_params: Any) -> None:
 
     def fn(grads, params):
         state = tx.init(params)
-        return tx.update(grads, state, params)
+        with _loss_scale.caller_scaled():  # a probe: no loss was scaled
+            return tx.update(grads, state, params)
 
     try:
         closed, (upd_shape, state_shape) = jax.make_jaxpr(fn, return_shape=True)(

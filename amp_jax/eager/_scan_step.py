@@ -301,7 +301,8 @@ class ScanStep:
         unscale the gradients first and keep params and state when not ``finite``."""
         if scale is not None:
             grads = _loss_scale._unscale(grads, scale)
-        updates, new_state = self._tx.update(grads, state, params)
+        with _loss_scale.caller_scaled():  # the backward pass was seeded with the scale
+            updates, new_state = self._tx.update(grads, state, params)
         new_params = optax.apply_updates(params, updates)
         new_params = jax.tree.map(lambda n, o: n.astype(o.dtype), new_params, params)
         new_state = optax.tree_utils.tree_cast_like(new_state, state)

@@ -106,7 +106,7 @@ def adamw(
     b1: float = 0.9,
     b2: float = 0.999,
     eps: float = 1e-8,
-    weight_decay: float = 0.0,
+    weight_decay: float = 1e-4,
     *,
     mu_dtype: DTypeLike | None = None,
     nu_dtype: DTypeLike | None = None,
@@ -128,8 +128,7 @@ def adamw(
     (it rounds to 1.0 and the second moment would never move). bfloat16 is a
     good ``nu_dtype``; float16 is not (squared gradients below 6e-8 flush to 0).
 
-    Note that the default ``weight_decay`` is 0.0 (``optax.adamw`` uses 1e-4).
-    With ``optax.inject_hyperparams`` pass
+    The defaults are ``optax.adamw``'s (``weight_decay=1e-4`` included). With ``optax.inject_hyperparams`` pass
     ``static_args=("mu_dtype", "nu_dtype", "compensation_dtype")``: dtypes are
     callables and would otherwise be mistaken for schedules.
 

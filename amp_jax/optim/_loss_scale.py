@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import functools
 import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -52,6 +55,64 @@ class StaticLossScaleState(NamedTuple):
 
     scale: jax.Array
     inner_state: optax.OptState
+
+
+# id -> weak reference of every ``scale`` that :func:`loss_scale` read and that
+# is still alive (under ``jit``: the tracer of the step being traced).
+_SCALES_READ: dict[int, weakref.ref] = {}
+
+
+def _mark_read(scale: Any) -> None:
+    # a Flax NNX optimizer state holds Variables: mark the array inside too
+    get = getattr(scale, "get_value", None)
+    raw = get() if callable(get) else scale
+    for key, x in {id(scale): scale, id(raw): raw}.items():
+        try:
+            _SCALES_READ[key] = weakref.ref(x, functools.partial(_forget, key))
+        except TypeError:  # not weak-referenceable (a Python float): nothing to check
+            pass
+
+
+def _forget(key: int, _ref: Any) -> None:
+    _SCALES_READ.pop(key, None)
+
+
+_CALLER_SCALED = contextvars.ContextVar("amp_jax_caller_scaled", default=False)
+
+
+@contextlib.contextmanager
+def caller_scaled():
+    """Within it, ``update`` trusts that its gradients carry the scale: for code
+    that seeds the backward pass with the scale itself (``eager.scan_step``)."""
+    token = _CALLER_SCALED.set(True)
+    try:
+        yield
+    finally:
+        _CALLER_SCALED.reset(token)
+
+
+def _check_scaled(scale: Any, caller: str) -> None:
+    """Under a trace, refuse an ``update`` when no loss scale read by
+    :func:`loss_scale` is alive: the gradients were computed without it (plain
+    ``jax.value_and_grad``). Concrete (eager) calls are not checked."""
+    if not isinstance(scale, jax.core.Tracer) or _CALLER_SCALED.get():
+        return
+    ref = _SCALES_READ.get(id(scale))
+    if ref is not None and ref() is scale:
+        return
+    # ``update`` inside a cond/scan/shard_map of the step gets a new tracer:
+    # accept while a scale tracer read by the step being traced is alive
+    if any(isinstance(r(), jax.core.Tracer) for r in list(_SCALES_READ.values())):
+        return
+    raise ValueError(
+        f"{caller}.update: the gradients were not computed from a loss multiplied by "
+        "the loss scale (no amp_jax.optim.loss_scale(opt_state) was read for this step), "
+        "so dividing them by the scale would make the updates that many times too "
+        "small. Compute them with amp_jax.optim.scaled_value_and_grad(loss_fn, "
+        "opt_state)(...) instead of jax.value_and_grad(loss_fn)(...), or multiply the "
+        "loss by amp_jax.optim.loss_scale(opt_state) yourself. If the scaled gradients "
+        f"come from another jitted function, pass {caller}(..., check_scaled=False)."
+    )
 
 
 def _check_positive(name: str, value: float, caller: str = "dynamic_loss_scale") -> float:
@@ -148,6 +209,7 @@ def dynamic_loss_scale(
     min_scale: float = 1.0,
     max_scale: float = 2.0**24,
     axis_name: Any = None,
+    check_scaled: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
     """Dynamic loss scaling with skipped steps, as an optax wrapper.
 
@@ -186,6 +248,11 @@ def dynamic_loss_scale(
       max_scale: upper clamp of the scale (>= ``min_scale``).
       axis_name: optional mapped axis name (``shard_map``/``pmap``) over which the
         finiteness decision is reduced, so every device skips together.
+      check_scaled: under a trace (``jit``, ``grad``...), refuse gradients whose
+        loss was not multiplied by this state's scale in the same trace (plain
+        ``jax.value_and_grad`` instead of :func:`scaled_value_and_grad`, whose
+        updates would be ``scale`` times too small). Pass ``False`` when the
+        scaled gradients come from another jitted function.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is a
@@ -193,7 +260,8 @@ def dynamic_loss_scale(
 
     Raises:
       ValueError: if an argument is outside its allowed range (the message names
-        the argument).
+        the argument); from ``update``, if the gradients were not scaled (see
+        ``check_scaled``).
 
     Examples:
       >>> import jax, jax.numpy as jnp, optax
@@ -214,6 +282,7 @@ def dynamic_loss_scale(
       https://arxiv.org/abs/1710.03740.
     """
     inner = _check.transformation(inner, "dynamic_loss_scale")
+    check_scaled = _check.boolean(check_scaled, "dynamic_loss_scale", "check_scaled")
     init_scale = _check_positive("init_scale", init_scale)
     min_scale = _check_positive("min_scale", min_scale)
     max_scale = _check_positive("max_scale", max_scale)
@@ -258,6 +327,8 @@ def dynamic_loss_scale(
 
     def update_fn(updates, state, params=None, **extra_args):
         scale = state.scale
+        if check_scaled:
+            _check_scaled(scale, "dynamic_loss_scale")
         grads = _unscale(updates, scale)
         finite = _all_finite(grads)
         if axis_name is not None:
@@ -279,7 +350,7 @@ def dynamic_loss_scale(
 
 
 def static_loss_scale(
-    inner: optax.GradientTransformation, scale: float
+    inner: optax.GradientTransformation, scale: float, *, check_scaled: bool = True
 ) -> optax.GradientTransformationExtraArgs:
     """A constant loss scale, as an optax wrapper.
 
@@ -292,6 +363,7 @@ def static_loss_scale(
     Args:
       inner: the transformation to run on the unscaled gradients.
       scale: the loss scale (> 0), e.g. ``2.0**12``.
+      check_scaled: as in :func:`dynamic_loss_scale`.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is a
@@ -316,6 +388,7 @@ def static_loss_scale(
     """
     inner = _check.transformation(inner, "static_loss_scale")
     scale = _check_positive("scale", scale, "static_loss_scale")
+    check_scaled = _check.boolean(check_scaled, "static_loss_scale", "check_scaled")
     inner = optax.with_extra_args_support(inner)
 
     def init_fn(params):
@@ -324,6 +397,8 @@ def static_loss_scale(
         )
 
     def update_fn(updates, state, params=None, **extra_args):
+        if check_scaled:
+            _check_scaled(state.scale, "static_loss_scale")
         grads = _unscale(updates, state.scale)
         new_updates, new_inner = inner.update(grads, state.inner_state, params, **extra_args)
         # (float32 gradients must not promote a low-precision inner state)
@@ -355,7 +430,9 @@ def loss_scale(opt_state: Any) -> jax.Array:
       The scale as a float32 scalar array.
 
     Raises:
-      ValueError: if no loss-scale state or more than one is found.
+      ValueError: if no loss-scale state or more than one is found, or if the
+        loss scaler is not the first transformation of an ``optax.chain``
+        (the ones before it would see scaled gradients).
 
     Examples:
       >>> import jax.numpy as jnp, optax
@@ -371,7 +448,41 @@ def loss_scale(opt_state: Any) -> jax.Array:
     state = _tree.find_one(
         opt_state, (DynamicLossScaleState, StaticLossScaleState), caller="loss_scale", fix=_FIX
     )
+    _check_first_in_chain(opt_state)
+    _mark_read(state.scale)
     return jnp.asarray(state.scale, jnp.float32)
+
+
+def _check_first_in_chain(opt_state: Any) -> None:
+    """``optax.chain(a, dynamic_loss_scale(b))`` gives ``a`` the scaled gradients
+    (clipping would clip them ``scale`` times too early): refuse it."""
+    is_scaler = lambda x: isinstance(x, (DynamicLossScaleState, StaticLossScaleState))
+    for path, leaf in jax.tree_util.tree_flatten_with_path(opt_state, is_leaf=is_scaler)[0]:
+        if not is_scaler(leaf):
+            continue
+        node = opt_state
+        for key in path:
+            index = getattr(key, "idx", None)
+            if type(node) is tuple and index:  # an optax.chain state, not the first part
+                dynamic = isinstance(leaf, DynamicLossScaleState)
+                wrapper = "dynamic_loss_scale" if dynamic else "static_loss_scale"
+                raise ValueError(
+                    f"loss_scale: the {wrapper} state is part {index} of an optax.chain "
+                    f"(at {jax.tree_util.keystr(path[: path.index(key) + 1])}), not part 0: "
+                    "the transformations before it receive the *scaled* gradients, so "
+                    "clipping or weight decay there acts on values the loss scale times too "
+                    f"large. Put them inside the wrapper: {wrapper}(optax.chain("
+                    "optax.clip_by_global_norm(1.0), optimizer))."
+                )
+            node = node[index] if index is not None else _child(node, key)
+
+
+def _child(node: Any, key: Any) -> Any:
+    if hasattr(key, "key"):
+        return node[key.key]
+    if hasattr(key, "name"):
+        return getattr(node, key.name)
+    return node
 
 
 def scaled_value_and_grad(
@@ -433,6 +544,13 @@ def scaled_value_and_grad(
 
     def scaled(*args, **kwargs):
         out = fn(*args, **kwargs)
+        if not has_aux and isinstance(out, (tuple, list)):
+            raise TypeError(
+                f"scaled_value_and_grad: the loss function returned a "
+                f"{type(out).__name__} of {len(out)} values, not a scalar; if it "
+                "returns (loss, aux), pass has_aux=True: "
+                "scaled_value_and_grad(loss_fn, opt_state, has_aux=True)."
+            )
         loss, aux = out if has_aux else (out, None)
         loss = jnp.asarray(loss)
         return loss.astype(_tree.work_dtype(loss.dtype)) * scale, (loss, aux)

@@ -1,9 +1,13 @@
 """mkdocs hook: pages generated from the library's own data.
 
-* ``<!-- amp:op-table -->`` is replaced by the op classification of
-  ``amp_jax.get_policy("bfloat16")`` (``Policy.table()``), so the table in the
-  docs is the table the code uses.
-* ``<!-- amp:backend-table -->`` by ``amp_jax.BACKEND_SLOW_IN_LOW_PRECISION``.
+* ``<!-- amp:op-table -->`` ... ``<!-- /amp:op-table -->``: the op
+  classification of ``amp_jax.get_policy("bfloat16")`` (``Policy.table()``),
+  so the table in the docs is the table the code uses. The generated table is
+  also committed between the two markers, so the page reads the same in the
+  repository view; ``tests/test_docs.py`` checks that it is current
+  (``python docs/hooks/amp_docs.py`` rewrites it).
+* ``<!-- amp:backend-table -->`` ... ``<!-- /amp:backend-table -->``:
+  ``amp_jax.BACKEND_SLOW_IN_LOW_PRECISION``, the same way.
 * ``<!-- amp:benchmark-results -->`` by ``benchmarks/RESULTS.md`` when it
   exists (relative links in it are turned into plain text, as they point
   outside the docs), or by a note on how to produce it.
@@ -89,15 +93,31 @@ def benchmark_results() -> str:
     return "\n\n".join(parts)
 
 
-_MARKERS = {
-    "<!-- amp:op-table -->": op_table,
-    "<!-- amp:backend-table -->": backend_table,
-    "<!-- amp:benchmark-results -->": benchmark_results,
-}
+_MARKERS = {"<!-- amp:benchmark-results -->": benchmark_results}
+# generated text committed between <!-- amp:NAME --> and <!-- /amp:NAME -->
+_BLOCKS = {"op-table": op_table, "backend-table": backend_table}
+
+
+def fill_blocks(markdown: str) -> str:
+    """``markdown`` with every committed generated block regenerated."""
+    for name, make in _BLOCKS.items():
+        markdown = re.sub(
+            rf"(<!-- amp:{name} -->\n).*?(<!-- /amp:{name} -->)",
+            lambda m, make=make: m.group(1) + "\n" + make() + "\n\n" + m.group(2),
+            markdown,
+            flags=re.S,
+        )
+    return markdown
 
 
 def on_page_markdown(markdown, page, config, files, **kwargs):
+    markdown = fill_blocks(markdown)
     for marker, make in _MARKERS.items():
         if marker in markdown:
             markdown = markdown.replace(marker, make())
     return markdown
+
+
+if __name__ == "__main__":  # rewrite the committed generated tables
+    page = ROOT / "docs" / "how-amp-works.md"
+    page.write_text(fill_blocks(page.read_text()))
