@@ -1,4 +1,4 @@
-"""The test suite on each supported JAX: ``nox`` runs the three legs CI runs.
+"""The test suite on each supported JAX: ``nox`` runs the four legs CI runs.
 
     pip install nox uv && nox                 # every leg, as CI does (.ci/run)
     nox -s tests-3.13                         # one leg: Python 3.13, the newest JAX
@@ -7,11 +7,16 @@
 
 Each leg is one Python with one JAX, installed by uv into a fresh virtualenv:
 
-- Python 3.11 with JAX 0.10.2, the oldest JAX pyproject.toml admits (its
-  0.10.0/0.10.1 are covered by ``lowest-3.11``);
+- Python 3.11 with JAX 0.10.2, the lowest pyproject.toml admits;
 - Python 3.12 with JAX 0.11.2 (what the accelerator machines run);
 - Python 3.13 with the newest JAX the registry serves (``--upgrade``, no pin;
-  the leg prints the version it got).
+  the leg prints the version it got);
+- Python 3.11 with every direct dependency at the lowest version
+  pyproject.toml admits (``uv pip install --resolution lowest-direct``: JAX
+  0.10.2 again; optax, numpy, Flax, Equinox, orbax, Haiku, Keras, pytest...
+  at their lower bounds), so that those bounds stay true.
+
+The four take about 25 minutes on 2 cores (README), within CI's 90.
 
 Pythons are found on PATH; a pyenv install's versions are added to it, since
 pyenv's shims expose only the selected one.
