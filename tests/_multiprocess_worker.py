@@ -12,8 +12,13 @@ processes joined by ``jax.distributed`` on 127.0.0.1) twice:
 * ``f32``: the same program in plain float32 JAX (no amp, float32 parameters,
   adam, no inf): the reduction-order noise of the two set-ups.
 
+With 1 process it also trains both again on every batch in reverse sample
+order (``amp_rev``, ``f32_rev``): the same sum of per-sample gradients, added
+in another order, on the same devices -- what one run changes against
+another when only the order of the gradient reduction differs.
+
 Process 0 writes losses, loss scales, skipped-step counts and final
-float32 parameters (amp: the master weights) of both runs to OUT.npz.
+float32 parameters (amp: the master weights) of every run to OUT.npz.
 """
 
 import os
@@ -63,15 +68,15 @@ def to_host(tree):
     return jax.tree.map(lambda a: np.asarray(a.addressable_data(0)), tree)
 
 
-def batches():
+def batches(reverse):
     rng = np.random.default_rng(0)
     for i in range(STEPS):
         x = rng.standard_normal((BATCH, sm.S, sm.D), np.float32)
         y = rng.standard_normal((BATCH, sm.S, sm.D), np.float32)
-        yield i, x, y
+        yield i, (x[::-1].copy(), y[::-1].copy()) if reverse else (x, y)
 
 
-def run(use_amp):
+def run(use_amp, reverse=False):
     dtype = jnp.bfloat16 if use_amp else jnp.float32
     params = jax.tree.map(np.asarray, sm.init(jax.random.key(0), dtype))
     p = {k: global_array(v, P()) for k, v in params.items()}
@@ -94,9 +99,9 @@ def run(use_amp):
         return optax.apply_updates(p, u), s, loss
 
     losses, scales, skipped = [], [], []
-    for i, x, y in batches():
+    for i, (x, y) in batches(reverse):
         if use_amp and i == OVERFLOW_STEP:
-            x[BATCH - 1, 3, 5] = np.inf  # on the last device only
+            x[0 if reverse else BATCH - 1, 3, 5] = np.inf  # one device only (2 processes: the last)
         b = (global_array(x, P("data")), global_array(y, P("data")))
         p, s, loss = step(p, s, b)
         losses.append(float(to_host(loss)))
@@ -111,8 +116,11 @@ def run(use_amp):
 
 
 results = {}
-for name, use_amp in (("amp", True), ("f32", False)):
-    losses, scales, skipped, params = run(use_amp)
+runs = [("amp", True, False), ("f32", False, False)]
+if nproc == 1:
+    runs += [("amp_rev", True, True), ("f32_rev", False, True)]
+for name, use_amp, reverse in runs:
+    losses, scales, skipped, params = run(use_amp, reverse)
     results[f"{name}_losses"] = np.asarray(losses)
     results[f"{name}_scales"] = np.asarray(scales)
     results[f"{name}_skipped"] = np.asarray(skipped)

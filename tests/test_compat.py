@@ -1,8 +1,9 @@
 """amp_jax._src.compat: the params of JAX's higher-order primitives, on this JAX.
 
-The suite runs on JAX 0.10 (CI) and 0.11 (the accelerator machine); these
-tests pin the version-dependent reads so that a change in JAX fails here,
-by name, rather than deep inside a rewrite.
+CI runs the suite on JAX 0.10, 0.11 and the newest JAX (noxfile.py); these
+tests pin the params of each version (``PARAMS``) and the version-dependent
+reads, so that a change in JAX fails here, by name, rather than deep inside
+a rewrite.
 """
 
 import pathlib
@@ -204,7 +205,11 @@ def test_trace_to_closed_jaxpr_round_trip():
     closed = compat.trace_to_closed_jaxpr(f, avals)
     assert compat.is_closed_jaxpr(closed)
     assert not compat.is_open_jaxpr(closed)
-    assert compat.is_open_jaxpr(compat.jaxpr_of(closed))
+    if compat.ONE_JAXPR_CLASS:  # JAX >= 0.11: the closed jaxpr is its own open jaxpr
+        assert compat.jaxpr_of(closed) is closed
+        assert not compat.is_open_jaxpr(compat.jaxpr_of(closed))
+    else:  # JAX 0.10: a ClosedJaxpr wraps an open Jaxpr
+        assert compat.is_open_jaxpr(compat.jaxpr_of(closed))
     assert [(a.shape, a.dtype) for a in compat.in_avals(closed)] == [
         ((2, 3), jnp.float32),
         ((3, 4), jnp.bfloat16),
@@ -226,7 +231,12 @@ def test_trace_to_closed_jaxpr_round_trip():
 def test_closed_to_open_no_consts_refuses_captured_constants():
     c = np.arange(3.0, dtype=np.float32)
     open_ = compat.jaxpr_of(jax.make_jaxpr(lambda x, k: x + k)(jnp.ones(3), c))
-    assert compat.closed_to_open_no_consts(compat.close(open_, []), "x") is open_
+    # the same jaxpr back: the object itself on JAX 0.10, a copy sharing its
+    # eqns and variables on JAX >= 0.11 (ClosedJaxpr(jaxpr, consts) copies)
+    again = compat.closed_to_open_no_consts(compat.close(open_, []), "x")
+    assert again is open_ or compat.ONE_JAXPR_CLASS
+    assert again.eqns is open_.eqns and again.invars == open_.invars
+    assert again.outvars == open_.outvars and not again.constvars
     # a jaxpr that closes over an array constant
     const_closed = jax.make_jaxpr(lambda x: x + jnp.asarray(c) * 2)(jnp.ones(3))
     assert len(compat.consts_of(const_closed)) == 1
@@ -321,3 +331,98 @@ def test_call_like_names_cover_this_jax(fn):
     (eqn,) = compat.jaxpr_of(jax.make_jaxpr(fn)(jnp.ones(3))).eqns
     assert eqn.primitive.name in compat.CALL_LIKE_NAMES, eqn.primitive.name
     assert len(list(jax.extend.core.jaxprs_in_params(eqn.params))) == 1
+
+
+# -- the params of each higher-order primitive, per JAX version -------------------------
+
+_JIT = {
+    "jaxpr",
+    "in_shardings",
+    "out_shardings",
+    "in_layouts",
+    "out_layouts",
+    "donated_invars",
+    "ctx_mesh",
+    "name",
+    "keep_unused",
+    "inline",
+    "compiler_options_kvs",
+}
+_COMMON = {
+    "while": {"cond_jaxpr", "body_jaxpr", "cond_nconsts", "body_nconsts"},
+    "cond": {"branches"},
+    "remat2": {"jaxpr", "prevent_cse", "differentiated", "policy"},
+    "custom_jvp_call": {"call_jaxpr", "jvp_jaxpr_fun", "num_consts", "symbolic_zeros"},
+    "custom_vjp_call": {
+        "call_jaxpr",
+        "fwd_jaxpr_thunk",
+        "bwd",
+        "num_consts",
+        "out_trees",
+        "symbolic_zeros",
+    },
+    "jit": _JIT,
+    "shard_map": {"jaxpr", "mesh", "in_specs", "out_specs", "check_vma", "newly_manual_axes"},
+}
+_SCAN_011 = {"jaxpr", "length", "reverse", "unroll", "ft_in", "ft_out"}
+#: (major, minor) -> primitive -> (param names, names of params holding an open
+#: jaxpr, type name of jit's ``inline``). A new JAX fails
+#: ``test_higher_order_params_are_pinned`` until its row is here and compat
+#: handles what changed.
+PARAMS = {
+    (0, 10): (
+        {**_COMMON, "scan": {"jaxpr", "length", "reverse", "unroll", "num_consts", "num_carry"}},
+        {"remat2": {"jaxpr"}, "shard_map": {"jaxpr"}},
+        "bool",
+    ),
+    (0, 11): ({**_COMMON, "scan": _SCAN_011}, {}, "Inline"),
+}
+PARAMS[(0, 12)] = PARAMS[(0, 11)]  # nothing amp_jax reads changed in 0.12
+
+_MESH = jax.make_mesh((1,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+_VJP = jax.custom_vjp(lambda x: x * 3)
+_VJP.defvjp(lambda x: (x * 3, None), lambda _, g: (g * 3,))
+_PROGRAMS = {
+    "while": lambda x: lax.while_loop(
+        lambda c: c[0] < 5, lambda c: (c[0] + 1, jnp.tanh(c[1])), (0, x)
+    )[1],
+    "cond": lambda x: lax.cond(x[0] > 0, jnp.sin, jnp.cos, x),
+    "scan": lambda x: lax.scan(lambda c, y: (c * y, c), x, jnp.ones((3, 4)))[0],
+    "remat2": jax.checkpoint(lambda x: jnp.sin(x) * 2),
+    "custom_jvp_call": jax.nn.relu,
+    "custom_vjp_call": _VJP,
+    "jit": jax.jit(lambda x: x @ x.T),
+    "shard_map": jax.shard_map(
+        lambda x: jnp.sin(x) * 2, mesh=_MESH, in_specs=jax.P("d"), out_specs=jax.P("d")
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_PROGRAMS))
+def test_higher_order_params_are_pinned(name):
+    assert compat.JAX_VERSION in PARAMS, (
+        f"JAX {jax.__version__} is not pinned: print each primitive's params here, add a "
+        "PARAMS row for it, and make amp_jax/_src/compat.py read whatever changed"
+    )
+    names, open_params, inline_type = PARAMS[compat.JAX_VERSION]
+    x = jnp.linspace(-1.0, 1.0, 4)
+    eqn = _eqn(jax.make_jaxpr(_PROGRAMS[name])(x), {name})
+    assert set(eqn.params) == names[name], sorted(eqn.params)
+    # every jaxpr in the params is closed, or open where this JAX keeps it open
+    jaxprs = [(k, j) for k, v in eqn.params.items() for j in (v if k == "branches" else [v])]
+    jaxprs = [(k, j) for k, j in jaxprs if isinstance(j, (compat.Jaxpr, compat.ClosedJaxpr))]
+    assert jaxprs
+    for key, j in jaxprs:
+        if key in open_params.get(name, ()):
+            assert compat.is_open_jaxpr(j) and not compat.is_closed_jaxpr(j), key
+        else:
+            assert compat.is_closed_jaxpr(j) and not compat.is_open_jaxpr(j), key
+    if name == "jit":
+        assert type(eqn.params["inline"]).__name__ == inline_type
+    # the compat readers agree with the params, on every version
+    if name == "scan":
+        assert compat.scan_split(eqn.params) == (0, 1)
+        assert compat.scan_num_xs(eqn.params) == 1
+    if name == "while":
+        assert compat.while_split(eqn.params) == (0, 0)
+    assert compat.has_subjaxprs(eqn)

@@ -190,6 +190,33 @@ def test_explain_scan_multiplies_and_grad_has_backward_rows():
         amp_jax.explain(f, w, jnp.ones((5, 4, 8)), grad="yes")
 
 
+def _dense(w, x):
+    return x @ w  # one source line for both layers, as a library layer's is
+
+
+def test_explain_tells_one_source_line_apart_by_named_scope():
+    """A layer called inside and outside a ``full_precision_scopes`` scope: the two
+    dots share a source line and differ only by scope (a Flax Dense installed in a
+    virtualenv, whose site-packages JAX does not hide from tracebacks)."""
+
+    def f(w1, w2, x):
+        h = jnp.tanh(_dense(w1, x))
+        with jax.named_scope("head"):
+            return jnp.sum(_dense(w2, h))
+
+    w, x = jnp.ones((64, 64)) * 0.01, jnp.ones((8, 64))
+    policy = amp_jax.Policy(full_precision_scopes=("head",), allow_outputs="float32")
+    for grad in (False, True):
+        ex = amp_jax.explain(f, w, w, x, policy=policy, grad=grad)
+        dots = [r for r in ex.rows if r.primitive == "dot_general"]
+        assert len({r.where for r in dots}) == 1, dots  # one line, told apart by scope
+        head = [r for r in dots if r.scope.startswith("head")]
+        body = [r for r in dots if not r.scope.startswith("head")]
+        assert head and body, dots
+        assert all(r.dtype == "float32" and "'head'" in r.reason for r in head), head
+        assert all(r.dtype == "bfloat16" and "allow class" in r.reason for r in body), body
+
+
 def _dot_flops_by_dtype(jaxpr, times=1, acc=None):
     """An independent count: dot_general FLOPs per operand dtype, scan bodies x length."""
     acc = {} if acc is None else acc

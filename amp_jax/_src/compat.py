@@ -1,7 +1,16 @@
 """Every JAX-version difference amp_jax depends on, and nothing else.
 
-Supported: JAX 0.10.x (tested on this machine kind) and 0.11.x (where
-``ClosedJaxpr`` and ``Jaxpr`` merged and some higher-order params changed).
+Supported: JAX 0.10.2 and up: 0.10, 0.11 and 0.12 (CI runs 0.10.2, 0.11.2 and
+the newest JAX, noxfile.py). What changed, pinned per version by tests/test_compat.py:
+
+- 0.10 -> 0.11: ``ClosedJaxpr`` and ``Jaxpr`` are one class (a closed jaxpr
+  is a ``Jaxpr`` with ``consts``; the params that held open jaxprs, ``remat``'s
+  and ``shard_map``'s, hold that class too); ``scan`` describes its operands by
+  flat trees ``ft_in``/``ft_out`` of (consts, carry, xs) instead of
+  ``num_consts``/``num_carry``; ``jit``'s ``inline`` is an ``Inline`` enum, not
+  a bool.
+- 0.11 -> 0.12: none in what amp_jax reads.
+
 Only public API is used: ``jax.extend.core``, ``jax.extend.linear_util``,
 ``jax.extend.source_info_util``, ``jax.make_jaxpr``.
 """
@@ -24,12 +33,15 @@ Jaxpr = jex_core.Jaxpr
 Literal = jex_core.Literal
 Tracer = jax.core.Tracer
 
-# In 0.11 the two classes are one: a "closed" jaxpr is a Jaxpr with consts.
-_CLOSED_IS_OPEN = ClosedJaxpr is Jaxpr
+#: ``(major, minor)`` of the running JAX.
+JAX_VERSION: tuple[int, int] = tuple(jax.__version_info__[:2])
+#: True from JAX 0.11 on, where the two classes are one: a "closed" jaxpr is a
+#: Jaxpr with consts, and no jaxpr is open in the sense of :func:`is_open_jaxpr`.
+ONE_JAXPR_CLASS = ClosedJaxpr is Jaxpr
 
 
 def is_closed_jaxpr(x: Any) -> bool:
-    return isinstance(x, ClosedJaxpr) and (not _CLOSED_IS_OPEN or hasattr(x, "consts"))
+    return isinstance(x, ClosedJaxpr) and (not ONE_JAXPR_CLASS or hasattr(x, "consts"))
 
 
 def is_open_jaxpr(x: Any) -> bool:
@@ -38,7 +50,7 @@ def is_open_jaxpr(x: Any) -> bool:
 
 def jaxpr_of(cj: Any) -> Any:
     """The open jaxpr (eqns, invars, outvars) of a closed jaxpr."""
-    return cj if _CLOSED_IS_OPEN else cj.jaxpr
+    return cj if ONE_JAXPR_CLASS else cj.jaxpr
 
 
 def consts_of(cj: Any) -> list[Any]:

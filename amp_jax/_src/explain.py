@@ -248,24 +248,53 @@ def _subs_closed(eqn: Any) -> list[Any]:
 
 
 def _decide(
-    ctx: Context, jaxpr: Any, colors: Sequence[str], out: dict, inherited: str | None
+    ctx: Context,
+    jaxpr: Any,
+    colors: Sequence[str],
+    out: dict,
+    inherited: str | None,
+    outer: tuple[str, ...] = (),
 ) -> None:
-    """Fills ``out[(source line, primitive)]`` with a Counter of reasons."""
+    """Fills ``out[(source line, primitive)][named_scope path]`` with a Counter of reasons.
+
+    The scope tells apart the ops of one source line called under different
+    ``named_scope`` s (a library layer used twice: one Dense in a
+    ``full_precision_scopes`` head, one outside). ``outer`` is the enclosing
+    eqns' name stacks, as :func:`report.iter_eqns` gives them for the rows.
+    """
     for eqn, color in zip(jaxpr.eqns, colors):
         reason = inherited or decision_reason(ctx, eqn, color)
-        out[(compat.source_line(eqn), eqn.primitive.name)][reason] += 1
+        where = (compat.source_line(eqn), eqn.primitive.name)
+        out[where][_scope(_full_stack(eqn, outer))][reason] += 1
         if not compat.has_subjaxprs(eqn):
             continue
+        inner = (*outer, str(eqn.source_info.name_stack))
         for sub in _subs_closed(eqn):
             if color == KEEP or inherited is not None:
                 body = compat.jaxpr_of(sub)
-                _decide(ctx, body, [ORIG] * len(body.eqns), out, inherited or reason)
+                _decide(ctx, body, [ORIG] * len(body.eqns), out, inherited or reason, inner)
             elif color == LOW:  # a transparent custom_jvp function: all of it low
                 body = compat.jaxpr_of(ctx.prepare(sub))
-                _decide(ctx, body, [LOW] * len(body.eqns), out, reason)
+                _decide(ctx, body, [LOW] * len(body.eqns), out, reason, inner)
             else:
                 sub_plan = plan(ctx, sub)
-                _decide(ctx, sub_plan.jaxpr, sub_plan.colors, out, None)
+                _decide(ctx, sub_plan.jaxpr, sub_plan.colors, out, None, inner)
+
+
+def _decision_at(by_scope: dict[str, collections.Counter], scope: str) -> collections.Counter:
+    """The reasons decided for the ops of one source line at ``scope``: those of
+    the innermost decided scope that encloses ``scope`` (amp's own scopes, such
+    as ``amp_float8.tensorwise``, nest inside the user's), else all of them."""
+    parts = [] if scope == "-" else scope.split("/")
+
+    def encloses(s: str) -> bool:
+        d = [] if s == "-" else s.split("/")
+        return parts[: len(d)] == d
+
+    inside = [s for s in by_scope if encloses(s)]
+    if inside:
+        return by_scope[max(inside, key=lambda s: 0 if s == "-" else s.count("/") + 1)]
+    return sum(by_scope.values(), collections.Counter())
 
 
 # -- tracing ---------------------------------------------------------------------------------
@@ -377,7 +406,7 @@ def _trace_decisions(base: Callable[..., Any], pol: Policy, args: tuple, kwargs:
     leaves, treedef = jax.tree.flatten((args, kwargs))
     dyn_mask = tuple(_is_dynamic(x) for x in leaves)
     traced = af._trace(treedef, leaves, dyn_mask)
-    out: dict = collections.defaultdict(collections.Counter)
+    out: dict = collections.defaultdict(lambda: collections.defaultdict(collections.Counter))
     _decide(traced.ctx, traced.plan.jaxpr, traced.plan.colors, out, None)
     return out
 
@@ -578,7 +607,7 @@ def _row_reason(
     decisions: dict, eqn: Any, stack: str, orig_keys: collections.Counter, seen: collections.Counter
 ) -> str:
     key = (compat.source_line(eqn), eqn.primitive.name)
-    found = decisions.get(key)
+    found = _decision_at(decisions[key], _scope(stack)) if key in decisions else None
     if _is_float_cast(eqn):
         seen[key] += 1
         if seen[key] > orig_keys.get(key, 0):
@@ -590,7 +619,7 @@ def _row_reason(
     elif found:
         reason = found.most_common(1)[0][0]
     else:
-        line = [c for (w, _), c in decisions.items() if w == key[0]]
+        line = [c for (w, _), by in decisions.items() if w == key[0] for c in by.values()]
         merged = sum(line, collections.Counter())
         reason = (
             f"derived by JAX from this line's ops ({merged.most_common(1)[0][0]})"

@@ -1,0 +1,92 @@
+"""The test suite on each supported JAX: ``nox`` runs the four legs CI runs.
+
+    pip install nox uv && nox                 # every leg, as CI does (.ci/run)
+    nox -s tests-3.13                         # one leg: Python 3.13, the newest JAX
+    nox -s tests-3.12 -- tests/test_compat.py # one leg, pytest arguments after --
+    nox -s lowest-3.11                        # the lowest direct dependency versions
+
+Each leg is one Python with one JAX, installed by uv into a fresh virtualenv:
+
+- Python 3.11 with JAX 0.10.2, the lowest pyproject.toml admits;
+- Python 3.12 with JAX 0.11.2 (what the accelerator machines run);
+- Python 3.13 with the newest JAX the registry serves (``--upgrade``, no pin;
+  the leg prints the version it got);
+- Python 3.11 with every direct dependency at the lowest version
+  pyproject.toml admits (``uv pip install --resolution lowest-direct``: JAX
+  0.10.2 again; optax, numpy, Flax, Equinox, orbax, Haiku, Keras, pytest...
+  at their lower bounds), so that those bounds stay true.
+
+The four take about 25 minutes on 2 cores (README), within CI's 90.
+
+Pythons are found on PATH; a pyenv install's versions are added to it, since
+pyenv's shims expose only the selected one.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+import nox
+
+nox.options.default_venv_backend = "uv"
+nox.options.sessions = ["tests", "lowest"]
+nox.options.error_on_missing_interpreters = True
+
+#: Python of each leg -> the JAX it runs (None: the newest the registry serves).
+LEGS = {"3.11": "0.10.2", "3.12": "0.11.2", "3.13": None}
+PYTEST = ("python", "-m", "pytest", "-q", "-n", "2")
+JUNIT = pathlib.Path("build", "junit")
+
+
+def _pyenv_pythons_on_path() -> None:
+    """Puts every pyenv Python's bin directory on PATH (newest release first)."""
+    root = pathlib.Path(os.environ.get("PYENV_ROOT") or pathlib.Path.home() / ".pyenv")
+    versions = sorted(
+        (p for p in root.glob("versions/3.*") if (p / "bin" / "python").exists()),
+        key=lambda p: tuple(int(x) if x.isdigit() else -1 for x in p.name.split(".")),
+        reverse=True,
+    )
+    os.environ["PATH"] = os.pathsep.join([*(str(p / "bin") for p in versions), os.environ["PATH"]])
+
+
+_pyenv_pythons_on_path()
+# Use the Pythons found above; never download one (CI reaches the package registry only).
+os.environ.setdefault("UV_PYTHON_DOWNLOADS", "never")
+
+
+def _print_versions(session: nox.Session) -> None:
+    session.run(
+        "python",
+        "-c",
+        "import sys, jax, jaxlib, numpy, optax, flax; "
+        "print('leg:', sys.version.split()[0], 'jax', jax.__version__, 'jaxlib', "
+        "jaxlib.__version__, 'numpy', numpy.__version__, 'optax', optax.__version__, "
+        "'flax', flax.__version__)",
+    )
+
+
+def _run_suite(session: nox.Session) -> None:
+    """pytest on this leg, then the leg's row for docs/accelerators.md from its junit."""
+    _print_versions(session)
+    JUNIT.mkdir(parents=True, exist_ok=True)
+    junit = JUNIT / f"{session.name}.xml"
+    # pytest's 1 (tests failed) still gets its row printed; version_row.py then fails the leg
+    session.run(*PYTEST, f"--junitxml={junit}", *session.posargs, success_codes=[0, 1])
+    session.run("python", "tests/version_row.py", str(junit))
+
+
+@nox.session(python=list(LEGS))
+def tests(session: nox.Session) -> None:
+    """The whole suite on one Python with its JAX (see ``LEGS``)."""
+    jax_version = LEGS[session.python]
+    pins = [f"jax=={jax_version}", f"jaxlib=={jax_version}"] if jax_version else ["--upgrade"]
+    session.install("-e", ".[test,integrations]", *pins)
+    _run_suite(session)
+
+
+@nox.session(python=["3.11"])
+def lowest(session: nox.Session) -> None:
+    """The suite with every direct dependency at the lowest version pyproject admits."""
+    session.install("--resolution", "lowest-direct", "-e", ".[test,integrations]")
+    _run_suite(session)
