@@ -37,7 +37,9 @@ _F8 = jnp.float8_e4m3fn
 _F8_MAX = float(jnp.finfo(_F8).max)  # 448
 
 
-def dynamic_map(signed: bool, *, bits: int = 8, exponent_bits: int = 7) -> np.ndarray:
+def dynamic_map(
+    signed: bool, *, bits: int = 8, exponent_bits: int = 7, zero: bool = True
+) -> np.ndarray:
     """The dynamic tree quantization table of Dettmers et al. (2021), sorted.
 
     ``2**bits`` float32 values in [-1, 1] (signed) or [0, 1]: for each decade
@@ -55,7 +57,7 @@ def dynamic_map(signed: bool, *, bits: int = 8, exponent_bits: int = 7) -> np.nd
         data += list(10.0 ** (i - exponent_bits + 1) * means)
         if signed:
             data += list(-(10.0 ** (i - exponent_bits + 1)) * means)
-    data += [0.0, 1.0]
+    data += [0.0, 1.0] if zero else [1.0]
     data += [0.0] * (2**bits - len(data))
     return np.sort(np.asarray(data, np.float64)).astype(np.float32)
 
@@ -73,6 +75,7 @@ class _Codec:
 
     table: np.ndarray | None  # sorted code values in [-1, 1]; None for float8
     bits: int
+    sqrt: bool = False  # store sqrt(x) (second moments): half the dynamic range
 
     def quantize(self, blocks: jax.Array) -> tuple[jax.Array, jax.Array]:
         """float32 ``(..., n_blocks, block)`` -> (codes, absmax ``(..., n_blocks)``).
@@ -83,6 +86,8 @@ class _Codec:
         the block. An infinite element is stored as the block's extreme code,
         a NaN as the code nearest 0.
         """
+        if self.sqrt:
+            blocks = jnp.sqrt(blocks)
         finite = jnp.isfinite(blocks)
         absmax = jnp.max(jnp.where(finite, jnp.abs(blocks), 0.0), axis=-1)
         safe = jnp.where(absmax > 0, absmax, 1.0)[..., None]
@@ -91,18 +96,32 @@ class _Codec:
         if self.table is None:
             return (norm * _F8_MAX).astype(_F8), absmax
         codes = _nearest(norm, self.table)
-        if self.bits == 4:
-            codes = codes[..., 0::2] | (codes[..., 1::2] << 4)
+        if self.bits == 4:  # first half of the block in the low nibbles
+            half = codes.shape[-1] // 2
+            codes = codes[..., :half] | (codes[..., half:] << 4)
         return codes, absmax
+
+    def zeros(self, blocks: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """``quantize(zeros_like(blocks))`` without table lookups (an eager
+        gather of a replicated table by sharded indices fails in JAX 0.10)."""
+        absmax = jnp.zeros_like(blocks[..., 0])
+        if self.table is None:
+            return jnp.zeros_like(blocks, dtype=_F8), absmax
+        first, mid = _buckets(self.table.tobytes())
+        code = int(np.searchsorted(mid, np.float32(0)))
+        if self.bits == 4:
+            blocks, code = blocks[..., : blocks.shape[-1] // 2], code | code << 4
+        return jnp.full_like(blocks, code, dtype=jnp.uint8), absmax
 
     def dequantize(self, codes: jax.Array, absmax: jax.Array) -> jax.Array:
         """(codes, absmax) -> float32 ``(..., n_blocks, block)``."""
         if self.table is None:
-            return codes.astype(jnp.float32) * (absmax / _F8_MAX)[..., None]
-        if self.bits == 4:
-            codes = jnp.stack([codes & 0xF, codes >> 4], axis=-1)
-            codes = codes.reshape(codes.shape[:-2] + (-1,))
-        return jnp.asarray(self.table)[codes.astype(jnp.int32)] * absmax[..., None]
+            x = codes.astype(jnp.float32) * (absmax / _F8_MAX)[..., None]
+        else:
+            if self.bits == 4:
+                codes = jnp.concatenate([codes & 0xF, codes >> 4], axis=-1)
+            x = _lookup(self.table, codes.astype(jnp.int32)) * absmax[..., None]
+        return x * x if self.sqrt else x
 
 
 _BUCKET_MANTISSA_BITS = 7  # buckets of 2**-7 relative width: at most one midpoint each
@@ -143,33 +162,39 @@ def _buckets(table_bytes: bytes) -> tuple[np.ndarray, np.ndarray]:
     return first.astype(np.uint8), np.append(mid, np.float32(np.inf)).astype(np.float32)
 
 
+def _lookup(table: np.ndarray, index: jax.Array) -> jax.Array:
+    """``table[index]``, sharded like ``index`` (plain indexing of a replicated
+    table by indices sharded over an explicit mesh axis fails)."""
+    return jnp.asarray(table).at[index].get(out_sharding=jax.typeof(index).sharding)
+
+
 def _nearest(norm: jax.Array, table: np.ndarray) -> jax.Array:
     """uint8 index of the value of ``table`` nearest each element of ``norm``
     (ties to the lower one): ``searchsorted(midpoints, norm)`` without a loop."""
     first, mid = _buckets(table.tobytes())
     bucket = (_key(norm) >> (23 - _BUCKET_MANTISSA_BITS)).astype(jnp.int32)
-    code = jnp.asarray(first)[bucket]
-    up = norm > jnp.asarray(mid)[code.astype(jnp.int32)]
+    code = _lookup(first, bucket)
+    up = norm > _lookup(mid, code.astype(jnp.int32))
     return code + up.astype(jnp.uint8)
 
 
 def _codecs(fmt: str) -> tuple[_Codec, _Codec]:
     """(first-moment codec, second-moment codec) of a format."""
     if fmt == "8bit":
-        return _Codec(dynamic_map(True), 8), _Codec(dynamic_map(False), 8)
+        return _Codec(dynamic_map(True), 8), _Codec(dynamic_map(False), 8, sqrt=True)
     if fmt == "4bit":
         return _Codec(dynamic_map(True, bits=4, exponent_bits=3), 4), _Codec(
-            linear_map_without_zero(4), 4
+            linear_map_without_zero(4), 4, sqrt=True
         )
-    return _Codec(None, 8), _Codec(None, 8)
+    return _Codec(None, 8), _Codec(None, 8, sqrt=True)
 
 
 class QuantizedArray(NamedTuple):
     """A block-wise quantized float32 array (one Adam moment of one parameter).
 
     Attributes:
-      codes: ``uint8`` (8-bit: one code per element; 4-bit: two, low nibble
-        first) or ``float8_e4m3fn``, shape ``(..., n_blocks, block)`` (4-bit:
+      codes: ``uint8`` (8-bit: one code per element; 4-bit: two, the first
+        half of the block in the low nibbles) or ``float8_e4m3fn``, shape ``(..., n_blocks, block)`` (4-bit:
         ``block // 2``) for a parameter of shape ``(..., n)``; each row is
         padded to ``n_blocks * block`` elements.
       absmax: ``float32`` ``(..., n_blocks)``, the largest finite magnitude of
@@ -222,6 +247,13 @@ def quantize(x: jax.Array, codec: _Codec, block_size: int) -> QuantizedArray:
     """``x`` (any float dtype) as a :class:`QuantizedArray`."""
     block, n_blocks = block_layout(x.shape, block_size, codec.bits)
     return QuantizedArray(*codec.quantize(_to_blocks(x.astype(jnp.float32), block, n_blocks)))
+
+
+def quantized_zeros(like: jax.Array, codec: _Codec, block_size: int) -> QuantizedArray:
+    """``quantize(zeros_like(like))``, laid out (and sharded) like ``like``."""
+    block, n_blocks = block_layout(like.shape, block_size, codec.bits)
+    blocks = _to_blocks(jnp.zeros_like(like, dtype=jnp.float32), block, n_blocks)
+    return QuantizedArray(*codec.zeros(blocks))
 
 
 def dequantize(q: QuantizedArray, codec: _Codec, shape: tuple[int, ...]) -> jax.Array:
@@ -339,14 +371,15 @@ def scale_by_quantized_adam(
         chosen = _selection(quantize_mask, params)
         mu, nu = [], []
         for p, q in zip(leaves, chosen):
-            # zeros_like: the moments take the parameter's sharding.
-            z = jnp.zeros_like(p, dtype=jnp.float32)
+            # zeros_like: the moments take the parameter's sharding; one buffer
+            # each (a shared one could not be donated twice).
+            zero = lambda: jnp.zeros_like(p, dtype=jnp.float32)  # noqa: E731
             if q and _tree.is_float(p) and p.size >= min_quantized_size:
-                mu.append(quantize(z, mu_codec, block_size))
-                nu.append(quantize(z, nu_codec, block_size))
+                mu.append(quantized_zeros(p, mu_codec, block_size))
+                nu.append(quantized_zeros(p, nu_codec, block_size))
             else:
-                mu.append(z)
-                nu.append(z)
+                mu.append(zero())
+                nu.append(zero())
         return ScaleByQuantizedAdamState(
             jnp.zeros([], jnp.int32), treedef.unflatten(mu), treedef.unflatten(nu)
         )
