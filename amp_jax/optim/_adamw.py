@@ -141,8 +141,9 @@ def adamw(
     Note that the default ``weight_decay`` is 0.0 (``optax.adamw`` uses 1e-4).
     With ``optax.inject_hyperparams`` pass
     ``static_args=("mu_dtype", "nu_dtype", "compensation_dtype")``: dtypes are
-    callables and would otherwise be mistaken for schedules (and add
-    ``"block_size", "min_quantized_size"`` when you set them).
+    callables and would otherwise be mistaken for schedules; with quantized
+    states pass ``static_args=("state_format", "min_quantized_size")`` (and
+    ``"block_size"`` when you set it): they shape the state.
 
     Args:
       learning_rate: a float or an optax schedule.
