@@ -47,6 +47,36 @@ def _schemes():
             jnp.float32,
             lambda: optim.adamw(lr, mu_dtype=jnp.bfloat16, nu_dtype=jnp.bfloat16),
         ),
+        (
+            "float32 params + 8-bit moments (adamw state_format='8bit')",
+            jnp.float32,
+            lambda: optim.adamw(lr, state_format="8bit"),
+        ),
+        (
+            "float32 params + float8 moments (adamw state_format='float8')",
+            jnp.float32,
+            lambda: optim.adamw(lr, state_format="float8"),
+        ),
+        (
+            "float32 params + 4-bit moments (adamw state_format='4bit')",
+            jnp.float32,
+            lambda: optim.adamw(lr, state_format="4bit"),
+        ),
+        (
+            "pure bf16 + Kahan (bf16 compensation) + 8-bit moments",
+            jnp.bfloat16,
+            lambda: optim.adamw(lr, kahan=True, state_format="8bit"),
+        ),
+        (
+            "pure bf16 + stochastic rounding + 8-bit moments",
+            jnp.bfloat16,
+            lambda: optim.stochastic_rounding(optim.adamw(lr, state_format="8bit"), 0),
+        ),
+        (
+            "pure bf16 + stochastic rounding + 4-bit moments",
+            jnp.bfloat16,
+            lambda: optim.stochastic_rounding(optim.adamw(lr, state_format="4bit"), 0),
+        ),
     ]
 
 

@@ -1,7 +1,8 @@
 """Optax gradient transformations for low-precision training.
 
 Loss scaling, float32 master weights, Kahan-compensated and stochastically
-rounded parameter updates, and an any-precision AdamW; every factory returns an
+rounded parameter updates, and an any-precision AdamW (moments in any
+float dtype, or block-wise quantized to 8 or 4 bits or float8); every factory returns an
 ``optax.GradientTransformationExtraArgs`` with NamedTuple state.
 """
 
@@ -19,6 +20,9 @@ from amp_jax.optim._loss_scale import static_loss_scale as static_loss_scale
 from amp_jax.optim._master import MasterWeightsState as MasterWeightsState
 from amp_jax.optim._master import master_params as master_params
 from amp_jax.optim._master import master_weights as master_weights
+from amp_jax.optim._quantized import QuantizedArray as QuantizedArray
+from amp_jax.optim._quantized import ScaleByQuantizedAdamState as ScaleByQuantizedAdamState
+from amp_jax.optim._quantized import scale_by_quantized_adam as scale_by_quantized_adam
 from amp_jax.optim._stochastic import StochasticRoundingState as StochasticRoundingState
 from amp_jax.optim._stochastic import stochastic_rounding as stochastic_rounding
 from amp_jax.optim._tree import state_bytes as state_bytes
@@ -27,6 +31,8 @@ __all__ = [
     "DynamicLossScaleState",
     "KahanSummationState",
     "MasterWeightsState",
+    "QuantizedArray",
+    "ScaleByQuantizedAdamState",
     "StaticLossScaleState",
     "StochasticRoundingState",
     "adamw",
@@ -37,6 +43,7 @@ __all__ = [
     "master_params",
     "master_weights",
     "scale_by_any_precision_adam",
+    "scale_by_quantized_adam",
     "scaled_value_and_grad",
     "state_bytes",
     "static_loss_scale",

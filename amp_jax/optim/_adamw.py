@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import optax
 from jax.typing import DTypeLike
 
-from amp_jax.optim import _check, _kahan, _tree
+from amp_jax.optim import _check, _kahan, _quantized, _tree
 
 
 def _check_dtype(name: str, dtype: Any) -> Any:
@@ -113,6 +113,10 @@ def adamw(
     kahan: bool = False,
     compensation_dtype: DTypeLike | None = None,
     mask: Any | Callable[[optax.Params], Any] | None = None,
+    state_format: _quantized.StateFormat | None = None,
+    block_size: int | None = None,
+    min_quantized_size: int = _quantized.DEFAULT_MIN_SIZE,
+    quantize_mask: Any | Callable[[optax.Params], Any] | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Any-precision AdamW: per-state dtypes and optional Kahan summation.
 
@@ -128,9 +132,17 @@ def adamw(
     (it rounds to 1.0 and the second moment would never move). bfloat16 is a
     good ``nu_dtype``; float16 is not (squared gradients below 6e-8 flush to 0).
 
-    The defaults are ``optax.adamw``'s (``weight_decay=1e-4`` included). With ``optax.inject_hyperparams`` pass
-    ``static_args=("mu_dtype", "nu_dtype", "compensation_dtype")``: dtypes are
-    callables and would otherwise be mistaken for schedules.
+    ``state_format`` (``"8bit"``, ``"4bit"``, ``"float8"``) stores the moments
+    block-wise quantized instead (:func:`scale_by_quantized_adam`): 8-bit and
+    float8 cost 1.02 bytes per moment value, 4-bit 0.53. Parameters smaller
+    than ``min_quantized_size`` (4096) elements and those ``quantize_mask``
+    deselects (pass one that deselects the embeddings) keep float32 moments.
+
+    The defaults are ``optax.adamw``'s (``weight_decay=1e-4`` included).
+    With ``optax.inject_hyperparams`` pass ``static_args=("mu_dtype", "nu_dtype", "compensation_dtype")``: dtypes are
+    callables and would otherwise be mistaken for schedules; with quantized
+    states pass ``static_args=("state_format", "min_quantized_size")`` (and
+    ``"block_size"`` when you set it): they shape the state.
 
     Args:
       learning_rate: a float or an optax schedule.
@@ -145,15 +157,25 @@ def adamw(
       compensation_dtype: dtype of the Kahan buffer (``None``: parameter dtype).
         Only used with ``kahan=True``.
       mask: as in ``optax.add_decayed_weights``.
+      state_format: ``None`` (moments in ``mu_dtype``/``nu_dtype``), or
+        ``"8bit"``, ``"4bit"``, ``"float8"`` for quantized moments.
+      block_size: quantization block along the last axis (``None``: 256,
+        4-bit 128). Only with ``state_format``.
+      min_quantized_size: smaller parameters keep float32 moments.
+      quantize_mask: pytree of bools like the parameters, or a function of
+        them; ``False`` keeps float32 moments (embeddings).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``; its state is the chain's
-      tuple ``(ScaleByAdamState, EmptyState/MaskedState, lr state)``, or a
+      tuple ``(ScaleByAdamState, EmptyState/MaskedState, lr state)`` (with
+      ``state_format``, a :class:`ScaleByQuantizedAdamState` first), or a
       :class:`KahanSummationState` around it.
 
     Raises:
-      ValueError: for a non-floating dtype argument, or ``compensation_dtype``
-        without ``kahan=True``.
+      ValueError: for a non-floating dtype argument, ``compensation_dtype``
+        without ``kahan=True``, an unknown ``state_format``, or
+        ``mu_dtype``/``nu_dtype``/``block_size``/``quantize_mask`` given with
+        the other storage choice.
 
     Examples:
       >>> import jax.numpy as jnp, optax
@@ -172,6 +194,10 @@ def adamw(
       Kahan, "Further remarks on reducing truncation errors", 1965.
       Zamirai et al., "Revisiting BFloat16 Training", 2020,
       https://arxiv.org/abs/2010.06192.
+      Dettmers et al., "8-bit Optimizers via Block-wise Quantization", ICLR
+      2022, https://arxiv.org/abs/2110.02861.
+      Li et al., "Memory Efficient Optimizers with 4-bit States", NeurIPS
+      2023, https://arxiv.org/abs/2309.01507.
     """
     _check.hyperparameter(learning_rate, "adamw", "learning_rate", "1e-3", schedule=True)
     for name, value, example in (
@@ -187,8 +213,31 @@ def adamw(
             "`compensation_dtype` is only used with `kahan=True`; "
             "pass kahan=True or drop compensation_dtype."
         )
+    if state_format is None:
+        if block_size is not None or quantize_mask is not None:
+            raise ValueError(
+                "adamw: `block_size` and `quantize_mask` are only used with quantized "
+                "states; pass state_format='8bit' (or '4bit', 'float8') or drop them."
+            )
+        scale = scale_by_any_precision_adam(b1, b2, eps, mu_dtype=mu_dtype, nu_dtype=nu_dtype)
+    elif mu_dtype is not None or nu_dtype is not None:
+        raise ValueError(
+            f"adamw: `state_format`={state_format!r} stores both moments quantized "
+            "(small and masked-out parameters in float32); drop mu_dtype/nu_dtype, "
+            "or drop state_format to store the moments in those dtypes."
+        )
+    else:
+        scale = _quantized.scale_by_quantized_adam(
+            b1,
+            b2,
+            eps,
+            state_format=state_format,
+            block_size=block_size,
+            min_quantized_size=min_quantized_size,
+            quantize_mask=quantize_mask,
+        )
     tx = optax.chain(
-        scale_by_any_precision_adam(b1, b2, eps, mu_dtype=mu_dtype, nu_dtype=nu_dtype),
+        scale,
         optax.add_decayed_weights(weight_decay, mask),
         optax.scale_by_learning_rate(learning_rate),
     )
