@@ -48,13 +48,20 @@ def not_embeddings(params):
 
 def variants():
     """(name, tx factory taking the learning-rate schedule)."""
-    q = lambda fmt: lambda lr: optim.adamw(lr, state_format=fmt, quantize_mask=not_embeddings)  # noqa: E731
+    q = lambda fmt: (
+        lambda lr: optim.adamw(  # noqa: E731
+            lr, weight_decay=0.0, state_format=fmt, quantize_mask=not_embeddings
+        )
+    )
     return [
-        ("float32 AdamW", lambda lr: optim.adamw(lr)),
+        ("float32 AdamW", lambda lr: optim.adamw(lr, weight_decay=0.0)),
         ("8bit", q("8bit")),
         ("float8", q("float8")),
         ("4bit", q("4bit")),
-        ("8bit, embeddings quantized too", lambda lr: optim.adamw(lr, state_format="8bit")),
+        (
+            "8bit, embeddings quantized too",
+            lambda lr: optim.adamw(lr, weight_decay=0.0, state_format="8bit"),
+        ),
     ]
 
 
