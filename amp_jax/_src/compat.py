@@ -139,6 +139,33 @@ def eqn_context(eqn: Any):
     )
 
 
+def current_name_stack_str() -> str:
+    """The ``jax.named_scope`` names the caller is tracing in, joined by ``/``."""
+    return str(source_info_util.current_name_stack())
+
+
+def _axis_env() -> tuple[tuple[str, int], ...]:
+    """The named axes in scope (``vmap(axis_name=...)``, ``shard_map``, ``pmap``) and their sizes."""
+    names = getattr(jex_core, "unsafe_get_axis_names_DO_NOT_USE", lambda: ())()
+    return tuple((n, int(jax.lax.axis_size(n))) for n in names)
+
+
+def trace_context() -> tuple[Any, ...]:
+    """Everything besides the arguments that can change what tracing a function gives.
+
+    What ``jax.jit`` keys its trace cache on (its "trace context"), from public
+    API: every config value as the caller sees it (contexts such as
+    ``jax.numpy_rank_promotion("raise")`` or ``jax.default_matmul_precision``
+    included), the named axes in scope with their sizes (``psum(1, "b")``
+    traces to the size of ``b``), and the abstract mesh. Hashable.
+    """
+    return (
+        tuple(jax.config.values.items()),
+        _axis_env(),
+        jax.sharding.get_abstract_mesh(),
+    )
+
+
 def name_stack_str(eqn: Any) -> str:
     return str(source_info_util.current_name_stack() + eqn.source_info.name_stack)
 

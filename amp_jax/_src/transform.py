@@ -15,7 +15,7 @@ import numpy as np
 
 from amp_jax._src import compat
 from amp_jax._src.interpreter import Context, evaluate, plan
-from amp_jax._src.policy import FULL_PRECISION_SCOPE, Policy, get_policy
+from amp_jax._src.policy import FULL_PRECISION_SCOPE, Policy, get_policy, scope_in
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -174,6 +174,7 @@ class AmpFunction:
         self._lock = threading.Lock()
         #: number of times ``fn`` was traced (cache misses); for tests/inspection.
         self.trace_count = 0
+        self._scopes = (FULL_PRECISION_SCOPE, *policy.full_precision_scopes)
         functools.update_wrapper(self, fn)
 
     def __repr__(self) -> str:
@@ -236,7 +237,11 @@ class AmpFunction:
                     for x, d in zip(leaves, dyn_mask)
                 ),
                 jax.default_backend(),
-                jax.config.jax_enable_x64,
+                # (what makes jax.jit retrace: config contexts, named axes and
+                # their sizes, the mesh; and whether the caller is in a
+                # full_precision scope)
+                compat.trace_context(),
+                scope_in(compat.current_name_stack_str(), self._scopes) is not None,
             )
             hash(key)
         except TypeError:  # an unhashable static leaf: trace every call
