@@ -160,3 +160,119 @@ def test_while_and_fori_carries_stay_float32(loop):
     jaxpr = jax.make_jaxpr(amp_f)(h0, n)
     assert carries_are_computed_in_their_dtype(jaxpr) == []
     assert BF16 in {d[0][0] for d in prim_dtypes(jaxpr, "dot_general")}
+
+
+# -- item 8: callables and plain objects that hold state --------------------------------
+
+
+def test_amp_of_an_equinox_model_is_a_pytree_of_its_weights():
+    eqx = pytest.importorskip("equinox")
+    model = eqx.nn.MLP(32, 8, 64, 2, key=jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (16, 32))
+
+    def loss(m, x):
+        return jnp.mean(jax.vmap(m)(x) ** 2)
+
+    def hand_loss(m, x):  # the MLP in bf16 by hand, as Flax's dtype=bfloat16 runs it
+        h = x.astype(jnp.bfloat16)
+        for i, layer in enumerate(m.layers):
+            w, b = layer.weight.astype(jnp.bfloat16), layer.bias.astype(jnp.bfloat16)
+            h = h @ w.T + b
+            h = jax.nn.relu(h) if i < len(m.layers) - 1 else h
+        return jnp.mean(h.astype(jnp.float32) ** 2)
+
+    want = eqx.filter_grad(loss)(model, x)
+    hand = eqx.filter_grad(hand_loss)(model, x)
+    got = eqx.filter_grad(loss)(amp(model), x)
+    got_leaves = jax.tree.leaves(got)  # (was None for every weight: no leaves)
+    assert len(got_leaves) == len(jax.tree.leaves(want))
+    for g, h, w in zip(got_leaves, jax.tree.leaves(hand), jax.tree.leaves(want)):
+        assert g.dtype == w.dtype
+        err, err_hand = float(jnp.max(jnp.abs(g - w))), float(jnp.max(jnp.abs(h - w)))
+        assert err <= 2 * err_hand + 1e-6, (err, err_hand)
+    # the matmuls of the model ran in bf16
+    assert BF16 in _dot_operand_dtypes(jax.vmap(amp(model)), x)
+
+
+def test_amp_of_an_nnx_module_sees_new_weights():
+    nnx = pytest.importorskip("flax.nnx")
+    lin = nnx.Linear(32, 8, rngs=nnx.Rngs(0))
+    x = jnp.ones((4, 32))
+    f = amp(lin)
+    np.testing.assert_allclose(f(x), lin(x), rtol=2e-2, atol=2e-2)
+    lin.kernel[...] = jnp.zeros((32, 8))
+    np.testing.assert_array_equal(f(x), lin(x))  # (was the first weights' result)
+
+
+def test_a_method_sees_its_objects_flags():
+    class Net:
+        def __init__(self):
+            self.training = True
+
+        @amp
+        def __call__(self, x, key):
+            if self.training:
+                return jnp.where(jax.random.bernoulli(key, 0.5, x.shape), x / 0.5, 0.0)
+            return x
+
+    net, x, key = Net(), jnp.ones((4, 32)), jax.random.key(1)
+    assert not bool(jnp.all(net(x, key) == x))
+    net.training = False
+    np.testing.assert_array_equal(net(x, key), x)  # (dropout was kept)
+    net.training = True
+    assert not bool(jnp.all(net(x, key) == x))
+
+
+def test_a_callable_objects_flags_are_part_of_the_key():
+    class Scale:
+        def __init__(self):
+            self.factor = 2.0
+
+        def __call__(self, x):
+            return x * self.factor
+
+    s = Scale()
+    f = amp(s)
+    assert float(f(jnp.ones(3))[0]) == 2.0
+    s.factor = 3.0
+    assert float(f(jnp.ones(3))[0]) == 3.0
+
+
+class _D:
+    pass
+
+
+def _deep_holder():
+    h = _D()
+    h.b, h.b.c = _D(), _D()
+    h.b.c.d = _D()
+    h.b.c.d.e = jnp.ones(3)
+    return h
+
+
+def _deque_holder():
+    import collections
+
+    h = _D()
+    h.queue = collections.deque([jnp.ones(3)])
+    return h
+
+
+@pytest.mark.parametrize(
+    "holder, where", [(_deep_holder, "h.b.c.d.e"), (_deque_holder, r"h.queue\[0\]")]
+)
+def test_arrays_held_deep_or_in_a_deque_are_refused(holder, where):
+    with pytest.raises(TypeError, match=f"`{where}`.*not a pytree"):
+        amp(lambda h, x: x * 2)(holder(), jnp.ones(3))
+
+
+def test_a_bound_method_of_an_object_holding_arrays_is_refused():
+    class Model:
+        def __init__(self):
+            self.w = jnp.ones((3, 3))
+
+        def apply(self, x):
+            return x @ self.w
+
+    with pytest.raises(TypeError, match=r"`fn.__self__.w`.*not a pytree.*amp\(model\)"):
+        amp(Model().apply)(jnp.ones((2, 3)))
