@@ -276,3 +276,27 @@ def test_a_bound_method_of_an_object_holding_arrays_is_refused():
 
     with pytest.raises(TypeError, match=r"`fn.__self__.w`.*not a pytree.*amp\(model\)"):
         amp(Model().apply)(jnp.ones((2, 3)))
+
+
+# -- item 10: the reason is recorded where the decision is made ---------------------------
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's batched dots")
+def test_explain_and_dtype_report_say_why_a_cpu_batched_dot_ran_in_float32():
+    import amp_jax
+
+    def f(a, b, w):
+        return jnp.tanh(jnp.einsum("bij,bjk->bik", a, b)) @ w
+
+    args = jnp.ones((4, 32, 64)), jnp.ones((4, 64, 32)), jnp.ones((32, 32))
+    rows = [r for r in amp_jax.dtype_report(amp(f), *args) if r[0] == "dot_general"]
+    by_dtype = {r[1]: r[5] for r in rows}
+    assert by_dtype["float32,float32"] == (
+        "no low-precision kernel for it on this backend: runs in float32"
+    )  # (was empty)
+    assert "bfloat16,bfloat16" in by_dtype  # the unbatched dot went low
+    reasons = {
+        r.dtype: r.reason for r in amp_jax.explain(f, *args).rows if r.primitive == "dot_general"
+    }
+    assert reasons["float32"].endswith("runs in float32")  # (was "allow class: runs in bfloat16")
+    assert reasons["bfloat16"].startswith("allow class")

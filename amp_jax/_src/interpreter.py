@@ -136,6 +136,10 @@ class Context:
             if why is not None:
                 self.kept_high[id(eqn)] = why  # (the eqn lives as long as its cached jaxpr)
                 return "never"
+            if eqn.invars and not rule_for(eqn, cls).reads_low(self, eqn, LOW, cls, eqn.invars[0]):
+                # its rule runs it in float32 on this backend (XLA:CPU's batched
+                # dots): recorded here, where it is decided, for explain/dtype_report
+                self.kept_high[id(eqn)] = "backend_kernel"
         return cls
 
     def reason(self, eqn: Any) -> str | None:
@@ -181,6 +185,7 @@ KEEP_REASONS = {
     "constant_range": "reads a constant the compute dtype cannot represent",
     "decides_control": "decides control flow (a while predicate or cond index reads it)",
     "loop_carry": "computes a loop-carried value: kept in the carry's dtype",
+    "backend_kernel": "no low-precision kernel for it on this backend: runs in float32",
 }
 KEEP_SCOPE = "amp_keep_f32"
 
