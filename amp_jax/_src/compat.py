@@ -218,6 +218,7 @@ def map_subjaxprs(
     eqn: Any,
     rewrite_closed: Callable[[Any], Any],
     rewrite_jvp_rule: Callable[[Any], Any] | None = None,
+    run_bwd: Callable[[Any, Callable[..., Any], Sequence[Any]], list[Any]] | None = None,
 ) -> dict[str, Any]:
     """New params for ``eqn`` with every sub-jaxpr rewritten by ``rewrite_closed``.
 
@@ -225,10 +226,12 @@ def map_subjaxprs(
     input and output avals. Open jaxprs in params are closed (no consts),
     rewritten and opened again. The thunks of ``custom_jvp_call`` /
     ``custom_vjp_call`` (the JVP rule's jaxpr, the forward under
-    differentiation) are wrapped so their jaxprs are rewritten too; the user's
-    backward rule is left as it is. The JVP rule's jaxpr is rewritten by
-    ``rewrite_jvp_rule`` (it gets transposed by JAX, so it must not contain
-    ``custom_vjp`` calls).
+    differentiation) are wrapped so their jaxprs are rewritten too. The JVP
+    rule's jaxpr is rewritten by ``rewrite_jvp_rule`` (it gets transposed by
+    JAX, so it must not contain ``custom_vjp`` calls). The user's backward
+    rule of a ``custom_vjp_call`` is run through ``run_bwd(key, bwd, args)``
+    (``bwd(*residuals, *cotangents)`` returns the input cotangents), so that
+    a rule that recomputes the forward sees the forward's policy.
     """
     name = eqn.primitive.name
 
@@ -252,6 +255,12 @@ def map_subjaxprs(
     if name in CUSTOM_VJP_NAMES and "fwd_jaxpr_thunk" in params:
         params["fwd_jaxpr_thunk"] = _wrap_thunk(
             params["fwd_jaxpr_thunk"], rewrite_closed, n_extra=0
+        )
+    if name in CUSTOM_VJP_NAMES and run_bwd is not None and "bwd" in params:
+        bwd = params["bwd"]
+        params["bwd"] = jex_lu.wrap_init(
+            lambda *args: run_bwd(bwd, lambda *a: call_thunk(bwd, *a), args),
+            debug_info=bwd.debug_info,
         )
     return params
 

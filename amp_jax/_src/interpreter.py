@@ -415,7 +415,12 @@ def plan(ctx: Context, closed: Any) -> Plan:
         classes, colors = paint_jaxpr(
             ctx, compat.jaxpr_of(flat), ctx.decides(closed), ctx.carries(closed)
         )
-        return Plan(flat, classes, colors, _plan_attention(ctx, flat))
+        att = _plan_attention(ctx, flat)
+        for i in (*att.skip, *att.fused):  # (an attention's own path is its reason)
+            e = compat.jaxpr_of(flat).eqns[i]
+            if ctx.kept_high.get(id(e)) == "backend_kernel":
+                del ctx.kept_high[id(e)]
+        return Plan(flat, classes, colors, att)
 
     return ctx.cached("plan", closed, make)
 
@@ -575,6 +580,7 @@ class HigherOrderRule(rules.EqnRule):
                 eqn,
                 functools.partial(rewrite, ctx),
                 functools.partial(rewrite, ctx.linear),
+                functools.partial(_run_bwd, ctx),
             ),
         )
         return compat.bind_eqn(eqn, invals, params)
@@ -681,6 +687,46 @@ def _custom_jvp_low(ctx: Context, eqn: Any, low_avals: Sequence[Any]) -> dict[st
         return compat.jaxpr_of(new), compat.consts_of(new), out_zeros
 
     return compat.custom_jvp_params(eqn, new_call, compat.memoized_fun(jvp_jaxpr, rule_fun))
+
+
+def _run_bwd(ctx: Context, key: Any, bwd: Any, args: Sequence[Any]) -> list[Any]:
+    """A ``custom_vjp`` backward rule ``bwd(*args)`` run under ``ctx``'s policy.
+
+    A rule that recomputes primal values (diffrax's checkpointed adjoint
+    re-runs the solver's steps) must see the policy its forward ran under,
+    or it recomputes other values -- an adaptive solver accepts other steps
+    -- than the forward did (PyTorch's ``custom_bwd`` does the same for
+    autocast). Symbolic zeros (in and out) pass through as they are.
+    """
+    is_val = [isinstance(a, (jax.Array, compat.Tracer)) for a in args]
+    vals = [a for a, v in zip(args, is_val) if v]
+    others = tuple((i, a) for i, (a, v) in enumerate(zip(args, is_val)) if not v)
+    avals = tuple(compat.aval_of(a) for a in vals)
+
+    def make() -> tuple[Plan, dict[int, Any], int]:
+        zeros: dict[int, Any] = {}
+        n_out: list[int] = []
+
+        def traced(*xs):
+            it = iter(xs)
+            full = [a if not v else next(it) for a, v in zip(args, is_val)]
+            outs = list(bwd(*full))
+            n_out.append(len(outs))
+            arrays = []
+            for i, o in enumerate(outs):
+                if isinstance(o, (jax.Array, compat.Tracer)):
+                    arrays.append(o)
+                else:
+                    zeros[i] = o  # a symbolic zero: no value to compute
+            return arrays
+
+        closed = compat.trace_to_closed_jaxpr(traced, avals)
+        return plan(ctx, closed), zeros, n_out[0]
+
+    zkey = tuple((i, type(a).__name__, str(getattr(a, "aval", ""))) for i, a in others)
+    plan_, zeros, n = ctx.cached(("bwd", avals, zkey), key, make)
+    outs = iter(evaluate(ctx, plan_, vals))
+    return [zeros[i] if i in zeros else next(outs) for i in range(n)]
 
 
 def _shard_map_fn(ctx: Context, eqn: Any) -> Any:
