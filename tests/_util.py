@@ -75,3 +75,52 @@ def allow_out_dtype(policy="bfloat16"):
     from amp_jax import get_policy
 
     return np.dtype(get_policy(policy).allow_output_dtype(jax.default_backend()))
+
+
+def _open_jaxpr(j):
+    return j.jaxpr if hasattr(j, "jaxpr") else j
+
+
+def _computed_from_low(body, outs) -> list[str]:
+    """Float32 outputs ``outs`` of ``body`` computed from a bf16 value: walks
+    back through first-order ops to the matmuls (which must write float32),
+    into ``cond`` branches and ``jit`` bodies."""
+    body = _open_jaxpr(body)
+    producer = {v: q for q in body.eqns for v in q.outvars}
+    todo = [body.outvars[k] for k in outs]
+    todo = [v for v in todo if np.dtype(v.aval.dtype) == F32]
+    seen, bad = set(), []
+    while todo:
+        v = todo.pop()
+        if isinstance(v, jax.extend.core.Literal) or v in seen:
+            continue
+        seen.add(v)
+        if np.dtype(v.aval.dtype) == BF16:
+            bad.append(f"carry computed from a bf16 value ({producer.get(v)})")
+            continue
+        q = producer.get(v)
+        if q is None or q.primitive.name in ("dot_general", "conv_general_dilated"):
+            continue
+        k = q.outvars.index(v)
+        if q.primitive.name == "cond":
+            for br in q.params["branches"]:
+                bad += _computed_from_low(br, [k])
+        elif q.primitive.name in ("jit", "pjit"):
+            bad += _computed_from_low(q.params["jaxpr"], [k])
+        elif not any(True for _ in jax.extend.core.jaxprs_in_params(q.params)):
+            todo.extend(q.invars)
+    return bad
+
+
+def carries_are_computed_in_their_dtype(jaxpr) -> list[str]:
+    """Problems with the loops of the rewritten ``jaxpr``: a float32 carry of
+    a ``scan``/``while`` body computed from a bf16 value."""
+    bad = []
+    for e, _ in eqns(jaxpr):
+        if e.primitive.name == "scan":
+            p = e.params
+            n = p["num_carry"] if "num_carry" in p else len(p["ft_in"].unpack()[1])
+            bad += _computed_from_low(p["jaxpr"], range(n))
+        elif e.primitive.name == "while":
+            bad += _computed_from_low(e.params["body_jaxpr"], range(len(e.outvars)))
+    return bad

@@ -152,6 +152,33 @@ def eqn_context(eqn: Any):
     )
 
 
+def current_name_stack_str() -> str:
+    """The ``jax.named_scope`` names the caller is tracing in, joined by ``/``."""
+    return str(source_info_util.current_name_stack())
+
+
+def _axis_env() -> tuple[tuple[str, int], ...]:
+    """The named axes in scope (``vmap(axis_name=...)``, ``shard_map``, ``pmap``) and their sizes."""
+    names = getattr(jex_core, "unsafe_get_axis_names_DO_NOT_USE", lambda: ())()
+    return tuple((n, int(jax.lax.axis_size(n))) for n in names)
+
+
+def trace_context() -> tuple[Any, ...]:
+    """Everything besides the arguments that can change what tracing a function gives.
+
+    What ``jax.jit`` keys its trace cache on (its "trace context"), from public
+    API: every config value as the caller sees it (contexts such as
+    ``jax.numpy_rank_promotion("raise")`` or ``jax.default_matmul_precision``
+    included), the named axes in scope with their sizes (``psum(1, "b")``
+    traces to the size of ``b``), and the abstract mesh. Hashable.
+    """
+    return (
+        tuple(jax.config.values.items()),
+        _axis_env(),
+        jax.sharding.get_abstract_mesh(),
+    )
+
+
 def name_stack_str(eqn: Any) -> str:
     return str(source_info_util.current_name_stack() + eqn.source_info.name_stack)
 
@@ -204,6 +231,7 @@ def map_subjaxprs(
     eqn: Any,
     rewrite_closed: Callable[[Any], Any],
     rewrite_jvp_rule: Callable[[Any], Any] | None = None,
+    run_bwd: Callable[[Any, Callable[..., Any], Sequence[Any]], list[Any]] | None = None,
 ) -> dict[str, Any]:
     """New params for ``eqn`` with every sub-jaxpr rewritten by ``rewrite_closed``.
 
@@ -211,10 +239,12 @@ def map_subjaxprs(
     input and output avals. Open jaxprs in params are closed (no consts),
     rewritten and opened again. The thunks of ``custom_jvp_call`` /
     ``custom_vjp_call`` (the JVP rule's jaxpr, the forward under
-    differentiation) are wrapped so their jaxprs are rewritten too; the user's
-    backward rule is left as it is. The JVP rule's jaxpr is rewritten by
-    ``rewrite_jvp_rule`` (it gets transposed by JAX, so it must not contain
-    ``custom_vjp`` calls).
+    differentiation) are wrapped so their jaxprs are rewritten too. The JVP
+    rule's jaxpr is rewritten by ``rewrite_jvp_rule`` (it gets transposed by
+    JAX, so it must not contain ``custom_vjp`` calls). The user's backward
+    rule of a ``custom_vjp_call`` is run through ``run_bwd(key, bwd, args)``
+    (``bwd(*residuals, *cotangents)`` returns the input cotangents), so that
+    a rule that recomputes the forward sees the forward's policy.
     """
     name = eqn.primitive.name
 
@@ -238,6 +268,12 @@ def map_subjaxprs(
     if name in CUSTOM_VJP_NAMES and "fwd_jaxpr_thunk" in params:
         params["fwd_jaxpr_thunk"] = _wrap_thunk(
             params["fwd_jaxpr_thunk"], rewrite_closed, n_extra=0
+        )
+    if name in CUSTOM_VJP_NAMES and run_bwd is not None and "bwd" in params:
+        bwd = params["bwd"]
+        params["bwd"] = jex_lu.wrap_init(
+            lambda *args: run_bwd(bwd, lambda *a: call_thunk(bwd, *a), args),
+            debug_info=bwd.debug_info,
         )
     return params
 

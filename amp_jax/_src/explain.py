@@ -204,10 +204,9 @@ def decision_reason(ctx: Context, eqn: Any, color: str) -> str:
     if ctx.identity:
         return "float32 policy: identity, nothing rewritten"
     if color == KEEP or ctx.in_full_precision(eqn):
-        stack = compat.name_stack_str(eqn)
-        user = [s for s in ctx.scopes if s in stack]
-        if user and user[0] != FULL_PRECISION_SCOPE:
-            return f"policy scope {user[0]!r} (full_precision_scopes): original dtypes"
+        user = ctx.scope_of(eqn)
+        if user is not None and user != FULL_PRECISION_SCOPE:
+            return f"policy scope {user!r} (full_precision_scopes): original dtypes"
         return "user scope: full_precision, original dtypes"
     if color == SKIP:
         return "no floating operand"

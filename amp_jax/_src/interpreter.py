@@ -36,7 +36,7 @@ from jax import lax
 
 from amp_jax._src import attention, casting, compat, float8, painting, rules
 from amp_jax._src.painting import KEEP, LOW, OPAQUE, ORIG, SKIP
-from amp_jax._src.policy import FULL_PRECISION_SCOPE, Policy, is_managed_float
+from amp_jax._src.policy import FULL_PRECISION_SCOPE, Policy, is_managed_float, scope_in
 
 
 class Context:
@@ -66,6 +66,8 @@ class Context:
         self.f32_out: set[int] = set()
         #: {id(closed sub-jaxpr): (it, output positions that decide control flow)}
         self._decides: dict[int, tuple[Any, frozenset[int]]] = {}
+        #: {id(closed loop body): (it, output positions carried to the next iteration)}
+        self._carries: dict[int, tuple[Any, frozenset[int]]] = {}
 
     def cached(self, kind: str, obj: Any, make: Any) -> Any:
         """``make()``, computed once per ``obj`` (by identity) and ``kind``."""
@@ -100,6 +102,14 @@ class Context:
     def mark_decides(self, closed: Any, outs: Iterable[int]) -> None:
         self._decides[id(closed)] = (closed, self.decides(closed) | frozenset(outs))
 
+    def carries(self, closed: Any) -> frozenset[int]:
+        """Output positions of loop body ``closed`` that are carried to its next iteration."""
+        hit = self._carries.get(id(closed))
+        return hit[1] if hit is not None and hit[0] is closed else frozenset()
+
+    def mark_carries(self, closed: Any, outs: Iterable[int]) -> None:
+        self._carries[id(closed)] = (closed, self.carries(closed) | frozenset(outs))
+
     # -- classification -------------------------------------------------
     def classify(self, eqn: Any) -> str:
         sub = compat.has_subjaxprs(eqn)
@@ -126,6 +136,10 @@ class Context:
             if why is not None:
                 self.kept_high[id(eqn)] = why  # (the eqn lives as long as its cached jaxpr)
                 return "never"
+            if eqn.invars and not rule_for(eqn, cls).reads_low(self, eqn, LOW, cls, eqn.invars[0]):
+                # its rule runs it in float32 on this backend (XLA:CPU's batched
+                # dots): recorded here, where it is decided, for explain/dtype_report
+                self.kept_high[id(eqn)] = "backend_kernel"
         return cls
 
     def reason(self, eqn: Any) -> str | None:
@@ -154,8 +168,11 @@ class Context:
         )
 
     def in_full_precision(self, eqn: Any) -> bool:
-        stack = compat.name_stack_str(eqn)
-        return any(s in stack for s in self.scopes)
+        return self.scope_of(eqn) is not None
+
+    def scope_of(self, eqn: Any) -> str | None:
+        """The full-precision scope (whole name) ``eqn`` is traced in, or None."""
+        return scope_in(compat.name_stack_str(eqn), self.scopes)
 
 
 # -- allow ops that stay in float32 ---------------------------------------------
@@ -167,6 +184,8 @@ KEEP_REASONS = {
     "too_small": "too small to pay (Policy.min_low_contraction / min_low_flops)",
     "constant_range": "reads a constant the compute dtype cannot represent",
     "decides_control": "decides control flow (a while predicate or cond index reads it)",
+    "loop_carry": "computes a loop-carried value: kept in the carry's dtype",
+    "backend_kernel": "no low-precision kernel for it on this backend: runs in float32",
 }
 KEEP_SCOPE = "amp_keep_f32"
 
@@ -240,11 +259,12 @@ _NO_ATTENTION = attention.Plan({}, [], {})
 
 
 def paint_jaxpr(
-    ctx: Context, jaxpr: Any, decide_outs: Iterable[int] = ()
+    ctx: Context, jaxpr: Any, decide_outs: Iterable[int] = (), carry_outs: Iterable[int] = ()
 ) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """Classes and colors of ``jaxpr``'s eqns; ``decide_outs`` are output
     positions whose values decide control flow (a while predicate, a loop's
-    carried decision)."""
+    carried decision), ``carry_outs`` those a loop carries to its next
+    iteration (``jaxpr`` is the body)."""
     classes = [ctx.classify(e) for e in jaxpr.eqns]
     if ctx.identity:
         return tuple(classes), tuple(c if c in (OPAQUE, SKIP, KEEP) else ORIG for c in classes)
@@ -254,15 +274,45 @@ def paint_jaxpr(
             ctx.kept_high[id(jaxpr.eqns[i])] = "constant_range"
     colors = painting.paint(classes, jaxpr)
     seeds = painting.decision_seeds(jaxpr, decide_outs, lambda e: _loop_reads(ctx, e))
-    kept, f32_out, _ = painting.decision_slice(jaxpr, classes, colors, seeds)
+    _keep_slice(ctx, jaxpr, classes, colors, seeds, "decides_control")
+    # A loop-carried float keeps its dtype through the ops that compute the
+    # next carry (an EMA, an Euler step, a residual stream): rounding it in
+    # every iteration compounds. The matmuls on the way still read
+    # compute-dtype operands but write float32, as for decisions.
+    outs = jaxpr.outvars
+    carried = [outs[k] for k in carry_outs if is_managed_float(casting.dtype_of(outs[k]))]
+    for i, k in _keep_slice(ctx, jaxpr, classes, colors, carried, "loop_carry"):
+        for sub in _carry_bodies(jaxpr.eqns[i]):  # a cond's branches compute the carry too
+            ctx.mark_carries(sub, [k])
+    return tuple(classes), tuple(colors)
+
+
+def _keep_slice(
+    ctx: Context, jaxpr: Any, classes: Sequence[str], colors: list[str], seeds: list[Any], tag: str
+) -> list[tuple[int, int]]:
+    """Keeps what ``seeds`` are computed from out of the compute dtype (back
+    to the matmuls, which write float32), recording ``tag`` as the reason.
+    Returns the (eqn index, output position) of the higher-order eqns reached."""
+    stops: list[tuple[int, int]] = []
+    kept, f32_out, _ = painting.decision_slice(jaxpr, classes, colors, seeds, stops)
     for i in kept:
         if colors[i] == LOW:
             colors[i] = ORIG
-            ctx.kept_high[id(jaxpr.eqns[i])] = "decides_control"
+            ctx.kept_high.setdefault(id(jaxpr.eqns[i]), tag)
     for i in f32_out:
         ctx.f32_out.add(id(jaxpr.eqns[i]))
-        ctx.kept_high[id(jaxpr.eqns[i])] = "decides_control"
-    return tuple(classes), tuple(colors)
+        ctx.kept_high.setdefault(id(jaxpr.eqns[i]), tag)
+    return stops
+
+
+def _carry_bodies(eqn: Any) -> list[Any]:
+    """The closed sub-jaxprs of ``eqn`` whose outputs are ``eqn``'s outputs
+    (``cond`` branches, a ``jit``'s body); none for loops and custom rules."""
+    if eqn.primitive.name == "cond":
+        return list(eqn.params["branches"])
+    if eqn.primitive.name in compat.JIT_NAMES and compat.is_closed_jaxpr(eqn.params["jaxpr"]):
+        return [eqn.params["jaxpr"]]
+    return []
 
 
 def _reached_inputs(ctx: Context, closed: Any, outs: Iterable[int]) -> set[int]:
@@ -289,6 +339,7 @@ def _loop_reads(ctx: Context, eqn: Any) -> list[int]:
             carry = {k - cn for k in first if k >= cn}
             reads = [k for k in first if k < cn]
             carry_at = cn + bn  # carry operands follow the cond and body consts
+            n_out = len(eqn.outvars)
         else:  # scan: consts, carry, xs
             n_consts, n_carry = compat.scan_split(p)
             body, n_body_consts, first, reads = p["jaxpr"], n_consts, set(), []
@@ -304,6 +355,7 @@ def _loop_reads(ctx: Context, eqn: Any) -> list[int]:
             carry = new
         if carry:
             ctx.mark_decides(body, carry)
+        ctx.mark_carries(body, range(n_carry if eqn.primitive.name == "scan" else n_out))
         consts = [k for k in body_reads if k < n_body_consts]
         if eqn.primitive.name == "while":
             consts = [cn + k for k in consts]
@@ -360,8 +412,15 @@ def plan(ctx: Context, closed: Any) -> Plan:
 
     def make() -> Plan:
         flat = ctx.prepare(closed)
-        classes, colors = paint_jaxpr(ctx, compat.jaxpr_of(flat), ctx.decides(closed))
-        return Plan(flat, classes, colors, _plan_attention(ctx, flat))
+        classes, colors = paint_jaxpr(
+            ctx, compat.jaxpr_of(flat), ctx.decides(closed), ctx.carries(closed)
+        )
+        att = _plan_attention(ctx, flat)
+        for i in (*att.skip, *att.fused):  # (an attention's own path is its reason)
+            e = compat.jaxpr_of(flat).eqns[i]
+            if ctx.kept_high.get(id(e)) == "backend_kernel":
+                del ctx.kept_high[id(e)]
+        return Plan(flat, classes, colors, att)
 
     return ctx.cached("plan", closed, make)
 
@@ -518,7 +577,10 @@ class HigherOrderRule(rules.EqnRule):
             "params",
             eqn,
             lambda: compat.map_subjaxprs(
-                eqn, functools.partial(rewrite, ctx), functools.partial(rewrite, ctx.linear)
+                eqn,
+                functools.partial(rewrite, ctx),
+                functools.partial(rewrite, ctx.linear),
+                functools.partial(_run_bwd, ctx),
             ),
         )
         return compat.bind_eqn(eqn, invals, params)
@@ -648,6 +710,46 @@ def _custom_jvp_low(ctx: Context, eqn: Any, low_avals: Sequence[Any]) -> dict[st
         return compat.jaxpr_of(new), compat.consts_of(new), out_zeros
 
     return compat.custom_jvp_params(eqn, new_call, compat.memoized_fun(jvp_jaxpr, rule_fun))
+
+
+def _run_bwd(ctx: Context, key: Any, bwd: Any, args: Sequence[Any]) -> list[Any]:
+    """A ``custom_vjp`` backward rule ``bwd(*args)`` run under ``ctx``'s policy.
+
+    A rule that recomputes primal values (diffrax's checkpointed adjoint
+    re-runs the solver's steps) must see the policy its forward ran under,
+    or it recomputes other values -- an adaptive solver accepts other steps
+    -- than the forward did (PyTorch's ``custom_bwd`` does the same for
+    autocast). Symbolic zeros (in and out) pass through as they are.
+    """
+    is_val = [isinstance(a, (jax.Array, compat.Tracer)) for a in args]
+    vals = [a for a, v in zip(args, is_val) if v]
+    others = tuple((i, a) for i, (a, v) in enumerate(zip(args, is_val)) if not v)
+    avals = tuple(compat.aval_of(a) for a in vals)
+
+    def make() -> tuple[Plan, dict[int, Any], int]:
+        zeros: dict[int, Any] = {}
+        n_out: list[int] = []
+
+        def traced(*xs):
+            it = iter(xs)
+            full = [a if not v else next(it) for a, v in zip(args, is_val)]
+            outs = list(bwd(*full))
+            n_out.append(len(outs))
+            arrays = []
+            for i, o in enumerate(outs):
+                if isinstance(o, (jax.Array, compat.Tracer)):
+                    arrays.append(o)
+                else:
+                    zeros[i] = o  # a symbolic zero: no value to compute
+            return arrays
+
+        closed = compat.trace_to_closed_jaxpr(traced, avals)
+        return plan(ctx, closed), zeros, n_out[0]
+
+    zkey = tuple((i, type(a).__name__, str(getattr(a, "aval", ""))) for i, a in others)
+    plan_, zeros, n = ctx.cached(("bwd", avals, zkey), key, make)
+    outs = iter(evaluate(ctx, plan_, vals))
+    return [zeros[i] if i in zeros else next(outs) for i in range(n)]
 
 
 def _shard_map_fn(ctx: Context, eqn: Any) -> Any:

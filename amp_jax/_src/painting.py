@@ -135,7 +135,11 @@ def decision_seeds(
 
 
 def decision_slice(
-    jaxpr: Any, classes: Sequence[str], colors: Sequence[str], seeds: Iterable[Any]
+    jaxpr: Any,
+    classes: Sequence[str],
+    colors: Sequence[str],
+    seeds: Iterable[Any],
+    stops: list[tuple[int, int]] | None = None,
 ) -> tuple[set[int], set[int], set[int]]:
     """What the values ``seeds`` are computed from, back to the matmuls.
 
@@ -143,7 +147,8 @@ def decision_slice(
     in their original precision), the low ``allow`` eqns where the slice stops
     (their operands stay low -- that is where the speed is -- but they write
     float32), and the positions of ``jaxpr.invars`` reached. The slice also
-    stops at higher-order eqns (whose outputs keep their original dtype).
+    stops at higher-order eqns (whose outputs keep their original dtype);
+    ``stops``, if given, collects ``(eqn index, output position)`` of each.
     """
     producer = {v: i for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
     position = {v: k for k, v in enumerate(jaxpr.invars)}
@@ -164,6 +169,8 @@ def decision_slice(
             continue
         if colors[i] == LOW and classes[i] == "allow":
             f32_out.add(i)
+        elif colors[i] == OPAQUE and stops is not None:
+            stops.append((i, jaxpr.eqns[i].outvars.index(v)))
         elif colors[i] not in (OPAQUE, KEEP) and i not in kept:
             kept.add(i)
             todo.extend(a for a in jaxpr.eqns[i].invars if not isinstance(a, compat.Literal))

@@ -26,7 +26,8 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
-from collections.abc import Iterable, Mapping
+import re
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -291,6 +292,22 @@ _POLICY_PRESETS: dict[str, dict[str, Any]] = {
 
 #: Named scope that :func:`amp_jax.full_precision` opens; eqns under it are kept.
 FULL_PRECISION_SCOPE = "amp_full_precision"
+
+
+def scope_in(stack: str, scopes: Sequence[str]) -> str | None:
+    """The first of ``scopes`` that is a whole scope name in the name stack
+    ``stack`` (``"model/head"``, ``"transpose(jvp(head))"``), or None.
+
+    Names are matched whole, not as substrings: ``"head"`` is not in
+    ``"multihead_attention"``. A scope name with a ``/`` in it matches that
+    run of names.
+    """
+    names = [n for n in re.split(r"[/()]", stack) if n]
+    joined = "/" + "/".join(names) + "/"
+    for s in scopes:
+        if ("/" in s and f"/{s.strip('/')}/" in joined) or s in names:
+            return s
+    return None
 
 
 def _as_dtype(value: Any, argname: str) -> np.dtype:

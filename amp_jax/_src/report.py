@@ -16,7 +16,7 @@ def _why(eqn: Any) -> str:
     """Why amp left this eqn in its original precision, from its name stack."""
     from amp_jax._src.attention import scope_reason
     from amp_jax._src.interpreter import KEEP_REASONS, KEEP_SCOPE
-    from amp_jax._src.policy import FULL_PRECISION_SCOPE
+    from amp_jax._src.policy import FULL_PRECISION_SCOPE, scope_in
 
     stack = str(eqn.source_info.name_stack)
     for tag, text in KEEP_REASONS.items():
@@ -25,7 +25,7 @@ def _why(eqn: Any) -> str:
     attention = scope_reason(stack)  # amp_attention[cudnn] / amp_attention[xla: <reason>]
     if attention:
         return attention
-    if FULL_PRECISION_SCOPE in stack:
+    if scope_in(stack, (FULL_PRECISION_SCOPE,)):
         return "full_precision scope"
     from amp_jax._src.float8 import why_from_stack
 

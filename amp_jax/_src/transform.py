@@ -7,7 +7,7 @@ import inspect
 import threading
 import types
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
 from typing import Any, TypeVar, overload
 
 import jax
@@ -15,7 +15,7 @@ import numpy as np
 
 from amp_jax._src import compat
 from amp_jax._src.interpreter import Context, evaluate, plan
-from amp_jax._src.policy import FULL_PRECISION_SCOPE, Policy, get_policy
+from amp_jax._src.policy import FULL_PRECISION_SCOPE, Policy, get_policy, scope_in
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -26,33 +26,36 @@ def _is_dynamic(leaf: Any) -> bool:
     return isinstance(leaf, (jax.Array, np.ndarray, np.generic, compat.Tracer))
 
 
-def _static_key(leaf: Any) -> Any:
+def _static_key(leaf: Any, depth: int = 4) -> Any:
     # (repr tells 0.0 from -0.0 and one NaN from another, which compare equal
     # or unequal the wrong way for a cache)
     if isinstance(leaf, (float, complex)):
         return (type(leaf), repr(leaf))
+    if isinstance(leaf, types.MethodType):  # a bound method: its object's state too
+        return (types.MethodType, leaf.__func__, _static_key(leaf.__self__, depth))
+    if _compares_by_identity(leaf):
+        # A plain object (``self`` of a method, a config object) hashes by
+        # identity: key it by its attributes too, so that ``net.training =
+        # False`` makes a new trace rather than reusing the old one.
+        if depth == 0:
+            raise TypeError("too deep to key")  # (trace every call)
+        attrs = _attrs(leaf)
+        return (type(leaf), leaf, tuple((k, _static_key(v, depth - 1)) for k, v in attrs.items()))
     return (type(leaf), leaf)
 
 
-_VALUE_TYPES = (str, bytes, int, float, complex, bool, type(None), type, np.dtype, range, slice)
+def _compares_by_identity(obj: Any) -> bool:
+    t = type(obj)
+    return (
+        t.__hash__ is object.__hash__
+        and t.__eq__ is object.__eq__
+        and not isinstance(obj, (type, types.ModuleType, types.FunctionType))
+        and (hasattr(obj, "__dict__") or bool(getattr(t, "__slots__", ())))
+    )
 
 
-def _held_array(obj: Any, depth: int = 3) -> str | None:
-    """The attribute path of a jax/NumPy array held by the plain object ``obj``, or None."""
-    if isinstance(obj, _VALUE_TYPES) or depth == 0 or isinstance(obj, types.ModuleType):
-        return None
-    if isinstance(obj, (types.FunctionType, types.BuiltinFunctionType)):
-        return None
-    if isinstance(obj, types.MethodType):
-        inner = _held_array(obj.__self__, depth - 1)
-        return None if inner is None else f".__self__{inner}"
-    if isinstance(obj, functools.partial):
-        for i, a in enumerate((*obj.args, *obj.keywords.values())):
-            if any(_is_dynamic(x) for x in jax.tree.leaves(a)):
-                return f".args[{i}]"
-            if (inner := _held_array(a, depth - 1)) is not None:
-                return f".args[{i}]{inner}"
-        return None
+def _attrs(obj: Any) -> dict[str, Any]:
+    """The instance attributes of ``obj`` (``__dict__`` and ``__slots__``)."""
     attrs: dict[str, Any] = {}
     try:
         attrs.update(vars(obj))
@@ -61,30 +64,56 @@ def _held_array(obj: Any, depth: int = 3) -> str | None:
     for name in getattr(type(obj), "__slots__", ()):
         if hasattr(obj, name):
             attrs[name] = getattr(obj, name)
-    for name, value in attrs.items():
-        if isinstance(value, (list, tuple, dict)):
-            if any(_is_dynamic(x) for x in jax.tree.leaves(value)):
-                return f".{name}"
-        elif _is_dynamic(value):
-            return f".{name}"
-        elif not isinstance(value, type) and (inner := _held_array(value, depth - 1)) is not None:
-            return f".{name}{inner}"
+    return attrs
+
+
+_VALUE_TYPES = (str, bytes, int, float, complex, bool, type(None), type, np.dtype, range, slice)
+
+
+def _held_array(obj: Any, seen: set[int] | None = None) -> str | None:
+    """The attribute path of a jax/NumPy array held by the plain object ``obj``, or None.
+
+    Followed to any depth, through attributes, ``functools.partial`` and bound
+    methods, and every container (lists, dicts, sets, ``collections.deque``).
+    """
+    seen = set() if seen is None else seen
+    if isinstance(obj, _VALUE_TYPES) or isinstance(obj, types.ModuleType) or id(obj) in seen:
+        return None
+    if isinstance(obj, (types.FunctionType, types.BuiltinFunctionType, type)):
+        return None
+    seen.add(id(obj))
+    if _is_dynamic(obj):  # (a NumPy array of objects, e.g. a Mesh's devices, is no array)
+        return None if isinstance(obj, np.ndarray) and obj.dtype.kind == "O" else ""
+    if isinstance(obj, types.MethodType):
+        inner = _held_array(obj.__self__, seen)
+        return None if inner is None else f".__self__{inner}"
+    if isinstance(obj, functools.partial):
+        items = [(f".args[{i}]", a) for i, a in enumerate(obj.args)]
+        items += [(f".keywords[{k!r}]", a) for k, a in obj.keywords.items()]
+    elif isinstance(obj, Mapping):
+        items = [(f"[{k!r}]", v) for k, v in obj.items()]
+    elif isinstance(obj, Collection) and not isinstance(obj, np.ndarray):
+        items = [(f"[{i}]", v) for i, v in enumerate(obj)]
+    else:
+        items = [(f".{k}", v) for k, v in _attrs(obj).items()]
+    for where, value in items:
+        if (inner := _held_array(value, seen)) is not None:
+            return f"{where}{inner}"
     return None
 
 
-def _arg_name(fn: Any, path: tuple[Any, ...]) -> str:
-    """``path`` (into ``(args, kwargs)``) as the user wrote the argument."""
+def _arg_name(names: list[str], path: tuple[Any, ...]) -> str:
+    """``path`` (into ``(args, kwargs)``) as the user wrote the argument;
+    ``names`` are the positional parameters' names."""
     keys = [getattr(k, "idx", getattr(k, "key", k)) for k in path]
     if not keys:
         return "?"
     rest = "".join(f"[{k!r}]" for k in keys[2:])
     if keys[0] == 1:
         return f"{keys[1]}{rest}"
-    try:
-        params = list(inspect.signature(fn).parameters)
-        return f"{params[keys[1]]}{rest}"
-    except (TypeError, ValueError, IndexError):
-        return f"args[{keys[1]}]{rest}"
+    if keys[1] < len(names):
+        return f"{names[keys[1]]}{rest}"
+    return f"args[{keys[1]}]{rest}"
 
 
 def _fn_name(fn: Any) -> str:
@@ -163,18 +192,65 @@ class _Traced:
         self.plan, self.out_tree, self.ctx = plan, out_tree, ctx
 
 
+class _Shared:
+    """The trace cache of an amp function, shared by the copies JAX makes of it
+    (as a pytree, ``amp(model)`` is rebuilt by ``jax.tree.map``, Equinox and NNX)."""
+
+    __slots__ = ("cache", "lock", "trace_count")
+
+    def __init__(self):
+        self.cache: OrderedDict[Any, _Traced] = OrderedDict()
+        self.lock = threading.Lock()
+        self.trace_count = 0
+
+
+def _apply(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    return fn(*args, **kwargs)
+
+
+@jax.tree_util.register_pytree_with_keys_class
 class AmpFunction:
-    """The callable returned by :func:`amp`; also exposes its trace cache."""
+    """The callable returned by :func:`amp`; also exposes its trace cache.
+
+    A pytree whose one child is ``fn``: ``amp(model)`` of an Equinox or Flax
+    NNX module holds the model's arrays, so ``eqx.filter_grad``,
+    ``nnx.grad`` and ``jax.tree`` functions see them (as with
+    ``eqx.filter_jit(model)``), and each call traces them as arguments.
+    """
 
     def __init__(self, fn: Callable[..., Any], policy: Policy, cache_size: int = _CACHE_SIZE):
         self.fn = fn
         self.policy = policy
         self.cache_size = cache_size
-        self._cache: OrderedDict[Any, _Traced] = OrderedDict()
-        self._lock = threading.Lock()
-        #: number of times ``fn`` was traced (cache misses); for tests/inspection.
-        self.trace_count = 0
-        functools.update_wrapper(self, fn)
+        self._shared = _Shared()
+        self._scopes = (FULL_PRECISION_SCOPE, *policy.full_precision_scopes)
+        # (a pytree fn's __dict__ holds its arrays: not copied, they would go stale)
+        functools.update_wrapper(self, fn, updated=() if _is_tree(fn) else ("__dict__",))
+
+    def tree_flatten_with_keys(self):
+        return ((jax.tree_util.GetAttrKey("fn"), self.fn),), (
+            self.policy,
+            self.cache_size,
+            self._shared,
+        )
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        new = cls.__new__(cls)
+        new.policy, new.cache_size, new._shared = aux
+        new.fn = children[0]
+        new._scopes = (FULL_PRECISION_SCOPE, *new.policy.full_precision_scopes)
+        functools.update_wrapper(new, new.fn, updated=())
+        return new
+
+    @property
+    def _cache(self) -> OrderedDict[Any, _Traced]:
+        return self._shared.cache
+
+    @property
+    def trace_count(self) -> int:
+        """Number of times ``fn`` was traced (cache misses); for tests/inspection."""
+        return self._shared.trace_count
 
     def __repr__(self) -> str:
         return f"amp({getattr(self.fn, '__qualname__', self.fn)!r}, policy={self.policy.compute_dtype.name!r})"
@@ -182,7 +258,7 @@ class AmpFunction:
     def __get__(self, obj, objtype=None):  # behave like a function as a method
         return self if obj is None else functools.partial(self, obj)
 
-    def _check_static(self, args, kwargs, leaves, dyn_mask) -> None:
+    def _check_static(self, args, kwargs, leaves, dyn_mask, names) -> None:
         """Refuses plain (non-pytree) objects that hold arrays: amp would bake
         the arrays into its cached trace, as constants."""
         for (path, leaf), dyn in zip(
@@ -191,7 +267,7 @@ class AmpFunction:
             held = None if dyn else _held_array(leaf)
             if held is None:
                 continue
-            name = _arg_name(self.fn, path)
+            name = _arg_name(names, path)
             kind = type(leaf).__name__
             raise TypeError(
                 f"amp({_fn_name(self.fn)}): argument `{name}` is a {kind} that holds arrays "
@@ -202,33 +278,73 @@ class AmpFunction:
                 "(jax.jit refuses this argument too.)"
             )
 
-    def _trace(self, treedef, leaves, dyn_mask) -> _Traced:
+    def _check_fn(self) -> None:
+        """Refuses a callable that is not a pytree but holds arrays (a bound
+        method of a plain object, a callable class instance)."""
+        fn = self.fn
+        if isinstance(fn, functools.partial):
+            # (arrays bound in a partial are fixed, like a closure's: constants
+            # of the trace, as with jax.jit; objects bound in it are checked)
+            parts = [(f".args[{i}]", a) for i, a in enumerate(fn.args)]
+            parts += [(f".keywords[{k!r}]", a) for k, a in fn.keywords.items()]
+            parts = [(w, a) for w, a in parts if not _is_dynamic(a)]
+        else:
+            parts = [("", fn)]
+        found = [(w, h) for w, a in parts if (h := _held_array(a)) is not None]
+        held = f"{found[0][0]}{found[0][1]}" if found else None
+        if held is not None:
+            kind = type(self.fn).__name__
+            raise TypeError(
+                f"amp({_fn_name(self.fn)}): the function is a {kind} that holds arrays "
+                f"(`fn{held}`) but is not a pytree, so amp would bake them into its cached "
+                "trace and return stale results once they change. Pass a pytree (an "
+                "equinox.Module or Flax NNX Module as amp(model), a registered class), or "
+                "pass the arrays as arguments."
+            )
+
+    def _trace(self, treedef, leaves, dyn_mask, target: Any = None) -> _Traced:
         # Trace a function with the user's name, source line and signature
         # (through __wrapped__), so that JAX's errors name them and the
         # arguments as jax.jit does; static leaves travel as childless pytree
         # nodes, so the jaxpr's invars are the dynamic leaves, in order.
+        target = self.fn if target is None else target
         abstract = [compat.abstractify(x) if d else _Static(x) for x, d in zip(leaves, dyn_mask)]
         t_args, t_kwargs = jax.tree.unflatten(treedef, abstract)
 
         def traced_fn(*args, **kwargs):
             args, kwargs = _unwrap_statics((args, kwargs))
-            return self.fn(*args, **kwargs)
+            return target(*args, **kwargs)
 
         _name_like(traced_fn, self.fn)
+        if target is _apply:  # the model is the first argument: call it `self`
+            sig = _signature(self.fn)
+            if sig is not None:
+                self_param = inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY)
+                traced_fn.__signature__ = sig.replace(
+                    parameters=[self_param, *sig.parameters.values()]
+                )
         closed, out_shape = compat.trace_with_shape_kw(traced_fn, t_args, t_kwargs)
         if len(compat.in_avals(closed)) != sum(dyn_mask):  # pragma: no cover
             raise AssertionError("amp_jax: traced arguments do not match; please report this.")
-        self.trace_count += 1
+        self._shared.trace_count += 1
         out_tree = jax.tree.structure(out_shape)
         ctx = Context(self.policy, jax.default_backend())
         return _Traced(plan(ctx, closed), out_tree, ctx)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if _is_tree(self.fn):  # amp(model): the model's arrays are arguments
+            target, args = _apply, (self.fn, *args)
+            names = ["self", *_param_names(self.fn)]
+            fn_key = None
+        else:
+            target, names = self.fn, _param_names(self.fn)
+            fn_key = self.fn
         leaves, treedef = jax.tree.flatten((args, kwargs))
         dyn_mask = tuple(_is_dynamic(x) for x in leaves)
         key = None
         try:
             key = (
+                _static_key(fn_key),  # (a callable object's attributes: a training flag)
                 treedef,
                 dyn_mask,
                 tuple(
@@ -236,32 +352,56 @@ class AmpFunction:
                     for x, d in zip(leaves, dyn_mask)
                 ),
                 jax.default_backend(),
-                jax.config.jax_enable_x64,
+                # (what makes jax.jit retrace: config contexts, named axes and
+                # their sizes, the mesh; and whether the caller is in a
+                # full_precision scope)
+                compat.trace_context(),
+                scope_in(compat.current_name_stack_str(), self._scopes) is not None,
             )
             hash(key)
         except TypeError:  # an unhashable static leaf: trace every call
             key = None
+        shared = self._shared
         traced = None
         if key is not None:
-            with self._lock:
-                traced = self._cache.get(key)
+            with shared.lock:
+                traced = shared.cache.get(key)
                 if traced is not None:
-                    self._cache.move_to_end(key)
+                    shared.cache.move_to_end(key)
         if traced is None:
-            self._check_static(args, kwargs, leaves, dyn_mask)
-            traced = self._trace(treedef, leaves, dyn_mask)
+            if target is not _apply:
+                self._check_fn()
+            self._check_static(args, kwargs, leaves, dyn_mask, names)
+            traced = self._trace(treedef, leaves, dyn_mask, target)
             # A jaxpr that captured tracers of an enclosing transformation is
             # only valid inside that transformation: don't cache it.
             if key is not None and not any(
                 isinstance(c, compat.Tracer) for c in compat.consts_of(traced.plan.closed)
             ):
-                with self._lock:
-                    self._cache[key] = traced
-                    while len(self._cache) > self.cache_size:
-                        self._cache.popitem(last=False)
+                with shared.lock:
+                    shared.cache[key] = traced
+                    while len(shared.cache) > self.cache_size:
+                        shared.cache.popitem(last=False)
         dyn = [x for x, d in zip(leaves, dyn_mask) if d]
         outs = evaluate(traced.ctx, traced.plan, dyn)
         return jax.tree.unflatten(traced.out_tree, [_as_output(o) for o in outs])
+
+
+def _is_tree(fn: Any) -> bool:
+    """Whether ``fn`` is a pytree with children (an Equinox or NNX module), not a leaf."""
+    return not jax.tree_util.treedef_is_leaf(jax.tree.structure(fn))
+
+
+def _signature(fn: Any) -> inspect.Signature | None:
+    try:
+        return inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+
+
+def _param_names(fn: Any) -> list[str]:
+    sig = _signature(fn)
+    return [] if sig is None else list(sig.parameters)
 
 
 @overload
@@ -302,9 +442,11 @@ def amp(fn=None, *extra, policy="bfloat16", strict=None, cache_size=_CACHE_SIZE)
         pytree, positional or keyword) are traced; other leaves (strings,
         callables, ``None``, Python scalars) are passed through as static
         values, as they would be without ``amp``, and are part of the trace
-        cache key. A plain object (not a pytree) that holds arrays is refused
-        with a ``TypeError``, as ``jax.jit`` refuses it: amp would bake the
-        arrays into its cached trace.
+        cache key (plain objects by identity and attributes). A plain object
+        (not a pytree) that holds arrays is refused with a ``TypeError``, as
+        ``jax.jit`` refuses it: amp would bake the arrays into its cached
+        trace. ``fn`` may itself be a pytree (an Equinox or Flax NNX module):
+        the result is then a pytree over it, and its arrays are traced.
       policy: a :class:`Policy`, a preset name (``"bfloat16"``,
         ``"float16"``, ``"float32"``) or a dtype. ``"float32"`` is the
         identity: bitwise the same results and gradients as ``fn``.
