@@ -77,6 +77,36 @@ class BroadcastRule(EqnRule):
         return color == LOW and tuple(atom.aval.shape) == out_shape
 
 
+class ExpandRule(EqnRule):
+    """Ops whose transpose sums: ``broadcast_in_dim`` and ``tile``
+    (``jnp.tile``, ``jnp.repeat``, ``broadcast_to``, explicit bias
+    broadcasts) and
+    ``gather`` (an embedding lookup: its transpose scatter-adds repeated
+    rows). Painted low, such an op reads its float operand in the operand's
+    own dtype and casts its *result* to the compute dtype, so the backward
+    sum (``reduce_sum``, ``scatter-add``) accumulates in float32, like the
+    implicit broadcasts of :class:`BroadcastRule`."""
+
+    def evaluate(self, ctx: Any, eqn: Any, color: str, cls: str, env: Any) -> list[Any]:
+        if color != LOW or not self.sums_in_transpose(eqn):
+            return super().evaluate(ctx, eqn, color, cls, env)
+        cd = ctx.policy.compute_dtype
+        outs = compat.bind_eqn(eqn, [env.read(v, casting.dtype_of(v)) for v in eqn.invars])
+        return [casting.lower(o, cd) for o in outs]
+
+    @staticmethod
+    def sums_in_transpose(eqn: Any) -> bool:
+        x, out = eqn.invars[0].aval, eqn.outvars[0].aval
+        if not is_managed_float(getattr(x, "dtype", None)):
+            return False
+        if eqn.primitive.name != "gather":
+            return int(np.prod(out.shape)) > int(np.prod(x.shape))
+        return True
+
+    def reads_low(self, ctx: Any, eqn: Any, color: str, cls: str, atom: Any) -> bool:
+        return color == LOW and not self.sums_in_transpose(eqn)
+
+
 class AllowRule(EqnRule):
     """An ``allow`` primitive: painted low, it runs ``fn`` (a :data:`Rule`) on
     its operands as stored; otherwise (kept high, or not in the allow class
@@ -486,3 +516,4 @@ BROADCASTING = frozenset(
 register_eqn_rule(BROADCASTING, BroadcastRule())
 register_eqn_rule("dot_general", DotRule())
 register_eqn_rule("conv_general_dilated", AllowRule(conv_rule))
+register_eqn_rule(("broadcast_in_dim", "tile", "gather"), ExpandRule())
