@@ -7,10 +7,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _util import BF16, F16, eqns
 from flax import nnx
 
 from amp_jax import amp
-from tests._util import BF16, F16, eqns
 
 #: primitives that accumulate many values in the backward pass
 SUMS = ("reduce_sum", "scatter-add", "cumsum")
@@ -106,3 +106,112 @@ def test_flax_nnx_bias_gradients_are_summed_in_float32(dtype):
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
         assert g.dtype == w.dtype
         assert _rel(g, w) < tol
+
+
+# -- item 1: every dot amp emits runs on XLA:CPU --------------------------------
+
+_W = jnp.ones((16, 32)) * 0.1
+_X = jnp.linspace(-1.0, 1.0, 8 * 32).reshape(8, 32)
+
+
+def _matvec_loss(w, x):
+    return jnp.sum(jax.vmap(lambda v: w @ v)(x) ** 2)
+
+
+def _per_example_loss(w, x):
+    return jnp.sum((w @ x) ** 2)
+
+
+def _eqx_mlp_grads():
+    import equinox as eqx
+
+    mlp = eqx.nn.MLP(32, 8, 64, 2, key=jax.random.key(0))  # default activation: relu
+
+    def loss(m, x):
+        return jnp.sum(jax.vmap(m)(x) ** 2)
+
+    return eqx.filter_jit(eqx.filter_grad(amp(loss)))(mlp, _X), eqx.filter_grad(loss)(mlp, _X)
+
+
+REPRODUCTIONS = {
+    "vmapped matvec, jit(grad)": lambda f: jax.jit(jax.grad(f(_matvec_loss)))(_W, _X),
+    "einsum ki,bkj->ibj": lambda f: jax.jit(f(lambda a, c: jnp.einsum("ki,bkj->ibj", a, c)))(
+        _W, jnp.ones((2, 16, 24))
+    ),
+    "per-example grads, eager": lambda f: f(jax.vmap(jax.grad(_per_example_loss), (None, 0)))(
+        _W, _X
+    ),
+    "per-example grads, vmap outside": lambda f: jax.jit(
+        jax.vmap(jax.grad(f(_per_example_loss)), (None, 0))
+    )(_W, _X),
+    "w.T @ x.T": lambda f: jax.jit(
+        jax.grad(f(lambda x, w: jnp.sum(jnp.tanh(w.T @ x.T) ** 2)), (0, 1))
+    )(_X, _W.T),
+    "matvec under vmap of the vector": lambda f: jax.jit(
+        jax.vmap(f(lambda a, b: jnp.einsum("ik,k->i", a, b)), (None, -1))
+    )(_W, _X.T),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REPRODUCTIONS))
+def test_issue_reproductions_run_and_match_float32(name):
+    """Each crashed on XLA:CPU with "Unsupported element type for
+    DotThunk::Execute: BF16 x BF16 = F32" (a transpose folded into the lhs of
+    a bf16 dot after XLA chose its kernel, or a layout amp emitted)."""
+    got = REPRODUCTIONS[name](amp)
+    ref = REPRODUCTIONS[name](lambda f: f)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
+        assert g.dtype == w.dtype
+        np.testing.assert_allclose(g, w, rtol=3e-2, atol=3e-2 * float(jnp.max(jnp.abs(w))))
+
+
+def test_equinox_mlp_with_its_default_activation_trains_under_grad():
+    got, ref = _eqx_mlp_grads()
+    flat = [jnp.concatenate([g.ravel() for g in jax.tree.leaves(t)]) for t in (got, ref)]
+    assert _rel(*flat) < 3e-2
+
+
+_SPECS = ["ji,jk->ik", "ij,kj->ik", "ki,bkj->ibj", "bik,bjk->bji", "kbi,kj->jbi", "jki,jkl->li"]
+_SIZES = dict(i=16, j=24, k=32, l=8, b=4)
+
+
+def _operands(spec):
+    a_s, b_s = spec.split("->")[0].split(",")
+    ka, kb = jax.random.split(jax.random.key(len(spec)))
+    # scaled so that the results are O(1) (tanh does not saturate)
+    n = np.prod([_SIZES[c] for c in a_s if c in b_s and c != "b"]) ** 0.25
+    return (
+        jax.random.normal(ka, [_SIZES[c] for c in a_s]) / n,
+        jax.random.normal(kb, [_SIZES[c] for c in b_s]) / n,
+    )
+
+
+@pytest.mark.parametrize("policy", ["bfloat16", "float16"])
+@pytest.mark.parametrize("spec", _SPECS)
+def test_every_dot_layout_runs_under_jit_grad_and_vmap(spec, policy):
+    """Dot layouts amp emits, and the ones an outer vmap or the transposition
+    makes of them, all run on XLA:CPU and stay close to float32."""
+    a, b = _operands(spec)
+
+    def f(a, b):
+        return jnp.einsum(spec, a, b)
+
+    def loss(a, b):
+        return jnp.sum(jnp.tanh(f(a, b)) ** 2)
+
+    def runs(wrap):
+        fa, la = wrap(f), wrap(loss)
+        return [
+            jax.jit(fa)(a, b),
+            jax.jit(jax.grad(la, (0, 1)))(a, b),
+            jax.jit(jax.vmap(fa, (-1, None)))(jnp.stack([a, -a], -1), b),
+            jax.jit(jax.vmap(jax.grad(la, (0, 1)), (-1, -1)))(
+                jnp.stack([a, a], -1), jnp.stack([b, -b], -1)
+            ),
+        ]
+
+    got = runs(lambda g: amp(g, policy=policy))
+    ref = runs(lambda g: g)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        assert _rel(g, w) < (3e-2 if policy == "bfloat16" else 5e-3)
