@@ -466,16 +466,21 @@ class _Env:
         """
         if isinstance(atom, compat.Literal) or tuple(atom.aval.shape) == tuple(shape):
             return self.read(atom, dtype)
-        val = self.vals[atom]
+        # Broadcast in the operand's own dtype, upcasting a value that its
+        # producer already wrote low (a bias reshaped in bf16), so that the
+        # backward sum accumulates in float32.
+        orig = casting.dtype_of(atom)
+        in_shape = tuple(atom.aval.shape)
         if (
             dtype is None
-            or np.dtype(val.dtype) == dtype
-            or len(shape) != val.ndim
-            or any(a not in (b, 1) for a, b in zip(val.shape, shape))
+            or np.dtype(orig) == dtype
+            or len(shape) != len(in_shape)
+            or any(a not in (b, 1) for a, b in zip(in_shape, shape))
         ):
             return self.read(atom, dtype)
         key = (atom, dtype, tuple(shape))
         if key not in self.casts:
+            val = self.read(atom, orig)
             full = lax.broadcast_in_dim(val, shape, tuple(range(val.ndim)))
             self.casts[key] = lax.convert_element_type(full, dtype)
         return self.casts[key]

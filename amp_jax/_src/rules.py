@@ -77,6 +77,36 @@ class BroadcastRule(EqnRule):
         return color == LOW and tuple(atom.aval.shape) == out_shape
 
 
+class ExpandRule(EqnRule):
+    """Ops whose transpose sums: ``broadcast_in_dim`` and ``tile``
+    (``jnp.tile``, ``jnp.repeat``, ``broadcast_to``, explicit bias
+    broadcasts) and
+    ``gather`` (an embedding lookup: its transpose scatter-adds repeated
+    rows). Painted low, such an op reads its float operand in the operand's
+    own dtype and casts its *result* to the compute dtype, so the backward
+    sum (``reduce_sum``, ``scatter-add``) accumulates in float32, like the
+    implicit broadcasts of :class:`BroadcastRule`."""
+
+    def evaluate(self, ctx: Any, eqn: Any, color: str, cls: str, env: Any) -> list[Any]:
+        if color != LOW or not self.sums_in_transpose(eqn):
+            return super().evaluate(ctx, eqn, color, cls, env)
+        cd = ctx.policy.compute_dtype
+        outs = compat.bind_eqn(eqn, [env.read(v, casting.dtype_of(v)) for v in eqn.invars])
+        return [casting.lower(o, cd) for o in outs]
+
+    @staticmethod
+    def sums_in_transpose(eqn: Any) -> bool:
+        x, out = eqn.invars[0].aval, eqn.outvars[0].aval
+        if not is_managed_float(getattr(x, "dtype", None)):
+            return False
+        if eqn.primitive.name != "gather":
+            return int(np.prod(out.shape)) > int(np.prod(x.shape))
+        return True
+
+    def reads_low(self, ctx: Any, eqn: Any, color: str, cls: str, atom: Any) -> bool:
+        return color == LOW and not self.sums_in_transpose(eqn)
+
+
 class AllowRule(EqnRule):
     """An ``allow`` primitive: painted low, it runs ``fn`` (a :data:`Rule`) on
     its operands as stored; otherwise (kept high, or not in the allow class
@@ -314,6 +344,14 @@ def _dot(
         a_kept = [d for d in range(na) if d not in ca]
         a = materialized_transpose(a, (*a_kept, *ca))
         ca = tuple(range(na - k, na))
+    elif k:
+        # XLA:CPU picks a dot's kernel before its transpose folding runs: a
+        # transpose that reaches the lhs afterwards (JAX's own, from a vmap or
+        # a transposition of the caller's code) leaves a bf16 x bf16 -> f32 dot
+        # that only DotThunk takes, and it has no kernel for it. A lhs that is
+        # the output of a reshape cannot take a transpose in: permute the
+        # contraction (the same order on both sides, the same products).
+        a, b = _permuted_contraction(a, b, ca[-1], cb[-1])
     if cb != tuple(range(k)) and cb != tuple(range(nb - k, nb)):
         b_kept = [d for d in range(nb) if d not in cb]
         b = materialized_transpose(b, (*cb, *b_kept))
@@ -321,6 +359,23 @@ def _dot(
     return lax.dot_general(
         a, b, ((ca, cb), ((), ())), precision=precision, preferred_element_type=acc
     )
+
+
+def _permute_dim(x: Any, dim: int, f: int) -> Any:
+    """``x`` with dimension ``dim`` (of size n) reordered as [f, n/f] -> [n/f, f]:
+    a reshape -> transpose -> reshape copy that XLA cannot remove."""
+    n = x.shape[dim]
+    split = (*x.shape[:dim], n // f, f, *x.shape[dim + 1 :])
+    perm = (*range(dim), dim + 1, dim, *range(dim + 2, x.ndim + 1))
+    return lax.reshape(lax.transpose(lax.reshape(x, split), perm), x.shape)
+
+
+def _permuted_contraction(a: Any, b: Any, da: int, db: int) -> tuple[Any, Any]:
+    """``a`` and ``b`` with their paired contracting dims ``da``, ``db`` permuted alike."""
+    f = _split_factor(a.shape[da])
+    if not f or a.shape[da] // f == 1:
+        return a, b
+    return _permute_dim(a, da, f), _permute_dim(b, db, f)
 
 
 @functools.cache
@@ -335,24 +390,18 @@ def _amp_dot(
     cpu_layouts: bool,
 ) -> Callable:
     (xc, yc), (xb, yb) = dims
-    extra = {} if out_sharding is None else {"out_sharding": out_sharding}
 
     def cast(v: Any) -> Any:
         return casting.lower(v, compute_dtype)
 
     def primal(x, y):
-        return lax.dot_general(
-            cast(x), cast(y), dims, precision=precision, preferred_element_type=acc, **extra
-        )
+        return _dot(cast(x), cast(y), dims, precision, acc, out_sharding, cpu_layouts)
 
     f = jax.custom_vjp(primal)
 
     def fwd(x, y):
         xl, yl = cast(x), cast(y)
-        out = lax.dot_general(
-            xl, yl, dims, precision=precision, preferred_element_type=acc, **extra
-        )
-        return out, (xl, yl)
+        return _dot(xl, yl, dims, precision, acc, out_sharding, cpu_layouts), (xl, yl)
 
     def bwd(res, ct):
         xl, yl = res
@@ -486,3 +535,4 @@ BROADCASTING = frozenset(
 register_eqn_rule(BROADCASTING, BroadcastRule())
 register_eqn_rule("dot_general", DotRule())
 register_eqn_rule("conv_general_dilated", AllowRule(conv_rule))
+register_eqn_rule(("broadcast_in_dim", "tile", "gather"), ExpandRule())

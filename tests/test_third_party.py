@@ -1,0 +1,185 @@
+"""Real third-party code under amp, on CPU, a few training steps each:
+Equinox's MLP (default activation) and MultiheadAttention, a Flax NNX
+attention stack, and optax wrappers around ``amp_jax.optim``. Each is
+compared with float32 and, where precision is involved, with the same model
+cast to bf16 by hand (amp's error within 2x the hand-cast one)."""
+
+from __future__ import annotations
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from _util import BF16, eqns
+from flax import nnx
+
+from amp_jax import amp, optim
+
+STEPS = 5
+
+
+def _hand_bf16(fn):
+    """``fn`` with every float32 array argument cast to bf16 and the result cast back."""
+
+    def cast(t):
+        return jax.tree.map(
+            lambda a: (
+                a.astype(jnp.bfloat16) if isinstance(a, jax.Array) and a.dtype == jnp.float32 else a
+            ),
+            t,
+        )
+
+    def run(*args):
+        return jax.tree.map(lambda o: o.astype(jnp.float32), fn(*cast(args)))
+
+    return run
+
+
+def _train(model_fn, params, x, y, wrap, tx=None):
+    """Losses of STEPS optimizer steps (default SGD) of ``wrap(model_fn)`` on (x, y)."""
+    tx = tx or optax.sgd(0.1)
+    run = wrap(model_fn)
+
+    def loss(p, x, y):
+        return jnp.mean((run(p, x) - y) ** 2)
+
+    @jax.jit
+    def step(p, s, x, y):
+        value, g = jax.value_and_grad(loss)(p, x, y)
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s, value
+
+    state, losses = tx.init(params), []
+    for _ in range(STEPS):
+        params, state, value = step(params, state, x, y)
+        losses.append(float(value))
+    return np.array(losses), params
+
+
+def _compare(model_fn, params, x, y):
+    """amp against float32 and hand-cast bf16: the loss curve and the weights."""
+    ref, p32 = _train(model_fn, params, x, y, lambda f: f)
+    got, pamp = _train(model_fn, params, x, y, amp)
+    hand, phand = _train(model_fn, params, x, y, _hand_bf16)
+    assert got[-1] < got[0], got  # it trains
+    err_amp = np.max(np.abs(got - ref) / np.abs(ref))
+    err_hand = np.max(np.abs(hand - ref) / np.abs(ref))
+    assert err_amp <= 2 * err_hand + 1e-4, (err_amp, err_hand)
+    assert jax.tree.map(lambda a: a.dtype, pamp) == jax.tree.map(lambda a: a.dtype, p32)
+    assert _dist(pamp, p32) <= 2 * _dist(phand, p32) + 1e-6
+
+
+def _dist(a, b):
+    return float(optax.tree_utils.tree_norm(jax.tree.map(jnp.subtract, a, b)))
+
+
+def _assert_runs_low(fn, *args):
+    jaxpr = jax.make_jaxpr(jax.grad(lambda *a: jnp.sum(amp(fn)(*a))))(*args)
+    dots = [e for e, _ in eqns(jaxpr) if e.primitive.name == "dot_general"]
+    assert any(np.dtype(e.invars[0].aval.dtype) == BF16 for e in dots)
+
+
+def test_equinox_mlp_with_its_default_activation():
+    """``eqx.nn.MLP``'s default ``relu`` crashed XLA:CPU under ``grad`` (issue 25)."""
+    mlp = eqx.nn.MLP(16, 4, 64, 2, key=jax.random.key(0))
+    params, static = eqx.partition(mlp, eqx.is_array)
+    x = jax.random.normal(jax.random.key(1), (32, 16))
+    y = jnp.sin(x[:, :4])
+
+    def model(p, x):
+        return jax.vmap(eqx.combine(p, static))(x)
+
+    _compare(model, params, x, y)
+    _assert_runs_low(model, params, x)
+
+
+def test_equinox_multihead_attention_stack():
+    keys = jax.random.split(jax.random.key(2), 3)
+    layers = (
+        eqx.nn.MultiheadAttention(num_heads=2, query_size=16, key=keys[0]),
+        eqx.nn.Linear(16, 16, key=keys[1]),
+        eqx.nn.MultiheadAttention(num_heads=2, query_size=16, key=keys[2]),
+    )
+    params, static = eqx.partition(layers, eqx.is_array)
+    x = jax.random.normal(jax.random.key(3), (4, 8, 16))
+    y = jnp.tanh(x[..., ::-1])
+
+    def model(p, x):
+        att1, lin, att2 = eqx.combine(p, static)
+
+        def one(s):
+            h = s + att1(s, s, s)
+            h = h + jax.vmap(lambda t: jax.nn.gelu(lin(t)))(h)
+            return h + att2(h, h, h)
+
+        return jax.vmap(one)(x)
+
+    _compare(model, params, x, y)
+    _assert_runs_low(model, params, x)
+
+
+class _NnxBlock(nnx.Module):
+    def __init__(self, rngs):
+        self.att = nnx.MultiHeadAttention(
+            num_heads=2, in_features=16, qkv_features=16, decode=False, rngs=rngs
+        )
+        self.norm = nnx.LayerNorm(16, rngs=rngs)
+        self.mlp = nnx.Linear(16, 16, rngs=rngs)
+
+    def __call__(self, x):
+        h = x + self.att(self.norm(x))
+        return h + self.mlp(jax.nn.gelu(h))
+
+
+def test_flax_nnx_attention_stack():
+    blocks = nnx.Sequential(_NnxBlock(nnx.Rngs(0)), _NnxBlock(nnx.Rngs(1)))
+    graphdef, params = nnx.split(blocks)
+    x = jax.random.normal(jax.random.key(4), (4, 8, 16))
+    y = jnp.tanh(x[..., ::-1])
+
+    def model(p, x):
+        return nnx.merge(graphdef, p)(x)
+
+    _compare(model, params, x, y)
+    _assert_runs_low(model, params, x)
+
+
+# -- optax wrappers around amp_jax.optim -----------------------------------------
+
+WRAPPERS = {
+    "apply_if_finite": lambda make: optax.apply_if_finite(make(1e-2), 3),
+    "MultiSteps": lambda make: optax.MultiSteps(make(1e-2), 2),
+    "inject_hyperparams": lambda make: optax.inject_hyperparams(make)(learning_rate=1e-2),
+    "masked": lambda make: optax.chain(
+        optax.masked(make(1e-2), {"w1": True, "w2": False}),
+        optax.masked(optax.sgd(1e-2), {"w1": False, "w2": True}),
+    ),
+}
+
+
+def _mlp(p, x):
+    return jnp.tanh(x @ p["w1"]) @ p["w2"]
+
+
+@pytest.mark.parametrize("name", sorted(WRAPPERS))
+def test_optax_wrappers_around_amp_optim(name):
+    """With float32 parameters ``optim.adamw`` computes optax's AdamW, so the
+    wrapped amp optimizer follows the wrapped optax one's trajectory; the
+    model runs under amp and stays close to float32."""
+    k1, k2, k3 = jax.random.split(jax.random.key(5), 3)
+    params = {
+        "w1": jax.random.normal(k1, (16, 32)) / 4,
+        "w2": jax.random.normal(k2, (32, 4)) / 4,
+    }
+    x = jax.random.normal(k3, (64, 16))
+    y = jnp.sin(x[:, :4])
+    got, p_amp = _train(_mlp, params, x, y, amp, WRAPPERS[name](optim.adamw))
+    same, p_optax = _train(_mlp, params, x, y, amp, WRAPPERS[name](optax.adamw))
+    np.testing.assert_allclose(got, same, rtol=1e-3)
+    assert _dist(p_amp, p_optax) < 1e-3 * float(optax.tree_utils.tree_norm(p_optax))
+    ref, _ = _train(_mlp, params, x, y, lambda f: f, WRAPPERS[name](optax.adamw))
+    np.testing.assert_allclose(got, ref, rtol=2e-2)
+    if name != "MultiSteps":  # (MultiSteps applies every other step)
+        assert got[-1] < got[0]
