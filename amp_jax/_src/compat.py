@@ -344,6 +344,20 @@ def jaxpr_as_fun(cj: Any) -> Callable[..., list[Any]]:
     return jex_core.jaxpr_as_fun(cj)
 
 
+def partitioned_by_mesh() -> bool:
+    """Whether the caller is traced for a mesh of several devices that jit
+    partitions (``jax.set_mesh`` with an Auto or Explicit axis of size > 1;
+    inside ``shard_map`` the axes are Manual and the arrays local)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return False
+    manual = jax.sharding.AxisType.Manual
+    return any(
+        mesh.shape[name] > 1 and kind != manual
+        for name, kind in zip(mesh.axis_names, mesh.axis_types)
+    )
+
+
 def scan_params_with_body(eqn: Any, body: Any) -> dict[str, Any]:
     """``eqn``'s params with the body jaxpr replaced (its input types may differ)."""
     return dict(eqn.params, jaxpr=body)

@@ -351,7 +351,10 @@ def _dot(
         # that only DotThunk takes, and it has no kernel for it. A lhs that is
         # the output of a reshape cannot take a transpose in: permute the
         # contraction (the same order on both sides, the same products).
-        a, b = _permuted_contraction(a, b, ca[-1], cb[-1])
+        # (not under a mesh that partitions the step: the permutation would move
+        # sharded contracting dims across devices)
+        if not compat.partitioned_by_mesh():
+            a, b = _permuted_contraction(a, b, ca[-1], cb[-1])
     if cb != tuple(range(k)) and cb != tuple(range(nb - k, nb)):
         b_kept = [d for d in range(nb) if d not in cb]
         b = materialized_transpose(b, (*cb, *b_kept))

@@ -142,18 +142,8 @@ def _update_rows(stacks: Any, update: Callable[[Any], Any], i: Any, after: list[
     return jax.tree.unflatten(treedef, out)
 
 
-def _partitioned_by_mesh() -> bool:
-    """Whether the step is being traced for a mesh of several devices that
-    jit partitions (``jax.set_mesh`` with an Auto or Explicit axis of size > 1;
-    inside ``shard_map`` the axes are Manual and the arrays local)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return False
-    manual = jax.sharding.AxisType.Manual
-    return any(
-        mesh.shape[name] > 1 and kind != manual
-        for name, kind in zip(mesh.axis_names, mesh.axis_types)
-    )
+#: (a name of its own: tests/mutants.py replaces it)
+_partitioned_by_mesh = compat.partitioned_by_mesh
 
 
 def _abstract(tree: Any) -> Any:
