@@ -117,9 +117,14 @@ def test_explain_says_why_a_dot_is_not_float8():
     args = (_rand((8, 64), 0), _rand((64, 64), 1), _rand((2, 64, 64), 2), _rand((2, 64, 64), 3))
     ex = amp_jax.explain(f, *args, policy="float8")
     reasons = sorted(r.reason for r in ex.rows if r.primitive == "dot_general")
-    assert len(reasons) == 2 and all("not float8" in r for r in reasons), reasons
-    assert any("batched dot" in r for r in reasons), reasons
-    assert any("float8_min_flops" in r for r in reasons), reasons
+    assert len(reasons) == 2, reasons
+    (small,) = [r for r in reasons if "float8_min_flops" in r]
+    (batched,) = [r for r in reasons if r != small]
+    assert "not float8" in small
+    if jax.default_backend() == "cpu":  # no bf16 kernel for batched dots there
+        assert "runs in float32" in batched, batched
+    else:
+        assert "not float8" in batched and "batched dot" in batched, batched
 
 
 def test_short_contraction_stays_bf16():
