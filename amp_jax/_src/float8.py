@@ -272,22 +272,15 @@ def _fp8_dot(
         s = scale_of(v, dtype, axes(reduce_axes))
         return quantize(v, dtype, s), s
 
-    def forward(x, y):
-        # rowwise: one scale per row of the non-contracted dims (amax over the contraction)
-        return qdq(x, FWD_DTYPE, xc), qdq(y, FWD_DTYPE, yc)
-
     def product(x, y):
-        """The forward product and the fp8 operands with their scales."""
+        """The forward product and the fp8 operands with their scales (rowwise:
+        one scale per row of the non-contracted dims, amax over the contraction)."""
+        (qx, sx), (qy, sy) = quantized(x, FWD_DTYPE, xc), quantized(y, FWD_DTYPE, yc)
         if native:
-            (qx, sx), (qy, sy) = quantized(x, FWD_DTYPE, xc), quantized(y, FWD_DTYPE, yc)
-            return _native_dot(qx, sx, qy, sy, dims, acc, extra, rowwise), (qx, sx, qy, sy)
-        if rowwise:
-            xd, yd = forward(x, y)
-            return lax.dot_general(xd, yd, dims, preferred_element_type=acc, **extra), None
-        sx, sy = scale_of(x, FWD_DTYPE), scale_of(y, FWD_DTYPE)
-        qx, qy = quantize(x, FWD_DTYPE, sx), quantize(y, FWD_DTYPE, sy)
-        xd, yd = dequantize(qx, sx), dequantize(qy, sy)
-        out = lax.dot_general(xd, yd, dims, preferred_element_type=acc, **extra)
+            out = _native_dot(qx, sx, qy, sy, dims, acc, extra, rowwise)
+        else:
+            xd, yd = dequantize(qx, sx), dequantize(qy, sy)
+            out = lax.dot_general(xd, yd, dims, preferred_element_type=acc, **extra)
         return out, (qx, sx, qy, sy)
 
     def primal(x, y):
