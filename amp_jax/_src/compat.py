@@ -231,7 +231,7 @@ def map_subjaxprs(
     eqn: Any,
     rewrite_closed: Callable[[Any], Any],
     rewrite_jvp_rule: Callable[[Any], Any] | None = None,
-    run_bwd: Callable[[Any, Callable[..., Any], Sequence[Any]], list[Any]] | None = None,
+    run_bwd: Callable[[Any, Callable[..., Any], Sequence[Any]], Any] | None = None,
 ) -> dict[str, Any]:
     """New params for ``eqn`` with every sub-jaxpr rewritten by ``rewrite_closed``.
 
@@ -243,7 +243,8 @@ def map_subjaxprs(
     rule's jaxpr is rewritten by ``rewrite_jvp_rule`` (it gets transposed by
     JAX, so it must not contain ``custom_vjp`` calls). The user's backward
     rule of a ``custom_vjp_call`` is run through ``run_bwd(key, bwd, args)``
-    (``bwd(*residuals, *cotangents)`` returns the input cotangents), so that
+    (``bwd(*residuals, *cotangents)`` returns the input cotangents; from JAX
+    0.11 the pair (cotangents, logs)), so that
     a rule that recomputes the forward sees the forward's policy.
     """
     name = eqn.primitive.name

@@ -717,7 +717,7 @@ def _custom_jvp_low(ctx: Context, eqn: Any, low_avals: Sequence[Any]) -> dict[st
     return compat.custom_jvp_params(eqn, new_call, compat.memoized_fun(jvp_jaxpr, rule_fun))
 
 
-def _run_bwd(ctx: Context, key: Any, bwd: Any, args: Sequence[Any]) -> list[Any]:
+def _run_bwd(ctx: Context, key: Any, bwd: Any, args: Sequence[Any]) -> Any:
     """A ``custom_vjp`` backward rule ``bwd(*args)`` run under ``ctx``'s policy.
 
     A rule that recomputes primal values (diffrax's checkpointed adjoint
@@ -731,17 +731,19 @@ def _run_bwd(ctx: Context, key: Any, bwd: Any, args: Sequence[Any]) -> list[Any]
     others = tuple((i, a) for i, (a, v) in enumerate(zip(args, is_val)) if not v)
     avals = tuple(compat.aval_of(a) for a in vals)
 
-    def make() -> tuple[Plan, dict[int, Any], int]:
+    def make() -> tuple[Plan, dict[int, Any], Any]:
+        # The rule's output is a pytree (the cotangents; from JAX 0.11 the
+        # pair (cotangents, logs)) whose non-array leaves are symbolic zeros.
         zeros: dict[int, Any] = {}
-        n_out: list[int] = []
+        tree: list[Any] = []
 
         def traced(*xs):
             it = iter(xs)
             full = [a if not v else next(it) for a, v in zip(args, is_val)]
-            outs = list(bwd(*full))
-            n_out.append(len(outs))
+            leaves, treedef = jax.tree_util.tree_flatten(bwd(*full))
+            tree.append(treedef)
             arrays = []
-            for i, o in enumerate(outs):
+            for i, o in enumerate(leaves):
                 if isinstance(o, (jax.Array, compat.Tracer)):
                     arrays.append(o)
                 else:
@@ -749,12 +751,13 @@ def _run_bwd(ctx: Context, key: Any, bwd: Any, args: Sequence[Any]) -> list[Any]
             return arrays
 
         closed = compat.trace_to_closed_jaxpr(traced, avals)
-        return plan(ctx, closed), zeros, n_out[0]
+        return plan(ctx, closed), zeros, tree[0]
 
     zkey = tuple((i, type(a).__name__, str(getattr(a, "aval", ""))) for i, a in others)
-    plan_, zeros, n = ctx.cached(("bwd", avals, zkey), key, make)
+    plan_, zeros, treedef = ctx.cached(("bwd", avals, zkey), key, make)
     outs = iter(evaluate(ctx, plan_, vals))
-    return [zeros[i] if i in zeros else next(outs) for i in range(n)]
+    leaves = [zeros[i] if i in zeros else next(outs) for i in range(treedef.num_leaves)]
+    return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
 def _shard_map_fn(ctx: Context, eqn: Any) -> Any:

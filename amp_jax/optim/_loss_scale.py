@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import gc
 import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -102,6 +103,9 @@ def _check_scaled(scale: Any, caller: str) -> None:
         return
     # ``update`` inside a cond/scan/shard_map of the step gets a new tracer:
     # accept while a scale tracer read by the step being traced is alive
+    # (collected first: a finished trace's tracers can linger in reference
+    # cycles, and JAX 0.12 makes more of them)
+    gc.collect()
     if any(isinstance(r(), jax.core.Tracer) for r in list(_SCALES_READ.values())):
         return
     raise ValueError(
