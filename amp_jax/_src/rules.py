@@ -26,8 +26,9 @@ from typing import Any
 import jax
 import numpy as np
 from jax import lax
+from jax.custom_derivatives import SymbolicZero
 
-from amp_jax._src import casting, compat
+from amp_jax._src import casting, compat, lowdot
 from amp_jax._src.painting import LOW
 from amp_jax._src.policy import HIGH_DTYPE, is_managed_float
 
@@ -400,24 +401,34 @@ def _amp_dot(
     def primal(x, y):
         return _dot(cast(x), cast(y), dims, precision, acc, out_sharding, cpu_layouts)
 
-    f = jax.custom_vjp(primal)
+    # A custom JVP (not VJP) rule, so forward mode works too: the tangent
+    # products are lowdot's linear dots, whose transpose rule writes the
+    # cotangent products amp wants (see amp_jax._src.lowdot).
+    f = jax.custom_jvp(primal)
+    lin = dict(
+        dimension_numbers=dims,
+        precision=precision,
+        acc=acc,
+        compute_dtype=compute_dtype,
+        cpu_layouts=cpu_layouts,
+    )
 
-    def fwd(x, y):
+    def jvp(primals, tangents):
+        x, y = primals
+        tx, ty = tangents
         xl, yl = cast(x), cast(y)
-        return _dot(xl, yl, dims, precision, acc, out_sharding, cpu_layouts), (xl, yl)
+        out = _dot(xl, yl, dims, precision, acc, out_sharding, cpu_layouts)
+        # (symbolic zeros: no product for an operand that is not differentiated)
+        parts = [
+            lowdot.linear_dot(t, o, t_is_lhs=is_lhs, **lin)
+            for t, o, is_lhs in ((tx, yl, True), (ty, xl, False))
+            if not isinstance(t, SymbolicZero)
+        ]
+        if not parts:
+            return out, SymbolicZero(jax.typeof(out) if hasattr(jax, "typeof") else out)
+        return out, functools.reduce(lambda a, b: a + b, parts)
 
-    def bwd(res, ct):
-        xl, yl = res
-        ctl = casting.lower(ct, compute_dtype)
-        dx = _dot_transpose(
-            ctl, yl, xl.ndim, xc, xb, yc, yb, yl.ndim, True, precision, acc, xl, cpu_layouts
-        )
-        dy = _dot_transpose(
-            ctl, xl, yl.ndim, yc, yb, xc, xb, xl.ndim, False, precision, acc, yl, cpu_layouts
-        )
-        return dx.astype(x_dtype), dy.astype(y_dtype)
-
-    f.defvjp(fwd, bwd)
+    f.defjvp(jvp, symbolic_zeros=True)
     return f
 
 

@@ -1,0 +1,179 @@
+"""The tangent product of a lowered ``dot_general``, with the transpose amp wants.
+
+A lowered dot ``dot(cast(x), cast(y))`` gets a ``jax.custom_jvp`` (in
+``rules``) whose tangent is ``P(tx, yl) + P(ty, xl)``: ``P(t, o)`` is
+:data:`linear_dot_p`, the dot of ``cast(t)`` with the already low ``o``,
+linear in ``t`` (and in ``o``). Because a JVP rule is all JAX needs,
+forward mode (``jax.jvp``, ``jacfwd``, ``linearize``, Hessian-vector
+products) works; because ``P`` has its own transpose rule, the cotangent
+products of ``jax.grad`` are what amp's ``custom_vjp`` used to write: the
+cotangent rounded to the compute dtype, multiplied with the low operand in
+the backend's fast layouts, accumulated in float32. (JAX's own transpose of
+a plain dot would multiply a float32 cotangent with a bf16 operand: a mixed,
+slow, float32 product.) The transpose, batching and lowering rules all
+write ordinary ``dot_general``s; ``P`` itself only appears in jaxprs of
+forward-mode code.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import numpy as np
+from jax.extend.core import Primitive
+from jax.extend.core.primitives import dot_general_p
+from jax.interpreters import ad, batching, mlir
+
+from amp_jax._src import casting
+
+linear_dot_p = Primitive("amp_linear_dot")
+
+
+def linear_dot(t: Any, o: Any, *, t_is_lhs: bool, **params: Any) -> Any:
+    """``dot(cast(t), o)`` (``dot(o, cast(t))`` when not ``t_is_lhs``), ``o`` low.
+
+    ``params``: ``dimension_numbers`` (the dot's dimension numbers, lhs first),
+    ``precision``, ``acc`` (the result dtype), ``compute_dtype``,
+    ``cpu_layouts`` (see ``rules._dot``).
+    """
+    return linear_dot_p.bind(t, o, t_is_lhs=t_is_lhs, **params)
+
+
+def _impl(t, o, *, t_is_lhs, dimension_numbers, precision, acc, compute_dtype, cpu_layouts):
+    from amp_jax._src import rules  # (rules imports this module)
+
+    tl = casting.lower(t, compute_dtype)
+    a, b = (tl, o) if t_is_lhs else (o, tl)
+    return rules._dot(a, b, dimension_numbers, precision, acc, None, cpu_layouts)
+
+
+def _abstract_eval(t, o, *, t_is_lhs, dimension_numbers, precision, acc, compute_dtype, **_):
+    # (the plain dot's own rule: shapes, shardings, shard_map's varying axes)
+    tl = t.update(dtype=np.dtype(compute_dtype), weak_type=False)
+    a, b = (tl, o) if t_is_lhs else (o, tl)
+    out, _effects = dot_general_p.abstract_eval(
+        a,
+        b,
+        dimension_numbers=dimension_numbers,
+        precision=precision,
+        preferred_element_type=acc,
+        out_sharding=None,
+    )
+    return out
+
+
+def _jvp(primals, tangents, **params):
+    t, o = primals
+    dt, do = tangents
+    out = linear_dot(t, o, **params)
+    parts = []
+    if type(dt) is not ad.Zero:
+        parts.append(linear_dot(dt, o, **params))
+    if type(do) is not ad.Zero:
+        parts.append(linear_dot(t, do, **params))
+    if not parts:
+        return out, ad.Zero.from_primal_value(out)
+    return out, functools.reduce(lambda a, b: a + b, parts)
+
+
+def _transpose(
+    ct, t, o, *, t_is_lhs, dimension_numbers, precision, acc, compute_dtype, cpu_layouts
+):
+    from amp_jax._src import rules
+
+    (lc, rc), (lb, rb) = dimension_numbers
+    if type(ct) is ad.Zero:
+        return [None, None]
+    ctl = casting.lower(ct, compute_dtype)
+    undefined_t = ad.is_undefined_primal(t)
+    t_aval = t.aval if undefined_t else t
+    o_aval = o.aval if ad.is_undefined_primal(o) else o
+    known_t = None if undefined_t else casting.lower(t, compute_dtype)
+    known_o = None if ad.is_undefined_primal(o) else o
+    lhs, rhs = (known_t, known_o) if t_is_lhs else (known_o, known_t)
+    lhs_aval, rhs_aval = (t_aval, o_aval) if t_is_lhs else (o_aval, t_aval)
+
+    def d_lhs():
+        return rules._dot_transpose(
+            ctl,
+            rhs,
+            lhs_aval.ndim,
+            lc,
+            lb,
+            rc,
+            rb,
+            rhs.ndim,
+            True,
+            precision,
+            acc,
+            None,
+            cpu_layouts,
+        )
+
+    def d_rhs():
+        return rules._dot_transpose(
+            ctl,
+            lhs,
+            rhs_aval.ndim,
+            rc,
+            rb,
+            lc,
+            lb,
+            lhs.ndim,
+            False,
+            precision,
+            acc,
+            None,
+            cpu_layouts,
+        )
+
+    if t_is_lhs:
+        ct_t = d_lhs() if undefined_t else None
+        ct_o = d_rhs() if ad.is_undefined_primal(o) else None
+    else:
+        ct_t = d_rhs() if undefined_t else None
+        ct_o = d_lhs() if ad.is_undefined_primal(o) else None
+    return [
+        None if ct_t is None else ct_t.astype(t_aval.dtype),
+        None if ct_o is None else ct_o.astype(o_aval.dtype),
+    ]
+
+
+def _batch(args, bdims, *, t_is_lhs, dimension_numbers, **params):
+    """vmap: a batch dim on both operands becomes a dot batch dim; on one
+    operand, a kept dim of it (no broadcast of the other operand)."""
+    t, o = args
+    bt, bo = bdims
+    lhs, rhs = (t, o) if t_is_lhs else (o, t)
+    bl, br = (bt, bo) if t_is_lhs else (bo, bt)
+    (lc, rc), (lb, rb) = dimension_numbers
+
+    def front(x, b):
+        return x if b is None else jax.numpy.moveaxis(x, b, 0)
+
+    def shift(ds, b):
+        return tuple(d + (b is not None) for d in ds)
+
+    lhs, rhs = front(lhs, bl), front(rhs, br)
+    lc, lb, rc, rb = shift(lc, bl), shift(lb, bl), shift(rc, br), shift(rb, br)
+    if bl is not None and br is not None:
+        new_dims = ((lc, rc), ((0, *lb), (0, *rb)))
+        out_dim = 0
+    elif bl is not None:  # the first kept dim of the lhs
+        new_dims = ((lc, rc), (lb, rb))
+        out_dim = len(lb)
+    else:  # the first kept dim of the rhs
+        new_dims = ((lc, rc), (lb, rb))
+        out_dim = len(lb) + (lhs.ndim - len(lc) - len(lb))
+    t, o = (lhs, rhs) if t_is_lhs else (rhs, lhs)
+    return linear_dot(t, o, t_is_lhs=t_is_lhs, dimension_numbers=new_dims, **params), out_dim
+
+
+linear_dot_p.def_impl(_impl)
+linear_dot_p.def_abstract_eval(_abstract_eval)
+ad.primitive_jvps[linear_dot_p] = _jvp
+ad.primitive_transposes[linear_dot_p] = _transpose
+batching.primitive_batchers[linear_dot_p] = _batch
+mlir.register_lowering(linear_dot_p, mlir.lower_fun(_impl, multiple_results=False))
