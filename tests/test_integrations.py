@@ -202,7 +202,9 @@ def test_flax_nnx_optimizer_loss_scaling():
     _, params, rest = nnx.split(model, nnx.Param, ...)
     jaxpr = jax.make_jaxpr(jax.grad(loss_fn))(params, rest, x, y)
     dots = prim_dtypes(jaxpr, "dot_general")
-    assert len(dots) >= 6 and all(ins == (F16, F16) for ins, _, _ in dots), dots
+    # two forward, two weight gradients, the first layer's input gradient only
+    # where x is differentiated (it is not: no product for it)
+    assert len(dots) >= 5 and all(ins == (F16, F16) for ins, _, _ in dots), dots
 
 
 # --- Equinox: filtered transformations, modules as arguments --------------------

@@ -445,7 +445,8 @@ def source_line(eqn: Any) -> str:
 
 
 def explicit_sharding_in_order(x: Any, order: Sequence[int]) -> Any:
-    """``x``'s explicit-mode sharding with its dims taken in ``order``, or None.
+    """``x``'s (an array's or an aval's) explicit-mode sharding with its dims
+    taken in ``order``, or None.
 
     For a dot that produces an operand's cotangent with its axes in ``order``
     (then transposed back), as JAX's own dot_general transpose rule does: in
@@ -454,7 +455,8 @@ def explicit_sharding_in_order(x: Any, order: Sequence[int]) -> Any:
     None unless ``x``'s mesh has an explicit axis (auto, manual or
     single-device): the dot then derives its output sharding as before.
     """
-    s = getattr(jax.typeof(x), "sharding", None)
+    aval = x if isinstance(x, jax.core.ShapedArray) else jax.typeof(x)
+    s = getattr(aval, "sharding", None)
     spec = getattr(s, "spec", None)
     types = getattr(getattr(s, "mesh", None), "axis_types", None) or ()
     if spec is None or jax.sharding.AxisType.Explicit not in tuple(types):

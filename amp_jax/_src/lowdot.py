@@ -35,21 +35,26 @@ def linear_dot(t: Any, o: Any, *, t_is_lhs: bool, **params: Any) -> Any:
     """``dot(cast(t), o)`` (``dot(o, cast(t))`` when not ``t_is_lhs``), ``o`` low.
 
     ``params``: ``dimension_numbers`` (the dot's dimension numbers, lhs first),
-    ``precision``, ``acc`` (the result dtype), ``compute_dtype``,
+    ``precision``, ``acc`` (the result dtype), ``out_sharding`` (the dot's),
+    ``compute_dtype``,
     ``cpu_layouts`` (see ``rules._dot``).
     """
     return linear_dot_p.bind(t, o, t_is_lhs=t_is_lhs, **params)
 
 
-def _impl(t, o, *, t_is_lhs, dimension_numbers, precision, acc, compute_dtype, cpu_layouts):
+def _impl(
+    t, o, *, t_is_lhs, dimension_numbers, precision, acc, out_sharding, compute_dtype, cpu_layouts
+):
     from amp_jax._src import rules  # (rules imports this module)
 
     tl = casting.lower(t, compute_dtype)
     a, b = (tl, o) if t_is_lhs else (o, tl)
-    return rules._dot(a, b, dimension_numbers, precision, acc, None, cpu_layouts)
+    return rules._dot(a, b, dimension_numbers, precision, acc, out_sharding, cpu_layouts)
 
 
-def _abstract_eval(t, o, *, t_is_lhs, dimension_numbers, precision, acc, compute_dtype, **_):
+def _abstract_eval(
+    t, o, *, t_is_lhs, dimension_numbers, precision, acc, out_sharding, compute_dtype, **_
+):
     # (the plain dot's own rule: shapes, shardings, shard_map's varying axes)
     tl = t.update(dtype=np.dtype(compute_dtype), weak_type=False)
     a, b = (tl, o) if t_is_lhs else (o, tl)
@@ -59,7 +64,7 @@ def _abstract_eval(t, o, *, t_is_lhs, dimension_numbers, precision, acc, compute
         dimension_numbers=dimension_numbers,
         precision=precision,
         preferred_element_type=acc,
-        out_sharding=None,
+        out_sharding=out_sharding,
     )
     return out
 
@@ -79,7 +84,7 @@ def _jvp(primals, tangents, **params):
 
 
 def _transpose(
-    ct, t, o, *, t_is_lhs, dimension_numbers, precision, acc, compute_dtype, cpu_layouts
+    ct, t, o, *, t_is_lhs, dimension_numbers, precision, acc, compute_dtype, cpu_layouts, **_
 ):
     from amp_jax._src import rules
 
@@ -108,7 +113,7 @@ def _transpose(
             True,
             precision,
             acc,
-            None,
+            lhs_aval,
             cpu_layouts,
         )
 
@@ -125,7 +130,7 @@ def _transpose(
             False,
             precision,
             acc,
-            None,
+            rhs_aval,
             cpu_layouts,
         )
 
@@ -168,6 +173,7 @@ def _batch(args, bdims, *, t_is_lhs, dimension_numbers, **params):
         new_dims = ((lc, rc), (lb, rb))
         out_dim = len(lb) + (lhs.ndim - len(lc) - len(lb))
     t, o = (lhs, rhs) if t_is_lhs else (rhs, lhs)
+    params["out_sharding"] = None  # (of the unbatched result; derived again)
     return linear_dot(t, o, t_is_lhs=t_is_lhs, dimension_numbers=new_dims, **params), out_dim
 
 

@@ -409,6 +409,7 @@ def _amp_dot(
         dimension_numbers=dims,
         precision=precision,
         acc=acc,
+        out_sharding=out_sharding,
         compute_dtype=compute_dtype,
         cpu_layouts=cpu_layouts,
     )
