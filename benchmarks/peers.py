@@ -408,7 +408,7 @@ def bench(model: Model, which: tuple[str, ...], rounds: int, steps: int) -> dict
             print(f"# {model.name}/{v}: {res[v]['error']}", flush=True)
     times: dict[str, list[float]] = {v: [] for v in compiled}
     for _ in range(2):
-        for v, (c, p) in compiled.items():
+        for c, p in compiled.values():
             jax.block_until_ready(c(p, *model.batch))
     for _ in range(rounds):
         for v, (c, p) in compiled.items():
