@@ -30,10 +30,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import functools
 import os
-import platform
 import re
 import statistics
 import sys
@@ -48,6 +46,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from amp_jax import amp  # noqa: E402
 
@@ -329,7 +328,6 @@ def keras_gpt2() -> Model:
     lm16.set_weights(lm32.get_weights())
     params16 = [v.value for v in lm16.trainable_variables]
     tokens = jax.random.randint(jax.random.key(1), (b, seq + 1), 0, vocab)
-    why = "Keras layers cast their inputs back to the layer's float32 compute dtype"
     return Model(
         "keras_gpt2",
         f"keras_hub `GPT2CausalLM` through `stateless_call`: {layers} layers, d={d}, "
@@ -339,7 +337,6 @@ def keras_gpt2() -> Model:
         (tokens[:, :-1], tokens[:, 1:]),
         lr=0.1,
         own={"keras_mixed": (loss16, params16)},
-        skip={"hand": why, "jmp": why},
     )
 
 
@@ -438,24 +435,16 @@ def _versions() -> str:
 
 
 def machine() -> list[str]:
-    cpu, flags = "unknown", ""
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name") and cpu == "unknown":
-                    cpu = line.split(":", 1)[1].strip()
-                if line.startswith("flags") and not flags:
-                    fl = line.split(":", 1)[1].split()
-                    flags = " ".join(f for f in fl if f.startswith("amx") or f == "avx512_bf16")
-    except OSError:
-        pass
-    load = os.getloadavg() if hasattr(os, "getloadavg") else ("?",) * 3
+    """benchmarks/run.py's machine lines (cpu, bf16 flags, load), with the peers' versions."""
+    import run
+
+    m = run.machine()
     return [
-        f"- cpu: {cpu}, {os.cpu_count()} cores; bf16 flags: {flags or 'none'}",
-        f"- backend: {jax.default_backend()}; python {platform.python_version()}",
+        f"- cpu: {m['cpu']}, {m['cores (os.cpu_count)']} cores; bf16 flags: {m['bf16 flags']}",
+        f"- backend: {m['backend']}; python {m['python']}",
         f"- versions: {_versions()}",
-        f"- date: {datetime.datetime.now():%Y-%m-%d %H:%M}; load average at the end "
-        f"(1/5/15 min): {', '.join(f'{x:.2f}' for x in load)}",
+        f"- date: {m['date']}; load average at the end (1/5/15 min): "
+        f"{m['load average (1/5/15 min)']}",
     ]
 
 
