@@ -135,10 +135,11 @@ class DotRule(AllowRule):
     layouts each backend runs fast; batched dots stay float32 on XLA:CPU.
 
     On XLA:CPU a dot contracts the operand of a ``transpose`` that feeds it
-    (``x @ W.T`` with ``W`` stored (out, in), ``jnp.einsum`` spellings):
-    XLA:CPU folds such a transpose into a bf16 dot after choosing its kernel
-    and then runs the dot in float32 (benchmarks/RESULTS.md, layouts), and
-    the weight gradient comes out in ``W``'s own layout, not transposed.
+    (``x @ W.T`` with ``W`` stored (out, in), ``jnp.einsum`` spellings), so
+    that the weight gradient comes out in ``W``'s own layout. Otherwise the
+    gradient is computed (in, out) and transposed back in float32, and the
+    transposed weight is copied every step (left to XLA:CPU, the transpose is
+    folded into the bf16 dot, which then runs in float32; benchmarks/peers.py).
     """
 
     def evaluate(self, ctx: Any, eqn: Any, color: str, cls: str, env: Any) -> list[Any]:
@@ -467,9 +468,10 @@ def _through_transposes(eqn: Any, env: Any, compute_dtype: Any) -> tuple[list[An
     (ca, cb), (ba, bb) = eqn.params["dimension_numbers"]
     if eqn.params.get("out_sharding") is not None or compat.partitioned_by_mesh():
         return None
+    transposes = getattr(env, "transposes", {})
     out, dims, changed = [], [], False
     for v, c, b in ((eqn.invars[0], ca, ba), (eqn.invars[1], cb, bb)):
-        hit = None if isinstance(v, compat.Literal) else env.transposes.get(v)
+        hit = None if isinstance(v, compat.Literal) else transposes.get(v)
         if hit is not None:
             src, perm = hit
             kept = [perm[d] for d in range(len(perm)) if d not in c and d not in b]
