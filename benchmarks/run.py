@@ -338,6 +338,8 @@ def machine() -> dict[str, str]:
         "jaxlib": jax.lib.__version__ if hasattr(jax.lib, "__version__") else "?",
         "backend": f"{jax.default_backend()} ({jax.devices()[0].device_kind})",
         "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
+        # other jobs share the machine: the load when the report was written
+        "load average (1/5/15 min)": ", ".join(f"{x:.2f}" for x in os.getloadavg()),
     }
 
 

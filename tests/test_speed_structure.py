@@ -160,3 +160,66 @@ def test_weight_gradient_values_match_float32_within_bf16_tolerance():
     for a, b in zip(jax.tree.leaves(g_amp), jax.tree.leaves(g_ref)):
         assert a.dtype == b.dtype
         np.testing.assert_allclose(a, b, rtol=0.1, atol=0.05 * float(jnp.max(jnp.abs(b))) + 1e-6)
+
+
+_HEAD = re.compile(r"^(?:ENTRY )?%(\S+) \((.*)\) -> .* \{$")
+_INSTR = re.compile(r"^(?:ROOT )?%(\S+) = (\w+)\[[^\]]*\]\S* ([\w\-]+)\(")
+
+
+def _dot_operand_dtypes(hlo_text):
+    """(lhs, rhs) element types of every dot of an optimized HLO module (XLA:CPU
+    wraps dots in fusions: types are looked up per computation)."""
+    out, types = [], {}
+    for line in hlo_text.splitlines():
+        head = _HEAD.match(line)
+        if head:
+            types = dict(re.findall(r"([\w.\-]+): (\w+)\[", head.group(2)))
+            continue
+        m = _INSTR.match(line.strip())
+        if m:
+            types[m.group(1)] = m.group(2)
+            ops = re.search(r" dot\(%(\S+), %(\S+)\)", line)
+            if m.group(3) == "dot" and ops:
+                out.append((types.get(ops.group(1)), types.get(ops.group(2))))
+    return out
+
+
+_COPY = re.compile(r"= f32\[[\d,]+\]\{[\d,]+\} (?:transpose|copy)\(")
+
+_LAYOUTS = {
+    "x @ W (in, out)": lambda w, x: x @ w,
+    "x @ W.T (out, in)": lambda w, x: x @ w.T,
+    "vmap(W @ v)": lambda w, x: jax.vmap(lambda v: w @ v)(x),
+    "einsum oi,bi->bo": lambda w, x: jnp.einsum("oi,bi->bo", w, x),
+    "einsum io,bi->bo": lambda w, x: jnp.einsum("io,bi->bo", w, x),
+}
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's dot handling")
+@pytest.mark.parametrize("layout", sorted(_LAYOUTS))
+def test_every_weight_layout_keeps_its_dots_bf16_after_xla(layout):
+    """Issue 28: the dots amp lowers stay bf16 in the optimized HLO whatever the
+    weight layout (XLA:CPU runs a bf16 dot whose operand is a folded transpose,
+    ``x @ W.T``, in float32), and an (out, in) weight's gradient is computed in
+    its own layout (it was computed (in, out) and transposed in float32)."""
+    apply = _LAYOUTS[layout]
+    ws = [jax.random.normal(jax.random.key(i), (256, 256)) / 16 for i in range(3)]
+    x = jax.random.normal(jax.random.key(9), (64, 256))
+
+    def loss(ws, x):
+        for w in ws:
+            x = jax.nn.relu(apply(w, x))
+        return jnp.mean(x**2)
+
+    hlo = jax.jit(jax.value_and_grad(amp(loss))).lower(ws, x).compile().as_text()
+    dots = _dot_operand_dtypes(hlo)
+    assert len(dots) >= 8, dots  # 3 forward, 3 weight gradients, 2 input gradients
+    assert all(d == ("bf16", "bf16") for d in dots), dots
+    # ... and no float32 transpose of a weight gradient (an (out, in) weight's
+    # gradient came out (in, out) and was transposed: 6 f32 copies here)
+    assert not _COPY.findall(hlo), _COPY.findall(hlo)
+    ref = jax.jit(jax.grad(loss))(ws, x)
+    got = jax.jit(jax.grad(amp(loss)))(ws, x)
+    for g, r in zip(got, ref):
+        assert g.dtype == r.dtype
+        assert float(jnp.linalg.norm(g - r) / jnp.linalg.norm(r)) < 8e-2  # 3 bf16 layers

@@ -452,6 +452,9 @@ class _Env:
     def __init__(self):
         self.vals: dict[Any, Any] = {}
         self.casts: dict[tuple[Any, Any], Any] = {}
+        #: {var: (operand var, permutation)} of the ``transpose`` eqns evaluated
+        #: (a dot reading one of them can contract the operand directly)
+        self.transposes: dict[Any, tuple[Any, tuple[int, ...]]] = {}
 
     def write(self, v: Any, val: Any) -> None:
         if type(v).__name__ != "DropVar":

@@ -133,7 +133,30 @@ class AllowRule(EqnRule):
 
 class DotRule(AllowRule):
     """``dot_general``: low-precision forward and backward, with the operand
-    layouts each backend runs fast; batched dots stay float32 on XLA:CPU."""
+    layouts each backend runs fast; batched dots stay float32 on XLA:CPU.
+
+    On XLA:CPU a dot contracts the operand of a ``transpose`` that feeds it
+    (``x @ W.T`` with ``W`` stored (out, in), ``jnp.einsum`` spellings), so
+    that the weight gradient comes out in ``W``'s own layout. Otherwise the
+    gradient is computed (in, out) and transposed back in float32, and the
+    transposed weight is copied every step (left to XLA:CPU, the transpose is
+    folded into the bf16 dot, which then runs in float32; benchmarks/peers.py).
+    """
+
+    def evaluate(self, ctx: Any, eqn: Any, color: str, cls: str, env: Any) -> list[Any]:
+        if color == LOW and cls == "allow" and _cpu_fast_layouts(ctx.backend):
+            fn = self.low_fn(ctx, eqn)
+            ok = _is_dot_rule(fn) and not _cpu_batched(eqn, ctx.backend)
+            found = _through_transposes(eqn, env, ctx.policy.compute_dtype) if ok else None
+            if found is not None:
+                invals, dims = found
+                out_dtype = (
+                    HIGH_DTYPE
+                    if id(eqn) in ctx.f32_out
+                    else ctx.policy.allow_output_dtype(ctx.backend)
+                )
+                return fn(eqn, invals, ctx.policy.compute_dtype, out_dtype, dims=dims)
+        return super().evaluate(ctx, eqn, color, cls, env)
 
     def low_fn(self, ctx: Any, eqn: Any) -> Rule:
         if not ctx.vjp_rules:
@@ -142,6 +165,18 @@ class DotRule(AllowRule):
 
     def reads_low(self, ctx: Any, eqn: Any, color: str, cls: str, atom: Any) -> bool:
         return color == LOW and not (cls == "allow" and _cpu_batched(eqn, ctx.backend))
+
+
+class TransposeRule(EqnRule):
+    """``transpose``: bound as written, and recorded in ``env.transposes`` for
+    the dots that read its result (:class:`DotRule`)."""
+
+    def evaluate(self, ctx: Any, eqn: Any, color: str, cls: str, env: Any) -> list[Any]:
+        outs = super().evaluate(ctx, eqn, color, cls, env)
+        src = eqn.invars[0]
+        if not isinstance(src, compat.Literal) and hasattr(env, "transposes"):
+            env.transposes[eqn.outvars[0]] = (src, tuple(eqn.params["permutation"]))
+        return outs
 
 
 #: primitive name -> its rule; names without an entry get the interpreter's
@@ -433,6 +468,40 @@ def _amp_dot(
     return f
 
 
+def _is_dot_rule(fn: Any) -> bool:
+    return isinstance(fn, functools.partial) and fn.func is dot_general_rule
+
+
+def _through_transposes(eqn: Any, env: Any, compute_dtype: Any) -> tuple[list[Any], Any] | None:
+    """The operands of dot ``eqn`` with the ``transpose`` eqns that produced
+    them undone, and the dimension numbers that contract them the same way;
+    None when no operand is such a transpose (or one reorders kept dims, which
+    would reorder the result)."""
+    (ca, cb), (ba, bb) = eqn.params["dimension_numbers"]
+    if eqn.params.get("out_sharding") is not None or compat.partitioned_by_mesh():
+        return None
+    transposes = getattr(env, "transposes", {})
+    out, dims, changed = [], [], False
+    for v, c, b in ((eqn.invars[0], ca, ba), (eqn.invars[1], cb, bb)):
+        hit = None if isinstance(v, compat.Literal) else transposes.get(v)
+        if hit is not None:
+            src, perm = hit
+            kept = [perm[d] for d in range(len(perm)) if d not in c and d not in b]
+            if kept == sorted(kept) and src in env.vals:
+                # the cast the transpose read, if it read one (a cast made once)
+                cast = env.casts.get((src, np.dtype(compute_dtype)))
+                out.append(env.read(src, None) if cast is None else cast)
+                dims.append((tuple(perm[d] for d in c), tuple(perm[d] for d in b)))
+                changed = True
+                continue
+        out.append(env.read(v, None))
+        dims.append((tuple(c), tuple(b)))
+    if not changed or not all(is_managed_float(v.dtype) for v in out):
+        return None
+    (nca, nba), (ncb, nbb) = dims
+    return out, ((nca, ncb), (nba, nbb))
+
+
 def _cpu_batched(eqn: Any, backend: str) -> bool:
     """XLA:CPU (jaxlib 0.10) has no kernel for a *batched* bf16 x bf16 -> f32 dot
     (``Unsupported element type for DotThunk``): such dots stay float32 there."""
@@ -447,11 +516,16 @@ def dot_general_rule(
     out_dtype: np.dtype = HIGH_DTYPE,
     *,
     backend: str,
+    dims: Any = None,
 ) -> list[Any]:
+    """``dims``: dimension numbers that replace ``eqn``'s (for operands read
+    through their transposes, :class:`DotRule`)."""
     x, y = invals
+    p = eqn.params
+    if dims is not None:
+        p = {**p, "dimension_numbers": dims}
     if not (is_managed_float(x.dtype) and is_managed_float(y.dtype)):
         return default_allow_rule(eqn, invals, compute_dtype, out_dtype)
-    p = eqn.params
     if _cpu_batched(eqn, backend):
         return default_allow_rule(eqn, [v.astype(HIGH_DTYPE) for v in invals], HIGH_DTYPE)
     f = _amp_dot(
@@ -549,5 +623,6 @@ BROADCASTING = frozenset(
 
 register_eqn_rule(BROADCASTING, BroadcastRule())
 register_eqn_rule("dot_general", DotRule())
+register_eqn_rule("transpose", TransposeRule())
 register_eqn_rule("conv_general_dilated", AllowRule(conv_rule))
 register_eqn_rule(("broadcast_in_dim", "tile", "gather"), ExpandRule())
