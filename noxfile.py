@@ -16,7 +16,7 @@ Each leg is one Python with one JAX, installed by uv into a fresh virtualenv:
   0.10.2 again; optax, numpy, Flax, Equinox, orbax, Haiku, Keras, pytest...
   at their lower bounds), so that those bounds stay true.
 
-The four take about 25 minutes on 2 cores (README), within CI's 90.
+The four take about 40 minutes on an idle 2-core CPU (README), within CI's 90.
 
 Pythons are found on PATH; a pyenv install's versions are added to it, since
 pyenv's shims expose only the selected one.
@@ -30,12 +30,8 @@ import pathlib
 import nox
 
 nox.options.default_venv_backend = "uv"
-# What CI runs (``nox`` with no -s): the JAX 0.10.2 leg. The JAX 0.11 and 0.12
-# legs and the lowest-versions leg are run by name (``nox -s tests-3.12
-# tests-3.13 lowest-3.11``): on 2026-11-24 the 0.12 leg failed 6 tests and the
-# lowest leg 3 (docs/accelerators.md lists them); they join the default when
-# they pass.
-nox.options.sessions = ["tests-3.11"]
+# What CI runs (``nox`` with no -s): every leg.
+nox.options.sessions = ["tests-3.11", "tests-3.12", "tests-3.13", "lowest-3.11"]
 nox.options.error_on_missing_interpreters = True
 
 #: Python of each leg -> the JAX it runs (None: the newest the registry serves).
