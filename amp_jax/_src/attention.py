@@ -55,6 +55,7 @@ import numpy as np
 from jax import lax
 
 from amp_jax._src import compat
+from amp_jax._src.decision import AttentionPath
 
 _FILL_MAX = -1e4  # a mask fill at or below this is "masked out"
 
@@ -746,8 +747,6 @@ def _is_causal_constant(atom, roles, eqns, producer, consts, jaxpr) -> bool:
 
 # -- the decision -------------------------------------------------------------------
 
-SCOPE = "amp_attention"  # named scope of the ops of every attention found: amp_attention[...]
-
 
 @dataclasses.dataclass
 class Plan:
@@ -755,36 +754,11 @@ class Plan:
 
     fused: dict[int, tuple[Match, str]]  # index of the second matmul -> (match, implementation)
     log: list[tuple[str, str | None, str]]  # (source line, implementation or None, reason)
-    scopes: dict[int, str]  # eqn index -> named scope to bind it under
+    paths: dict[int, AttentionPath]  # eqn index -> the path of the attention it is part of
 
     @property
     def skip(self) -> frozenset[int]:
         return frozenset().union(*(m.skip for m, _ in self.fused.values()))
-
-
-def scope_name(impl: str | None, reason: str) -> str:
-    """``amp_attention[cudnn]``, ``amp_attention[xla-fused]`` or ``amp_attention[xla: why]``."""
-    if impl == "cudnn":
-        return f"{SCOPE}[cudnn]"
-    if impl is not None:
-        return f"{SCOPE}[{impl}-fused]"
-    # (a name stack splits at "/", and the scope ends at the first "]")
-    text = reason.replace("/", " or ").replace("[", "(").replace("]", ")")
-    return f"{SCOPE}[xla: {text}]"
-
-
-def scope_reason(stack: str) -> str | None:
-    """The path an attention took, from a name stack holding its scope."""
-    i = stack.find(SCOPE + "[")
-    if i < 0:
-        return None
-    j = stack.find("]", i)
-    what = stack[i + len(SCOPE) + 1 : j if j > 0 else None]
-    if what == "cudnn":
-        return "attention: cuDNN flash attention"
-    if what.endswith("-fused"):
-        return f"attention: fused, {what[: -len('-fused')]} implementation"
-    return f"attention left as written ({what})"
 
 
 def plan(
@@ -814,12 +788,10 @@ def plan(
         out.log.append((where, impl, reason))
         if impl is not None:
             out.fused[i] = (match, impl)
-            out.scopes[i] = scope_name(impl, reason)
-        else:
-            out.scopes.update(dict.fromkeys(match.eqns, scope_name(None, reason)))
+        out.paths.update(dict.fromkeys(match.eqns | {i}, AttentionPath(impl, reason)))
     for miss in near:
         out.log.append((compat.source_line(miss.source), None, miss.reason))
-        out.scopes.update(dict.fromkeys(miss.eqns, scope_name(None, miss.reason)))
+        out.paths.update(dict.fromkeys(miss.eqns, AttentionPath(None, miss.reason)))
     return out
 
 
@@ -899,4 +871,4 @@ def _cudnn_head_dim_limit() -> int:
     return 256 if any(s in kind for s in ("H100", "H200", "H800", "GH200", "B200", "B100")) else 128
 
 
-__all__: Sequence[str] = ("Match", "NearMiss", "Plan", "decide", "find", "plan", "scope_name")
+__all__: Sequence[str] = ("Match", "NearMiss", "Plan", "decide", "find", "plan")

@@ -28,7 +28,7 @@ import numpy as np
 from jax import lax
 
 from amp_jax._src import casting, compat
-from amp_jax._src.painting import LOW
+from amp_jax._src.decision import Color, Decision, OpClass, Variant
 from amp_jax._src.policy import HIGH_DTYPE, is_managed_float
 
 #: ``rule(eqn, invals, compute_dtype, out_dtype) -> list of outputs``: the
@@ -40,17 +40,22 @@ class EqnRule:
     """How amp binds one primitive. The default: bind it with every operand
     cast to the dtype of the eqn's color (:func:`casting.target`)."""
 
-    def evaluate(self, ctx: Any, eqn: Any, color: str, cls: str, env: Any) -> list[Any]:
-        """The outputs of ``eqn``, painted ``color`` (of class ``cls``), under
-        ``ctx`` (policy, backend), reading operands from ``env``."""
+    def evaluate(self, ctx: Any, eqn: Any, d: Decision, env: Any) -> list[Any]:
+        """The outputs of ``eqn`` as decided by ``d``, under ``ctx`` (policy,
+        backend), reading operands from ``env``."""
         cd = ctx.policy.compute_dtype
         return compat.bind_eqn(
-            eqn, [env.read(v, casting.target(casting.dtype_of(v), color, cd)) for v in eqn.invars]
+            eqn, [env.read(v, casting.target(casting.dtype_of(v), d.color, cd)) for v in eqn.invars]
         )
 
-    def reads_low(self, ctx: Any, eqn: Any, color: str, cls: str, atom: Any) -> bool:
+    def reads_low(self, ctx: Any, eqn: Any, d: Decision, atom: Any) -> bool:
         """Whether ``evaluate`` reads operand ``atom`` only in the compute dtype."""
-        return color == LOW
+        return d.color is Color.LOW
+
+    def no_low_kernel(self, eqn: Any, backend: str) -> bool:
+        """Whether ``backend`` has no compute-dtype kernel for ``eqn`` (an allow
+        op): planning then keeps it in float32, with that reason."""
+        return False
 
 
 class BroadcastRule(EqnRule):
@@ -59,22 +64,22 @@ class BroadcastRule(EqnRule):
     broadcast *before* the cast, so the transpose of the broadcast -- a sum
     over the batch -- runs in the operand's float32, not the compute dtype."""
 
-    def evaluate(self, ctx: Any, eqn: Any, color: str, cls: str, env: Any) -> list[Any]:
-        if color != LOW:
-            return super().evaluate(ctx, eqn, color, cls, env)
+    def evaluate(self, ctx: Any, eqn: Any, d: Decision, env: Any) -> list[Any]:
+        if d.color is not Color.LOW:
+            return super().evaluate(ctx, eqn, d, env)
         cd = ctx.policy.compute_dtype
         shape = tuple(getattr(eqn.outvars[0].aval, "shape", ()))
         return compat.bind_eqn(
             eqn,
             [
-                env.read_broadcast(v, casting.target(casting.dtype_of(v), color, cd), shape)
+                env.read_broadcast(v, casting.target(casting.dtype_of(v), d.color, cd), shape)
                 for v in eqn.invars
             ],
         )
 
-    def reads_low(self, ctx: Any, eqn: Any, color: str, cls: str, atom: Any) -> bool:
+    def reads_low(self, ctx: Any, eqn: Any, d: Decision, atom: Any) -> bool:
         out_shape = tuple(getattr(eqn.outvars[0].aval, "shape", ()))
-        return color == LOW and tuple(atom.aval.shape) == out_shape
+        return d.color is Color.LOW and tuple(atom.aval.shape) == out_shape
 
 
 class ExpandRule(EqnRule):
@@ -87,9 +92,9 @@ class ExpandRule(EqnRule):
     sum (``reduce_sum``, ``scatter-add``) accumulates in float32, like the
     implicit broadcasts of :class:`BroadcastRule`."""
 
-    def evaluate(self, ctx: Any, eqn: Any, color: str, cls: str, env: Any) -> list[Any]:
-        if color != LOW or not self.sums_in_transpose(eqn):
-            return super().evaluate(ctx, eqn, color, cls, env)
+    def evaluate(self, ctx: Any, eqn: Any, d: Decision, env: Any) -> list[Any]:
+        if d.color is not Color.LOW or not self.sums_in_transpose(eqn):
+            return super().evaluate(ctx, eqn, d, env)
         cd = ctx.policy.compute_dtype
         outs = compat.bind_eqn(eqn, [env.read(v, casting.dtype_of(v)) for v in eqn.invars])
         return [casting.lower(o, cd) for o in outs]
@@ -103,49 +108,80 @@ class ExpandRule(EqnRule):
             return int(np.prod(out.shape)) > int(np.prod(x.shape))
         return True
 
-    def reads_low(self, ctx: Any, eqn: Any, color: str, cls: str, atom: Any) -> bool:
-        return color == LOW and not self.sums_in_transpose(eqn)
+    def reads_low(self, ctx: Any, eqn: Any, d: Decision, atom: Any) -> bool:
+        return d.color is Color.LOW and not self.sums_in_transpose(eqn)
 
 
 class AllowRule(EqnRule):
     """An ``allow`` primitive: painted low, it runs ``fn`` (a :data:`Rule`) on
-    its operands as stored; otherwise (kept high, or not in the allow class
-    under this policy) it is bound like any other op."""
+    its operands as stored, or the function of the variant its decision names
+    (:func:`register_variant`); otherwise (kept high, or not in the allow
+    class under this policy) it is bound like any other op."""
 
     def __init__(self, fn: Rule | None = None):
         self.fn = fn
+        #: variant -> ``make(ctx) -> Rule``
+        self.variants: dict[Variant, Callable[[Any], Rule]] = {}
 
     def low_fn(self, ctx: Any, eqn: Any) -> Rule:
         """The function of a lowered eqn. Inside custom JVP rules (which JAX
         transposes: no custom_vjp may appear) the plain default."""
         return self.fn if self.fn is not None and ctx.vjp_rules else default_allow_rule
 
-    def evaluate(self, ctx: Any, eqn: Any, color: str, cls: str, env: Any) -> list[Any]:
-        if color != LOW or cls != "allow":
-            return super().evaluate(ctx, eqn, color, cls, env)
-        out_dtype = (
-            HIGH_DTYPE if id(eqn) in ctx.f32_out else ctx.policy.allow_output_dtype(ctx.backend)
-        )
+    def evaluate(self, ctx: Any, eqn: Any, d: Decision, env: Any) -> list[Any]:
+        if not d.lowered:
+            return super().evaluate(ctx, eqn, d, env)
         invals = [env.read(v, None) for v in eqn.invars]
-        return self.low_fn(ctx, eqn)(eqn, invals, ctx.policy.compute_dtype, out_dtype)
+        if d.variant is Variant.FLOAT32:  # no compute-dtype kernel on this backend
+            return default_allow_rule(eqn, [v.astype(HIGH_DTYPE) for v in invals], HIGH_DTYPE)
+        make = self.variants.get(d.variant)
+        fn = make(ctx) if make is not None and ctx.vjp_rules else self.low_fn(ctx, eqn)
+        return fn(eqn, invals, ctx.policy.compute_dtype, d.out_dtype)
+
+    def reads_low(self, ctx: Any, eqn: Any, d: Decision, atom: Any) -> bool:
+        return d.color is Color.LOW and d.variant is not Variant.FLOAT32
 
 
 class DotRule(AllowRule):
     """``dot_general``: low-precision forward and backward, with the operand
-    layouts each backend runs fast; batched dots stay float32 on XLA:CPU."""
+    layouts each backend runs fast; batched dots stay float32 on XLA:CPU; the
+    fp8 products of a float8 policy are its ``FLOAT8`` variant (``float8.py``)."""
 
     def low_fn(self, ctx: Any, eqn: Any) -> Rule:
         if not ctx.vjp_rules:
             return default_allow_rule
         return functools.partial(dot_general_rule, backend=ctx.backend)
 
-    def reads_low(self, ctx: Any, eqn: Any, color: str, cls: str, atom: Any) -> bool:
-        return color == LOW and not (cls == "allow" and _cpu_batched(eqn, ctx.backend))
+    def no_low_kernel(self, eqn: Any, backend: str) -> bool:
+        return _cpu_batched(eqn, backend)
 
 
-#: primitive name -> its rule; names without an entry get the interpreter's
-#: fallbacks (higher-order, allow or plain bind: ``interpreter.rule_for``).
+#: primitive name -> its rule; names without an entry get the fallbacks of
+#: :func:`rule_for` (higher-order, allow or plain bind).
 TABLE: dict[str, EqnRule] = {}
+
+#: the key of the generic rule of higher-order primitives (registered by the interpreter).
+HIGHER_ORDER = "<higher-order>"
+
+
+def rule_for(eqn: Any, op_class: OpClass | None) -> EqnRule:
+    """The rule that binds ``eqn`` (of class ``op_class``): its primitive's entry
+    in :data:`TABLE`, else the generic rule of higher-order primitives, the
+    default ``allow`` rule, or the plain bind."""
+    rule = TABLE.get(eqn.primitive.name)
+    if rule is not None:
+        return rule
+    if compat.has_subjaxprs(eqn):
+        return TABLE[HIGHER_ORDER]
+    return _ALLOW if op_class is OpClass.ALLOW else _BIND
+
+
+def register_variant(name: str, variant: Variant, make: Callable[[Any], Rule]) -> None:
+    """Gives the allow rule of primitive ``name`` a function for ``variant``
+    (internal): ``make(ctx)`` returns it; planning decides which eqns run it."""
+    rule = TABLE[name]
+    assert isinstance(rule, AllowRule), rule
+    rule.variants[variant] = make
 
 
 def register_eqn_rule(names: str | Iterable[str], rule: EqnRule) -> None:
@@ -440,8 +476,6 @@ def dot_general_rule(
     if not (is_managed_float(x.dtype) and is_managed_float(y.dtype)):
         return default_allow_rule(eqn, invals, compute_dtype, out_dtype)
     p = eqn.params
-    if _cpu_batched(eqn, backend):
-        return default_allow_rule(eqn, [v.astype(HIGH_DTYPE) for v in invals], HIGH_DTYPE)
     f = _amp_dot(
         p["dimension_numbers"],
         p.get("precision"),
@@ -539,3 +573,5 @@ register_eqn_rule(BROADCASTING, BroadcastRule())
 register_eqn_rule("dot_general", DotRule())
 register_eqn_rule("conv_general_dilated", AllowRule(conv_rule))
 register_eqn_rule(("broadcast_in_dim", "tile", "gather"), ExpandRule())
+_BIND = EqnRule()
+_ALLOW = AllowRule()

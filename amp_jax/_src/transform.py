@@ -14,7 +14,8 @@ import jax
 import numpy as np
 
 from amp_jax._src import compat
-from amp_jax._src.interpreter import Context, evaluate, plan
+from amp_jax._src.interpreter import evaluate
+from amp_jax._src.planning import Context, plan
 from amp_jax._src.policy import FULL_PRECISION_SCOPE, Policy, get_policy, scope_in
 
 F = TypeVar("F", bound=Callable[..., Any])
