@@ -20,6 +20,7 @@ import pytest
 from _util import BF16, eqns
 
 from amp_jax import Policy, amp, full_precision
+from amp_jax._src import decision
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
 
@@ -566,7 +567,7 @@ def test_real_layers_and_limits_planned_for_a_gpu():
         assert got == impl and why in reason, (name, plan.log)
         kinds = [m.kind for m, _ in plan.fused.values()]
         assert kinds == ([kind] if impl else []), (name, kinds)
-        scopes = set(plan.scopes.values())
+        scopes = {decision.attention_scope(p) for p in plan.paths.values()}
         assert scopes == {"amp_attention[cudnn]" if impl else f"amp_attention[xla: {reason}]"}
         if kind and not impl:  # recognised, then refused: the reason is cuDNN's limit
             assert "dropout" not in reason
@@ -589,7 +590,7 @@ def test_backend_dtype_and_off_decide_before_the_gpu_limits():
             (None, f"no cuDNN on {jax.default_backend()}: left as written")
         ]
     off = _plan(fn, Q, K, V, mode="off")
-    assert off.log == [] and off.fused == {} and off.scopes == {}
+    assert off.log == [] and off.fused == {} and off.paths == {}
 
 
 def test_equinox_with_unequal_head_dims_runs_fused():
@@ -743,7 +744,7 @@ def _fused_kinds(fn):
         m.kind
         for (kind, _), (_, p) in traced.ctx._memo.items()
         if kind == "plan"
-        for m, _ in p.attention.fused.values()
+        for m, _ in p.fused.values()
     ]
 
 

@@ -19,7 +19,7 @@ from _util import BF16, F32, eqns
 
 import amp_jax
 from amp_jax import Policy, amp, get_policy
-from amp_jax._src import compat, float8
+from amp_jax._src import compat, decision, float8
 
 E4M3 = np.dtype(jnp.float8_e4m3fn)
 E5M2 = np.dtype(jnp.float8_e5m2)
@@ -299,11 +299,11 @@ def test_explain_and_dtype_report_say_float8_and_emulated():
     dots = [r for r in ex.rows if r.primitive == "dot_general"]
     assert len(dots) == 2  # forward, backward groups
     for r in dots:
-        assert float8.describe("rowwise", backend) in r.reason, r.reason
+        assert decision.float8_text("rowwise", backend) in r.reason, r.reason
     assert "float8 rowwise" in ex.summary_lines()[0]
     rows = amp_jax.dtype_report(jax.grad(amp(_layer, policy="float8")), W, X)
     why = {r[5] for r in rows if r[0] == "dot_general"}
-    assert why == {float8.describe("tensorwise", backend)}, why
+    assert why == {decision.float8_text("tensorwise", backend)}, why
     if backend == "cpu":
         assert "float8 tensorwise" in why.pop() and "emulated on cpu" in r.reason
 

@@ -87,7 +87,7 @@ def test_dot_transpose_matches_jax_bfloat16_operands(name):
     if _batched(LAYOUTS[name][2]) and jax.default_backend() == "cpu":
         pytest.skip(
             "XLA:CPU has no batched bf16 x bf16 -> f32 dot kernel; "
-            "dot_general_rule keeps such dots in float32 there (rules._cpu_batched)"
+            "the plan keeps such dots in float32 there (Variant.FLOAT32)"
         )
     # bf16 operands, float32 accumulation: only the summation order differs
     _check(name, jnp.bfloat16, 1e-2)
