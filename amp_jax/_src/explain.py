@@ -2,9 +2,10 @@
 
 Two views of one call are joined:
 
-* the *decisions*: the traced, inlined and painted jaxpr that :func:`amp`
-  evaluates (``Context.classify`` and ``paint``), walked like the interpreter
-  walks it, give each op's class, color and the reason for them;
+* the *decisions*: the :class:`~amp_jax._src.planning.Plan` that :func:`amp`
+  evaluates, one typed :class:`~amp_jax._src.decision.Decision` per op with
+  the reason recorded where it was made (sub-jaxprs' plans included), gives
+  each op's reason: explain shows it and decides nothing itself;
 * the *result*: the jaxpr of the rewritten program (``jax.make_jaxpr`` of the
   amp function, or of its gradient), walked with :func:`iter_eqns` like
   :func:`dtype_report`, gives the dtype every op ran in, its FLOPs and the

@@ -8,7 +8,7 @@ tests use these instead of their own.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -66,6 +66,39 @@ def def_use(jaxpr: Any) -> tuple[dict[Any, int], dict[Any, list[int]]]:
             if not isinstance(v, compat.Literal):
                 consumers.setdefault(v, []).append(i)
     return producer, consumers
+
+
+def read(env: dict[Any, Any], atom: Any) -> Any:
+    """The value of a var in ``env``, or of a literal."""
+    return compat.literal_value(atom) if isinstance(atom, compat.Literal) else env[atom]
+
+
+def run_eqns(
+    eqns: Iterable[Any],
+    env: dict[Any, Any],
+    bind: Callable[[Any, list[Any]], Sequence[Any]] = compat.bind_eqn,
+) -> None:
+    """Evaluates ``eqns`` in order, reading their operands from ``env`` and
+    writing their results there: ``bind(eqn, operands)`` gives the results
+    (the per-eqn hook of every evaluator; default: bind the eqn as it is)."""
+    for eqn in eqns:
+        outs = bind(eqn, [read(env, v) for v in eqn.invars])
+        for v, o in zip(eqn.outvars, outs):
+            if type(v).__name__ != "DropVar":
+                env[v] = o
+
+
+def eval_jaxpr(
+    jaxpr: Any,
+    consts: Sequence[Any],
+    args: Sequence[Any],
+    bind: Callable[[Any, list[Any]], Sequence[Any]] = compat.bind_eqn,
+) -> list[Any]:
+    """``jaxpr`` evaluated on ``args``, every eqn through ``bind`` (see :func:`run_eqns`)."""
+    env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, args))
+    run_eqns(jaxpr.eqns, env, bind)
+    return [read(env, v) for v in jaxpr.outvars]
 
 
 def contraction_and_flops(eqn: Any) -> tuple[int, int] | None:

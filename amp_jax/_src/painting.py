@@ -18,7 +18,7 @@ import collections
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from amp_jax._src import compat
+from amp_jax._src import compat, jaxprs
 from amp_jax._src.decision import Color, Kind, OpClass
 from amp_jax._src.policy import is_managed_float
 
@@ -27,10 +27,7 @@ LOW, HIGH, ORIG = Color.LOW, Color.HIGH, Color.ORIG
 
 def _graph(jaxpr: Any) -> tuple[list[list[int]], list[list[int]]]:
     """Producer/consumer eqn indices over managed-float vars."""
-    producer: dict[Any, int] = {}
-    for i, eqn in enumerate(jaxpr.eqns):
-        for v in eqn.outvars:
-            producer[v] = i
+    producer, _ = jaxprs.def_use(jaxpr)
     preds: list[list[int]] = [[] for _ in jaxpr.eqns]
     succs: list[list[int]] = [[] for _ in jaxpr.eqns]
     for i, eqn in enumerate(jaxpr.eqns):
@@ -140,7 +137,7 @@ def decision_slice(
     stops at higher-order eqns (whose outputs keep their original dtype);
     ``stops``, if given, collects ``(eqn index, output position)`` of each.
     """
-    producer = {v: i for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
+    producer, _ = jaxprs.def_use(jaxpr)
     position = {v: k for k, v in enumerate(jaxpr.invars)}
     kept: set[int] = set()
     f32_out: set[int] = set()

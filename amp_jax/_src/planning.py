@@ -570,27 +570,18 @@ def _has_inlinable_jit(jaxpr: Any) -> bool:
     return any(compat.jit_is_inlinable(e) for e in jaxpr.eqns)
 
 
+def _bind_inlining(eqn: Any, invals: list[Any]) -> Sequence[Any]:
+    with contextlib.ExitStack() as stack:
+        for m in compat.eqn_context(eqn):
+            stack.enter_context(m)
+        if compat.jit_is_inlinable(eqn):
+            return _eval_inlining(compat.jit_jaxpr(eqn), invals)
+        return compat.bind_eqn(eqn, invals)
+
+
 def _eval_inlining(closed: Any, args: Sequence[Any]) -> list[Any]:
-    jaxpr = compat.jaxpr_of(closed)
-    env: dict[Any, Any] = dict(zip(jaxpr.constvars, compat.consts_of(closed)))
-    env.update(zip(jaxpr.invars, args))
-
-    def read(a):
-        return compat.literal_value(a) if isinstance(a, compat.Literal) else env[a]
-
-    for eqn in jaxpr.eqns:
-        invals = [read(v) for v in eqn.invars]
-        with contextlib.ExitStack() as stack:
-            for m in compat.eqn_context(eqn):
-                stack.enter_context(m)
-            if compat.jit_is_inlinable(eqn):
-                outs = _eval_inlining(compat.jit_jaxpr(eqn), invals)
-            else:
-                outs = compat.bind_eqn(eqn, invals)
-        for v, o in zip(eqn.outvars, outs):
-            if type(v).__name__ != "DropVar":
-                env[v] = o
-    return [read(v) for v in jaxpr.outvars]
+    jaxpr, consts = jaxprs.open_jaxpr(closed)
+    return jaxprs.eval_jaxpr(jaxpr, consts, args, _bind_inlining)
 
 
 def inline_jits(closed: Any) -> Any:

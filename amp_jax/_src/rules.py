@@ -1,13 +1,15 @@
 """The rule table: how amp binds each primitive.
 
 Every eqn of a rewritten jaxpr is bound through one :class:`EqnRule`, looked
-up by primitive name in :data:`TABLE` (see ``interpreter.rule_for``): the
-default rule binds the primitive on operands cast to its color's dtype;
-higher-order primitives get the generic rule that rewrites their sub-jaxprs
-(registered by the interpreter, with ``scan``, ``shard_map`` and
-``custom_jvp_call`` rules of their own); broadcasting elementwise ops read
-implicitly broadcast operands before casting them; ``allow`` ops run the
-low-precision *function* of their rule. Each rule also answers
+up by primitive name in :data:`TABLE` (:func:`rule_for`), as the eqn's
+:class:`~amp_jax._src.decision.Decision` says: the default rule binds the
+primitive on operands cast to its color's dtype; higher-order primitives get
+the generic rule that rewrites their sub-jaxprs (registered by the
+interpreter, with ``scan``, ``shard_map`` and ``custom_jvp_call`` rules of
+their own); broadcasting elementwise ops read implicitly broadcast operands
+before casting them; ``allow`` ops run the low-precision *function* of their
+rule, or of the variant the plan chose (float32 where the backend has no
+kernel, fp8 under a float8 policy: ``float8.py``). Each rule also answers
 :meth:`EqnRule.reads_low`: whether it reads an operand only in the compute
 dtype, which is what the scan cast hoisting needs to know.
 
