@@ -52,9 +52,9 @@ def _amp_identity():
 
 
 def _hoisting_off():
-    from amp_jax._src import interpreter
+    from amp_jax._src import rules
 
-    interpreter._plan_hoisted_casts = lambda ctx, eqn: None
+    rules._plan_hoisted_casts = lambda ctx, eqn: None
 
 
 def _broadcast_reads_off():

@@ -101,7 +101,7 @@ class Context:
         if not self.vjp_rules:
             return self
         if self._linear is None:
-            self._linear = Context(self.policy, self.backend, vjp_rules=False)
+            self._linear = type(self)(self.policy, self.backend, vjp_rules=False)
         return self._linear
 
     def prepare(self, closed: Any) -> Any:
@@ -127,6 +127,14 @@ class Context:
 
     def mark_carries(self, closed: Any, outs: Iterable[int]) -> None:
         self._carries[id(closed)] = (closed, self.carries(closed) | frozenset(outs))
+
+    def plan(self, closed: Any) -> Plan:
+        """The plan of closed jaxpr ``closed`` under this context (:func:`plan`)."""
+        return plan(self, closed)
+
+    def all_low(self, closed: Any) -> Plan:
+        """The plan of a transparent function painted low (:func:`all_low`)."""
+        return all_low(self, closed)
 
     # -- classification -------------------------------------------------
     def classify(self, eqn: Any) -> Classified:
