@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _util import BF16, F32, eqns
+from _util import BF16, F32, eqns, rel
 
 import amp_jax
 from amp_jax import Policy, amp, get_policy
@@ -186,12 +186,6 @@ def test_extreme_inputs_through_amp_and_grad():
 # -- numerics -------------------------------------------------------------------------------
 
 
-def _rel(a, b):
-    num = sum(float(jnp.sum((x - y) ** 2)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
-    den = sum(float(jnp.sum(y**2)) for y in jax.tree.leaves(b))
-    return (num / den) ** 0.5
-
-
 def _mlp_params(width=256, depth=3):
     return [_rand((width, width), 10 + i, width**-0.5) for i in range(depth)]
 
@@ -229,7 +223,7 @@ def test_mlp_gradients_agree_within_the_fp8_floor(policy):
     g32 = jax.jit(jax.grad(_mlp))(params, x)
     g16 = jax.jit(jax.grad(amp(_mlp, policy="bfloat16")))(params, x)
     g8 = jax.jit(jax.grad(amp(_mlp, policy=policy)))(params, x)
-    e16, e8 = _rel(g16, g32), _rel(g8, g32)
+    e16, e8 = rel(g16, g32), rel(g8, g32)
     # measured (CPU, JAX 0.10.2): bf16 ~0.004, fp8 ~0.04-0.06: the fp8 floor, and
     # clearly above bf16 (a test that fp8 really ran)
     assert e16 < 0.02 and 3 * e16 < e8 < 0.12, (e16, e8)
@@ -253,10 +247,10 @@ def test_under_jit_grad_vmap_and_scan():
     assert E4M3 in _casts_to(jaxpr) and E5M2 in _casts_to(jaxpr)
     g8 = jax.jit(jax.grad(f))(stacked, x[0])
     g32 = jax.grad(scanned)(stacked, x[0])
-    assert _rel(g8, g32) < 0.12
+    assert rel(g8, g32) < 0.12
     per_example = jax.jit(jax.vmap(jax.grad(f), in_axes=(None, 0)))(stacked, x)
     ref = jax.vmap(jax.grad(scanned), in_axes=(None, 0))(stacked, x)
-    assert per_example.shape == (2, 2, 256, 256) and _rel(per_example, ref) < 0.12
+    assert per_example.shape == (2, 2, 256, 256) and rel(per_example, ref) < 0.12
 
 
 # -- policy ------------------------------------------------------------------------------
@@ -375,8 +369,8 @@ def test_native_fp8_products_equal_the_emulated_ones(case, policy, monkeypatch):
     g32 = jax.grad(loss, argnums=(0, 1))(x, w)
     # the same products; on CPU to float32 accumulation order, elsewhere the bf16
     # matmul outputs (Policy.allow_outputs) can round an element either way
-    assert _rel(out[True], out[False]) < (1e-5 if jax.default_backend() == "cpu" else 1e-3)
-    assert 0.005 < _rel(out[True][1], g32) < 0.12  # and both really are fp8
+    assert rel(out[True], out[False]) < (1e-5 if jax.default_backend() == "cpu" else 1e-3)
+    assert 0.005 < rel(out[True][1], g32) < 0.12  # and both really are fp8
 
 
 @pytest.mark.skipif(

@@ -13,9 +13,9 @@ import pytest
 from jax import lax
 
 import amp_jax
-from amp_jax._src import casting, compat, planning, rules
+from amp_jax._src import compat, planning, rules
 from amp_jax._src.decision import Color, OpClass, Variant
-from amp_jax._src.painting import HIGH, LOW, ORIG
+from amp_jax._src.painting import LOW, ORIG
 
 ALLOW, FOLLOW = OpClass.ALLOW, OpClass.FOLLOW
 
@@ -99,37 +99,6 @@ def test_rules_say_which_operands_they_read_low():
     (c,) = [e for e in cond if e.primitive.name == "cond"]
     orig = dataclasses.replace(low, color=Color.ORIG)
     assert not rules.rule_for(c, None).reads_low(ctx, c, orig, c.invars[1])
-
-
-@pytest.mark.parametrize(
-    "dtype, color, expected",
-    [
-        (jnp.float32, LOW, jnp.bfloat16),
-        (jnp.float16, LOW, jnp.float16),  # never widened: a float16 value stays float16
-        (jnp.bfloat16, LOW, jnp.bfloat16),
-        (jnp.bfloat16, HIGH, jnp.float32),
-        (jnp.float32, ORIG, jnp.float32),
-        (jnp.float16, ORIG, jnp.float16),
-        (jnp.float64, LOW, None),  # not managed: read as it is
-        (jnp.int32, LOW, None),
-        (None, LOW, None),
-    ],
-)
-def test_one_casting_rule(dtype, color, expected):
-    got = casting.target(dtype, color, np.dtype(jnp.bfloat16))
-    assert got == (None if expected is None else np.dtype(expected))
-
-
-def test_cast_and_lower_make_no_convert_when_none_is_needed():
-    x = jnp.ones(3, jnp.bfloat16)
-    assert casting.cast(x, jnp.bfloat16) is x
-    assert casting.cast(x, None) is x
-    assert casting.lower(x, np.dtype(jnp.float16)) is x  # equal width: kept
-    i = jnp.ones(3, jnp.int32)
-    assert casting.lower(i, np.dtype(jnp.bfloat16)) is i
-    assert casting.lower(jnp.ones(3), np.dtype(jnp.bfloat16)).dtype == jnp.bfloat16
-    jaxpr = jax.make_jaxpr(lambda a: casting.cast(a, jnp.float32))(jnp.ones(2))
-    assert not compat.jaxpr_of(jaxpr).eqns
 
 
 def test_register_rule_binds_a_new_allow_primitive(monkeypatch):

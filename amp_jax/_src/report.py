@@ -9,7 +9,9 @@ from typing import Any
 import jax
 
 from amp_jax._src import compat, decision
+from amp_jax._src.explain import _check_grad, _flat_call, _loss_of, _split_fn
 from amp_jax._src.jaxprs import iter_eqns
+from amp_jax._src.transform import AmpFunction, _is_dynamic
 
 
 def _why(eqn: Any) -> str:
@@ -75,9 +77,6 @@ def dtype_report(
       >>> rows == dtype_report(amp(lambda a, b: a @ b), a, b)
       True
     """
-    from amp_jax._src.explain import _check_grad, _flat_call, _loss_of, _split_fn
-    from amp_jax._src.transform import AmpFunction, _is_dynamic
-
     g = _check_grad(grad)
     if policy is not None or isinstance(fn, AmpFunction):
         base, pol = _split_fn(fn, policy)
