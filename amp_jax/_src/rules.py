@@ -155,7 +155,8 @@ class DotRule(AllowRule):
         return functools.partial(dot_general_rule, backend=ctx.backend)
 
     def no_low_kernel(self, eqn: Any, backend: str) -> bool:
-        return _cpu_batched(eqn, backend)
+        floats = all(is_managed_float(casting.dtype_of(v)) for v in eqn.invars)
+        return floats and _cpu_batched(eqn, backend)
 
 
 #: primitive name -> its rule; names without an entry get the fallbacks of
