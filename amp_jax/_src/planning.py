@@ -322,22 +322,20 @@ class _Draft:
             reason = self.kept.get(i) or c.reason
             if fused is not Fused.NO and reason is not None and reason.why is Why.BACKEND_KERNEL:
                 reason = None  # (an attention's own path is its reason)
+            out_dtype = None
+            if color is Color.LOW and c.op_class is OpClass.ALLOW:  # what its rule writes
+                f32 = i in self.f32_out or c.variant is Variant.FLOAT32
+                out_dtype = HIGH_DTYPE if f32 else ctx.policy.allow_output_dtype(ctx.backend)
             d = Decision(
                 c.kind,
                 c.op_class,
                 color,
                 reason or _reason(ctx, eqn, c, color),
-                variant=c.variant,
-                attention=att.paths.get(i),
-                fused=fused,
+                out_dtype,
+                c.variant,
+                att.paths.get(i),
+                fused,
             )
-            if d.lowered:
-                out_dtype = (
-                    HIGH_DTYPE
-                    if i in self.f32_out or c.variant is Variant.FLOAT32
-                    else ctx.policy.allow_output_dtype(ctx.backend)
-                )
-                d = dataclasses.replace(d, out_dtype=out_dtype)
             out.append(d)
         return tuple(out)
 

@@ -11,7 +11,7 @@ import jax
 from amp_jax._src import compat, decision
 from amp_jax._src.explain import _check_grad, _flat_call, _loss_of, _split_fn
 from amp_jax._src.jaxprs import iter_eqns
-from amp_jax._src.transform import AmpFunction, _is_dynamic
+from amp_jax._src.transform import AmpFunction
 
 
 def _why(eqn: Any) -> str:
@@ -83,21 +83,10 @@ def dtype_report(
         fn = AmpFunction(_loss_of(base, has_aux, "dtype_report", g is not None), pol)
     else:
         fn = _loss_of(fn, has_aux, "dtype_report", g is not None)
-    if g is not None:
-        run, dyn = _flat_call(fn, args, kwargs, g)
-        fn, args, kwargs = run, tuple(dyn), {}
-
     # Array leaves are traced; the others (a mode string, a callable) are
     # passed as they are, as amp passes them.
-    leaves, treedef = jax.tree.flatten((args, kwargs))
-    mask = [_is_dynamic(x) for x in leaves]
-
-    def traced(*dyn):
-        it = iter(dyn)
-        a, k = jax.tree.unflatten(treedef, [next(it) if d else x for x, d in zip(leaves, mask)])
-        return fn(*a, **k)
-
-    closed = jax.make_jaxpr(traced)(*[x for x, d in zip(leaves, mask) if d])
+    run, dyn = _flat_call(fn, args, kwargs, g)
+    closed = jax.make_jaxpr(run)(*dyn)
     counts: collections.Counter = collections.Counter()
     _walk(compat.jaxpr_of(closed), counts, "")
     return sorted(
