@@ -13,10 +13,30 @@ def _open(j):
 
 def eqns(jaxpr, path=()):
     """Yields (eqn, path of enclosing primitive names) for every eqn, recursively."""
+    for e, p, _ in eqns_run(jaxpr, path):
+        yield e, p
+
+
+def eqns_run(jaxpr, path=(), times=1):
+    """Yields (eqn, path, times it runs) for every eqn, recursively: the one
+    walker of the tests (a ``scan`` body runs ``length`` times)."""
     for e in _open(jaxpr).eqns:
-        yield e, path
+        yield e, path, times
+        inner = times * (e.params["length"] if e.primitive.name == "scan" else 1)
         for sub in jex_core.jaxprs_in_params(e.params):
-            yield from eqns(sub, path + (e.primitive.name,))
+            yield from eqns_run(sub, path + (e.primitive.name,), inner)
+
+
+def rel(a, b):
+    """The relative error ``|a - b| / |b|`` (Frobenius norms over all leaves of
+    two pytrees of arrays), in float64: the one formula of the tests."""
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    num = sum(
+        float(np.sum((np.asarray(x, np.float64) - np.asarray(y, np.float64)) ** 2))
+        for x, y in zip(la, lb)
+    )
+    den = sum(float(np.sum(np.asarray(y, np.float64) ** 2)) for y in lb)
+    return num**0.5 / (den**0.5 + 1e-12)
 
 
 def prim_dtypes(jaxpr, name):

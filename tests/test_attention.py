@@ -20,6 +20,7 @@ import pytest
 from _util import BF16, eqns
 
 from amp_jax import Policy, amp, full_precision
+from amp_jax._src import decision
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
 
@@ -209,7 +210,7 @@ WITH_GRADS = ("bias [1,N,T,S]", "padding mask as a -1e9 bias", "gqa jnp.repeat",
 
 def _match_of(fn, *args):
     from amp_jax._src import attention, compat
-    from amp_jax._src.interpreter import inline_jits
+    from amp_jax._src.planning import inline_jits
 
     closed = inline_jits(jax.make_jaxpr(fn)(*args))
     jaxpr = compat.jaxpr_of(closed)
@@ -250,7 +251,7 @@ def test_bias_and_grouped_heads_recognised_and_close_to_float32(name):
 
 def test_constant_causal_mask_becomes_is_causal_and_a_padding_mask_is_passed():
     from amp_jax._src import attention, compat
-    from amp_jax._src.interpreter import inline_jits
+    from amp_jax._src.planning import inline_jits
 
     pad = jnp.arange(T)[None, :] < jnp.array([[T], [T // 2]])  # [B, Tk] valid keys
 
@@ -436,7 +437,7 @@ def test_real_layers_are_recognised():
 def _plan(fn, *args, backend="gpu", mode="auto", dtype=jnp.bfloat16):
     """attention.plan of ``fn``'s jaxpr as amp makes it on ``backend``."""
     from amp_jax._src import attention, compat
-    from amp_jax._src.interpreter import inline_jits
+    from amp_jax._src.planning import inline_jits
 
     closed = inline_jits(jax.make_jaxpr(fn)(*args))
     jaxpr = compat.jaxpr_of(closed)
@@ -566,7 +567,7 @@ def test_real_layers_and_limits_planned_for_a_gpu():
         assert got == impl and why in reason, (name, plan.log)
         kinds = [m.kind for m, _ in plan.fused.values()]
         assert kinds == ([kind] if impl else []), (name, kinds)
-        scopes = set(plan.scopes.values())
+        scopes = {decision.attention_scope(p) for p in plan.paths.values()}
         assert scopes == {"amp_attention[cudnn]" if impl else f"amp_attention[xla: {reason}]"}
         if kind and not impl:  # recognised, then refused: the reason is cuDNN's limit
             assert "dropout" not in reason
@@ -589,7 +590,7 @@ def test_backend_dtype_and_off_decide_before_the_gpu_limits():
             (None, f"no cuDNN on {jax.default_backend()}: left as written")
         ]
     off = _plan(fn, Q, K, V, mode="off")
-    assert off.log == [] and off.fused == {} and off.scopes == {}
+    assert off.log == [] and off.fused == {} and off.paths == {}
 
 
 def test_equinox_with_unequal_head_dims_runs_fused():
@@ -743,7 +744,7 @@ def _fused_kinds(fn):
         m.kind
         for (kind, _), (_, p) in traced.ctx._memo.items()
         if kind == "plan"
-        for m, _ in p.attention.fused.values()
+        for m, _ in p.fused.values()
     ]
 
 

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _util import eqns_run
 
 import amp_jax
 from amp_jax import amp, debug, full_precision
@@ -220,15 +221,10 @@ def test_explain_tells_one_source_line_apart_by_named_scope():
         assert all(r.dtype == "bfloat16" and "allow class" in r.reason for r in body), body
 
 
-def _dot_flops_by_dtype(jaxpr, times=1, acc=None):
+def _dot_flops_by_dtype(jaxpr):
     """An independent count: dot_general FLOPs per operand dtype, scan bodies x length."""
-    acc = {} if acc is None else acc
-    for e in jaxpr.eqns:
-        for sub in jax.extend.core.jaxprs_in_params(e.params):
-            sub = getattr(sub, "jaxpr", sub)
-            _dot_flops_by_dtype(
-                sub, times * (e.params["length"] if e.primitive.name == "scan" else 1), acc
-            )
+    acc = {}
+    for e, _, times in eqns_run(jaxpr):
         if e.primitive.name == "dot_general":
             (lc, _), _ = e.params["dimension_numbers"]
             lhs, out = e.invars[0].aval, e.outvars[0].aval

@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import pytest
-from _util import BF16, prim_dtypes
+from _util import BF16, prim_dtypes, rel
 
 from amp_jax import amp
 
@@ -49,10 +49,6 @@ def _loss(mm, adjoint):
     return loss
 
 
-def _rel(a, b):
-    return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
-
-
 _CPU_CRASH = pytest.mark.xfail(
     jax.default_backend() == "cpu",
     raises=jax.errors.JaxRuntimeError,
@@ -79,7 +75,7 @@ def test_diffrax_gradients_with_the_default_adjoint(adjoint):
         assert g.dtype == w.dtype
         # (was 74% off with the checkpointed adjoint: its backward recomputed
         # the solve in float32 and accepted other steps than the bf16 forward)
-        assert _rel(g, w) <= 2 * _rel(h, w) + 1e-4, (_rel(g, w), _rel(h, w))
+        assert rel(g, w) <= 2 * rel(h, w) + 1e-4, (rel(g, w), rel(h, w))
     # the forward and the backward ran their vector-field matmuls in bf16
     jaxpr = jax.make_jaxpr(jax.grad(amp_loss, (0, 1)))(W1, W2, Y0)
     assert BF16 in {d[0][0] for d in prim_dtypes(jaxpr, "dot_general")}

@@ -15,11 +15,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _util import BF16, F32, eqns
+from _util import BF16, F32, eqns, rel
 
 import amp_jax
 from amp_jax import Policy, amp, get_policy
-from amp_jax._src import compat, float8
+from amp_jax._src import compat, decision, float8
 
 E4M3 = np.dtype(jnp.float8_e4m3fn)
 E5M2 = np.dtype(jnp.float8_e5m2)
@@ -186,12 +186,6 @@ def test_extreme_inputs_through_amp_and_grad():
 # -- numerics -------------------------------------------------------------------------------
 
 
-def _rel(a, b):
-    num = sum(float(jnp.sum((x - y) ** 2)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
-    den = sum(float(jnp.sum(y**2)) for y in jax.tree.leaves(b))
-    return (num / den) ** 0.5
-
-
 def _mlp_params(width=256, depth=3):
     return [_rand((width, width), 10 + i, width**-0.5) for i in range(depth)]
 
@@ -229,7 +223,7 @@ def test_mlp_gradients_agree_within_the_fp8_floor(policy):
     g32 = jax.jit(jax.grad(_mlp))(params, x)
     g16 = jax.jit(jax.grad(amp(_mlp, policy="bfloat16")))(params, x)
     g8 = jax.jit(jax.grad(amp(_mlp, policy=policy)))(params, x)
-    e16, e8 = _rel(g16, g32), _rel(g8, g32)
+    e16, e8 = rel(g16, g32), rel(g8, g32)
     # measured (CPU, JAX 0.10.2): bf16 ~0.004, fp8 ~0.04-0.06: the fp8 floor, and
     # clearly above bf16 (a test that fp8 really ran)
     assert e16 < 0.02 and 3 * e16 < e8 < 0.12, (e16, e8)
@@ -253,10 +247,10 @@ def test_under_jit_grad_vmap_and_scan():
     assert E4M3 in _casts_to(jaxpr) and E5M2 in _casts_to(jaxpr)
     g8 = jax.jit(jax.grad(f))(stacked, x[0])
     g32 = jax.grad(scanned)(stacked, x[0])
-    assert _rel(g8, g32) < 0.12
+    assert rel(g8, g32) < 0.12
     per_example = jax.jit(jax.vmap(jax.grad(f), in_axes=(None, 0)))(stacked, x)
     ref = jax.vmap(jax.grad(scanned), in_axes=(None, 0))(stacked, x)
-    assert per_example.shape == (2, 2, 256, 256) and _rel(per_example, ref) < 0.12
+    assert per_example.shape == (2, 2, 256, 256) and rel(per_example, ref) < 0.12
 
 
 # -- policy ------------------------------------------------------------------------------
@@ -299,11 +293,11 @@ def test_explain_and_dtype_report_say_float8_and_emulated():
     dots = [r for r in ex.rows if r.primitive == "dot_general"]
     assert len(dots) == 2  # forward, backward groups
     for r in dots:
-        assert float8.describe("rowwise", backend) in r.reason, r.reason
+        assert decision.float8_text("rowwise", backend) in r.reason, r.reason
     assert "float8 rowwise" in ex.summary_lines()[0]
     rows = amp_jax.dtype_report(jax.grad(amp(_layer, policy="float8")), W, X)
     why = {r[5] for r in rows if r[0] == "dot_general"}
-    assert why == {float8.describe("tensorwise", backend)}, why
+    assert why == {decision.float8_text("tensorwise", backend)}, why
     if backend == "cpu":
         assert "float8 tensorwise" in why.pop() and "emulated on cpu" in r.reason
 
@@ -375,8 +369,8 @@ def test_native_fp8_products_equal_the_emulated_ones(case, policy, monkeypatch):
     g32 = jax.grad(loss, argnums=(0, 1))(x, w)
     # the same products; on CPU to float32 accumulation order, elsewhere the bf16
     # matmul outputs (Policy.allow_outputs) can round an element either way
-    assert _rel(out[True], out[False]) < (1e-5 if jax.default_backend() == "cpu" else 1e-3)
-    assert 0.005 < _rel(out[True][1], g32) < 0.12  # and both really are fp8
+    assert rel(out[True], out[False]) < (1e-5 if jax.default_backend() == "cpu" else 1e-3)
+    assert 0.005 < rel(out[True][1], g32) < 0.12  # and both really are fp8
 
 
 @pytest.mark.skipif(

@@ -3,7 +3,7 @@
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from _util import F32, check_dots_low, prim_dtypes
+from _util import F32, check_dots_low, prim_dtypes, rel
 from flax import linen as nn
 from flax import nnx
 
@@ -13,10 +13,6 @@ from amp_jax import Policy, amp
 LOW = Policy(jnp.bfloat16, min_low_contraction=0, min_low_flops=0)
 
 KEY = jax.random.PRNGKey(0)
-
-
-def _rel(a, b):
-    return float(jnp.linalg.norm((a - b).ravel()) / (jnp.linalg.norm(b.ravel()) + 1e-12))
 
 
 def _norm_stats_f32(jaxpr):
@@ -61,7 +57,7 @@ def test_flax_linen_layers():
     assert jax.tree.map(lambda a: a.dtype, upd) == jax.tree.map(lambda a: a.dtype, upd0)
     for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g0)):
         assert a.dtype == b.dtype == jnp.float32
-    assert _rel(jax.flatten_util.ravel_pytree(g)[0], jax.flatten_util.ravel_pytree(g0)[0]) < 5e-2
+    assert rel(jax.flatten_util.ravel_pytree(g)[0], jax.flatten_util.ravel_pytree(g0)[0]) < 5e-2
     jaxpr = jax.make_jaxpr(amp(loss, policy=LOW))(*args)
     check_dots_low(jaxpr, min_low=4)  # q, k, v, out projections, Dense
     _norm_stats_f32(jaxpr)
@@ -119,7 +115,7 @@ def test_equinox_layers():
     ga, gb = eqx.filter(g, eqx.is_array), eqx.filter(g0, eqx.is_array)
     for a, b in zip(jax.tree.leaves(ga), jax.tree.leaves(gb)):
         assert a.dtype == b.dtype
-    assert _rel(jax.flatten_util.ravel_pytree(ga)[0], jax.flatten_util.ravel_pytree(gb)[0]) < 5e-2
+    assert rel(jax.flatten_util.ravel_pytree(ga)[0], jax.flatten_util.ravel_pytree(gb)[0]) < 5e-2
     arrays, static = eqx.partition((mlp, att, ln), eqx.is_array)
     jaxpr = jax.make_jaxpr(
         lambda p: amp(lambda m, x: loss(m, x)[0], policy=LOW)(eqx.combine(p, static), x)

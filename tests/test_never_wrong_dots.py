@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _util import BF16, F16, eqns
+from _util import BF16, F16, eqns, rel
 from flax import nnx
 
 from amp_jax import amp
@@ -23,10 +23,6 @@ def _low_sums(jaxpr):
         for e, _ in eqns(jaxpr)
         if e.primitive.name in SUMS and np.dtype(e.invars[0].aval.dtype) in (BF16, F16)
     ]
-
-
-def _rel(g, ref):
-    return float(jnp.linalg.norm(g - ref) / jnp.linalg.norm(ref))
 
 
 def _tile_loss(z, r):
@@ -72,8 +68,8 @@ def test_tile_gradient_within_twice_the_hand_cast_error():
     z = jax.random.normal(jax.random.key(0), (8,))
     r = jax.random.normal(jax.random.key(1), (8, 256)) / 3
     ref = jax.jit(jax.grad(_tile_loss))(z, r)
-    hand = _rel(jax.jit(jax.grad(_tile_hand))(z, r), ref)
-    got = _rel(jax.jit(jax.grad(amp(_tile_loss)))(z, r), ref)
+    hand = rel(jax.jit(jax.grad(_tile_hand))(z, r), ref)
+    got = rel(jax.jit(jax.grad(amp(_tile_loss)))(z, r), ref)
     assert got <= 2 * hand, (got, hand)
     # float32 stays the identity, bitwise
     same = jax.jit(jax.grad(amp(_tile_loss, policy="float32")))(z, r)
@@ -105,7 +101,7 @@ def test_flax_nnx_bias_gradients_are_summed_in_float32(dtype):
     tol = 4e-2 if dtype == "bfloat16" else 1e-2
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
         assert g.dtype == w.dtype
-        assert _rel(g, w) < tol
+        assert rel(g, w) < tol
 
 
 # -- item 1: every dot amp emits runs on XLA:CPU --------------------------------
@@ -168,7 +164,7 @@ def test_issue_reproductions_run_and_match_float32(name):
 def test_equinox_mlp_with_its_default_activation_trains_under_grad():
     got, ref = _eqx_mlp_grads()
     flat = [jnp.concatenate([g.ravel() for g in jax.tree.leaves(t)]) for t in (got, ref)]
-    assert _rel(*flat) < 3e-2
+    assert rel(*flat) < 3e-2
 
 
 _SPECS = ["ji,jk->ik", "ij,kj->ik", "ki,bkj->ibj", "bik,bjk->bji", "kbi,kj->jbi", "jki,jkl->li"]
@@ -214,4 +210,4 @@ def test_every_dot_layout_runs_under_jit_grad_and_vmap(spec, policy):
     ref = runs(lambda g: g)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
         assert g.dtype == w.dtype and g.shape == w.shape
-        assert _rel(g, w) < (3e-2 if policy == "bfloat16" else 5e-3)
+        assert rel(g, w) < (3e-2 if policy == "bfloat16" else 5e-3)

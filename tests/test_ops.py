@@ -295,8 +295,9 @@ def test_op(name):
         scale = max(float(jnp.max(jnp.abs(g))) for g in r["df32"])
         for g, w in zip(r["dbf16"], r["df32"]):
             np.testing.assert_allclose(g, w, rtol=0, atol=2 * TOL * scale, err_msg=name)
-    if name.startswith("ew:"):  # both dots (and any inside the op) run low
-        check_dots_low(jax.make_jaxpr(amp(fn, policy=SWEEP))(X, W, W2), min_low=2)
+    # the matmul runs low (both matmuls, and any inside the op, for the ew: cases)
+    jaxpr = jax.make_jaxpr(amp(fn, policy=SWEEP))(X, W, W2)
+    check_dots_low(jaxpr, min_low=2 if name.startswith("ew:") else 1)
 
 
 @pytest.mark.parametrize("name", ["ew:relu", "ew:tanh", "ew:softmax", "any:sum", "ew:scan"])
@@ -308,6 +309,7 @@ def test_op_eager_matches_jit(name):
     which op-by-op eager evaluation cannot do.
     """
     fn = amp(CASES[name], policy=SWEEP)
+    check_dots_low(jax.make_jaxpr(fn)(X, W, W2))  # (what is compared was lowered)
     strict = jax.jit(fn).lower(X, W, W2).compile({"xla_allow_excess_precision": False})
     jax.tree.map(
         lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6),
@@ -353,5 +355,8 @@ def test_followers_between_dots_run_bf16(name, prim):
     ],
 )
 def test_sensitive_ops_run_float32(name, prim):
-    """Deny ops, and follow ops downstream of one (softmax's division), are float32."""
+    """Deny ops, and follow ops downstream of one (softmax's division), are float32,
+    and the matmuls beside them run low."""
     assert _dtype_of(CASES[name], prim) == {F32}
+    jaxpr = jax.make_jaxpr(amp(CASES[name], policy=SWEEP))(X, W, W2)
+    assert (BF16, BF16) in [i for i, _, _ in prim_dtypes(jaxpr, "dot_general")]

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _util import eqns
 from jax import lax
 
 from amp_jax._src import compat, rules
@@ -87,24 +88,14 @@ def test_dot_transpose_matches_jax_bfloat16_operands(name):
     if _batched(LAYOUTS[name][2]) and jax.default_backend() == "cpu":
         pytest.skip(
             "XLA:CPU has no batched bf16 x bf16 -> f32 dot kernel; "
-            "dot_general_rule keeps such dots in float32 there (rules._cpu_batched)"
+            "the plan keeps such dots in float32 there (Variant.FLOAT32)"
         )
     # bf16 operands, float32 accumulation: only the summation order differs
     _check(name, jnp.bfloat16, 1e-2)
 
 
 def _dots(closed):
-    out = []
-
-    def walk(j):
-        for e in j.eqns:
-            if e.primitive.name == "dot_general":
-                out.append(e)
-            for sub in jax.extend.core.jaxprs_in_params(e.params):
-                walk(compat.jaxpr_of(sub) if compat.is_closed_jaxpr(sub) else sub)
-
-    walk(compat.jaxpr_of(closed))
-    return out
+    return [e for e, _ in eqns(closed) if e.primitive.name == "dot_general"]
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU layout rewrite")

@@ -13,7 +13,7 @@ hand.
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _util import BF16, F32, prim_dtypes
+from _util import BF16, F32, prim_dtypes, rel
 
 from amp_jax import amp, dtype_report
 
@@ -87,10 +87,6 @@ def _setup():
     return params, y0
 
 
-def _rel(a, b):
-    return float(np.linalg.norm(np.ravel(a) - np.ravel(b)) / np.linalg.norm(np.ravel(b)))
-
-
 def _run(fn, params, y0):
     (value, stats), grads = jax.jit(jax.value_and_grad(fn, has_aux=True))(params, y0)
     return (
@@ -108,7 +104,7 @@ def test_amp_around_the_whole_solve_is_as_good_as_casting_the_field_by_hand():
     va, steps_a, ta, ga = _run(amp(loss), params, y0)
     assert t32 == th == ta == 1.0  # every solve reached t1 within the step budget
     err_hand, err_amp = abs(vh - v32) / abs(v32), abs(va - v32) / abs(v32)
-    gerr_hand, gerr_amp = _rel(gh, g32), _rel(ga, g32)
+    gerr_hand, gerr_amp = rel(gh, g32), rel(ga, g32)
     assert err_amp <= 2 * err_hand + 1e-4, (err_amp, err_hand)
     assert gerr_amp <= 2 * gerr_hand + 1e-3, (gerr_amp, gerr_hand)
     assert abs(steps_a[0] - steps_h[0]) <= 1 and abs(steps_a[1] - steps_h[1]) <= 1, (

@@ -3,6 +3,7 @@ the one casting rule, and the public ``register_rule``."""
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import jax
@@ -12,16 +13,19 @@ import pytest
 from jax import lax
 
 import amp_jax
-from amp_jax._src import casting, compat, interpreter, rules
-from amp_jax._src.painting import HIGH, LOW, ORIG
+from amp_jax._src import compat, planning, rules
+from amp_jax._src.decision import Color, OpClass, Variant
+from amp_jax._src.painting import LOW, ORIG
+
+ALLOW, FOLLOW = OpClass.ALLOW, OpClass.FOLLOW
 
 
 def _eqns(fn, *args):
     return compat.jaxpr_of(jax.make_jaxpr(fn)(*args)).eqns
 
 
-def _rule_name(eqn, cls="follow"):
-    return type(interpreter.rule_for(eqn, cls)).__name__
+def _rule_name(eqn, cls=FOLLOW):
+    return type(rules.rule_for(eqn, cls)).__name__
 
 
 def test_every_eqn_is_bound_through_the_rule_of_its_primitive():
@@ -37,8 +41,8 @@ def test_every_eqn_is_bound_through_the_rule_of_its_primitive():
         return lax.cond(c.sum() > 0, lambda a: a, lambda a: -a, c)  # cond
 
     names = {e.primitive.name: _rule_name(e) for e in _eqns(fn, x, w)}
-    assert names["dot_general"] == "Float8DotRule"  # the float8 rule extends DotRule
-    assert isinstance(interpreter.rule_for(_eqns(fn, x, w)[0], "allow"), rules.DotRule)
+    assert names["dot_general"] == "DotRule"  # float8 is one of its variants
+    assert Variant.FLOAT8 in rules.rule_for(_eqns(fn, x, w)[0], ALLOW).variants
     assert names["add"] == "BroadcastRule"
     assert names["custom_jvp_call"] == "CustomJvpRule"
     assert names["tanh"] == "EqnRule"
@@ -47,72 +51,54 @@ def test_every_eqn_is_bound_through_the_rule_of_its_primitive():
     conv = _eqns(
         lambda a, k: lax.conv(a, k, (1, 1), "SAME"), jnp.ones((1, 2, 5, 5)), jnp.ones((3, 2, 3, 3))
     )
-    assert [_rule_name(e, "allow") for e in conv] == ["AllowRule"]
+    assert [_rule_name(e, ALLOW) for e in conv] == ["AllowRule"]
 
 
 def test_an_unknown_primitive_in_the_allow_class_gets_the_default_allow_rule():
     (eqn,) = _eqns(jnp.tanh, jnp.ones(3))
-    assert type(interpreter.rule_for(eqn, "allow")) is rules.AllowRule
-    assert type(interpreter.rule_for(eqn, "follow")) is rules.EqnRule
+    assert type(rules.rule_for(eqn, ALLOW)) is rules.AllowRule
+    assert type(rules.rule_for(eqn, FOLLOW)) is rules.EqnRule
 
 
 def _ctx(backend="cpu", policy="bfloat16"):
-    return interpreter.Context(amp_jax.get_policy(policy), backend)
+    return planning.Context(amp_jax.get_policy(policy), backend)
+
+
+def _decisions(ctx, fn, *args):
+    """The plan's decisions for ``fn``'s eqns under ``ctx``."""
+    return planning.plan(ctx, jax.make_jaxpr(fn)(*args)).decisions
 
 
 def test_rules_say_which_operands_they_read_low():
     ctx = _ctx()
-    batched = _eqns(
-        lambda a, b: jnp.einsum("bij,bjk->bik", a, b), jnp.ones((2, 3, 4)), jnp.ones((2, 4, 5))
+    args = (jnp.ones((2, 32, 64)), jnp.ones((2, 64, 32)))
+    batched = _eqns(lambda a, b: jnp.einsum("bij,bjk->bik", a, b), *args)
+    (i,) = [i for i, e in enumerate(batched) if e.primitive.name == "dot_general"]
+    bdot = batched[i]
+    rule = rules.rule_for(bdot, ALLOW)
+    # XLA:CPU has no batched bf16 dot: the plan runs it in float32 there, with the reason
+    cpu = _decisions(ctx, lambda a, b: jnp.einsum("bij,bjk->bik", a, b), *args)[i]
+    gpu = _decisions(_ctx("gpu"), lambda a, b: jnp.einsum("bij,bjk->bik", a, b), *args)[i]
+    assert (cpu.color, cpu.variant, cpu.reason.why.value) == (
+        LOW,
+        Variant.FLOAT32,
+        "backend_kernel",
     )
-    (bdot,) = [e for e in batched if e.primitive.name == "dot_general"]
-    rule = interpreter.rule_for(bdot, "allow")
-    # XLA:CPU has no batched bf16 dot: the rule reads its operands in float32 there
-    assert not rule.reads_low(ctx, bdot, LOW, "allow", bdot.invars[0])
-    assert rule.reads_low(_ctx("gpu"), bdot, LOW, "allow", bdot.invars[0])
-    # the same dot in the follow class (a user override) is a plain low bind
-    assert rule.reads_low(ctx, bdot, LOW, "follow", bdot.invars[0])
-    assert not rule.reads_low(ctx, bdot, ORIG, "allow", bdot.invars[0])
+    assert not rule.reads_low(ctx, bdot, cpu, bdot.invars[0])
+    assert (gpu.color, gpu.variant) == (LOW, Variant.COMPUTE)
+    assert rule.reads_low(ctx, bdot, gpu, bdot.invars[0])
+    assert not rule.reads_low(ctx, bdot, dataclasses.replace(gpu, color=ORIG), bdot.invars[0])
 
     (add,) = _eqns(lambda a, b: a + b, jnp.ones((4, 8)), jnp.ones((1, 8)))
-    brule = interpreter.rule_for(add, "follow")
-    assert brule.reads_low(ctx, add, LOW, "follow", add.invars[0])  # same shape as the output
-    assert not brule.reads_low(ctx, add, LOW, "follow", add.invars[1])  # broadcast first
+    low = dataclasses.replace(gpu, op_class=FOLLOW, variant=Variant.COMPUTE)
+    brule = rules.rule_for(add, FOLLOW)
+    assert brule.reads_low(ctx, add, low, add.invars[0])  # same shape as the output
+    assert not brule.reads_low(ctx, add, low, add.invars[1])  # broadcast first
 
     cond = [e for e in _eqns(lambda p, a: lax.cond(p, jnp.sin, jnp.cos, a), True, jnp.ones(3))]
     (c,) = [e for e in cond if e.primitive.name == "cond"]
-    assert not interpreter.rule_for(c, "opaque").reads_low(ctx, c, ORIG, "opaque", c.invars[1])
-
-
-@pytest.mark.parametrize(
-    "dtype, color, expected",
-    [
-        (jnp.float32, LOW, jnp.bfloat16),
-        (jnp.float16, LOW, jnp.float16),  # never widened: a float16 value stays float16
-        (jnp.bfloat16, LOW, jnp.bfloat16),
-        (jnp.bfloat16, HIGH, jnp.float32),
-        (jnp.float32, ORIG, jnp.float32),
-        (jnp.float16, ORIG, jnp.float16),
-        (jnp.float64, LOW, None),  # not managed: read as it is
-        (jnp.int32, LOW, None),
-        (None, LOW, None),
-    ],
-)
-def test_one_casting_rule(dtype, color, expected):
-    got = casting.target(dtype, color, np.dtype(jnp.bfloat16))
-    assert got == (None if expected is None else np.dtype(expected))
-
-
-def test_cast_and_lower_make_no_convert_when_none_is_needed():
-    x = jnp.ones(3, jnp.bfloat16)
-    assert casting.cast(x, jnp.bfloat16) is x
-    assert casting.cast(x, None) is x
-    assert casting.lower(x, np.dtype(jnp.float16)) is x  # equal width: kept
-    i = jnp.ones(3, jnp.int32)
-    assert casting.lower(i, np.dtype(jnp.bfloat16)) is i
-    assert casting.lower(jnp.ones(3), np.dtype(jnp.bfloat16)).dtype == jnp.bfloat16
-    jaxpr = jax.make_jaxpr(lambda a: casting.cast(a, jnp.float32))(jnp.ones(2))
-    assert not compat.jaxpr_of(jaxpr).eqns
+    orig = dataclasses.replace(low, color=Color.ORIG)
+    assert not rules.rule_for(c, None).reads_low(ctx, c, orig, c.invars[1])
 
 
 def test_register_rule_binds_a_new_allow_primitive(monkeypatch):
@@ -147,16 +133,19 @@ def test_register_rule_refuses_structural_primitives_and_bad_arguments():
 
 
 def test_backend_comes_from_the_context_not_the_process():
-    """The dot rule's CPU layouts and batched-dot fallback follow ctx.backend."""
+    """The plan's batched-dot fallback and the dot rule's CPU layouts follow ctx.backend."""
     a, b = jnp.ones((2, 16, 32)), jnp.ones((2, 32, 16))
     (eqn,) = _eqns(lambda a, b: lax.dot_general(a, b, (((2,), (1,)), ((0,), (0,)))), a, b)
 
     def dtypes_of(backend):
         ctx = _ctx(backend)
+        (d,) = _decisions(
+            ctx, lambda a, b: lax.dot_general(a, b, (((2,), (1,)), ((0,), (0,)))), a, b
+        )
 
         def fn(a, b):  # a reader of the operands, as the interpreter's _Env
-            env = types.SimpleNamespace(read=lambda v, d: (a, b)[eqn.invars.index(v)])
-            return rules.TABLE["dot_general"].evaluate(ctx, eqn, LOW, "allow", env)
+            env = types.SimpleNamespace(read=lambda v, _: (a, b)[eqn.invars.index(v)])
+            return rules.TABLE["dot_general"].evaluate(ctx, eqn, d, env)
 
         return str(jax.make_jaxpr(fn)(a, b))  # (with the custom_vjp's inner jaxpr)
 

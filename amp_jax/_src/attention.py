@@ -54,7 +54,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from amp_jax._src import compat
+from amp_jax._src import compat, jaxprs
+from amp_jax._src.decision import AttentionPath
 
 _FILL_MAX = -1e4  # a mask fill at or below this is "masked out"
 
@@ -206,92 +207,130 @@ def find(
     constant causal mask. Near misses (a softmax between two matmuls that
     cannot be taken, with the reason) are appended to ``near`` if given.
     """
-    eqns = jaxpr.eqns
-    producer: dict[Any, int] = {}
-    consumers: dict[Any, list[int]] = {}
-    for i, e in enumerate(eqns):
-        for v in e.outvars:
-            producer[v] = i
-        for v in e.invars:
-            if not isinstance(v, compat.Literal):
-                consumers.setdefault(v, []).append(i)
-    outs = {v for v in jaxpr.outvars if not isinstance(v, compat.Literal)}
+    producer, consumers = jaxprs.def_use(jaxpr)
+    g = _Graph(
+        jaxpr,
+        jaxpr.eqns,
+        producer,
+        consumers,
+        frozenset(v for v in jaxpr.outvars if not isinstance(v, compat.Literal)),
+        consts,
+    )
     found: dict[int, Match] = {}
     taken: set[int] = set()
-    for i, e in enumerate(eqns):
-        if e.primitive.name == "exp":
-            try:
-                m = _match_at(i, eqns, producer, consumers, outs, consts, jaxpr)
-            except _NoMatch as x:
-                if near is not None and x.args:
-                    near.append(NearMiss(*x.args))
-                continue
-            except Exception:  # noqa: BLE001 -- a shape the matcher did not foresee:
-                continue  # never break the program, leave it as written
-            if not (m.skip & taken):
-                found[m.d2] = m
-                taken |= m.skip
+    for i, e in enumerate(g.eqns):
+        if e.primitive.name != "exp":
+            continue
+        try:
+            m = _match_at(g, i)
+        except _NoMatch as x:
+            if near is not None and x.miss is not None:
+                near.append(x.miss)
+            continue
+        if not (m.skip & taken):
+            found[m.d2] = m
+            taken |= m.skip
     return found
 
 
 class _NoMatch(Exception):
-    """Not attention; with args ``(reason, eqns, source eqn)``: a near miss."""
+    """Not attention; with a :class:`NearMiss` when the softmax and both matmuls are there."""
+
+    def __init__(self, miss: NearMiss | None = None):
+        super().__init__(miss.reason if miss is not None else "not attention")
+        self.miss = miss
 
 
 _RANDOM = frozenset({"random_bits", "random_seed", "random_wrap", "threefry2x32", "rng_uniform"})
 _BETWEEN = frozenset({"mul", "div", "select_n", "convert_element_type"})
 
 
-def _match_at(i_exp, eqns, producer, consumers, outs, consts, jaxpr) -> Match:
-    """The attention whose softmax has its ``exp`` at ``i_exp``.
+@dataclasses.dataclass(frozen=True)
+class _Near:
+    """Once the softmax and its values matmul are found: what a near miss names."""
 
-    Raises ``_NoMatch()`` when it is not attention, ``_NoMatch(reason, eqns,
-    source)`` when the softmax and both matmuls are there but something else
-    is not (a near miss).
-    """
-    near: dict[str, Any] = {}  # set once the softmax and the values matmul are found
+    eqns: frozenset[int]
+    source: Any  # eqn (for its source info)
 
-    def need(cond: bool, reason: str | None = None) -> None:
+    def need(self, cond: bool, reason: str | None = None) -> None:
+        """A near miss with ``reason`` unless ``cond`` (no reason: not attention)."""
         if not cond:
-            if near and reason:
-                raise _NoMatch(reason, frozenset(near["eqns"]), near["source"])
-            raise _NoMatch
+            raise _NoMatch(NearMiss(reason, self.eqns, self.source) if reason else None)
 
-    def prod(atom, name=None, reason=None):
-        need(not isinstance(atom, compat.Literal) and atom in producer, reason)
-        j = producer[atom]
-        need(
-            name is None
-            or eqns[j].primitive.name in (name if isinstance(name, tuple) else (name,)),
-            reason,
-        )
+
+#: before the softmax and its values matmul are found, a failed check is no near miss
+_NOT_YET = _Near(frozenset(), None)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Graph:
+    """The jaxpr being matched, with its def-use maps."""
+
+    jaxpr: Any
+    eqns: Any
+    producer: dict[Any, int]
+    consumers: dict[Any, list[int]]
+    outs: frozenset[Any]
+    consts: dict[Any, Any]
+
+    def prod(self, atom: Any, name: Any = None, near: _Near = _NOT_YET, reason: Any = None) -> int:
+        """The index of the eqn that computes ``atom`` (of primitive ``name``, if given)."""
+        near.need(not isinstance(atom, compat.Literal) and atom in self.producer, reason)
+        j = self.producer[atom]
+        names = name if isinstance(name, tuple) else (name,)
+        near.need(name is None or self.eqns[j].primitive.name in names, reason)
         return j
 
-    def only_used_by(var, allowed: set[int], reason=None):
-        need(var not in outs and set(consumers.get(var, ())) <= allowed, reason)
+    def users(self, var: Any) -> list[int]:
+        return self.consumers.get(var, [])
 
-    skip: set[int] = set()
+    def only_used_by(self, var: Any, allowed: set[int], near: _Near, reason: str) -> None:
+        near.need(var not in self.outs and set(self.users(var)) <= allowed, reason)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Softmax:
+    """``exp(S - max(S)) / sum(...)`` over the last axis of the scores ``S``."""
+
+    s_var: Any
+    max_src: Any  # S, or what S transposes (the max taken before the transpose)
+    chain: tuple[int, ...]  # sub, [stop_gradient], broadcast, [transpose], [max], reduce_max
+    i_exp: int
+    i_rs: int
+    bs: int
+    i_div: int
+    e_var: Any
+    p_var: Any
+    axis_ok: bool
+
+    @property
+    def eqns(self) -> frozenset[int]:
+        return frozenset((*self.chain, self.i_exp, self.i_rs, self.bs, self.i_div))
+
+
+def _softmax_at(g: _Graph, i_exp: int) -> _Softmax:
+    eqns, need = g.eqns, _NOT_YET.need
     e_exp = eqns[i_exp]
-    i_sub = prod(e_exp.invars[0], "sub")
+    i_sub = g.prod(e_exp.invars[0], "sub")
     s_var, mb = eqns[i_sub].invars
     # the max: [stop_gradient] <- broadcast_in_dim <- [max(-inf, .)] <- reduce_max(S)
     chain = [i_sub]
-    j = prod(mb)
+    j = g.prod(mb)
     if eqns[j].primitive.name == "stop_gradient":
         chain.append(j)
-        j = prod(eqns[j].invars[0])
+        j = g.prod(eqns[j].invars[0])
     need(eqns[j].primitive.name == "broadcast_in_dim")
     chain.append(j)
-    j = prod(eqns[j].invars[0])
+    j = g.prod(eqns[j].invars[0])
     max_perm = None
     if eqns[j].primitive.name == "transpose":  # the max taken before S's transpose
         max_perm = tuple(eqns[j].params["permutation"])
         chain.append(j)
-        j = prod(eqns[j].invars[0])
+        j = g.prod(eqns[j].invars[0])
     if eqns[j].primitive.name == "max":
         chain.append(j)
         a, b = eqns[j].invars
-        j = prod(a if isinstance(b, compat.Literal) else b)
+        j = g.prod(a if isinstance(b, compat.Literal) else b)
     need(eqns[j].primitive.name == "reduce_max")
     chain.append(j)
     nd = len(s_var.aval.shape)
@@ -299,33 +338,49 @@ def _match_at(i_exp, eqns, producer, consumers, outs, consts, jaxpr) -> Match:
     if max_src is s_var:
         axis_ok = max_perm is None and axes == (nd - 1,)
     else:  # S = transpose(max_src, perm) and the max is over S's last axis
-        t = prod(s_var, "transpose")
+        t = g.prod(s_var, "transpose")
         perm_s = tuple(eqns[t].params["permutation"])
         need(eqns[t].invars[0] is max_src)
         axis_ok = axes == (perm_s[-1],)
     # exp -> reduce_sum -> broadcast -> div(exp, .)
     e_var = e_exp.outvars[0]
-    uses = consumers.get(e_var, [])
+    uses = g.users(e_var)
     need(len(uses) == 2)
     i_rs = next((u for u in uses if eqns[u].primitive.name == "reduce_sum"), None)
     i_div = next((u for u in uses if eqns[u].primitive.name == "div"), None)
     need(i_rs is not None and i_div is not None)
     axis_ok = axis_ok and tuple(eqns[i_rs].params["axes"]) == (nd - 1,)
-    (bs,) = consumers.get(eqns[i_rs].outvars[0], [None])
-    need(bs is not None and eqns[bs].primitive.name == "broadcast_in_dim")
+    sum_users = g.users(eqns[i_rs].outvars[0])
+    need(len(sum_users) == 1 and eqns[sum_users[0]].primitive.name == "broadcast_in_dim")
+    (bs,) = sum_users
     need(eqns[i_div].invars[0] is e_var and eqns[i_div].invars[1] is eqns[bs].outvars[0])
-    p_var = eqns[i_div].outvars[0]
-    skip.update(chain + [i_exp, i_rs, bs, i_div])
+    return _Softmax(
+        s_var, max_src, tuple(chain), i_exp, i_rs, bs, i_div, e_var, eqns[i_div].outvars[0], axis_ok
+    )
 
-    # P -> [elementwise ops, e.g. dropout] -> dot_general with the values
-    cur, between, i_d2, p_elsewhere = p_var, [], None, False
+
+@dataclasses.dataclass(frozen=True)
+class _ValuesUse:
+    """How the probabilities reach the values matmul."""
+
+    i_d2: int
+    between: tuple[int, ...]  # elementwise ops between P and the matmul (dropout)
+    casts: tuple[int, ...]  # float casts of P (part of the attention)
+    p_var: Any  # what the values matmul reads
+    p_elsewhere: bool  # P is also read by something else
+
+
+def _values_use(g: _Graph, sm: _Softmax) -> _ValuesUse:
+    """P -> [elementwise ops, e.g. dropout] -> dot_general with the values."""
+    eqns = g.eqns
+    cur, between, i_d2, p_elsewhere = sm.p_var, [], None, False
     for _ in range(6):
-        uses = consumers.get(cur, [])
+        uses = g.users(cur)
         dots = [u for u in uses if eqns[u].primitive.name == "dot_general"]
-        if len(dots) == 1 and (len(uses) > 1 or cur in outs):
+        if len(dots) == 1 and (len(uses) > 1 or cur in g.outs):
             i_d2, p_elsewhere = dots[0], True
             break
-        if len(uses) != 1 or cur in outs:
+        if len(uses) != 1 or cur in g.outs:
             break
         name = eqns[uses[0]].primitive.name
         if name == "dot_general":
@@ -335,72 +390,181 @@ def _match_at(i_exp, eqns, producer, consumers, outs, consts, jaxpr) -> Match:
             break
         between.append(uses[0])
         cur = eqns[uses[0]].outvars[0]
-    need(i_d2 is not None)
-    near.update(eqns=set(skip) | set(between) | {i_d2}, source=eqns[i_d2])
+    _NOT_YET.need(i_d2 is not None)
     if all(_is_float_cast(eqns[k]) for k in between):
         # P cast to another float dtype (softmax in float32, then the compute dtype,
         # as Flax and hand-written bf16 code do): the fused attention computes P in
         # its own dtype, so the casts are part of it
-        skip.update(between)
-        between, p_var = [], cur
+        return _ValuesUse(i_d2, (), tuple(between), cur, p_elsewhere)
+    return _ValuesUse(i_d2, tuple(between), (), sm.p_var, p_elsewhere)
 
-    # -- from here on, a failure is a near miss (with a reason) --------------------------
-    need(axis_ok, "softmax not over the key axis")
-    if between:
-        sides = [v for k in between for v in eqns[k].invars if v is not cur]
+
+def _check_softmax_alone(g: _Graph, sm: _Softmax, vu: _ValuesUse, near: _Near) -> None:
+    """Near misses: the softmax is not the attention's alone, or not over the keys."""
+    eqns = g.eqns
+    near.need(sm.axis_ok, "softmax not over the key axis")
+    if vu.between:
+        cur = eqns[vu.between[-1]].outvars[0]
+        sides = [v for k in vu.between for v in eqns[k].invars if v is not cur]
         rand = any(
-            producer.get(a) is not None and eqns[producer[a]].primitive.name in _RANDOM
-            for a in _ancestors(sides, eqns, producer)
+            g.producer.get(a) is not None and eqns[g.producer[a]].primitive.name in _RANDOM
+            for a in _ancestors(sides, eqns, g.producer)
         )
-        ops = ", ".join(eqns[k].primitive.name for k in between)
-        need(False, "dropout on the probabilities" if rand else f"{ops} between softmax and P.V")
-    need(not p_elsewhere, "the probabilities are also used outside the attention")
+        ops = ", ".join(eqns[k].primitive.name for k in vu.between)
+        near.need(
+            False, "dropout on the probabilities" if rand else f"{ops} between softmax and P.V"
+        )
+    near.need(not vu.p_elsewhere, "the probabilities are also used outside the attention")
+    skip = set(sm.eqns) | set(vu.casts)
+    chain = sm.chain
     for k in chain[1:-1]:
-        only_used_by(eqns[k].outvars[0], set(chain) | skip, "softmax max used elsewhere")
-    only_used_by(eqns[chain[-1]].outvars[0], set(chain), "softmax max used elsewhere")
-    only_used_by(e_var, {i_rs, i_div}, "softmax exp used elsewhere")
-    only_used_by(eqns[i_rs].outvars[0], {bs}, "softmax sum used elsewhere")
-    only_used_by(eqns[bs].outvars[0], {i_div}, "softmax sum used elsewhere")
+        g.only_used_by(eqns[k].outvars[0], set(chain) | skip, near, "softmax max used elsewhere")
+    g.only_used_by(eqns[chain[-1]].outvars[0], set(chain), near, "softmax max used elsewhere")
+    g.only_used_by(sm.e_var, {sm.i_rs, sm.i_div}, near, "softmax exp used elsewhere")
+    g.only_used_by(eqns[sm.i_rs].outvars[0], {sm.bs}, near, "softmax sum used elsewhere")
+    g.only_used_by(eqns[sm.bs].outvars[0], {sm.i_div}, near, "softmax sum used elsewhere")
 
-    # S <- [select_n mask] <- [add bias] <- [scale] <- [transpose] <- dot_general(q, k)
-    s_users = {i_sub} | ({chain[-1]} if max_src is s_var else set())
-    st = _walk_scores(s_var, s_users, max_src, chain[-1], eqns, producer, need, prod, only_used_by)
-    i_d1, scale, pred, perm = st["d1"], st["scale"], st["pred"], st["perm"]
-    skip.update(st["skip"])
-    near["eqns"] |= skip | {i_d1}
-    near["source"] = eqns[i_d1]
-    skip.update({i_d1, i_d2})
-    d1 = eqns[i_d1]
-    layout = "scores matmul layout not recognised"
+
+@dataclasses.dataclass(frozen=True)
+class _Scores:
+    """What lies between the scores matmul and the softmax: at most one mask
+    (``select_n``), additive bias (``add``), scale and transpose."""
+
+    d1: int = -1  # the scores matmul
+    scale: float | None = None
+    pred: Any = None  # the mask's predicate
+    pred_pre: bool = False  # read before the transpose
+    perm: tuple[int, ...] | None = None
+    bias: Any = None
+    bias_pre: bool = False
+    bias_scale: float = 1.0  # the scale applied after the bias (folded into it)
+    skip: frozenset[int] = frozenset()
+
+
+def _walk_scores(g: _Graph, sm: _Softmax, near: _Near) -> _Scores:
+    """Walks back from the softmax's input to the scores matmul."""
+    s_users = {sm.chain[0]} | ({sm.chain[-1]} if sm.max_src is sm.s_var else set())
+    st = _walk_score(g, sm, near, sm.s_var, s_users, _Scores())
+    return dataclasses.replace(st, scale=1.0 if st.scale is None else st.scale)
+
+
+def _walk_score(g: _Graph, sm: _Softmax, near: _Near, cur: Any, users: set, st: _Scores):
+    shared = "the scores are also used outside the attention"
+    g.only_used_by(cur, users | ({sm.chain[-1]} if cur is sm.max_src else set()), near, shared)
+    j = g.prod(cur, near=near, reason="the scores are not computed by a matmul")
+    e = g.eqns[j]
+    name = e.primitive.name
+    st = dataclasses.replace(st, skip=st.skip | {j})
+    if name == "select_n" and st.pred is None and len(e.invars) == 3:
+        p_atom, on_false, on_true = e.invars
+        fill, fusers, skip = on_false, {j}, set(st.skip)
+        while True:  # a scalar literal broadcast (possibly twice) to S's shape
+            fj = g.prod(fill, "broadcast_in_dim", near, "a mask whose fill is not a constant")
+            g.only_used_by(fill, fusers, near, "mask fill used elsewhere")
+            skip.add(fj)
+            fill, fusers = g.eqns[fj].invars[0], {fj}
+            fv = _literal_scalar(fill)
+            if fv is not None:
+                break
+        near.need(fv <= _FILL_MAX, f"mask fill {fv:g} is above {_FILL_MAX:g}: a soft mask")
+        st = dataclasses.replace(
+            st, pred=p_atom, pred_pre=st.perm is not None, skip=frozenset(skip)
+        )
+        return _walk_score(g, sm, near, on_true, {j}, st)
+    if name in ("mul", "div") and st.scale is None:
+        a, b = e.invars
+        c = _literal_scalar(b)
+        if c is None and name == "mul":
+            c, a = _literal_scalar(a), b
+        near.need(c is not None and c != 0.0, f"{name} by a non-constant between QK and softmax")
+        st = dataclasses.replace(st, scale=c if name == "mul" else 1.0 / c)
+        return _walk_score(g, sm, near, a, {j}, st)
+    if name == "add" and any(_literal_scalar(a) is not None for a in e.invars):
+        # a constant added to every score: the softmax does not change
+        a, b = e.invars
+        return _walk_score(g, sm, near, b if _literal_scalar(a) is not None else a, {j}, st)
+    if name == "add" and st.bias is None:
+        err = None
+        for chain_op, other in (e.invars, e.invars[::-1]):
+            if isinstance(chain_op, compat.Literal) or isinstance(other, compat.Literal):
+                continue
+            st2 = dataclasses.replace(
+                st,
+                bias=other,
+                bias_pre=st.perm is not None,
+                bias_scale=1.0 if st.scale is None else st.scale,
+            )
+            try:
+                return _walk_score(g, sm, near, chain_op, {j}, st2)
+            except _NoMatch as x:
+                err = err or x
+        raise err or _NoMatch()
+    if name == "transpose" and st.perm is None:
+        st = dataclasses.replace(st, perm=tuple(e.params["permutation"]))
+        return _walk_score(g, sm, near, e.invars[0], {j}, st)
+    if _is_float_cast(e):  # scores cast to float32 for the softmax (hand-written bf16)
+        return _walk_score(g, sm, near, e.invars[0], {j}, st)
+    if name == "dot_general":
+        return dataclasses.replace(st, d1=j, skip=st.skip - {j})
+    near.need(False, f"{name} between the scores matmul and the softmax")
+    raise AssertionError  # (need(False, ...) raises)
+
+
+@dataclasses.dataclass(frozen=True)
+class _ScoresLayout:
+    """The roles of the scores matmul's operands and of the scores' dims."""
+
+    q: Any
+    k: Any
+    cq: int  # contracting dim of q (and k: ck)
+    ck: int
+    bq: tuple[int, ...]  # batch dims of q (and k: bk)
+    bk: tuple[int, ...]
+    tq_dim: int
+    g_dim: int | None
+    tk_dim: int
+    sizes: dict  # role -> size: Tq, Tk, H, [G], b0, b1
+    s_named: tuple[str, ...]  # roles of S's dims
+    pre_named: tuple[str, ...]  # roles of the matmul output's dims (before a transpose)
+
+    @property
+    def nb(self) -> int:
+        return len(self.bq)
+
+
+_LAYOUT = "scores matmul layout not recognised"
+_LAYOUT2 = "values matmul layout not recognised"
+
+
+def _scores_layout(g: _Graph, st: _Scores, near: _Near) -> _ScoresLayout:
+    d1 = g.eqns[st.d1]
     (ca, cb), (ba, bb) = d1.params["dimension_numbers"]
-    need(len(ca) == 1 and len(cb) == 1 and len(ba) <= 2, layout)
+    near.need(len(ca) == 1 and len(cb) == 1 and len(ba) <= 2, _LAYOUT)
     A, B = d1.invars
-    need(not isinstance(A, compat.Literal) and not isinstance(B, compat.Literal), layout)
+    near.need(not isinstance(A, compat.Literal) and not isinstance(B, compat.Literal), _LAYOUT)
     nb = len(ba)
     a_free = [d for d in range(len(A.aval.shape)) if d not in ca and d not in ba]
     b_free = [d for d in range(len(B.aval.shape)) if d not in cb and d not in bb]
     out_roles = (
         [("b", i) for i in range(nb)] + [("A", d) for d in a_free] + [("B", d) for d in b_free]
     )
-    s_roles = [out_roles[p] for p in perm] if perm is not None else out_roles
+    s_roles = [out_roles[p] for p in st.perm] if st.perm is not None else out_roles
     key_role = s_roles[-1]
-    need(key_role[0] in ("A", "B"), layout)
+    near.need(key_role[0] in ("A", "B"), _LAYOUT)
     if key_role[0] == "B":
-        Q, K, cq, ck, bq, bk, qf, kf = A, B, ca[0], cb[0], ba, bb, a_free, b_free
-        qtag = "A"
+        Q, K, cq, ck, bq, bk, qf, kf, qtag = A, B, ca[0], cb[0], ba, bb, a_free, b_free, "A"
     else:
-        Q, K, cq, ck, bq, bk, qf, kf = B, A, cb[0], ca[0], bb, ba, b_free, a_free
-        qtag = "B"
+        Q, K, cq, ck, bq, bk, qf, kf, qtag = B, A, cb[0], ca[0], bb, ba, b_free, a_free, "B"
     qs, ks = Q.aval.shape, K.aval.shape
     q_big = [d for d in qf if qs[d] != 1]
     k_big = [d for d in kf if ks[d] != 1]
-    need(len(q_big) in (1, 2) and k_big == [key_role[1]], layout)
+    near.need(len(q_big) in (1, 2) and k_big == [key_role[1]], _LAYOUT)
     # the query positions: the free q dim nearest the keys in S; another one is G
     in_s = [r[1] for r in s_roles if r[0] == qtag and r[1] in q_big]
     tq_dim = in_s[-1]
     g_dim = next((d for d in q_big if d != tq_dim), None)
     sizes = {"Tq": qs[tq_dim], "Tk": ks[k_big[0]], "H": qs[cq]}
-    need(ks[ck] == sizes["H"], layout)
+    near.need(ks[ck] == sizes["H"], _LAYOUT)
     if g_dim is not None:
         sizes["G"] = qs[g_dim]
     for r in range(nb):
@@ -413,179 +577,183 @@ def _match_at(i_exp, eqns, producer, consumers, outs, consts, jaxpr) -> Match:
             return "Tq" if rr[1] == tq_dim else "G" if rr[1] == g_dim else "u"
         return "Tk" if rr[1] == k_big[0] else "u"
 
-    s_named = [role_of(r) for r in s_roles]
-    pre_named = [role_of(r) for r in out_roles]
-    need(s_named[-1] == "Tk" and "Tq" in s_named, layout)
+    s_named = tuple(role_of(r) for r in s_roles)
+    near.need(s_named[-1] == "Tk" and "Tq" in s_named, _LAYOUT)
+    pre_named = tuple(role_of(r) for r in out_roles)
+    return _ScoresLayout(
+        Q, K, cq, ck, tuple(bq), tuple(bk), tq_dim, g_dim, k_big[0], sizes, s_named, pre_named
+    )
 
-    # the second matmul: P's key axis against v's
-    d2 = eqns[i_d2]
+
+@dataclasses.dataclass(frozen=True)
+class _ValuesLayout:
+    """The roles of the values matmul's operand ``v`` and of its output's dims."""
+
+    v: Any
+    cv: int  # v's contracting dim (the keys)
+    v_batch: tuple[int | None, ...]  # v's dim of each batch role b0, b1
+    hv_dim: int
+    out_roles: tuple[str, ...]
+
+
+def _values_layout(g: _Graph, sl: _ScoresLayout, vu: _ValuesUse, near: _Near) -> _ValuesLayout:
+    """The second matmul: P's key axis against v's."""
+    d2, s_named, nb = g.eqns[vu.i_d2], sl.s_named, sl.nb
     (c2l, c2r), (b2l, b2r) = d2.params["dimension_numbers"]
     L, R = d2.invars
-    need((L is p_var) != (R is p_var), layout)
-    p_left = L is p_var
+    near.need((L is vu.p_var) != (R is vu.p_var), _LAYOUT)
+    p_left = L is vu.p_var
     V = R if p_left else L
     cp, cv = (c2l, c2r) if p_left else (c2r, c2l)
     bp, bv = (b2l, b2r) if p_left else (b2r, b2l)
-    layout2 = "values matmul layout not recognised"
-    need(len(cp) == 1 and s_named[cp[0]] == "Tk" and len(bp) == nb, layout2)
-    need(sorted(s_named[d] for d in bp) == sorted(f"b{r}" for r in range(nb)), layout2)
+    near.need(len(cp) == 1 and s_named[cp[0]] == "Tk" and len(bp) == nb, _LAYOUT2)
+    near.need(sorted(s_named[d] for d in bp) == sorted(f"b{r}" for r in range(nb)), _LAYOUT2)
     vs = V.aval.shape
     v_free = [d for d in range(len(vs)) if d not in cv and d not in bv]
     v_big = [d for d in v_free if vs[d] != 1]
-    need(len(v_big) == 1 and vs[cv[0]] == sizes["Tk"], layout2)
-    sizes["Hv"] = vs[v_big[0]]
-    p_free = [d for d in range(nd) if d not in cp and d not in bp]
-    need(
+    near.need(len(v_big) == 1 and vs[cv[0]] == sl.sizes["Tk"], _LAYOUT2)
+    p_free = [d for d in range(len(s_named)) if d not in cp and d not in bp]
+    near.need(
         sorted(s_named[d] for d in p_free if s_named[d] != "u")
-        == sorted(["Tq"] + (["G"] if g_dim is not None else [])),
-        layout2,
+        == sorted(["Tq"] + (["G"] if sl.g_dim is not None else [])),
+        _LAYOUT2,
     )
     batch_roles = [s_named[d] for d in bp]
     v_roles = ["Hv" if d == v_big[0] else "u" for d in v_free]
     p_roles = [s_named[d] for d in p_free]
-    out_roles2 = batch_roles + (p_roles + v_roles if p_left else v_roles + p_roles)
-
-    # operand orders: [b0, T, b1, (G), H] with the unit dims last
-    def order(x_shape, lead):
-        lead = [d for d in lead if d is not None]
-        rest = [d for d in range(len(x_shape)) if d not in lead]
-        need(all(x_shape[d] == 1 for d in rest), layout)
-        return tuple(lead + rest)
-
-    def batch(dims, r):
-        return dims[r] if nb > r else None
-
-    v_batch = [None] * nb
+    out_roles = batch_roles + (p_roles + v_roles if p_left else v_roles + p_roles)
+    v_batch: list[int | None] = [None] * nb
     for j2, d in enumerate(bv):
         v_batch[int(s_named[bp[j2]][1])] = d
-    q_order = order(qs, [batch(bq, 0), tq_dim, batch(bq, 1), g_dim, cq])
-    k_order = order(ks, [batch(bk, 0), k_big[0], batch(bk, 1), ck])
-    v_order = order(vs, [batch(v_batch, 0), cv[0], batch(v_batch, 1), v_big[0]])
+    return _ValuesLayout(V, cv[0], tuple(v_batch), v_big[0], tuple(out_roles))
 
-    # k and v repeated along the heads (jnp.repeat): read the kv heads as they are
-    if nb == 2 and g_dim is None:
-        rk = _unrepeat(K, bk[1], eqns, producer)
-        rv = _unrepeat(V, v_batch[1], eqns, producer)
-        if rk and rv and rk[1] == rv[1]:
-            K, V = rk[0], rv[0]
-            sizes["kvh"] = sizes["b1"] // rk[1]
-            for (_, _, chain_), used_by in ((rk, i_d1), (rv, i_d2)):
-                users = {used_by}  # skip the repeat where only the attention reads it
-                for idx in chain_:
-                    out = eqns[idx].outvars[0]
-                    if out in outs or not set(consumers.get(out, ())) <= users:
-                        break
-                    skip.add(idx)
-                    users = {idx}
+
+def _order(x_shape: Any, lead: list[int | None], near: _Near) -> tuple[int, ...]:
+    """An operand's dims in [b0, T, b1, (G), H] order, with its unit dims last."""
+    lead_ = [d for d in lead if d is not None]
+    rest = [d for d in range(len(x_shape)) if d not in lead_]
+    near.need(all(x_shape[d] == 1 for d in rest), _LAYOUT)
+    return tuple(lead_ + rest)
+
+
+def _at(dims: Sequence[Any], r: int) -> Any:
+    return dims[r] if len(dims) > r else None
+
+
+@dataclasses.dataclass(frozen=True)
+class _KV:
+    """k and v as the fused attention reads them (the kv heads of a ``jnp.repeat``)."""
+
+    k: Any
+    v: Any
+    kvh: int | None  # kv heads, when fewer than the query heads
+    skip: frozenset[int]  # the repeats only the attention reads
+
+
+def _unrepeated_kv(g: _Graph, sl: _ScoresLayout, vl: _ValuesLayout, st: _Scores, vu) -> _KV:
+    """k and v repeated along the heads (jnp.repeat): read the kv heads as they are."""
+    if not (sl.nb == 2 and sl.g_dim is None):
+        return _KV(sl.k, vl.v, None, frozenset())
+    rk = _unrepeat(sl.k, sl.bk[1], g.eqns, g.producer)
+    rv = _unrepeat(vl.v, vl.v_batch[1], g.eqns, g.producer)
+    if not (rk and rv and rk[1] == rv[1]):
+        return _KV(sl.k, vl.v, None, frozenset())
+    skip: set[int] = set()
+    for (_, _, chain_), used_by in ((rk, st.d1), (rv, vu.i_d2)):
+        users = {used_by}  # skip the repeat where only the attention reads it
+        for idx in chain_:
+            out = g.eqns[idx].outvars[0]
+            if out in g.outs or not set(g.users(out)) <= users:
+                break
+            skip.add(idx)
+            users = {idx}
+    return _KV(rk[0], rv[0], sl.sizes["b1"] // rk[1], frozenset(skip))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Masks:
+    pred: Any = None
+    pred_roles: tuple | None = None
+    causal: bool = False
+    bias: Any = None
+    bias_roles: tuple | None = None
+
+
+def _masks(g: _Graph, sl: _ScoresLayout, st: _Scores, qkv: tuple, near: _Near) -> _Masks:
+    """The mask (a broadcast of a source that depends on no float value) and the bias."""
 
     def roles_of(atom, pre):
-        names = pre_named if pre else s_named
-        return _trace_source(atom, tuple(names), eqns, producer)
+        return _trace_source(atom, sl.pre_named if pre else sl.s_named, g.eqns, g.producer)
 
-    # the mask: a broadcast of a source that depends on no float value
-    pred_atom, pred_roles, causal = None, None, False
-    bias_atom, bias_roles = None, None
-    if st["bias"] is not None:
-        bias_atom, bias_roles = roles_of(st["bias"], st["bias_pre"])
-        as_mask = _mask_of_bias(bias_atom, eqns, producer)
-        if pred is None and as_mask is not None:  # jnp.where(mask, 0, -1e9) added
-            pred_atom, pred_roles = _trace_source(as_mask, bias_roles, eqns, producer)
+    pred_atom = pred_roles = bias_atom = bias_roles = None
+    if st.bias is not None:
+        bias_atom, bias_roles = roles_of(st.bias, st.bias_pre)
+        as_mask = _mask_of_bias(bias_atom, g.eqns, g.producer)
+        if st.pred is None and as_mask is not None:  # jnp.where(mask, 0, -1e9) added
+            pred_atom, pred_roles = _trace_source(as_mask, bias_roles, g.eqns, g.producer)
             bias_atom = bias_roles = None
-    if pred is not None:
-        pred_atom, pred_roles = roles_of(pred, st["pred_pre"])
+    if st.pred is not None:
+        pred_atom, pred_roles = roles_of(st.pred, st.pred_pre)
+    causal = False
     if pred_atom is not None:
-        need(
-            not _mask_depends_on_values(pred_atom, (Q, K, V), eqns, producer),
+        near.need(
+            not _mask_depends_on_values(pred_atom, qkv, g.eqns, g.producer),
             "mask computed from the values q, k and v come from",
         )
-        causal = _is_causal_constant(pred_atom, pred_roles, eqns, producer, consts, jaxpr)
+        causal = _is_causal_constant(pred_atom, pred_roles, g.eqns, g.producer, g.consts, g.jaxpr)
+    return _Masks(pred_atom, pred_roles, causal, bias_atom, bias_roles)
+
+
+def _match_at(g: _Graph, i_exp: int) -> Match:
+    """The attention whose softmax has its ``exp`` at ``i_exp``, found in stages.
+
+    Raises ``_NoMatch()`` when it is not attention, ``_NoMatch(near miss)``
+    when the softmax and both matmuls are there but something else is not.
+    """
+    sm = _softmax_at(g, i_exp)
+    vu = _values_use(g, sm)
+    near = _Near(sm.eqns | set(vu.between) | set(vu.casts) | {vu.i_d2}, g.eqns[vu.i_d2])
+    _check_softmax_alone(g, sm, vu, near)
+    st = _walk_scores(g, sm, near)
+    near = _Near(near.eqns | sm.eqns | set(vu.casts) | st.skip | {st.d1}, g.eqns[st.d1])
+    sl = _scores_layout(g, st, near)
+    vl = _values_layout(g, sl, vu, near)
+    q_order = _order(
+        sl.q.aval.shape, [_at(sl.bq, 0), sl.tq_dim, _at(sl.bq, 1), sl.g_dim, sl.cq], near
+    )
+    k_order = _order(sl.k.aval.shape, [_at(sl.bk, 0), sl.tk_dim, _at(sl.bk, 1), sl.ck], near)
+    v_order = _order(
+        vl.v.aval.shape, [_at(vl.v_batch, 0), vl.cv, _at(vl.v_batch, 1), vl.hv_dim], near
+    )
+    kv = _unrepeated_kv(g, sl, vl, st, vu)
+    sizes = {**sl.sizes, "Hv": vl.v.aval.shape[vl.hv_dim]}
+    if kv.kvh is not None:
+        sizes["kvh"] = kv.kvh
+    masks = _masks(g, sl, st, (sl.q, kv.k, kv.v), near)
+    skip = sm.eqns | set(vu.casts) | st.skip | {st.d1, vu.i_d2} | kv.skip
     return Match(
-        d2=i_d2,
+        d2=vu.i_d2,
         skip=frozenset(skip),
-        q=Q,
-        k=K,
-        v=V,
+        q=sl.q,
+        k=kv.k,
+        v=kv.v,
         q_order=q_order,
         k_order=k_order,
         v_order=v_order,
-        n_batch=nb,
+        n_batch=sl.nb,
         sizes=sizes,
-        out_roles=tuple(out_roles2),
-        scale=float(scale),
-        pred=pred_atom,
-        pred_roles=pred_roles,
-        causal_const=causal,
+        out_roles=vl.out_roles,
+        scale=float(st.scale),
+        pred=masks.pred,
+        pred_roles=masks.pred_roles,
+        causal_const=masks.causal,
         head_dim=int(sizes["H"]),
-        source=eqns[i_d1],
-        bias=bias_atom,
-        bias_roles=bias_roles,
-        bias_scale=float(st["bias_scale"]),
-        eqns=frozenset(near["eqns"] | skip),
+        source=g.eqns[st.d1],
+        bias=masks.bias,
+        bias_roles=masks.bias_roles,
+        bias_scale=float(st.bias_scale),
+        eqns=frozenset(near.eqns | skip),
     )
-
-
-def _walk_scores(s_var, s_users, max_src, i_max, eqns, producer, need, prod, only_used_by):
-    """Walks back from the softmax's input to the scores matmul, through at most
-    one mask (``select_n``), additive bias (``add``), scale and transpose."""
-    shared = "the scores are also used outside the attention"
-
-    def walk(cur, users, st):
-        only_used_by(cur, users | ({i_max} if cur is max_src else set()), shared)
-        j = prod(cur, reason="the scores are not computed by a matmul")
-        e = eqns[j]
-        name = e.primitive.name
-        st = dict(st, skip=st["skip"] | {j})
-        if name == "select_n" and st["pred"] is None and len(e.invars) == 3:
-            p_atom, on_false, on_true = e.invars
-            fill, fusers = on_false, {j}
-            while True:  # a scalar literal broadcast (possibly twice) to S's shape
-                fj = prod(fill, "broadcast_in_dim", "a mask whose fill is not a constant")
-                only_used_by(fill, fusers, "mask fill used elsewhere")
-                st["skip"] = st["skip"] | {fj}
-                fill, fusers = eqns[fj].invars[0], {fj}
-                fv = _literal_scalar(fill)
-                if fv is not None:
-                    break
-            need(fv <= _FILL_MAX, f"mask fill {fv:g} is above {_FILL_MAX:g}: a soft mask")
-            st.update(pred=p_atom, pred_pre=st["perm"] is not None)
-            return walk(on_true, {j}, st)
-        if name in ("mul", "div") and st["scale"] is None:
-            a, b = e.invars
-            c = _literal_scalar(b)
-            if c is None and name == "mul":
-                c, a = _literal_scalar(a), b
-            need(c is not None and c != 0.0, f"{name} by a non-constant between QK and softmax")
-            st["scale"] = c if name == "mul" else 1.0 / c
-            return walk(a, {j}, st)
-        if name == "add" and any(_literal_scalar(a) is not None for a in e.invars):
-            # a constant added to every score: the softmax does not change
-            a, b = e.invars
-            return walk(b if _literal_scalar(a) is not None else a, {j}, st)
-        if name == "add" and st["bias"] is None:
-            err = None
-            for chain_op, other in (e.invars, e.invars[::-1]):
-                if isinstance(chain_op, compat.Literal) or isinstance(other, compat.Literal):
-                    continue
-                st2 = dict(st, bias=other, bias_pre=st["perm"] is not None)
-                st2["bias_scale"] = 1.0 if st["scale"] is None else st["scale"]
-                try:
-                    return walk(chain_op, {j}, st2)
-                except _NoMatch as x:
-                    err = err or x
-            raise err or _NoMatch
-        if name == "transpose" and st["perm"] is None:
-            st["perm"] = tuple(e.params["permutation"])
-            return walk(e.invars[0], {j}, st)
-        if _is_float_cast(e):  # scores cast to float32 for the softmax (hand-written bf16)
-            return walk(e.invars[0], {j}, st)
-        if name == "dot_general":
-            return dict(st, d1=j, skip=st["skip"] - {j})
-        need(False, f"{name} between the scores matmul and the softmax")
-
-    st0 = dict(scale=None, pred=None, pred_pre=False, perm=None, bias=None, bias_pre=False)
-    st = walk(s_var, s_users, dict(st0, bias_scale=1.0, skip=frozenset()))
-    st["scale"] = 1.0 if st["scale"] is None else st["scale"]
-    return st
 
 
 def _is_float_cast(e) -> bool:
@@ -724,17 +892,8 @@ def _is_causal_constant(atom, roles, eqns, producer, consts, jaxpr) -> bool:
         todo.extend(eqns[j].invars)
     env = dict(consts)
     with jax.ensure_compile_time_eval():
-        for j in sorted(set(slice_)):
-            e = eqns[j]
-            vals = [
-                compat.literal_value(v) if isinstance(v, compat.Literal) else env[v]
-                for v in e.invars
-            ]
-            for v, o in zip(e.outvars, compat.bind_eqn(e, vals)):
-                env[v] = o
-        val = (
-            np.asarray(env[atom]) if not isinstance(atom, compat.Literal) else np.asarray(atom.val)
-        )
+        jaxprs.run_eqns([eqns[j] for j in sorted(set(slice_))], env)
+        val = np.asarray(jaxprs.read(env, atom))
     if val.dtype != np.bool_:
         return False
     tq, tk = roles.index("Tq"), roles.index("Tk")
@@ -746,8 +905,6 @@ def _is_causal_constant(atom, roles, eqns, producer, consts, jaxpr) -> bool:
 
 # -- the decision -------------------------------------------------------------------
 
-SCOPE = "amp_attention"  # named scope of the ops of every attention found: amp_attention[...]
-
 
 @dataclasses.dataclass
 class Plan:
@@ -755,36 +912,11 @@ class Plan:
 
     fused: dict[int, tuple[Match, str]]  # index of the second matmul -> (match, implementation)
     log: list[tuple[str, str | None, str]]  # (source line, implementation or None, reason)
-    scopes: dict[int, str]  # eqn index -> named scope to bind it under
+    paths: dict[int, AttentionPath]  # eqn index -> the path of the attention it is part of
 
     @property
     def skip(self) -> frozenset[int]:
         return frozenset().union(*(m.skip for m, _ in self.fused.values()))
-
-
-def scope_name(impl: str | None, reason: str) -> str:
-    """``amp_attention[cudnn]``, ``amp_attention[xla-fused]`` or ``amp_attention[xla: why]``."""
-    if impl == "cudnn":
-        return f"{SCOPE}[cudnn]"
-    if impl is not None:
-        return f"{SCOPE}[{impl}-fused]"
-    # (a name stack splits at "/", and the scope ends at the first "]")
-    text = reason.replace("/", " or ").replace("[", "(").replace("]", ")")
-    return f"{SCOPE}[xla: {text}]"
-
-
-def scope_reason(stack: str) -> str | None:
-    """The path an attention took, from a name stack holding its scope."""
-    i = stack.find(SCOPE + "[")
-    if i < 0:
-        return None
-    j = stack.find("]", i)
-    what = stack[i + len(SCOPE) + 1 : j if j > 0 else None]
-    if what == "cudnn":
-        return "attention: cuDNN flash attention"
-    if what.endswith("-fused"):
-        return f"attention: fused, {what[: -len('-fused')]} implementation"
-    return f"attention left as written ({what})"
 
 
 def plan(
@@ -814,12 +946,10 @@ def plan(
         out.log.append((where, impl, reason))
         if impl is not None:
             out.fused[i] = (match, impl)
-            out.scopes[i] = scope_name(impl, reason)
-        else:
-            out.scopes.update(dict.fromkeys(match.eqns, scope_name(None, reason)))
+        out.paths.update(dict.fromkeys(match.eqns | {i}, AttentionPath(impl, reason)))
     for miss in near:
         out.log.append((compat.source_line(miss.source), None, miss.reason))
-        out.scopes.update(dict.fromkeys(miss.eqns, scope_name(None, miss.reason)))
+        out.paths.update(dict.fromkeys(miss.eqns, AttentionPath(None, miss.reason)))
     return out
 
 
@@ -899,4 +1029,4 @@ def _cudnn_head_dim_limit() -> int:
     return 256 if any(s in kind for s in ("H100", "H200", "H800", "GH200", "B200", "B100")) else 128
 
 
-__all__: Sequence[str] = ("Match", "NearMiss", "Plan", "decide", "find", "plan", "scope_name")
+__all__: Sequence[str] = ("Match", "NearMiss", "Plan", "decide", "find", "plan")

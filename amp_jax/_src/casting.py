@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 from jax import lax
 
-from amp_jax._src.painting import HIGH, LOW
+from amp_jax._src.decision import Color
 from amp_jax._src.policy import HIGH_DTYPE, is_managed_float
 
 
@@ -28,14 +28,14 @@ def narrowed(dtype: Any, compute_dtype: np.dtype) -> np.dtype:
     return compute_dtype if dtype.itemsize > np.dtype(compute_dtype).itemsize else dtype
 
 
-def target(dtype: Any, color: str, compute_dtype: np.dtype) -> np.dtype | None:
+def target(dtype: Any, color: Color, compute_dtype: np.dtype) -> np.dtype | None:
     """The dtype an operand of dtype ``dtype`` is read as by an eqn painted
     ``color``; None for values amp does not manage (ints, float64, ...)."""
     if not is_managed_float(dtype):
         return None
-    if color == LOW:
+    if color is Color.LOW:
         return narrowed(dtype, compute_dtype)
-    if color == HIGH:
+    if color is Color.HIGH:
         return HIGH_DTYPE
     return np.dtype(dtype)
 
@@ -49,4 +49,4 @@ def cast(x: Any, dtype: Any) -> Any:
 
 def lower(x: Any, compute_dtype: np.dtype) -> Any:
     """``x`` read in the compute dtype if it is a managed float (else as it is)."""
-    return cast(x, target(getattr(x, "dtype", None), LOW, compute_dtype))
+    return cast(x, target(getattr(x, "dtype", None), Color.LOW, compute_dtype))

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex_core
 
-from amp_jax._src import compat
+from amp_jax._src import compat, jaxprs
 from amp_jax._src.explain import (
     _check_grad,
     _flat_call,
@@ -104,35 +104,24 @@ class _Probe:
 def _eval(
     jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], stack: tuple[str, ...], probe: _Probe
 ) -> list[Any]:
-    env: dict[Any, Any] = {}
-
-    def read(a):
-        return compat.literal_value(a) if isinstance(a, compat.Literal) else env[a]
-
-    for v, c in zip(jaxpr.constvars, consts):
-        env[v] = c
-    for v, a in zip(jaxpr.invars, args):
-        env[v] = a
-    for eqn in jaxpr.eqns:
-        invals = [read(v) for v in eqn.invars]
+    def bind(eqn: Any, invals: list[Any]) -> Sequence[Any]:
         inner = (*stack, str(eqn.source_info.name_stack))
         outs = _eval_eqn(eqn, invals, inner, probe)
         if outs is None:
             outs = compat.bind_eqn(eqn, invals)
             probe.check(eqn, _full_stack(eqn, stack), invals, outs)
-        for v, o in zip(eqn.outvars, outs):
-            if type(v).__name__ != "DropVar":
-                env[v] = o
-                probe.producer.setdefault(id(o), (o, eqn))
-    return [read(v) for v in jaxpr.outvars]
+        for o in outs:
+            probe.producer.setdefault(id(o), (o, eqn))
+        return outs
+
+    return jaxprs.eval_jaxpr(jaxpr, consts, args, bind)
 
 
 def _run_closed(
     closed: Any, args: Sequence[Any], stack: tuple[str, ...], probe: _Probe
 ) -> list[Any]:
-    if compat.is_closed_jaxpr(closed):
-        return _eval(compat.jaxpr_of(closed), compat.consts_of(closed), args, stack, probe)
-    return _eval(closed, [], args, stack, probe)
+    jaxpr, consts = jaxprs.open_jaxpr(closed)
+    return _eval(jaxpr, consts, args, stack, probe)
 
 
 def _eval_eqn(

@@ -2,9 +2,10 @@
 
 Two views of one call are joined:
 
-* the *decisions*: the traced, inlined and painted jaxpr that :func:`amp`
-  evaluates (``Context.classify`` and ``paint``), walked like the interpreter
-  walks it, give each op's class, color and the reason for them;
+* the *decisions*: the :class:`~amp_jax._src.planning.Plan` that :func:`amp`
+  evaluates, one typed :class:`~amp_jax._src.decision.Decision` per op with
+  the reason recorded where it was made (sub-jaxprs' plans included), gives
+  each op's reason: explain shows it and decides nothing itself;
 * the *result*: the jaxpr of the rewritten program (``jax.make_jaxpr`` of the
   amp function, or of its gradient), walked with :func:`iter_eqns` like
   :func:`dtype_report`, gives the dtype every op ran in, its FLOPs and the
@@ -28,14 +29,12 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.extend import core as jex_core
 
-from amp_jax._src import compat
-from amp_jax._src.attention import scope_reason
-from amp_jax._src.interpreter import Context, plan
-from amp_jax._src.painting import HIGH, KEEP, LOW, OPAQUE, ORIG, SKIP
-from amp_jax._src.policy import FULL_PRECISION_SCOPE, Policy, get_policy, is_managed_float
-from amp_jax._src.report import iter_eqns
+from amp_jax._src import compat, jaxprs
+from amp_jax._src.decision import Color, Decision, Kind, attention_from_stack
+from amp_jax._src.jaxprs import iter_eqns
+from amp_jax._src.planning import Context, plan
+from amp_jax._src.policy import Policy, get_policy, is_managed_float
 from amp_jax._src.transform import AmpFunction, _is_dynamic
 
 #: primitives that move data without arithmetic (0 FLOPs).
@@ -108,15 +107,9 @@ def eqn_flops(eqn: Any) -> int:
     """Floating-point operations of one first-order eqn (a multiply-add is 2)."""
     name = eqn.primitive.name
     out = eqn.outvars[0].aval if eqn.outvars else None
-    if name == "dot_general":
-        (lc, _), _ = eqn.params["dimension_numbers"]
-        lhs = eqn.invars[0].aval
-        return 2 * _size(out) * int(math.prod(lhs.shape[i] for i in lc))
-    if name == "conv_general_dilated":
-        rhs = eqn.invars[1].aval
-        dn = eqn.params.get("dimension_numbers")
-        out_dim = dn.rhs_spec[0] if dn is not None and hasattr(dn, "rhs_spec") else 0
-        return 2 * _size(out) * (_size(rhs) // max(1, rhs.shape[out_dim]))
+    sizes = jaxprs.contraction_and_flops(eqn)
+    if sizes is not None:
+        return sizes[1]
     if name in _NO_FLOPS or out is None or not is_managed_float(getattr(out, "dtype", None)):
         if name not in _REDUCTIONS:
             return 0
@@ -178,106 +171,41 @@ def _is_backward(stack: str) -> bool:
 # -- decisions --------------------------------------------------------------------------
 
 
-def _core_reason(ctx: Context, eqn: Any) -> str | None:
-    """A reason the core attached to its decision for ``eqn``, if it gives one.
-
-    Hook for the core: a ``Context.reason(eqn)`` method returning a string
-    (e.g. "too small to pay") is shown instead of the derived reason.
-    """
-    fn = getattr(ctx, "reason", None)
-    if callable(fn):
-        try:
-            r = fn(eqn)
-        except Exception:  # a hook that cannot answer for this eqn
-            return None
-        return str(r) if r else None
-    return None
-
-
-def decision_reason(ctx: Context, eqn: Any, color: str) -> str:
-    """Why ``eqn`` got ``color`` under ``ctx``'s policy, in words."""
-    core = _core_reason(ctx, eqn)
-    if core:
-        return core
-    pol, name = ctx.policy, eqn.primitive.name
-    cd = pol.compute_dtype.name
-    if ctx.identity:
-        return "float32 policy: identity, nothing rewritten"
-    if color == KEEP or ctx.in_full_precision(eqn):
-        user = ctx.scope_of(eqn)
-        if user is not None and user != FULL_PRECISION_SCOPE:
-            return f"policy scope {user!r} (full_precision_scopes): original dtypes"
-        return "user scope: full_precision, original dtypes"
-    if color == SKIP:
-        return "no floating operand"
-    if color == OPAQUE:
-        return "higher-order op: body rewritten, boundary dtypes kept"
-    base = pol.class_of(name)
-    cls = pol.effective_class_of(name, ctx.backend)
-    if base == "allow" and cls == "never":
-        return f"backend-aware: {name} is slower in {cd} on {ctx.backend}, kept as written"
-    if color == LOW:
-        if base == "allow":
-            src = "policy override" if name in dict(pol.overrides) else "allow class"
-            return f"{src}: runs in {cd} (float32 accumulation)"
-        if compat.has_subjaxprs(eqn):
-            return f"painting: function of follow/clear ops between {cd} ops, runs in {cd}"
-        if base == "clear":
-            return f"painting: clear op next to a {cd} op"
-        if base is None:
-            return f"no class (treated as follow); painting: between two {cd} ops"
-        return f"painting: {base} op on a path between two {cd} ops"
-    if color == HIGH:
-        src = "policy override" if name in dict(pol.overrides) else "deny class"
-        return f"{src}: numerically sensitive, runs in float32"
-    if base == "never":
-        return "never class: left as written"
-    if base is None:
-        return "no class (treated as follow): keeps its operands' dtypes"
-    if base in ("follow", "clear"):
-        return f"{base} class: not between two {cd} ops, keeps its operands' dtypes"
-    return f"{base} class, kept as written"
-
-
-def _subs_closed(eqn: Any) -> list[Any]:
-    return [
-        s if compat.is_closed_jaxpr(s) else compat.close(s, [])
-        for s in jex_core.jaxprs_in_params(eqn.params)
-    ]
-
-
 def _decide(
     ctx: Context,
     jaxpr: Any,
-    colors: Sequence[str],
+    decisions: Sequence[Decision],
     out: dict,
     inherited: str | None,
     outer: tuple[str, ...] = (),
 ) -> None:
-    """Fills ``out[(source line, primitive)][named_scope path]`` with a Counter of reasons.
+    """Fills ``out[(source line, primitive)][named_scope path]`` with a Counter
+    of the reasons of the plan's decisions (the sub-jaxprs' plans included).
 
     The scope tells apart the ops of one source line called under different
     ``named_scope`` s (a library layer used twice: one Dense in a
     ``full_precision_scopes`` head, one outside). ``outer`` is the enclosing
-    eqns' name stacks, as :func:`report.iter_eqns` gives them for the rows.
+    eqns' name stacks, as :func:`jaxprs.iter_eqns` gives them for the rows.
+    An eqn bound as written, or a function painted low, gives its own reason
+    to everything it holds (``inherited``).
     """
-    for eqn, color in zip(jaxpr.eqns, colors):
-        reason = inherited or decision_reason(ctx, eqn, color)
+    for eqn, d in zip(jaxpr.eqns, decisions):
+        reason = inherited or d.reason.text
         where = (compat.source_line(eqn), eqn.primitive.name)
         out[where][_scope(_full_stack(eqn, outer))][reason] += 1
         if not compat.has_subjaxprs(eqn):
             continue
         inner = (*outer, str(eqn.source_info.name_stack))
-        for sub in _subs_closed(eqn):
-            if color == KEEP or inherited is not None:
+        for sub in jaxprs.closed_subjaxprs(eqn):
+            if d.kind is Kind.AS_WRITTEN or inherited is not None:
                 body = compat.jaxpr_of(sub)
-                _decide(ctx, body, [ORIG] * len(body.eqns), out, inherited or reason, inner)
-            elif color == LOW:  # a transparent custom_jvp function: all of it low
+                _decide(ctx, body, [d] * len(body.eqns), out, reason, inner)
+            elif d.color is Color.LOW:  # a transparent custom_jvp function: all of it low
                 body = compat.jaxpr_of(ctx.prepare(sub))
-                _decide(ctx, body, [LOW] * len(body.eqns), out, reason, inner)
+                _decide(ctx, body, [d] * len(body.eqns), out, reason, inner)
             else:
                 sub_plan = plan(ctx, sub)
-                _decide(ctx, sub_plan.jaxpr, sub_plan.colors, out, None, inner)
+                _decide(ctx, sub_plan.jaxpr, sub_plan.decisions, out, None, inner)
 
 
 def _decision_at(by_scope: dict[str, collections.Counter], scope: str) -> collections.Counter:
@@ -406,7 +334,7 @@ def _trace_decisions(base: Callable[..., Any], pol: Policy, args: tuple, kwargs:
     dyn_mask = tuple(_is_dynamic(x) for x in leaves)
     traced = af._trace(treedef, leaves, dyn_mask)
     out: dict = collections.defaultdict(lambda: collections.defaultdict(collections.Counter))
-    _decide(traced.ctx, traced.plan.jaxpr, traced.plan.colors, out, None)
+    _decide(traced.ctx, traced.plan.jaxpr, traced.plan.decisions, out, None)
     return out
 
 
@@ -612,9 +540,10 @@ def _row_reason(
         if seen[key] > orig_keys.get(key, 0):
             return "cast inserted by amp"
         return "cast in the original program"
-    attention = scope_reason(stack)  # the path each attention took (attention.py)
-    if attention and attention.startswith("attention:"):  # run fused: amp wrote these ops
-        reason = attention
+    path = attention_from_stack(stack)  # the path each attention took (attention.py)
+    attention = path.text if path is not None else None
+    if path is not None and path.impl is not None:  # run fused: amp wrote these ops
+        reason = path.text
     elif found:
         reason = found.most_common(1)[0][0]
     else:

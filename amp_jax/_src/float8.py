@@ -53,7 +53,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from amp_jax._src import compat, rules
+from amp_jax._src import compat, jaxprs, rules
+from amp_jax._src.decision import Reason, Variant, Why, float8_scope, float8_text
 from amp_jax._src.policy import HIGH_DTYPE, is_managed_float
 from amp_jax._src.rules import _acc_dtype, _dot_transpose
 
@@ -67,9 +68,6 @@ BWD_DTYPE = np.dtype(jnp.float8_e5m2)
 #: fp8 tensor cores multiply 16-deep tiles: shorter contractions stay bf16.
 MIN_CONTRACTION = 16
 
-#: name scope of the ops of an fp8 product (dtype_report reads it back).
-SCOPE = "amp_float8"
-
 _LOW = np.dtype(jnp.bfloat16)
 
 #: tests only: force the native (True) or emulated (False) products on any backend
@@ -78,13 +76,6 @@ _MIN_SCALE = 2.0**-126  # smallest normal float32: 0 / scale stays 0, x / scale 
 
 
 # -- which dots --------------------------------------------------------------------------
-
-
-def _sizes(eqn: Any) -> tuple[int, int]:
-    """(contraction length, FLOPs) of a ``dot_general`` eqn."""
-    (lc, _), _ = eqn.params["dimension_numbers"]
-    k = int(np.prod([eqn.invars[0].aval.shape[d] for d in lc], dtype=np.int64))
-    return k, 2 * k * int(np.prod(eqn.outvars[0].aval.shape, dtype=np.int64))
 
 
 def skip_reason(policy: Any, eqn: Any) -> str | None:
@@ -99,7 +90,7 @@ def skip_reason(policy: Any, eqn: Any) -> str | None:
     (_, _), (lb, _) = eqn.params["dimension_numbers"]
     if lb:
         return "batched dot (attention-style): bfloat16, as torchao and Transformer Engine do"
-    k, flops = _sizes(eqn)
+    k, flops = jaxprs.contraction_and_flops(eqn)
     if k < MIN_CONTRACTION:
         return f"contraction {k} < {MIN_CONTRACTION}: too short for fp8"
     if flops < policy.float8_min_flops:
@@ -117,46 +108,28 @@ def applies(ctx: Any, eqn: Any) -> bool:
     )
 
 
-def describe(recipe: str, backend: str) -> str:
-    """The words dtype_report/explain show for an fp8 product."""
-    how = "per-tensor" if recipe == "tensorwise" else "per-row"
-    where = (
-        f"native fp8 GEMM on {backend}"
-        if compat.native_float8_matmul(backend)
-        else f"emulated on {backend} (no fp8 matmul units): fp8 round trip + bf16 dot"
-    )
-    if recipe == "rowwise" and compat.native_float8_matmul(backend):
-        where = f"native fp8 GEMM on {backend}, per-row scales applied to its result"
-    return (
-        f"float8 {recipe}: e4m3 operands, e5m2 gradient, {how} dynamic scales, "
-        f"float32 accumulation; {where}"
-    )
+# -- the variant of the dot rule ---------------------------------------------------------
 
 
-# -- the hooks the interpreter calls ---------------------------------------------------------
-
-
-def allow_rule(ctx: Any, eqn: Any) -> Callable | None:
-    """The fp8 rule for ``eqn`` when the policy asks for fp8 and the dot pays, else None."""
-    if not applies(ctx, eqn):
-        return None
-    return functools.partial(float8_dot_rule, recipe=ctx.policy.float8, backend=ctx.backend)
-
-
-def reason(ctx: Any, eqn: Any) -> str | None:
-    """What explain shows for a lowered ``allow`` eqn under a float8 policy: that it
-    runs in fp8, or why it runs the bfloat16 rule. None in every other case."""
-    pol, name = ctx.policy, eqn.primitive.name
-    if getattr(pol, "float8", "off") == "off" or pol.class_of(name) != "allow":
-        return None
-    if pol.effective_class_of(name, ctx.backend) != "allow" or ctx.in_full_precision(eqn):
+def reason(ctx: Any, eqn: Any, variant: Variant) -> Reason | None:
+    """Why a lowered ``allow`` eqn (planned to run ``variant``) runs in fp8 or
+    not under a float8 policy. None when the policy has no float8, or when the
+    eqn has an operand that is not a managed float."""
+    if getattr(ctx.policy, "float8", "off") == "off":
         return None
     if not all(is_managed_float(getattr(v.aval, "dtype", None)) for v in eqn.invars):
         return None
-    if applies(ctx, eqn):
-        return describe(pol.float8, ctx.backend)
-    why = skip_reason(pol, eqn) or "inside a custom JVP rule (JAX transposes it)"
-    return f"allow class, the bfloat16 policy's rule; not float8: {why}"
+    if variant is Variant.FLOAT8:
+        return Reason(Why.FLOAT8, float8_text(ctx.policy.float8, ctx.backend))
+    why = skip_reason(ctx.policy, eqn)
+    if why is None and ctx.policy.compute_dtype != _LOW:
+        why = f"compute dtype {ctx.policy.compute_dtype.name}: float8 needs a bfloat16 policy"
+    why = why or "inside a custom JVP rule (JAX transposes it)"
+    return Reason(Why.POLICY_CLASS, f"allow class, the bfloat16 policy's rule; not float8: {why}")
+
+
+def _variant_rule(ctx: Any) -> Callable:
+    return functools.partial(float8_dot_rule, recipe=ctx.policy.float8, backend=ctx.backend)
 
 
 # -- scales and quantization -------------------------------------------------------------------
@@ -284,13 +257,13 @@ def _fp8_dot(
         return out, (qx, sx, qy, sy)
 
     def primal(x, y):
-        with jax.named_scope(f"{SCOPE}.{recipe}"):
+        with jax.named_scope(float8_scope(recipe)):
             return product(x, y)[0]
 
     f = jax.custom_vjp(primal)
 
     def fwd(x, y):
-        with jax.named_scope(f"{SCOPE}.{recipe}"):
+        with jax.named_scope(float8_scope(recipe)):
             out, quant = product(x, y)
         # rowwise: the backward products re-quantize along their own contractions;
         # tensorwise: fp8 residuals, half the bytes of bf16 ones
@@ -303,7 +276,7 @@ def _fp8_dot(
         # ct dims: [batch, x kept, y kept]
         ct_x_kept = tuple(range(nb, nb + len(x_kept)))
         ct_y_kept = tuple(range(nb + len(x_kept), nb + len(x_kept) + len(y_kept)))
-        with jax.named_scope(f"{SCOPE}.{recipe}.backward"):
+        with jax.named_scope(float8_scope(recipe, backward=True)):
             if native:  # fp8 GEMMs: dx = ct . y, dy = x . ct, e5m2 cotangent
                 if rowwise:  # each product re-quantizes along its own contraction
                     x, y = res
@@ -374,20 +347,4 @@ def float8_dot_rule(
     return [f(x, y)]
 
 
-def why_from_stack(stack: str) -> str | None:
-    """dtype_report's words for an eqn whose name stack says it is part of an fp8 product."""
-    if SCOPE + "." not in stack:
-        return None
-    recipe = "rowwise" if f"{SCOPE}.rowwise" in stack else "tensorwise"
-    return describe(recipe, jax.default_backend())
-
-
-class Float8DotRule(rules.DotRule):
-    """``dot_general`` under a float8 policy: the fp8 function where
-    :func:`allow_rule` says it pays, else the bfloat16 policy's."""
-
-    def low_fn(self, ctx: Any, eqn: Any) -> rules.Rule:
-        return allow_rule(ctx, eqn) or super().low_fn(ctx, eqn)
-
-
-rules.register_eqn_rule("dot_general", Float8DotRule())
+rules.register_variant("dot_general", Variant.FLOAT8, _variant_rule)

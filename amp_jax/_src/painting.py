@@ -18,21 +18,16 @@ import collections
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from amp_jax._src import compat
+from amp_jax._src import compat, jaxprs
+from amp_jax._src.decision import Color, Kind, OpClass
 from amp_jax._src.policy import is_managed_float
 
-LOW, HIGH, ORIG = "low", "high", "orig"
-OPAQUE = "opaque"  # higher-order primitive: recursed into, boundary kept
-SKIP = "skip"  # no managed float operand or result
-KEEP = "keep"  # higher-order primitive bound as written (identity policy, full_precision)
+LOW, HIGH, ORIG = Color.LOW, Color.HIGH, Color.ORIG
 
 
 def _graph(jaxpr: Any) -> tuple[list[list[int]], list[list[int]]]:
     """Producer/consumer eqn indices over managed-float vars."""
-    producer: dict[Any, int] = {}
-    for i, eqn in enumerate(jaxpr.eqns):
-        for v in eqn.outvars:
-            producer[v] = i
+    producer, _ = jaxprs.def_use(jaxpr)
     preds: list[list[int]] = [[] for _ in jaxpr.eqns]
     succs: list[list[int]] = [[] for _ in jaxpr.eqns]
     for i, eqn in enumerate(jaxpr.eqns):
@@ -59,14 +54,15 @@ def _reach(starts: Sequence[int], edges: list[list[int]], allowed: set[int]) -> 
     return seen
 
 
-def paint(classes: list[str], jaxpr: Any) -> list[str]:
-    """Colors (``low``/``high``/``orig``) for each eqn, from their classes."""
+def paint(classes: Sequence[OpClass | None], jaxpr: Any) -> list[Color]:
+    """Colors for each eqn, from their classes (None: not painted, as written)."""
     preds, succs = _graph(jaxpr)
     idx = {
-        c: {i for i, k in enumerate(classes) if k == c}
-        for c in ("allow", "deny", "follow", "clear")
+        c: {i for i, k in enumerate(classes) if k is c}
+        for c in (OpClass.ALLOW, OpClass.DENY, OpClass.FOLLOW, OpClass.CLEAR)
     }
-    allow, deny, follow, clear = idx["allow"], idx["deny"], idx["follow"], idx["clear"]
+    allow, deny = idx[OpClass.ALLOW], idx[OpClass.DENY]
+    follow, clear = idx[OpClass.FOLLOW], idx[OpClass.CLEAR]
     # 1. deny propagates forward through follow ops, and through clear ops
     #    only where a follow op is further downstream.
     fwd = _reach(sorted(deny), succs, follow | clear)
@@ -102,17 +98,7 @@ def paint(classes: list[str], jaxpr: Any) -> list[str]:
             break
         up -= drop
     low |= up
-    colors = []
-    for i, cls in enumerate(classes):
-        if i in low:
-            colors.append(LOW)
-        elif cls == "deny":
-            colors.append(HIGH)
-        elif cls in (OPAQUE, SKIP, KEEP):
-            colors.append(cls)
-        else:
-            colors.append(ORIG)
-    return colors
+    return [LOW if i in low else HIGH if i in deny else ORIG for i in range(len(classes))]
 
 
 # -- decisions ----------------------------------------------------------------
@@ -136,8 +122,9 @@ def decision_seeds(
 
 def decision_slice(
     jaxpr: Any,
-    classes: Sequence[str],
-    colors: Sequence[str],
+    kinds: Sequence[Kind],
+    classes: Sequence[OpClass | None],
+    colors: Sequence[Color],
     seeds: Iterable[Any],
     stops: list[tuple[int, int]] | None = None,
 ) -> tuple[set[int], set[int], set[int]]:
@@ -150,7 +137,7 @@ def decision_slice(
     stops at higher-order eqns (whose outputs keep their original dtype);
     ``stops``, if given, collects ``(eqn index, output position)`` of each.
     """
-    producer = {v: i for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
+    producer, _ = jaxprs.def_use(jaxpr)
     position = {v: k for k, v in enumerate(jaxpr.invars)}
     kept: set[int] = set()
     f32_out: set[int] = set()
@@ -167,11 +154,12 @@ def decision_slice(
         i = producer.get(v)
         if i is None:
             continue
-        if colors[i] == LOW and classes[i] == "allow":
+        if colors[i] is LOW and classes[i] is OpClass.ALLOW:
             f32_out.add(i)
-        elif colors[i] == OPAQUE and stops is not None:
-            stops.append((i, jaxpr.eqns[i].outvars.index(v)))
-        elif colors[i] not in (OPAQUE, KEEP) and i not in kept:
+        elif kinds[i] is Kind.NESTED:
+            if stops is not None:
+                stops.append((i, jaxpr.eqns[i].outvars.index(v)))
+        elif kinds[i] is not Kind.AS_WRITTEN and i not in kept:
             kept.add(i)
             todo.extend(a for a in jaxpr.eqns[i].invars if not isinstance(a, compat.Literal))
     return kept, f32_out, reached

@@ -3,58 +3,21 @@
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import jax
-from jax.extend import core as jex_core
 
-from amp_jax._src import compat
+from amp_jax._src import compat, decision
+from amp_jax._src.explain import _check_grad, _flat_call, _loss_of, _split_fn
+from amp_jax._src.jaxprs import iter_eqns
+from amp_jax._src.transform import AmpFunction
 
 
 def _why(eqn: Any) -> str:
     """Why amp left this eqn in its original precision, from its name stack."""
-    from amp_jax._src.attention import scope_reason
-    from amp_jax._src.interpreter import KEEP_REASONS, KEEP_SCOPE
-    from amp_jax._src.policy import FULL_PRECISION_SCOPE, scope_in
-
-    stack = str(eqn.source_info.name_stack)
-    for tag, text in KEEP_REASONS.items():
-        if f"{KEEP_SCOPE}.{tag}" in stack:
-            return text
-    attention = scope_reason(stack)  # amp_attention[cudnn] / amp_attention[xla: <reason>]
-    if attention:
-        return attention
-    if scope_in(stack, (FULL_PRECISION_SCOPE,)):
-        return "full_precision scope"
-    from amp_jax._src.float8 import why_from_stack
-
-    return why_from_stack(stack) or ""
-
-
-def iter_eqns(
-    jaxpr: Any, path: str = "", times: int = 1, stack: tuple[str, ...] = ()
-) -> Iterator[tuple[Any, str, int, tuple[str, ...]]]:
-    """``(eqn, enclosing primitives, times it runs, enclosing eqns' name
-    stacks)`` for every first-order eqn of ``jaxpr`` and of its sub-jaxprs (a
-    ``scan`` body runs ``length`` times; a ``while`` body is counted once,
-    every ``cond`` branch once). A sub-jaxpr's name stacks are relative to
-    the eqn that holds it: the full stack is ``(*stack, eqn's own)``."""
-    for eqn in jaxpr.eqns:
-        name = eqn.primitive.name
-        subs = list(jex_core.jaxprs_in_params(eqn.params))
-        if subs:
-            inner = times * int(eqn.params.get("length", 1)) if name == "scan" else times
-            inner_stack = (*stack, str(eqn.source_info.name_stack))
-            for sub in subs:
-                yield from iter_eqns(
-                    compat.jaxpr_of(sub) if compat.is_closed_jaxpr(sub) else sub,
-                    f"{path}/{name}" if path else name,
-                    inner,
-                    inner_stack,
-                )
-            continue
-        yield eqn, path, times, stack
+    reason = decision.from_stack(str(eqn.source_info.name_stack), jax.default_backend())
+    return reason.text if reason is not None else ""
 
 
 def _walk(jaxpr: Any, counts: collections.Counter, path: str) -> None:
@@ -114,30 +77,16 @@ def dtype_report(
       >>> rows == dtype_report(amp(lambda a, b: a @ b), a, b)
       True
     """
-    from amp_jax._src.explain import _check_grad, _flat_call, _loss_of, _split_fn
-    from amp_jax._src.transform import AmpFunction, _is_dynamic
-
     g = _check_grad(grad)
     if policy is not None or isinstance(fn, AmpFunction):
         base, pol = _split_fn(fn, policy)
         fn = AmpFunction(_loss_of(base, has_aux, "dtype_report", g is not None), pol)
     else:
         fn = _loss_of(fn, has_aux, "dtype_report", g is not None)
-    if g is not None:
-        run, dyn = _flat_call(fn, args, kwargs, g)
-        fn, args, kwargs = run, tuple(dyn), {}
-
     # Array leaves are traced; the others (a mode string, a callable) are
     # passed as they are, as amp passes them.
-    leaves, treedef = jax.tree.flatten((args, kwargs))
-    mask = [_is_dynamic(x) for x in leaves]
-
-    def traced(*dyn):
-        it = iter(dyn)
-        a, k = jax.tree.unflatten(treedef, [next(it) if d else x for x, d in zip(leaves, mask)])
-        return fn(*a, **k)
-
-    closed = jax.make_jaxpr(traced)(*[x for x, d in zip(leaves, mask) if d])
+    run, dyn = _flat_call(fn, args, kwargs, g)
+    closed = jax.make_jaxpr(run)(*dyn)
     counts: collections.Counter = collections.Counter()
     _walk(compat.jaxpr_of(closed), counts, "")
     return sorted(

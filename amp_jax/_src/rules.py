@@ -1,13 +1,15 @@
 """The rule table: how amp binds each primitive.
 
 Every eqn of a rewritten jaxpr is bound through one :class:`EqnRule`, looked
-up by primitive name in :data:`TABLE` (see ``interpreter.rule_for``): the
-default rule binds the primitive on operands cast to its color's dtype;
-higher-order primitives get the generic rule that rewrites their sub-jaxprs
-(registered by the interpreter, with ``scan``, ``shard_map`` and
-``custom_jvp_call`` rules of their own); broadcasting elementwise ops read
-implicitly broadcast operands before casting them; ``allow`` ops run the
-low-precision *function* of their rule. Each rule also answers
+up by primitive name in :data:`TABLE` (:func:`rule_for`), as the eqn's
+:class:`~amp_jax._src.decision.Decision` says: the default rule binds the
+primitive on operands cast to its color's dtype; higher-order primitives get
+the generic rule that rewrites their sub-jaxprs through the context
+(``ctx.plan``, ``ctx.rewrite``, ``ctx.evaluate``), with ``scan``,
+``shard_map`` and ``custom_jvp_call`` rules of their own; broadcasting elementwise ops read implicitly broadcast operands
+before casting them; ``allow`` ops run the low-precision *function* of their
+rule, or of the variant the plan chose (float32 where the backend has no
+kernel, fp8 under a float8 policy: ``float8.py``). Each rule also answers
 :meth:`EqnRule.reads_low`: whether it reads an operand only in the compute
 dtype, which is what the scan cast hoisting needs to know.
 
@@ -29,7 +31,7 @@ from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
 from amp_jax._src import casting, compat, lowdot
-from amp_jax._src.painting import LOW
+from amp_jax._src.decision import Color, Decision, Kind, OpClass, Variant
 from amp_jax._src.policy import HIGH_DTYPE, is_managed_float
 
 #: ``rule(eqn, invals, compute_dtype, out_dtype) -> list of outputs``: the
@@ -41,17 +43,22 @@ class EqnRule:
     """How amp binds one primitive. The default: bind it with every operand
     cast to the dtype of the eqn's color (:func:`casting.target`)."""
 
-    def evaluate(self, ctx: Any, eqn: Any, color: str, cls: str, env: Any) -> list[Any]:
-        """The outputs of ``eqn``, painted ``color`` (of class ``cls``), under
-        ``ctx`` (policy, backend), reading operands from ``env``."""
+    def evaluate(self, ctx: Any, eqn: Any, d: Decision, env: Any) -> list[Any]:
+        """The outputs of ``eqn`` as decided by ``d``, under ``ctx`` (policy,
+        backend), reading operands from ``env``."""
         cd = ctx.policy.compute_dtype
         return compat.bind_eqn(
-            eqn, [env.read(v, casting.target(casting.dtype_of(v), color, cd)) for v in eqn.invars]
+            eqn, [env.read(v, casting.target(casting.dtype_of(v), d.color, cd)) for v in eqn.invars]
         )
 
-    def reads_low(self, ctx: Any, eqn: Any, color: str, cls: str, atom: Any) -> bool:
+    def reads_low(self, ctx: Any, eqn: Any, d: Decision, atom: Any) -> bool:
         """Whether ``evaluate`` reads operand ``atom`` only in the compute dtype."""
-        return color == LOW
+        return d.color is Color.LOW
+
+    def no_low_kernel(self, eqn: Any, backend: str) -> bool:
+        """Whether ``backend`` has no compute-dtype kernel for ``eqn`` (an allow
+        op): planning then keeps it in float32, with that reason."""
+        return False
 
 
 class BroadcastRule(EqnRule):
@@ -60,22 +67,22 @@ class BroadcastRule(EqnRule):
     broadcast *before* the cast, so the transpose of the broadcast -- a sum
     over the batch -- runs in the operand's float32, not the compute dtype."""
 
-    def evaluate(self, ctx: Any, eqn: Any, color: str, cls: str, env: Any) -> list[Any]:
-        if color != LOW:
-            return super().evaluate(ctx, eqn, color, cls, env)
+    def evaluate(self, ctx: Any, eqn: Any, d: Decision, env: Any) -> list[Any]:
+        if d.color is not Color.LOW:
+            return super().evaluate(ctx, eqn, d, env)
         cd = ctx.policy.compute_dtype
         shape = tuple(getattr(eqn.outvars[0].aval, "shape", ()))
         return compat.bind_eqn(
             eqn,
             [
-                env.read_broadcast(v, casting.target(casting.dtype_of(v), color, cd), shape)
+                env.read_broadcast(v, casting.target(casting.dtype_of(v), d.color, cd), shape)
                 for v in eqn.invars
             ],
         )
 
-    def reads_low(self, ctx: Any, eqn: Any, color: str, cls: str, atom: Any) -> bool:
+    def reads_low(self, ctx: Any, eqn: Any, d: Decision, atom: Any) -> bool:
         out_shape = tuple(getattr(eqn.outvars[0].aval, "shape", ()))
-        return color == LOW and tuple(atom.aval.shape) == out_shape
+        return d.color is Color.LOW and tuple(atom.aval.shape) == out_shape
 
 
 class ExpandRule(EqnRule):
@@ -88,9 +95,9 @@ class ExpandRule(EqnRule):
     sum (``reduce_sum``, ``scatter-add``) accumulates in float32, like the
     implicit broadcasts of :class:`BroadcastRule`."""
 
-    def evaluate(self, ctx: Any, eqn: Any, color: str, cls: str, env: Any) -> list[Any]:
-        if color != LOW or not self.sums_in_transpose(eqn):
-            return super().evaluate(ctx, eqn, color, cls, env)
+    def evaluate(self, ctx: Any, eqn: Any, d: Decision, env: Any) -> list[Any]:
+        if d.color is not Color.LOW or not self.sums_in_transpose(eqn):
+            return super().evaluate(ctx, eqn, d, env)
         cd = ctx.policy.compute_dtype
         outs = compat.bind_eqn(eqn, [env.read(v, casting.dtype_of(v)) for v in eqn.invars])
         return [casting.lower(o, cd) for o in outs]
@@ -104,36 +111,44 @@ class ExpandRule(EqnRule):
             return int(np.prod(out.shape)) > int(np.prod(x.shape))
         return True
 
-    def reads_low(self, ctx: Any, eqn: Any, color: str, cls: str, atom: Any) -> bool:
-        return color == LOW and not self.sums_in_transpose(eqn)
+    def reads_low(self, ctx: Any, eqn: Any, d: Decision, atom: Any) -> bool:
+        return d.color is Color.LOW and not self.sums_in_transpose(eqn)
 
 
 class AllowRule(EqnRule):
     """An ``allow`` primitive: painted low, it runs ``fn`` (a :data:`Rule`) on
-    its operands as stored; otherwise (kept high, or not in the allow class
-    under this policy) it is bound like any other op."""
+    its operands as stored, or the function of the variant its decision names
+    (:func:`register_variant`); otherwise (kept high, or not in the allow
+    class under this policy) it is bound like any other op."""
 
     def __init__(self, fn: Rule | None = None):
         self.fn = fn
+        #: variant -> ``make(ctx) -> Rule``
+        self.variants: dict[Variant, Callable[[Any], Rule]] = {}
 
     def low_fn(self, ctx: Any, eqn: Any) -> Rule:
         """The function of a lowered eqn. Inside custom JVP rules (which JAX
         transposes: no custom_vjp may appear) the plain default."""
         return self.fn if self.fn is not None and ctx.vjp_rules else default_allow_rule
 
-    def evaluate(self, ctx: Any, eqn: Any, color: str, cls: str, env: Any) -> list[Any]:
-        if color != LOW or cls != "allow":
-            return super().evaluate(ctx, eqn, color, cls, env)
-        out_dtype = (
-            HIGH_DTYPE if id(eqn) in ctx.f32_out else ctx.policy.allow_output_dtype(ctx.backend)
-        )
+    def evaluate(self, ctx: Any, eqn: Any, d: Decision, env: Any) -> list[Any]:
+        if not d.lowered:
+            return super().evaluate(ctx, eqn, d, env)
         invals = [env.read(v, None) for v in eqn.invars]
-        return self.low_fn(ctx, eqn)(eqn, invals, ctx.policy.compute_dtype, out_dtype)
+        if d.variant is Variant.FLOAT32:  # no compute-dtype kernel on this backend
+            return default_allow_rule(eqn, [v.astype(HIGH_DTYPE) for v in invals], HIGH_DTYPE)
+        make = self.variants.get(d.variant)
+        fn = make(ctx) if make is not None and ctx.vjp_rules else self.low_fn(ctx, eqn)
+        return fn(eqn, invals, ctx.policy.compute_dtype, d.out_dtype)
+
+    def reads_low(self, ctx: Any, eqn: Any, d: Decision, atom: Any) -> bool:
+        return d.color is Color.LOW and d.variant is not Variant.FLOAT32
 
 
 class DotRule(AllowRule):
     """``dot_general``: low-precision forward and backward, with the operand
-    layouts each backend runs fast; batched dots stay float32 on XLA:CPU.
+    layouts each backend runs fast; batched dots stay float32 on XLA:CPU; the
+    fp8 products of a float8 policy are its ``FLOAT8`` variant (``float8.py``).
 
     On XLA:CPU a dot contracts the operand of a ``transpose`` that feeds it
     (``x @ W.T`` with ``W`` stored (out, in), ``jnp.einsum`` spellings), so
@@ -143,45 +158,64 @@ class DotRule(AllowRule):
     folded into the bf16 dot, which then runs in float32; benchmarks/peers.py).
     """
 
-    def evaluate(self, ctx: Any, eqn: Any, color: str, cls: str, env: Any) -> list[Any]:
-        if color == LOW and cls == "allow" and _cpu_fast_layouts(ctx.backend):
+    def evaluate(self, ctx: Any, eqn: Any, d: Decision, env: Any) -> list[Any]:
+        if d.lowered and d.variant is Variant.COMPUTE and _cpu_fast_layouts(ctx.backend):
             fn = self.low_fn(ctx, eqn)
-            ok = _is_dot_rule(fn) and not _cpu_batched(eqn, ctx.backend)
+            ok = _is_dot_rule(fn)
             found = _through_transposes(eqn, env, ctx.policy.compute_dtype) if ok else None
             if found is not None:
                 invals, dims = found
-                out_dtype = (
-                    HIGH_DTYPE
-                    if id(eqn) in ctx.f32_out
-                    else ctx.policy.allow_output_dtype(ctx.backend)
-                )
-                return fn(eqn, invals, ctx.policy.compute_dtype, out_dtype, dims=dims)
-        return super().evaluate(ctx, eqn, color, cls, env)
+                return fn(eqn, invals, ctx.policy.compute_dtype, d.out_dtype, dims=dims)
+        return super().evaluate(ctx, eqn, d, env)
 
     def low_fn(self, ctx: Any, eqn: Any) -> Rule:
         if not ctx.vjp_rules:
             return default_allow_rule
         return functools.partial(dot_general_rule, backend=ctx.backend)
 
-    def reads_low(self, ctx: Any, eqn: Any, color: str, cls: str, atom: Any) -> bool:
-        return color == LOW and not (cls == "allow" and _cpu_batched(eqn, ctx.backend))
+    def no_low_kernel(self, eqn: Any, backend: str) -> bool:
+        floats = all(is_managed_float(casting.dtype_of(v)) for v in eqn.invars)
+        return floats and _cpu_batched(eqn, backend)
 
 
 class TransposeRule(EqnRule):
     """``transpose``: bound as written, and recorded in ``env.transposes`` for
     the dots that read its result (:class:`DotRule`)."""
 
-    def evaluate(self, ctx: Any, eqn: Any, color: str, cls: str, env: Any) -> list[Any]:
-        outs = super().evaluate(ctx, eqn, color, cls, env)
+    def evaluate(self, ctx: Any, eqn: Any, d: Decision, env: Any) -> list[Any]:
+        outs = super().evaluate(ctx, eqn, d, env)
         src = eqn.invars[0]
         if not isinstance(src, compat.Literal) and hasattr(env, "transposes"):
             env.transposes[eqn.outvars[0]] = (src, tuple(eqn.params["permutation"]))
         return outs
 
 
-#: primitive name -> its rule; names without an entry get the interpreter's
-#: fallbacks (higher-order, allow or plain bind: ``interpreter.rule_for``).
+#: primitive name -> its rule; names without an entry get the fallbacks of
+#: :func:`rule_for` (higher-order, allow or plain bind).
 TABLE: dict[str, EqnRule] = {}
+
+#: the key of the generic rule of higher-order primitives (:class:`HigherOrderRule`).
+HIGHER_ORDER = "<higher-order>"
+
+
+def rule_for(eqn: Any, op_class: OpClass | None) -> EqnRule:
+    """The rule that binds ``eqn`` (of class ``op_class``): its primitive's entry
+    in :data:`TABLE`, else the generic rule of higher-order primitives, the
+    default ``allow`` rule, or the plain bind."""
+    rule = TABLE.get(eqn.primitive.name)
+    if rule is not None:
+        return rule
+    if compat.has_subjaxprs(eqn):
+        return TABLE[HIGHER_ORDER]
+    return _ALLOW if op_class is OpClass.ALLOW else _BIND
+
+
+def register_variant(name: str, variant: Variant, make: Callable[[Any], Rule]) -> None:
+    """Gives the allow rule of primitive ``name`` a function for ``variant``
+    (internal): ``make(ctx)`` returns it; planning decides which eqns run it."""
+    rule = TABLE[name]
+    assert isinstance(rule, AllowRule), rule
+    rule.variants[variant] = make
 
 
 def register_eqn_rule(names: str | Iterable[str], rule: EqnRule) -> None:
@@ -526,8 +560,6 @@ def dot_general_rule(
         p = {**p, "dimension_numbers": dims}
     if not (is_managed_float(x.dtype) and is_managed_float(y.dtype)):
         return default_allow_rule(eqn, invals, compute_dtype, out_dtype)
-    if _cpu_batched(eqn, backend):
-        return default_allow_rule(eqn, [v.astype(HIGH_DTYPE) for v in invals], HIGH_DTYPE)
     f = _amp_dot(
         p["dimension_numbers"],
         p.get("precision"),
@@ -626,3 +658,254 @@ register_eqn_rule("dot_general", DotRule())
 register_eqn_rule("transpose", TransposeRule())
 register_eqn_rule("conv_general_dilated", AllowRule(conv_rule))
 register_eqn_rule(("broadcast_in_dim", "tile", "gather"), ExpandRule())
+_BIND = EqnRule()
+_ALLOW = AllowRule()
+
+
+# -- the rules of higher-order primitives ----------------------------------------------
+#
+# Their sub-jaxprs are planned and evaluated by the context (``ctx.plan``,
+# ``ctx.rewrite``, ``ctx.evaluate``: ``interpreter.Interpreter``).
+
+
+class HigherOrderRule(EqnRule):
+    """A primitive with sub-jaxprs (``cond``, ``while``, ``remat``, ``pjit``,
+    ``custom_vjp_call``, ...): unless the policy keeps it as written (a
+    full_precision scope, the float32 policy), its operands keep their dtypes
+    and its sub-jaxprs are rewritten with the same policy."""
+
+    def evaluate(self, ctx: Any, eqn: Any, d: Decision, env: Any) -> list[Any]:
+        if d.kind is Kind.AS_WRITTEN or d.color is not Color.ORIG:
+            return super().evaluate(ctx, eqn, d, env)
+        cd = ctx.policy.compute_dtype
+        invals = [
+            env.read(v, casting.target(casting.dtype_of(v), Color.ORIG, cd)) for v in eqn.invars
+        ]
+        return self.bind_rewritten(ctx, eqn, invals)
+
+    def bind_rewritten(self, ctx: Any, eqn: Any, invals: list[Any]) -> list[Any]:
+        params = ctx.cached(
+            "params",
+            eqn,
+            lambda: compat.map_subjaxprs(
+                eqn,
+                ctx.rewrite,
+                ctx.linear.rewrite,
+                functools.partial(_run_bwd, ctx),
+            ),
+        )
+        return compat.bind_eqn(eqn, invals, params)
+
+    def reads_low(self, ctx: Any, eqn: Any, d: Decision, atom: Any) -> bool:
+        return False
+
+
+class ScanRule(HigherOrderRule):
+    """``scan``: the casts of scanned-over inputs read only in the compute
+    dtype are hoisted out of the loop (:func:`_plan_hoisted_casts`)."""
+
+    def bind_rewritten(self, ctx: Any, eqn: Any, invals: list[Any]) -> list[Any]:
+        eqn = ctx.cached("masks", eqn, lambda: _with_constant_masks(eqn, invals))
+        hoisted = ctx.cached("hoist", eqn, lambda: _plan_hoisted_casts(ctx, eqn))
+        if not hoisted:
+            return super().bind_rewritten(ctx, eqn, invals)
+        hoist, new_params = hoisted
+        cd = ctx.policy.compute_dtype
+        invals = [casting.cast(x, cd) if i in hoist else x for i, x in enumerate(invals)]
+        return compat.bind_eqn(eqn, invals, new_params)
+
+
+def _with_constant_masks(eqn: Any, invals: list[Any]) -> Any:
+    """``eqn`` (a scan) with its concrete boolean loop constants -- a causal mask
+    closed over by the loop body -- made constants of its body, so that the
+    body's plan sees their values (a constant causal mask becomes cuDNN's
+    ``is_causal``, which skips the masked blocks, instead of a bias it must
+    read). The operands stay; the body no longer reads them."""
+    n_consts, _ = compat.scan_split(eqn.params)
+    known = {
+        i: x
+        for i, x in enumerate(invals[:n_consts])
+        if not isinstance(x, compat.Tracer) and np.dtype(x.dtype) == np.bool_
+    }
+    if not known:
+        return eqn
+    body = eqn.params["jaxpr"]
+    run = compat.jaxpr_as_fun(body)
+    new_body = compat.trace_to_closed_jaxpr(
+        lambda *a: run(*[known.get(i, x) for i, x in enumerate(a)]), compat.in_avals(body)
+    )
+    return eqn.replace(params=compat.scan_params_with_body(eqn, new_body))
+
+
+class ShardMapRule(HigherOrderRule):
+    """``shard_map``: rebuilt as a public ``jax.shard_map`` whose body is
+    evaluated under the policy (collectives need the manual-axes context)."""
+
+    def bind_rewritten(self, ctx: Any, eqn: Any, invals: list[Any]) -> list[Any]:
+        return ctx.cached("shard_map", eqn, lambda: _shard_map_fn(ctx, eqn))(*invals)
+
+
+class CustomJvpRule(HigherOrderRule):
+    """``custom_jvp_call``: a transparent one (``jax.nn.relu``: only follow
+    and clear ops) painted low runs its body in the compute dtype and keeps
+    the user's JVP rule (:func:`_custom_jvp_low`)."""
+
+    def evaluate(self, ctx: Any, eqn: Any, d: Decision, env: Any) -> list[Any]:
+        if d.color is not Color.LOW:
+            return super().evaluate(ctx, eqn, d, env)
+        cd = ctx.policy.compute_dtype
+        invals = [
+            env.read(v, casting.target(casting.dtype_of(v), Color.LOW, cd)) for v in eqn.invars
+        ]
+        avals = tuple(compat.aval_of(x) for x in invals)
+        params = ctx.cached(
+            ("custom_jvp_low", avals), eqn, lambda: _custom_jvp_low(ctx, eqn, avals)
+        )
+        return compat.bind_eqn(eqn, invals, params)
+
+    def reads_low(self, ctx: Any, eqn: Any, d: Decision, atom: Any) -> bool:
+        return d.color is Color.LOW
+
+
+register_eqn_rule(HIGHER_ORDER, HigherOrderRule())
+register_eqn_rule("scan", ScanRule())
+register_eqn_rule(compat.SHARD_MAP_NAMES, ShardMapRule())
+register_eqn_rule(compat.CUSTOM_JVP_NAMES, CustomJvpRule())
+
+
+def _custom_jvp_low(ctx: Any, eqn: Any, low_avals: Sequence[Any]) -> dict[str, Any]:
+    """Params to bind a transparent ``custom_jvp_call`` on compute-dtype operands.
+
+    The body is evaluated with every op low. The JVP rule is the user's,
+    evaluated in the original dtypes: primals and tangents are cast up, the
+    output tangents cast back down to the dtypes of the low primal outputs.
+    The primal outputs of the rule are the low body's, so the forward values
+    are the same with and without differentiation.
+    """
+    call_jaxpr, rule_fun, _ = compat.custom_jvp_parts(eqn)
+    low = ctx.all_low(ctx.prepare(call_jaxpr))
+    orig_avals = [v.aval for v in eqn.invars]
+
+    def primal(*xs):
+        return ctx.evaluate(low, xs, cast_outputs=False)
+
+    new_call = compat.trace_to_closed_jaxpr(primal, low_avals)
+
+    def jvp_jaxpr(*zeros):
+        jaxpr, consts, out_zeros = compat.call_thunk(rule_fun, *zeros)
+        rule = compat.close(jaxpr, consts)
+        tan_in = [
+            (lo.to_tangent_aval(), hi.to_tangent_aval())
+            for lo, hi, z in zip(low_avals, orig_avals, zeros)
+            if not z
+        ]
+
+        def jvp(*xs):
+            prims, tans = xs[: len(low_avals)], xs[len(low_avals) :]
+            p_out = primal(*prims)
+            up = [casting.cast(x, hi.dtype) for x, hi in zip(prims, orig_avals)]
+            up += [casting.cast(t, hi.dtype) for t, (_, hi) in zip(tans, tan_in)]
+            t_out = ctx.linear.evaluate(ctx.linear.plan(rule), up)[len(out_zeros) :]
+            nz = [p for p, z in zip(p_out, out_zeros) if not z]
+            return [
+                *p_out,
+                *(
+                    casting.cast(t, compat.aval_of(p).to_tangent_aval().dtype)
+                    for t, p in zip(t_out, nz)
+                ),
+            ]
+
+        new = compat.trace_to_closed_jaxpr(jvp, [*low_avals, *(lo for lo, _ in tan_in)])
+        return compat.jaxpr_of(new), compat.consts_of(new), out_zeros
+
+    return compat.custom_jvp_params(eqn, new_call, compat.memoized_fun(jvp_jaxpr, rule_fun))
+
+
+def _run_bwd(ctx: Any, key: Any, bwd: Any, args: Sequence[Any]) -> Any:
+    """A ``custom_vjp`` backward rule ``bwd(*args)`` run under ``ctx``'s policy.
+
+    A rule that recomputes primal values (diffrax's checkpointed adjoint
+    re-runs the solver's steps) must see the policy its forward ran under,
+    or it recomputes other values -- an adaptive solver accepts other steps
+    -- than the forward did (PyTorch's ``custom_bwd`` does the same for
+    autocast). Symbolic zeros (in and out) pass through as they are.
+    """
+    is_val = [isinstance(a, (jax.Array, compat.Tracer)) for a in args]
+    vals = [a for a, v in zip(args, is_val) if v]
+    others = tuple((i, a) for i, (a, v) in enumerate(zip(args, is_val)) if not v)
+    avals = tuple(compat.aval_of(a) for a in vals)
+
+    def make() -> tuple[Any, dict[int, Any], Any]:
+        # The rule's output is a pytree (the cotangents; from JAX 0.11 the
+        # pair (cotangents, logs)) whose non-array leaves are symbolic zeros.
+        zeros: dict[int, Any] = {}
+        tree: list[Any] = []
+
+        def traced(*xs):
+            it = iter(xs)
+            full = [a if not v else next(it) for a, v in zip(args, is_val)]
+            leaves, treedef = jax.tree_util.tree_flatten(bwd(*full))
+            tree.append(treedef)
+            arrays = []
+            for i, o in enumerate(leaves):
+                if isinstance(o, (jax.Array, compat.Tracer)):
+                    arrays.append(o)
+                else:
+                    zeros[i] = o  # a symbolic zero: no value to compute
+            return arrays
+
+        closed = compat.trace_to_closed_jaxpr(traced, avals)
+        return ctx.plan(closed), zeros, tree[0]
+
+    zkey = tuple((i, type(a).__name__, str(getattr(a, "aval", ""))) for i, a in others)
+    plan_, zeros, treedef = ctx.cached(("bwd", avals, zkey), key, make)
+    outs = iter(ctx.evaluate(plan_, vals))
+    leaves = [zeros[i] if i in zeros else next(outs) for i in range(treedef.num_leaves)]
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def _shard_map_fn(ctx: Any, eqn: Any) -> Any:
+    """The public ``jax.shard_map`` of ``eqn``'s body, evaluated under the policy."""
+    plan_ = ctx.plan(compat.shard_map_body(eqn))
+    return compat.shard_map_of(eqn, lambda *a: ctx.evaluate(plan_, a))
+
+
+def _plan_hoisted_casts(ctx: Any, eqn: Any) -> tuple[list[int], dict[str, Any]] | None:
+    """For a ``scan`` whose scanned-over inputs are read only in the compute
+    dtype (stacked per-layer weights): the indices of those inputs, to be cast
+    once outside the loop, and the scan's params with the body retyped.
+
+    Cast inside the body, each layer's low copy of its weights would be a
+    new value that the backward pass saves: a stacked copy of all weights.
+    Cast outside, the residual is the (already low) input slice. As with
+    hand-cast bf16 models and ``torch.autocast``, each layer's weight
+    gradient then leaves its matmul rounded to the compute dtype before it is
+    cast back to the parameter's dtype. None when nothing can be hoisted
+    (the caller then rewrites the body as for any higher-order primitive).
+    """
+    found = compat.scan_xs(eqn)
+    if found is None or ctx.identity:
+        return None
+    body, xs = found
+    body_plan = ctx.plan(body)
+    bj = body_plan.jaxpr
+    cd = ctx.policy.compute_dtype
+    hoist = []
+    for i in xs:
+        v = bj.invars[i]
+        if (
+            casting.target(casting.dtype_of(v), Color.LOW, cd)
+            in (None, np.dtype(casting.dtype_of(v)))
+            or v in bj.outvars
+        ):
+            continue
+        uses = [
+            (e, d) for e, d in zip(bj.eqns, body_plan.decisions) if any(v is a for a in e.invars)
+        ]
+        if uses and all(rule_for(e, d.op_class).reads_low(ctx, e, d, v) for e, d in uses):
+            hoist.append(i)
+    if not hoist:
+        return None
+    avals = compat.in_avals(body)
+    avals = [a.update(dtype=cd) if i in hoist else a for i, a in enumerate(avals)]
+    return hoist, compat.scan_params_with_body(eqn, ctx.rewrite(body, avals))

@@ -14,7 +14,8 @@ import jax
 import numpy as np
 
 from amp_jax._src import compat
-from amp_jax._src.interpreter import Context, evaluate, plan
+from amp_jax._src.interpreter import Interpreter, evaluate
+from amp_jax._src.planning import plan
 from amp_jax._src.policy import FULL_PRECISION_SCOPE, Policy, get_policy, scope_in
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -328,7 +329,7 @@ class AmpFunction:
             raise AssertionError("amp_jax: traced arguments do not match; please report this.")
         self._shared.trace_count += 1
         out_tree = jax.tree.structure(out_shape)
-        ctx = Context(self.policy, jax.default_backend())
+        ctx = Interpreter(self.policy, jax.default_backend())
         return _Traced(plan(ctx, closed), out_tree, ctx)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

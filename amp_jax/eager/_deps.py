@@ -10,7 +10,7 @@ import jax
 import optax
 from jax.extend import core as jex_core
 
-from amp_jax._src import compat
+from amp_jax._src import compat, jaxprs
 from amp_jax.optim import _loss_scale, _tree
 
 # Primitives whose single sub-jaxpr is called once with the eqn's operands and
@@ -23,7 +23,7 @@ _EMPTY: frozenset = frozenset()
 
 
 def _open(j: Any) -> Any:
-    return compat.jaxpr_of(j) if compat.is_closed_jaxpr(j) else j
+    return jaxprs.open_jaxpr(j)[0]
 
 
 def dependencies(jaxpr: Any, in_deps: Sequence[frozenset]) -> list[frozenset]:

@@ -14,6 +14,7 @@ from _util import BF16, F32, prim_dtypes
 
 from amp_jax import Policy, amp, dtype_report
 from amp_jax._src import painting
+from amp_jax._src.decision import Kind, OpClass
 from amp_jax._src.painting import HIGH, LOW, ORIG
 
 X = jnp.ones((16, 32))
@@ -22,7 +23,7 @@ W = jnp.ones((32, 32))
 
 def _colors(fn, classes_by_name, *args):
     jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
-    classes = [classes_by_name.get(e.primitive.name, "follow") for e in jaxpr.eqns]
+    classes = [OpClass(classes_by_name.get(e.primitive.name, "follow")) for e in jaxpr.eqns]
     return [e.primitive.name for e in jaxpr.eqns], painting.paint(classes, jaxpr)
 
 
@@ -82,11 +83,15 @@ def test_decision_slice_stops_at_matmuls():
         return jax.lax.cond(jnp.max(h) > 0.5, lambda: h @ w, lambda: -h @ w)
 
     jaxpr = jax.make_jaxpr(fn)(X, W).jaxpr
-    classes = [CLASSES.get(e.primitive.name, "follow") for e in jaxpr.eqns]
-    classes = ["opaque" if e.primitive.name == "cond" else c for e, c in zip(jaxpr.eqns, classes)]
+    nested = [e.primitive.name == "cond" for e in jaxpr.eqns]
+    kinds = [Kind.NESTED if n else Kind.OP for n in nested]
+    classes = [
+        None if n else OpClass(CLASSES.get(e.primitive.name, "follow"))
+        for e, n in zip(jaxpr.eqns, nested)
+    ]
     colors = painting.paint(classes, jaxpr)
     seeds = painting.decision_seeds(jaxpr, (), lambda e: ())
-    kept, f32_out, reached = painting.decision_slice(jaxpr, classes, colors, seeds)
+    kept, f32_out, reached = painting.decision_slice(jaxpr, kinds, classes, colors, seeds)
     names = {jaxpr.eqns[i].primitive.name for i in kept}
     assert {"tanh", "reduce_max", "gt"} <= names and "dot_general" not in names
     assert [jaxpr.eqns[i].primitive.name for i in f32_out] == ["dot_general"]

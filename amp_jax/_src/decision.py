@@ -1,0 +1,250 @@
+"""What amp decided for one eqn, and why: the typed record of a plan.
+
+Planning (``planning.py``) gives every eqn of a jaxpr one :class:`Decision`:
+its *kind* (an op to paint, an eqn without floats, a higher-order eqn whose
+bodies are rewritten or one bound as written), its policy :class:`OpClass`,
+its :class:`Color` (the dtype its operands are read in), the dtype an
+``allow`` op writes and the function it runs (:class:`Variant`), the
+attention it belongs to, and the :class:`Reason` for all of it, recorded
+where the decision is made. The rules (``rules.py``) bind the eqn as its
+decision says, and ``explain`` shows the reason: neither decides again.
+
+A reason also travels with the ops amp emits, through ``jax.grad`` into the
+backward pass, as a ``jax.named_scope``: this module is the only one that
+writes reasons into scopes (:func:`scopes`, :func:`float8_scope`) and reads
+them back from a name stack (:func:`from_stack`, :func:`attention_from_stack`),
+which is how :func:`amp_jax.dtype_report` says why an op of any program ran
+as it did.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import numpy as np
+
+from amp_jax._src import compat
+from amp_jax._src.policy import FULL_PRECISION_SCOPE, scope_in
+
+
+class OpClass(enum.Enum):
+    """The class of an op, as the policy's lists (and the planning) give it."""
+
+    ALLOW = "allow"  # low precision: matmuls, convolutions
+    DENY = "deny"  # numerically sensitive: float32
+    FOLLOW = "follow"  # elementwise: low between two low ops
+    CLEAR = "clear"  # data movement: low next to a low op
+    NEVER = "never"  # left as written
+
+
+class Kind(enum.Enum):
+    """What sort of eqn a decision is about, which says how it is bound."""
+
+    OP = "op"  # an op on managed floats (or a transparent custom_jvp): painted
+    NO_FLOAT = "no_float"  # no managed float operand or result: bound as it is
+    NESTED = "nested"  # higher-order: bodies rewritten, boundary dtypes kept
+    AS_WRITTEN = "as_written"  # higher-order, bound as written (identity, full_precision)
+
+
+class Color(enum.Enum):
+    """The dtype an eqn reads its managed-float operands in (``casting.target``)."""
+
+    LOW = "low"  # the compute dtype
+    HIGH = "high"  # float32
+    ORIG = "orig"  # as they are
+
+
+class Variant(enum.Enum):
+    """The function an ``allow`` eqn painted low runs."""
+
+    COMPUTE = "compute"  # its rule's compute-dtype function
+    FLOAT8 = "float8"  # the fp8 form of the dot rule (``Policy(float8=...)``)
+    FLOAT32 = "float32"  # no compute-dtype kernel on this backend: float32 operands
+
+
+class Fused(enum.Enum):
+    """The eqn's part in a fused attention (``attention.py``)."""
+
+    NO = "no"
+    HERE = "here"  # the fused attention is computed at this eqn (its second matmul)
+    INSIDE = "inside"  # computed by a fused attention: not bound
+
+
+class Why(enum.Enum):
+    """The closed set of reasons for a decision."""
+
+    IDENTITY = "identity"
+    FULL_PRECISION = "full_precision"
+    NO_FLOAT = "no_float"
+    HIGHER_ORDER = "higher_order"
+    POLICY_CLASS = "policy_class"
+    PAINTING = "painting"
+    BACKEND_CLASS = "backend_class"
+    FLOAT8 = "float8"
+    ATTENTION = "attention"
+    # kept in their original precision (travel through grad as ``amp_keep_f32.<value>``):
+    WIDE_OPERAND = "wide_operand"
+    EXPLICIT_PRECISION = "explicit_precision"
+    TOO_SMALL = "too_small"
+    CONSTANT_RANGE = "constant_range"
+    DECIDES_CONTROL = "decides_control"
+    LOOP_CARRY = "loop_carry"
+    BACKEND_KERNEL = "backend_kernel"
+
+
+#: the reasons an op amp would lower is kept in its original precision, in words.
+KEPT = {
+    Why.WIDE_OPERAND: "float64/complex operand: not ours to lower",
+    Why.EXPLICIT_PRECISION: "explicit precision=HIGH/HIGHEST (or an algorithm) asked for",
+    Why.TOO_SMALL: "too small to pay (Policy.min_low_contraction / min_low_flops)",
+    Why.CONSTANT_RANGE: "reads a constant the compute dtype cannot represent",
+    Why.DECIDES_CONTROL: "decides control flow (a while predicate or cond index reads it)",
+    Why.LOOP_CARRY: "computes a loop-carried value: kept in the carry's dtype",
+    Why.BACKEND_KERNEL: "no low-precision kernel for it on this backend: runs in float32",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Reason:
+    """Why a decision was made: one of the closed set, and its words."""
+
+    why: Why
+    text: str
+
+    @classmethod
+    def kept(cls, why: Why) -> Reason:
+        """A reason an op is kept in its original precision (one of :data:`KEPT`)."""
+        return cls(why, KEPT[why])
+
+    @property
+    def keeps_high(self) -> bool:
+        return self.why in KEPT
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionPath:
+    """The path an attention took: fused by ``impl``, or left as written (None)."""
+
+    impl: str | None
+    reason: str
+
+    @property
+    def text(self) -> str:
+        if self.impl == "cudnn":
+            return "attention: cuDNN flash attention"
+        if self.impl is not None:
+            return f"attention: fused, {self.impl} implementation"
+        return f"attention left as written (xla: {_scope_text(self.reason)})"
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """What amp does with one eqn, and why.
+
+    Attributes:
+      kind: what sort of eqn it is (:class:`Kind`).
+      op_class: its class under the policy (None for kinds other than ``OP``).
+      color: the dtype its managed-float operands are read in.
+      reason: why, recorded where the decision was made.
+      out_dtype: what an ``allow`` op painted low writes (None for other ops:
+        they write what their operands give).
+      variant: the function an ``allow`` op painted low runs.
+      attention: the path of the attention the eqn is part of, if any.
+      fused: its part in a fused attention.
+    """
+
+    kind: Kind
+    op_class: OpClass | None
+    color: Color
+    reason: Reason
+    out_dtype: np.dtype | None = None
+    variant: Variant = Variant.COMPUTE
+    attention: AttentionPath | None = None
+    fused: Fused = Fused.NO
+
+    @property
+    def lowered(self) -> bool:
+        """An ``allow`` op that runs its low-precision function."""
+        return self.color is Color.LOW and self.op_class is OpClass.ALLOW
+
+
+# -- how a reason travels through grad: named scopes -----------------------------------------
+
+KEEP_SCOPE = "amp_keep_f32"  # amp_keep_f32.<Why value>
+ATTENTION_SCOPE = "amp_attention"  # amp_attention[cudnn] / [xla-fused] / [xla: <reason>]
+FLOAT8_SCOPE = "amp_float8"  # amp_float8.<recipe>[.backward]
+
+
+def _scope_text(reason: str) -> str:
+    # (a name stack splits at "/", and the attention scope ends at the first "]")
+    return reason.replace("/", " or ").replace("[", "(").replace("]", ")")
+
+
+def attention_scope(path: AttentionPath) -> str:
+    """``amp_attention[cudnn]``, ``amp_attention[xla-fused]`` or ``amp_attention[xla: why]``."""
+    if path.impl == "cudnn":
+        return f"{ATTENTION_SCOPE}[cudnn]"
+    if path.impl is not None:
+        return f"{ATTENTION_SCOPE}[{path.impl}-fused]"
+    return f"{ATTENTION_SCOPE}[xla: {_scope_text(path.reason)}]"
+
+
+def scopes(d: Decision) -> list[str]:
+    """The named scopes an eqn is bound under, so that its reason reaches its ops."""
+    out = [f"{KEEP_SCOPE}.{d.reason.why.value}"] if d.reason.keeps_high else []
+    if d.attention is not None and (d.attention.impl is None or d.fused is Fused.HERE):
+        out.append(attention_scope(d.attention))
+    return out
+
+
+def float8_scope(recipe: str, backward: bool = False) -> str:
+    """The scope of the ops of an fp8 product (forward, or its backward products)."""
+    return f"{FLOAT8_SCOPE}.{recipe}" + (".backward" if backward else "")
+
+
+def float8_text(recipe: str, backend: str) -> str:
+    """The words for an fp8 product of ``recipe`` on ``backend``."""
+    how = "per-tensor" if recipe == "tensorwise" else "per-row"
+    where = (
+        f"native fp8 GEMM on {backend}"
+        if compat.native_float8_matmul(backend)
+        else f"emulated on {backend} (no fp8 matmul units): fp8 round trip + bf16 dot"
+    )
+    if recipe == "rowwise" and compat.native_float8_matmul(backend):
+        where = f"native fp8 GEMM on {backend}, per-row scales applied to its result"
+    return (
+        f"float8 {recipe}: e4m3 operands, e5m2 gradient, {how} dynamic scales, "
+        f"float32 accumulation; {where}"
+    )
+
+
+def attention_from_stack(stack: str) -> AttentionPath | None:
+    """The path of the attention whose scope a name stack holds, if any."""
+    i = stack.find(ATTENTION_SCOPE + "[")
+    if i < 0:
+        return None
+    j = stack.find("]", i)
+    what = stack[i + len(ATTENTION_SCOPE) + 1 : j if j > 0 else None]
+    if what == "cudnn":
+        return AttentionPath("cudnn", "cuDNN flash attention")
+    if what.endswith("-fused"):
+        return AttentionPath(what[: -len("-fused")], "fused")
+    return AttentionPath(None, what[len("xla: ") :] if what.startswith("xla: ") else what)
+
+
+def from_stack(stack: str, backend: str) -> Reason | None:
+    """The reason amp left an op of a rewritten program as it is, from its name
+    stack (the op may be a backward op of ``jax.grad``), if amp gave one."""
+    for why in KEPT:
+        if f"{KEEP_SCOPE}.{why.value}" in stack:
+            return Reason.kept(why)
+    path = attention_from_stack(stack)
+    if path is not None:
+        return Reason(Why.ATTENTION, path.text)
+    if scope_in(stack, (FULL_PRECISION_SCOPE,)):
+        return Reason(Why.FULL_PRECISION, "full_precision scope")
+    if FLOAT8_SCOPE + "." in stack:
+        recipe = "rowwise" if float8_scope("rowwise") in stack else "tensorwise"
+        return Reason(Why.FLOAT8, float8_text(recipe, backend))
+    return None

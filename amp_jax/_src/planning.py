@@ -1,0 +1,602 @@
+"""Planning: one :class:`~amp_jax._src.decision.Decision` for every eqn of a jaxpr.
+
+:func:`plan` runs, once per (context, closed jaxpr):
+
+1. *Prepare* (:meth:`Context.prepare`): inline ``jit`` eqns that carry no
+   shardings, so that the analysis sees through ``jax.nn``/``jnp`` helpers
+   that are jitted internally.
+2. *Classify* (:meth:`Context.classify`, once per eqn): its kind, its class
+   under the policy, and what keeps an op amp would lower in its original
+   precision (:func:`stays_high`: float64, an explicit precision, too small;
+   a full_precision scope; no kernel on this backend).
+3. *Paint* (``painting.py``, pure): colors after TensorFlow's
+   auto-mixed-precision pass; an op that reads a constant the compute dtype
+   cannot represent stays as written; what decides control flow (a while
+   predicate, a cond index, the loop-carried values that feed them) and what
+   a loop carries to its next iteration is kept out of the compute dtype.
+4. *Attention* (``attention.py``): which attentions run fused.
+
+Every reason is recorded where its decision is made; the :class:`Plan` is
+then read by the interpreter and its rules, by ``explain`` and (through the
+named scopes of ``decision.py``) by ``dtype_report``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from amp_jax._src import attention, casting, compat, float8, jaxprs, painting, rules
+from amp_jax._src.decision import (
+    AttentionPath,
+    Color,
+    Decision,
+    Fused,
+    Kind,
+    OpClass,
+    Reason,
+    Variant,
+    Why,
+)
+from amp_jax._src.policy import (
+    FULL_PRECISION_SCOPE,
+    HIGH_DTYPE,
+    Policy,
+    is_managed_float,
+    scope_in,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Classified:
+    """What an eqn is, before painting: its kind, class and any reason decided
+    already (a policy scope, a size rule, the backend), and the variant it runs."""
+
+    kind: Kind
+    op_class: OpClass | None
+    reason: Reason | None = None
+    variant: Variant = Variant.COMPUTE
+
+
+class Context:
+    """What planning and evaluation need besides the jaxpr: the policy and backend."""
+
+    def __init__(self, policy: Policy, backend: str, vjp_rules: bool = True):
+        self.policy = policy
+        self.backend = backend
+        #: use the custom_vjp rules of allow ops; off in code JAX will transpose
+        #: (custom JVP rules), where a custom_vjp cannot appear.
+        self.vjp_rules = vjp_rules
+        self._linear: Context | None = None
+        self.identity = policy.is_identity
+        self.scopes = (FULL_PRECISION_SCOPE, *policy.full_precision_scopes)
+        # Everything derived from a jaxpr or an eqn is made once per context
+        # (per trace of the amp function), keyed by (kind, id(object)); the
+        # object is kept with its entry so that the id stays unique.
+        self._memo: dict[tuple[Any, int], tuple[Any, Any]] = {}
+        #: (source line of the scores matmul, implementation or None, reason)
+        #: for every attention recognised while rewriting (see attention.py).
+        self.attention_log: list[tuple[str, str | None, str]] = []
+        #: {id(closed sub-jaxpr): (it, output positions that decide control flow)}
+        self._decides: dict[int, tuple[Any, frozenset[int]]] = {}
+        #: {id(closed loop body): (it, output positions carried to the next iteration)}
+        self._carries: dict[int, tuple[Any, frozenset[int]]] = {}
+
+    def cached(self, kind: Any, obj: Any, make: Any) -> Any:
+        """``make()``, computed once per ``obj`` (by identity) and ``kind``."""
+        key = (kind, id(obj))
+        hit = self._memo.get(key)
+        if hit is None or hit[0] is not obj:
+            hit = self._memo[key] = (obj, make())
+        return hit[1]
+
+    @property
+    def linear(self) -> Context:
+        """This context without the custom_vjp rules (for JVP-rule jaxprs)."""
+        if not self.vjp_rules:
+            return self
+        if self._linear is None:
+            self._linear = type(self)(self.policy, self.backend, vjp_rules=False)
+        return self._linear
+
+    def prepare(self, closed: Any) -> Any:
+        """Inlines sharding-free jits (not under the identity policy, which keeps
+        the structure exactly so that results stay bitwise equal). Once per
+        ``closed``: the eqns keep their identity for the per-eqn records."""
+        if self.identity:
+            return closed
+        return self.cached("prepare", closed, lambda: inline_jits(closed))
+
+    def decides(self, closed: Any) -> frozenset[int]:
+        """Output positions of sub-jaxpr ``closed`` that decide control flow."""
+        hit = self._decides.get(id(closed))
+        return hit[1] if hit is not None and hit[0] is closed else frozenset()
+
+    def mark_decides(self, closed: Any, outs: Iterable[int]) -> None:
+        self._decides[id(closed)] = (closed, self.decides(closed) | frozenset(outs))
+
+    def carries(self, closed: Any) -> frozenset[int]:
+        """Output positions of loop body ``closed`` that are carried to its next iteration."""
+        hit = self._carries.get(id(closed))
+        return hit[1] if hit is not None and hit[0] is closed else frozenset()
+
+    def mark_carries(self, closed: Any, outs: Iterable[int]) -> None:
+        self._carries[id(closed)] = (closed, self.carries(closed) | frozenset(outs))
+
+    def plan(self, closed: Any) -> Plan:
+        """The plan of closed jaxpr ``closed`` under this context (:func:`plan`)."""
+        return plan(self, closed)
+
+    def all_low(self, closed: Any) -> Plan:
+        """The plan of a transparent function painted low (:func:`all_low`)."""
+        return all_low(self, closed)
+
+    # -- classification -------------------------------------------------
+    def classify(self, eqn: Any) -> Classified:
+        """What ``eqn`` is under this context (once per eqn)."""
+        return self.cached("classify", eqn, lambda: _classify(self, eqn))
+
+    def is_transparent(self, eqn: Any) -> bool:
+        """A ``custom_jvp_call`` whose body only has follow/clear ops (``jax.nn.relu``).
+
+        Such a call is painted like a follow op, so an activation between two
+        matmuls runs in the compute dtype; its JVP rule still applies.
+        """
+        if eqn.primitive.name not in compat.CUSTOM_JVP_NAMES:
+            return False
+        body, _, n_consts = compat.custom_jvp_parts(eqn)
+        if n_consts:
+            return False
+        return self.cached(
+            "transparent",
+            body,
+            lambda: all(
+                c.kind is Kind.NO_FLOAT or c.op_class in (OpClass.FOLLOW, OpClass.CLEAR)
+                for c in (self.classify(e) for e in compat.jaxpr_of(self.prepare(body)).eqns)
+            ),
+        )
+
+    def in_full_precision(self, eqn: Any) -> bool:
+        return self.scope_of(eqn) is not None
+
+    def scope_of(self, eqn: Any) -> str | None:
+        """The full-precision scope (whole name) ``eqn`` is traced in, or None."""
+        return scope_in(compat.name_stack_str(eqn), self.scopes)
+
+
+def _classify(ctx: Context, eqn: Any) -> Classified:
+    sub = compat.has_subjaxprs(eqn)
+    if ctx.identity:
+        why = Reason(Why.IDENTITY, "float32 policy: identity, nothing rewritten")
+        if sub:
+            return Classified(Kind.AS_WRITTEN, None, why)
+        return Classified(Kind.OP, OpClass.NEVER, why)
+    scope = ctx.scope_of(eqn)
+    if scope is not None:
+        # (everything an eqn in a full_precision scope holds is in it too)
+        if scope != FULL_PRECISION_SCOPE:
+            text = f"policy scope {scope!r} (full_precision_scopes): original dtypes"
+        else:
+            text = "user scope: full_precision, original dtypes"
+        why = Reason(Why.FULL_PRECISION, text)
+        if sub:
+            return Classified(Kind.AS_WRITTEN, None, why)
+        return Classified(Kind.OP, OpClass.NEVER, why)
+    avals = [v.aval for v in (*eqn.invars, *eqn.outvars)]
+    if not any(is_managed_float(getattr(a, "dtype", None)) for a in avals):
+        if sub:
+            return Classified(Kind.NESTED, None)
+        return Classified(Kind.NO_FLOAT, None)
+    if sub:
+        if ctx.is_transparent(eqn):
+            return Classified(Kind.OP, OpClass.FOLLOW)
+        return Classified(Kind.NESTED, None)
+    name = eqn.primitive.name
+    cls = ctx.policy.effective_class_of(name, ctx.backend)
+    if cls is None:
+        if ctx.policy.strict:
+            raise NotImplementedError(
+                f"amp_jax: primitive {name!r} has no class in the policy and "
+                "strict=True. Add it to a class, e.g. "
+                f"Policy(overrides={{{name!r}: 'follow'}})."
+            )
+        cls = "follow"
+    if cls != "allow":
+        return Classified(Kind.OP, OpClass(cls))
+    why = stays_high(eqn, ctx.policy)
+    if why is not None:
+        return Classified(Kind.OP, OpClass.NEVER, Reason.kept(why))
+    if rules.rule_for(eqn, OpClass.ALLOW).no_low_kernel(eqn, ctx.backend):
+        # its rule runs it in float32 on this backend (XLA:CPU's batched dots)
+        return Classified(Kind.OP, OpClass.ALLOW, Reason.kept(Why.BACKEND_KERNEL), Variant.FLOAT32)
+    if float8.applies(ctx, eqn):
+        return Classified(Kind.OP, OpClass.ALLOW, variant=Variant.FLOAT8)
+    return Classified(Kind.OP, OpClass.ALLOW)
+
+
+# -- allow ops that stay in float32 ---------------------------------------------
+
+
+def stays_high(eqn: Any, policy: Policy) -> Why | None:
+    """Why an ``allow`` eqn stays in its original precision, or None to lower it."""
+    dtypes = [getattr(v.aval, "dtype", None) for v in eqn.invars]
+    if any(
+        d is not None and np.issubdtype(d, np.inexact) and not is_managed_float(d) for d in dtypes
+    ):
+        return Why.WIDE_OPERAND
+    precision = eqn.params.get("precision")
+    parts = precision if isinstance(precision, tuple) else (precision,)
+    if any(p is not None and getattr(p, "name", str(p)) != "DEFAULT" for p in parts):
+        return Why.EXPLICIT_PRECISION
+    sizes = jaxprs.contraction_and_flops(eqn)
+    if sizes is not None and (
+        sizes[0] < policy.min_low_contraction or sizes[1] < policy.min_low_flops
+    ):
+        return Why.TOO_SMALL
+    if eqn.primitive.name == "dot_general" and policy.min_low_flops:
+        (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+        free = [
+            eqn.invars[0].aval.shape[d]
+            for d in range(eqn.invars[0].aval.ndim)
+            if d not in (*lc, *lb)
+        ]
+        free += [
+            eqn.invars[1].aval.shape[d]
+            for d in range(eqn.invars[1].aval.ndim)
+            if d not in (*rc, *rb)
+        ]
+        if int(np.prod(free, dtype=np.int64)) == 1:  # a (batch of) vector-vector dot product(s)
+            return Why.TOO_SMALL
+    return None
+
+
+# -- the plan -------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What amp decided for one (prepared) closed jaxpr, eqn by eqn."""
+
+    closed: Any
+    decisions: tuple[Decision, ...]
+    #: the fused attentions, by the index of the eqn that computes each one
+    fused: dict[int, tuple[attention.Match, str]] = dataclasses.field(default_factory=dict)
+
+    @property
+    def jaxpr(self) -> Any:
+        return compat.jaxpr_of(self.closed)
+
+
+def plan(ctx: Context, closed: Any) -> Plan:
+    """The plan of closed jaxpr ``closed`` (prepared, painted, attention found), once per context."""
+
+    def make() -> Plan:
+        flat = ctx.prepare(closed)
+        draft = _paint(ctx, compat.jaxpr_of(flat), ctx.decides(closed), ctx.carries(closed))
+        att = _plan_attention(ctx, flat)
+        return Plan(flat, draft.decisions(ctx, compat.jaxpr_of(flat), att), att.fused)
+
+    return ctx.cached("plan", closed, make)
+
+
+def all_low(ctx: Context, closed: Any) -> Plan:
+    """The plan of a transparent function painted low (``custom_jvp``'s body):
+    every op low."""
+    eqns = compat.jaxpr_of(closed).eqns
+    reason = Reason(Why.PAINTING, "in a function of follow/clear ops painted low")
+    decisions = []
+    for c in (ctx.classify(e) for e in eqns):
+        color = Color.ORIG if c.kind is Kind.NO_FLOAT else Color.LOW
+        decisions.append(Decision(c.kind, c.op_class, color, reason))
+    return Plan(closed, tuple(decisions))
+
+
+@dataclasses.dataclass
+class _Draft:
+    """A plan being made: classes, colors, the reasons and outputs decided so far."""
+
+    classified: list[Classified]
+    colors: list[Color]
+    #: eqns kept in their original precision by the painting, with the reason
+    kept: dict[int, Reason] = dataclasses.field(default_factory=dict)
+    #: low allow eqns whose results decide control flow or a carry: they write float32
+    f32_out: set[int] = dataclasses.field(default_factory=set)
+
+    @property
+    def classes(self) -> list[OpClass | None]:
+        return [c.op_class for c in self.classified]
+
+    @property
+    def kinds(self) -> list[Kind]:
+        return [c.kind for c in self.classified]
+
+    def decisions(self, ctx: Context, jaxpr: Any, att: attention.Plan) -> tuple[Decision, ...]:
+        out = []
+        for i, (eqn, c, color) in enumerate(zip(jaxpr.eqns, self.classified, self.colors)):
+            fused = Fused.HERE if i in att.fused else Fused.INSIDE if i in att.skip else Fused.NO
+            reason = self.kept.get(i) or c.reason
+            if fused is not Fused.NO and reason is not None and reason.why is Why.BACKEND_KERNEL:
+                reason = None  # (an attention's own path is its reason)
+            out_dtype = None
+            if color is Color.LOW and c.op_class is OpClass.ALLOW:  # what its rule writes
+                f32 = i in self.f32_out or c.variant is Variant.FLOAT32
+                out_dtype = HIGH_DTYPE if f32 else ctx.policy.allow_output_dtype(ctx.backend)
+            d = Decision(
+                c.kind,
+                c.op_class,
+                color,
+                reason or _reason(ctx, eqn, c, color),
+                out_dtype,
+                c.variant,
+                att.paths.get(i),
+                fused,
+            )
+            out.append(d)
+        return tuple(out)
+
+
+def _reason(ctx: Context, eqn: Any, c: Classified, color: Color) -> Reason:
+    """Why an eqn that nothing kept as written got ``color``: its class and the painting."""
+    if c.kind is Kind.NO_FLOAT:
+        return Reason(Why.NO_FLOAT, "no floating operand")
+    if c.kind is Kind.NESTED:
+        return Reason(Why.HIGHER_ORDER, "higher-order op: body rewritten, boundary dtypes kept")
+    pol, name = ctx.policy, eqn.primitive.name
+    cd = pol.compute_dtype.name
+    base = pol.class_of(name)
+    if base == "allow" and c.op_class is OpClass.NEVER:
+        return Reason(
+            Why.BACKEND_CLASS,
+            f"backend-aware: {name} is slower in {cd} on {ctx.backend}, kept as written",
+        )
+    if c.op_class is OpClass.ALLOW and base == "allow":
+        fp8 = float8.reason(ctx, eqn, c.variant)
+        if fp8 is not None:
+            return fp8
+    if color is Color.LOW:
+        return Reason(Why.PAINTING if base != "allow" else Why.POLICY_CLASS, _low_text(ctx, eqn))
+    if color is Color.HIGH:
+        src = "policy override" if name in dict(pol.overrides) else "deny class"
+        return Reason(Why.POLICY_CLASS, f"{src}: numerically sensitive, runs in float32")
+    if base == "never":
+        return Reason(Why.POLICY_CLASS, "never class: left as written")
+    if base is None:
+        return Reason(Why.POLICY_CLASS, "no class (treated as follow): keeps its operands' dtypes")
+    if base in ("follow", "clear"):
+        text = f"{base} class: not between two {cd} ops, keeps its operands' dtypes"
+        return Reason(Why.PAINTING, text)
+    return Reason(Why.POLICY_CLASS, f"{base} class, kept as written")
+
+
+def _low_text(ctx: Context, eqn: Any) -> str:
+    pol, name = ctx.policy, eqn.primitive.name
+    cd = pol.compute_dtype.name
+    base = pol.class_of(name)
+    if base == "allow":
+        src = "policy override" if name in dict(pol.overrides) else "allow class"
+        return f"{src}: runs in {cd} (float32 accumulation)"
+    if compat.has_subjaxprs(eqn):
+        return f"painting: function of follow/clear ops between {cd} ops, runs in {cd}"
+    if base == "clear":
+        return f"painting: clear op next to a {cd} op"
+    if base is None:
+        return f"no class (treated as follow); painting: between two {cd} ops"
+    return f"painting: {base} op on a path between two {cd} ops"
+
+
+def _paint(
+    ctx: Context, jaxpr: Any, decide_outs: Iterable[int] = (), carry_outs: Iterable[int] = ()
+) -> _Draft:
+    """Classes and colors of ``jaxpr``'s eqns; ``decide_outs`` are output
+    positions whose values decide control flow (a while predicate, a loop's
+    carried decision), ``carry_outs`` those a loop carries to its next
+    iteration (``jaxpr`` is the body)."""
+    classified = [ctx.classify(e) for e in jaxpr.eqns]
+    if ctx.identity:
+        return _Draft(classified, [Color.ORIG] * len(classified))
+    kept: dict[int, Reason] = {}
+    for i in _reads_unrepresentable_constant(jaxpr, ctx.policy.compute_dtype):
+        c = classified[i]
+        if c.op_class in (OpClass.ALLOW, OpClass.FOLLOW, OpClass.CLEAR):
+            classified[i] = Classified(c.kind, OpClass.NEVER, Reason.kept(Why.CONSTANT_RANGE))
+    draft = _Draft(classified, painting.paint([c.op_class for c in classified], jaxpr), kept)
+    seeds = painting.decision_seeds(jaxpr, decide_outs, lambda e: _loop_reads(ctx, e))
+    _keep_slice(draft, jaxpr, seeds, Why.DECIDES_CONTROL)
+    # A loop-carried float keeps its dtype through the ops that compute the
+    # next carry (an EMA, an Euler step, a residual stream): rounding it in
+    # every iteration compounds. The matmuls on the way still read
+    # compute-dtype operands but write float32, as for decisions.
+    outs = jaxpr.outvars
+    carried = [outs[k] for k in carry_outs if is_managed_float(casting.dtype_of(outs[k]))]
+    for i, k in _keep_slice(draft, jaxpr, carried, Why.LOOP_CARRY):
+        for sub in _carry_bodies(jaxpr.eqns[i]):  # a cond's branches compute the carry too
+            ctx.mark_carries(sub, [k])
+    return draft
+
+
+def _keep_slice(draft: _Draft, jaxpr: Any, seeds: list[Any], why: Why) -> list[tuple[int, int]]:
+    """Keeps what ``seeds`` are computed from out of the compute dtype (back
+    to the matmuls, which write float32), recording ``why`` as the reason.
+    Returns the (eqn index, output position) of the higher-order eqns reached."""
+    stops: list[tuple[int, int]] = []
+    kept, f32_out, _ = painting.decision_slice(
+        jaxpr, draft.kinds, draft.classes, draft.colors, seeds, stops
+    )
+    for i in kept:
+        if draft.colors[i] is Color.LOW:
+            draft.colors[i] = Color.ORIG
+            _keep(draft, i, why)
+    for i in f32_out:
+        draft.f32_out.add(i)
+        _keep(draft, i, why)
+    return stops
+
+
+def _keep(draft: _Draft, i: int, why: Why) -> None:
+    """Records ``why`` for eqn ``i`` unless it was kept for a reason already."""
+    c = draft.classified[i]
+    if i not in draft.kept and not (c.reason is not None and c.reason.keeps_high):
+        draft.kept[i] = Reason.kept(why)
+
+
+def _carry_bodies(eqn: Any) -> list[Any]:
+    """The closed sub-jaxprs of ``eqn`` whose outputs are ``eqn``'s outputs
+    (``cond`` branches, a ``jit``'s body); none for loops and custom rules."""
+    if eqn.primitive.name == "cond":
+        return list(eqn.params["branches"])
+    if eqn.primitive.name in compat.JIT_NAMES and compat.is_closed_jaxpr(eqn.params["jaxpr"]):
+        return [eqn.params["jaxpr"]]
+    return []
+
+
+def _reached_inputs(ctx: Context, closed: Any, outs: Iterable[int]) -> set[int]:
+    """Input positions of ``closed`` that its decisions (and outputs ``outs``) read."""
+    jaxpr = compat.jaxpr_of(ctx.prepare(closed))
+    classified = [ctx.classify(e) for e in jaxpr.eqns]
+    classes = [c.op_class for c in classified]
+    colors = painting.paint(classes, jaxpr)
+    seeds = painting.decision_seeds(jaxpr, outs, lambda e: _loop_reads(ctx, e))
+    kinds = [c.kind for c in classified]
+    return painting.decision_slice(jaxpr, kinds, classes, colors, seeds)[2]
+
+
+def _loop_reads(ctx: Context, eqn: Any) -> list[int]:
+    """Operand positions of a ``while``/``scan`` eqn whose values decide its
+    control flow, through the loop's carry; marks the body's (and a while's
+    predicate's) outputs that decide it, for when they are rewritten."""
+
+    def make() -> list[int]:
+        p = eqn.params
+        if eqn.primitive.name == "while":
+            cn, bn = compat.while_split(p)
+            body, n_body_consts = p["body_jaxpr"], bn
+            first = _reached_inputs(ctx, p["cond_jaxpr"], [0])
+            ctx.mark_decides(p["cond_jaxpr"], [0])
+            carry = {k - cn for k in first if k >= cn}
+            reads = [k for k in first if k < cn]
+            carry_at = cn + bn  # carry operands follow the cond and body consts
+            n_out = len(eqn.outvars)
+        else:  # scan: consts, carry, xs
+            n_consts, n_carry = compat.scan_split(p)
+            body, n_body_consts, first, reads = p["jaxpr"], n_consts, set(), []
+            carry, carry_at = set(), n_consts
+        body_reads: set[int] = set()
+        while True:  # loop-carried: a carry read by a decision is one too
+            body_reads = _reached_inputs(ctx, body, sorted(carry))
+            new = carry | {k - n_body_consts for k in body_reads if k >= n_body_consts}
+            if eqn.primitive.name == "scan":
+                new = {k for k in new if k < n_carry}
+            if new == carry:
+                break
+            carry = new
+        if carry:
+            ctx.mark_decides(body, carry)
+        ctx.mark_carries(body, range(n_carry if eqn.primitive.name == "scan" else n_out))
+        consts = [k for k in body_reads if k < n_body_consts]
+        if eqn.primitive.name == "while":
+            consts = [cn + k for k in consts]
+        return sorted({*reads, *consts, *(carry_at + k for k in carry)})
+
+    return ctx.cached("loop_reads", eqn, make)
+
+
+def _unrepresentable(value: Any, dtype: np.dtype) -> bool:
+    """A float constant that ``dtype`` turns into inf, 0 or a subnormal (off by more than its eps)."""
+    v = np.asarray(value)
+    if not np.issubdtype(v.dtype, np.floating) or v.size > 64:
+        return False
+    v = v.astype(np.float64)
+    finite = np.isfinite(v)
+    v = np.where(finite, v, 0.0)  # inf/nan constants are what they are in any dtype
+    with np.errstate(all="ignore"):
+        c = v.astype(dtype).astype(np.float64)
+        bad = ~np.isfinite(c)
+        # (more than normal rounding: flushed to zero or a subnormal's lost digits)
+        bad |= (v != 0) & (np.abs(c - v) > float(jnp.finfo(dtype).eps) * np.abs(v))
+    return bool(bad.any())
+
+
+_CONSTANT_PASSTHROUGH = frozenset(
+    {"broadcast_in_dim", "reshape", "convert_element_type", "copy", "squeeze", "expand_dims"}
+)
+
+
+def _reads_unrepresentable_constant(jaxpr: Any, dtype: np.dtype) -> list[int]:
+    """Eqns that read a constant (a literal, or a broadcast of one) that
+    ``dtype`` cannot represent: they keep their original precision."""
+    if np.dtype(dtype).itemsize >= 4:
+        return []
+    bad: set[Any] = set()
+    found = []
+    for i, eqn in enumerate(jaxpr.eqns):
+        reads_bad = any(
+            (isinstance(v, compat.Literal) and _unrepresentable(compat.literal_value(v), dtype))
+            or (not isinstance(v, compat.Literal) and v in bad)
+            for v in eqn.invars
+        )
+        if not reads_bad:
+            continue
+        if eqn.primitive.name in _CONSTANT_PASSTHROUGH and len(eqn.invars) == 1:
+            bad.update(eqn.outvars)  # still a constant: judged where it is used
+        else:
+            found.append(i)
+    return found
+
+
+_NO_ATTENTION = attention.Plan({}, [], {})
+
+
+def _plan_attention(ctx: Context, closed: Any) -> attention.Plan:
+    """The attentions of ``closed``: which run fused, and the path of each one's ops."""
+    if ctx.identity or ctx.policy.attention == "off" or not ctx.vjp_rules:
+        return _NO_ATTENTION
+    jaxpr = compat.jaxpr_of(closed)
+    consts = dict(zip(jaxpr.constvars, compat.consts_of(closed)))
+    plan_ = attention.plan(
+        jaxpr,
+        consts,
+        mode=ctx.policy.attention,
+        backend=ctx.backend,
+        compute_dtype=ctx.policy.compute_dtype,
+        in_full_precision=ctx.in_full_precision,
+    )
+    ctx.attention_log.extend(plan_.log)
+    return plan_
+
+
+# -- preparing: inlining jits ----------------------------------------------------------
+
+
+def _has_inlinable_jit(jaxpr: Any) -> bool:
+    return any(compat.jit_is_inlinable(e) for e in jaxpr.eqns)
+
+
+def _bind_inlining(eqn: Any, invals: list[Any]) -> Sequence[Any]:
+    with contextlib.ExitStack() as stack:
+        for m in compat.eqn_context(eqn):
+            stack.enter_context(m)
+        if compat.jit_is_inlinable(eqn):
+            return _eval_inlining(compat.jit_jaxpr(eqn), invals)
+        return compat.bind_eqn(eqn, invals)
+
+
+def _eval_inlining(closed: Any, args: Sequence[Any]) -> list[Any]:
+    jaxpr, consts = jaxprs.open_jaxpr(closed)
+    return jaxprs.eval_jaxpr(jaxpr, consts, args, _bind_inlining)
+
+
+def inline_jits(closed: Any) -> Any:
+    """``closed`` with every sharding-free ``jit`` eqn inlined (recursively)."""
+    if not _has_inlinable_jit(compat.jaxpr_of(closed)):
+        return closed
+    return compat.trace_to_closed_jaxpr(
+        lambda *a: _eval_inlining(closed, a), compat.in_avals(closed)
+    )
+
+
+__all__ = ("AttentionPath", "Classified", "Context", "Plan", "all_low", "plan", "stays_high")

@@ -1,0 +1,191 @@
+"""Planning: one typed decision per eqn, made once, with its reason.
+
+What keeps an op amp would lower in its original precision (float64, an
+explicit precision, too small, a constant the compute dtype cannot
+represent, no kernel on this backend), the typed records of the plan, and
+that ``explain`` and ``dtype_report`` say what the plan decided.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _util import BF16, F32, prim_dtypes
+from jax import lax
+
+import amp_jax
+from amp_jax import Policy, amp, dtype_report
+from amp_jax._src import decision, planning
+from amp_jax._src.decision import Color, Decision, Fused, Kind, OpClass, Reason, Variant, Why
+
+
+def _plan(fn, *args, policy="bfloat16", backend=None):
+    ctx = planning.Context(amp_jax.get_policy(policy), backend or jax.default_backend())
+    return planning.plan(ctx, jax.make_jaxpr(fn)(*args))
+
+
+def _by_prim(p, name):
+    return [d for e, d in zip(p.jaxpr.eqns, p.decisions) if e.primitive.name == name]
+
+
+# -- float64, complex and explicit precision are left as written ------------------------------
+
+
+@pytest.fixture
+def x64():
+    jax.config.update("jax_enable_x64", True)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_x64", False)
+
+
+def test_float64_and_complex_dots_are_not_lowered(x64):
+    rng = np.random.default_rng(0)
+    a32 = jnp.asarray(rng.standard_normal((64, 64)), jnp.float32)
+    for other in (jnp.float64, jnp.complex64):
+        b = jnp.asarray(rng.standard_normal((64, 64)), other)
+        f = amp(lambda a, b: a @ b)
+        np.testing.assert_array_equal(np.asarray(f(a32, b)), np.asarray(a32 @ b))
+        rows = dtype_report(f, a32, b)
+        assert [r[5] for r in rows if r[0] == "dot_general"] == [
+            "float64/complex operand: not ours to lower"
+        ]
+
+
+@pytest.mark.parametrize("precision", [lax.Precision.HIGHEST, lax.Precision.HIGH, "highest"])
+def test_explicit_precision_stays_float32(precision):
+    a, b = jnp.ones((64, 64)) / 3, jnp.ones((64, 64)) / 7
+    f = amp(lambda a, b: jnp.dot(a, b, precision=precision) + a @ b)
+    dots = sorted(i for i, _, _ in prim_dtypes(jax.make_jaxpr(f)(a, b), "dot_general"))
+    assert dots == sorted([(F32, F32), (BF16, BF16)])
+    why = {r[5] for r in dtype_report(f, a, b) if r[0] == "dot_general"}
+    assert any("explicit precision" in w for w in why), why
+
+
+def test_tiny_contractions_stay_float32_and_say_why():
+    v, m, big = jnp.ones(32), jnp.ones((7, 8, 4)), jnp.ones((64, 64))
+    f = amp(lambda v, m, big, c: (jnp.dot(v, v), jnp.einsum("s,sij->ij", c, m), big @ big))
+    c = jnp.ones(7)
+    dots = prim_dtypes(jax.make_jaxpr(f)(v, m, big, c), "dot_general")
+    assert sorted(i for i, _, _ in dots) == sorted([(F32, F32), (F32, F32), (BF16, BF16)])
+    reasons = [r[5] for r in dtype_report(f, v, m, big, c) if r[0] == "dot_general" and r[5]]
+    assert len(reasons) == 1 and "too small" in reasons[0]
+    low = amp(lambda v: jnp.dot(v, v), policy=Policy(min_low_contraction=0, min_low_flops=0))
+    assert prim_dtypes(jax.make_jaxpr(low)(v), "dot_general")[0][0] == (BF16, BF16)
+
+
+# -- constants the compute dtype cannot represent ---------------------------------------
+
+
+def test_float16_constants_out_of_range_keep_their_op_float32():
+    x = w = jnp.ones((512, 512))
+    f = lambda x, w: ((x @ w) * 1e-8) @ w  # noqa: E731  (1e-8 is 0 in float16)
+    out = amp(f, policy="float16")(x, w)
+    np.testing.assert_allclose(out, f(x, w), rtol=0.03)  # 0.0026, not 0
+    why = [
+        r
+        for r in dtype_report(amp(f, policy="float16"), x, w)
+        if r[5] and r[0] != "convert_element_type"
+    ]
+    assert [(r[0], r[1], r[5]) for r in why] == [
+        ("mul", "float32,float32", "reads a constant the compute dtype cannot represent")
+    ]
+
+    def masked_pool(x, w):
+        h = x @ w
+        h = jnp.where(jnp.arange(h.shape[-1]) % 3 == 0, h, -1e9)  # the usual mask fill
+        p = lax.reduce_window(h, -jnp.inf, lax.max, (1, 4), (1, 4), "VALID")
+        return p @ w[: p.shape[-1]]
+
+    x, w = (
+        jax.random.normal(jax.random.PRNGKey(0), (8, 64)),
+        jax.random.normal(jax.random.PRNGKey(1), (64, 64)) / 8,
+    )
+    out = amp(masked_pool, policy="float16")(x, w)
+    assert bool(jnp.all(jnp.isfinite(out)))
+    np.testing.assert_allclose(out, masked_pool(x, w), atol=0.02 * float(jnp.max(jnp.abs(out))))
+    # bfloat16 represents both constants: nothing is kept
+    assert not [r for r in dtype_report(amp(masked_pool), x, w) if r[5]]
+
+
+# -- the typed plan -----------------------------------------------------------------------
+
+
+def test_every_eqn_gets_one_typed_decision():
+    def f(w, x):
+        h = jnp.tanh(x @ w) @ w
+        return jnp.sum(jnp.exp(h)), lax.cond(h.sum() > 0, jnp.sin, jnp.cos, h), jnp.arange(3) * 2
+
+    w, x = jnp.ones((64, 64)) / 64, jnp.ones((32, 64))
+    p = _plan(f, w, x)
+    assert len(p.decisions) == len(p.jaxpr.eqns)
+    assert all(isinstance(d, Decision) for d in p.decisions)
+    dots = _by_prim(p, "dot_general")
+    assert all(d.lowered and d.kind is Kind.OP for d in dots)
+    # the first dot's result decides the cond's branch: it writes float32
+    assert dots[1].out_dtype == F32 and dots[1].reason.why is Why.DECIDES_CONTROL
+    ((tanh,),) = [_by_prim(p, "tanh")]
+    assert (tanh.op_class, tanh.color, tanh.reason.why) == (OpClass.FOLLOW, Color.LOW, Why.PAINTING)
+    ((exp,),) = [_by_prim(p, "exp")]
+    assert (exp.op_class, exp.color, exp.reason.why) == (OpClass.DENY, Color.HIGH, Why.POLICY_CLASS)
+    ((cond,),) = [_by_prim(p, "cond")]
+    assert (cond.kind, cond.op_class, cond.color) == (Kind.NESTED, None, Color.ORIG)
+    iota = [d for e, d in zip(p.jaxpr.eqns, p.decisions) if e.primitive.name == "iota"]
+    assert iota and all(d.kind is Kind.NO_FLOAT for d in iota)
+
+
+def test_decisions_are_frozen_and_their_sets_closed():
+    d = Decision(Kind.OP, OpClass.ALLOW, Color.LOW, Reason(Why.POLICY_CLASS, "allow class"))
+    with pytest.raises(AttributeError):
+        d.color = Color.HIGH
+    # an op class is not a color, as the strings "opaque", "skip", "keep" once were both
+    assert {c.value for c in OpClass}.isdisjoint({c.value for c in Color})
+    assert d.variant is Variant.COMPUTE and d.fused is Fused.NO and d.attention is None
+
+
+@pytest.mark.parametrize(
+    "backend, variant, why",
+    [("cpu", Variant.FLOAT32, Why.BACKEND_KERNEL), ("gpu", Variant.COMPUTE, Why.POLICY_CLASS)],
+)
+def test_the_backend_limitation_is_decided_and_explained_in_one_place(backend, variant, why):
+    a, b = jnp.ones((2, 32, 64)), jnp.ones((2, 64, 32))
+    ((d,),) = [
+        _by_prim(
+            _plan(lambda a, b: jnp.einsum("bij,bjk->bik", a, b), a, b, backend=backend),
+            "dot_general",
+        )
+    ]
+    assert (d.color, d.variant, d.reason.why) == (Color.LOW, variant, why)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's batched dots")
+def test_explain_says_what_ran_for_a_batched_dot_on_cpu():
+    a, b = jnp.ones((2, 32, 64)), jnp.ones((2, 64, 32))
+    f = lambda a, b: jnp.sum(jnp.einsum("bij,bjk->bik", a, b))  # noqa: E731
+    ex = amp_jax.explain(f, a, b, grad=True)
+    dots = [r for r in ex.rows if r.primitive == "dot_general"]
+    assert dots and all(r.dtype == "float32" for r in dots)
+    assert all(decision.KEPT[Why.BACKEND_KERNEL] in r.reason for r in dots), dots
+    # ... and an unbatched dot beside it runs in bfloat16, and says so
+    g = lambda a, b: jnp.sum(a[0] @ b[0])  # noqa: E731
+    (row,) = [r for r in amp_jax.explain(g, a, b).rows if r.primitive == "dot_general"]
+    assert row.dtype == "bfloat16" and row.reason.startswith("allow class")
+
+
+@pytest.mark.parametrize("why", sorted(decision.KEPT, key=lambda w: w.value))
+def test_a_kept_reason_travels_through_its_scope_and_back(why):
+    d = Decision(Kind.OP, OpClass.NEVER, Color.ORIG, Reason.kept(why))
+    (scope,) = decision.scopes(d)
+    stack = f"transpose(jvp({scope}))"  # as the backward ops of grad carry it
+    assert decision.from_stack(stack, "cpu") == Reason.kept(why)
+
+
+def test_attention_paths_travel_through_their_scope_and_back():
+    for path in (
+        decision.AttentionPath("cudnn", "cuDNN flash attention"),
+        decision.AttentionPath("xla", "fused"),
+        decision.AttentionPath(None, "head dim 12: cuDNN needs [a multiple of 8]/at most 128"),
+    ):
+        back = decision.attention_from_stack(f"layer/{decision.attention_scope(path)}/x")
+        assert back.impl == path.impl and back.text == path.text
