@@ -1,4 +1,5 @@
-"""Every notebook in notebooks/ runs top to bottom (with small sizes)."""
+"""Every notebook in notebooks/ is committed executed, with its outputs, and
+runs top to bottom again here (with small sizes)."""
 
 import os
 import pathlib
@@ -19,13 +20,18 @@ def test_notebooks_found():
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
-def test_notebook_stored_without_outputs(path):
+def test_notebook_stored_executed_with_outputs(path):
+    """Committed as a reader sees them (docs/notebooks.md): every code cell run
+    once, top to bottom, at the notebook's full size, its outputs kept."""
     nb = nbformat.read(path, as_version=4)
-    for cell in nb.cells:
-        if cell.cell_type == "code":
-            assert not cell.outputs and cell.execution_count is None, (
-                f"{path.name}: clear the outputs"
-            )
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert [c.execution_count for c in code] == list(range(1, len(code) + 1)), (
+        f"{path.name}: run it top to bottom and save it with its outputs"
+    )
+    text = "".join(o.get("text", "") for c in code for o in c.outputs)
+    assert not [o for c in code for o in c.outputs if o.get("output_type") == "error"]
+    for needle in EXPECTED[path.stem]:
+        assert re.search(needle, text), f"{path.name}: no stored output matching {needle!r}"
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
