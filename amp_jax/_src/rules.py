@@ -13,10 +13,12 @@ kernel, fp8 under a float8 policy: ``float8.py``). Each rule also answers
 :meth:`EqnRule.reads_low`: whether it reads an operand only in the compute
 dtype, which is what the scan cast hoisting needs to know.
 
-``dot_general`` and ``conv_general_dilated`` get a ``jax.custom_vjp`` so that
-under ``jax.grad`` their cotangent products also take compute-dtype operands
-(JAX's own transpose rules would multiply a float32 cotangent with a bf16
-operand: a mixed, slow, float32 product).
+A lowered ``dot_general`` gets a ``jax.custom_jvp`` whose tangent products
+are ``lowdot``'s linear dot, and ``conv_general_dilated`` a ``jax.custom_vjp``,
+so that under ``jax.grad`` their cotangent products also take compute-dtype
+operands (JAX's own transpose rules would multiply a float32 cotangent with a
+bf16 operand: a mixed, slow, float32 product); the dot's form also works in
+forward mode.
 """
 
 from __future__ import annotations
