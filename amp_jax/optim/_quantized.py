@@ -392,9 +392,7 @@ def scale_by_quantized_adam(
 
     def update_fn(updates, state, params=None):
         del params
-        count_inc = optax.safe_increment(state.count)
-        bc1 = 1 - b1**count_inc
-        bc2 = 1 - b2**count_inc
+        count_inc, bc1, bc2 = _tree.adam_counts(state.count, b1, b2)
 
         def one(g, m, v):
             if g is None:

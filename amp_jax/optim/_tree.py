@@ -7,6 +7,7 @@ from typing import Any, TypeVar
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 T = TypeVar("T")
 
@@ -20,6 +21,12 @@ def is_float(x: Any) -> bool:
 def work_dtype(dtype: Any) -> Any:
     """The dtype used for the arithmetic on a ``dtype`` leaf: at least float32."""
     return jnp.promote_types(dtype, jnp.float32)
+
+
+def adam_counts(count: Any, b1: float, b2: float) -> tuple[Any, Any, Any]:
+    """Adam's next step count and its two bias corrections ``1 - b**count``."""
+    count_inc = optax.safe_increment(count)
+    return count_inc, 1 - b1**count_inc, 1 - b2**count_inc
 
 
 def map_unzip(fn: Any, n: int, tree: Any, *rest: Any, is_leaf: Any = None) -> tuple[Any, ...]:
