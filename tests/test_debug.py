@@ -53,6 +53,11 @@ def test_first_overflow_located_exactly():
     assert found.float32_finite and found.float32_max_abs == pytest.approx(80000.0)
     assert found.dtype_max == pytest.approx(65504.0)
     assert "full_precision" in found.fix and "bfloat16" in found.fix
+    # the plan's decision for the matmul whose result the cast rounds
+    assert found.decision.startswith(
+        "a cast amp inserted: an op reads dot_general's result in float16"
+    )
+    assert "allow class: runs in float16" in found.decision
     assert str(found).startswith("first non-finite value (inf) at ")
 
 
@@ -90,6 +95,8 @@ def test_float32_program_non_finite_too():
 
     found = debug.first_nonfinite(f, jnp.ones(3), policy=F16)
     assert found.primitive == "log" and not found.float32_finite
+    assert found.decision == "deny class: numerically sensitive, runs in float32"
+    assert "amp's decision: deny class" in str(found)
     assert "not a precision problem" in found.fix
 
 

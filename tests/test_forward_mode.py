@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from _util import BF16, eqns, prim_dtypes
 
-from amp_jax import amp
+from amp_jax import Policy, amp
 
 KEY = jax.random.PRNGKey(0)
 W = jax.random.normal(KEY, (32, 64)) * 0.2
@@ -101,3 +101,74 @@ def test_hessian_vector_product_under_jit_matches_float32():
     got, want = hvp(amp(f))(W, X, TANGENTS[0]), hvp(f)(W, X, TANGENTS[0])
     by_hand = hvp(hand)(W, X, TANGENTS[0])
     assert _rel(got, want) <= 2 * _rel(by_hand, want)
+
+
+# -- convolutions ------------------------------------------------------------------
+# (kept float32 on CPU by the backend-aware rule; backend_aware=False makes
+# them run in bf16 here as they do on a GPU)
+
+CONV_POLICY = Policy(backend_aware=False)
+CX = jax.random.normal(jax.random.PRNGKey(4), (2, 8, 8, 4))
+CW = jax.random.normal(jax.random.PRNGKey(5), (3, 3, 4, 8)) * 0.3
+CT = jax.random.normal(jax.random.PRNGKey(6), CW.shape)
+
+
+def _conv(x, w):
+    return jax.lax.conv_general_dilated(
+        x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+    )
+
+
+def conv_net(w, x):
+    return jnp.tanh(_conv(x, w))
+
+
+def conv_hand(w, x):
+    y = jax.lax.conv_general_dilated(
+        x.astype(BF16),
+        w.astype(BF16),
+        (1, 1),
+        "SAME",
+        dimension_numbers=("NHWC", "HWIO", "NHWC"),
+        preferred_element_type=jnp.float32,
+    )
+    return jnp.tanh(y)
+
+
+CONV_FORWARD = {
+    "jvp": lambda g: jax.jvp(lambda w: g(w, CX), (CW,), (CT,))[1],
+    "jacfwd": lambda g: jax.jacfwd(lambda w: g(w, CX)[0, 0, 0])(CW),
+    "linearize": lambda g: jax.linearize(lambda w: g(w, CX), CW)[1](CT),
+    "hvp": lambda g: jax.jit(jax.jvp, static_argnums=0)(
+        jax.grad(lambda w: jnp.sum(g(w, CX) ** 2)), (CW,), (CT,)
+    )[1],
+}
+
+
+@pytest.mark.parametrize("name", list(CONV_FORWARD))
+def test_forward_mode_through_a_lowered_conv(name):
+    run = CONV_FORWARD[name]
+    want, got = run(conv_net), run(amp(conv_net, policy=CONV_POLICY))
+    by_hand = run(conv_hand)
+    err, err_hand = _rel(got, want), _rel(by_hand, want)
+    assert 0 < err <= 2 * err_hand + 1e-6, (err, err_hand)
+
+
+def test_conv_tangent_and_cotangent_convolutions_take_bf16_operands():
+    g = amp(conv_net, policy=CONV_POLICY)
+    tangent = jax.make_jaxpr(lambda w: jax.jvp(lambda v: g(v, CX), (w,), (CT,)))(CW)
+    convs = prim_dtypes(tangent, "conv_general_dilated")
+    assert len(convs) == 2 and all(ins == (BF16, BF16) for ins, _, _ in convs), convs
+    backward = jax.make_jaxpr(jax.grad(lambda w, x: jnp.sum(g(w, x) ** 2), argnums=(0, 1)))(CW, CX)
+    convs = prim_dtypes(backward, "conv_general_dilated")
+    # the forward conv, and one cotangent conv per operand
+    assert len(convs) == 3 and all(ins == (BF16, BF16) for ins, _, _ in convs), convs
+
+
+def test_forward_mode_through_a_float8_matmul_is_refused_with_the_fix():
+    w = jax.random.normal(KEY, (256, 256))
+    x = jax.random.normal(KEY, (64, 256))
+    g = amp(lambda w: jnp.tanh(x @ w), policy="float8")
+    with pytest.raises(TypeError, match="policy='bfloat16'"):
+        jax.jvp(g, (w,), (w,))
+    assert jax.grad(lambda w: jnp.sum(g(w)))(w).shape == w.shape  # reverse mode works

@@ -40,13 +40,12 @@ def test_kahan_invariant_exact_with_float32_compensation():
         g = jax.random.normal(jax.random.key(i + 1), (512,)) * 1e-3
         c_old = np.asarray(state.compensation, np.float64)
         updates, state = step(g.astype(jnp.bfloat16), state, params)
-        y = np.asarray(updates, np.float64)
         new = optax.apply_updates(params, updates)
-        assert new.dtype == jnp.bfloat16 and updates.dtype == jnp.float32
-        # The update is the compensated increment c + u.
-        np.testing.assert_array_equal(
-            y, np.float32(c_old) - np.asarray(g.astype(jnp.bfloat16), np.float32)
-        )
+        assert new.dtype == jnp.bfloat16 and updates.dtype == jnp.bfloat16
+        # The update is the compensated increment c + u, in the gradients' dtype.
+        y = np.float32(c_old) - np.asarray(g.astype(jnp.bfloat16), np.float32)
+        np.testing.assert_array_equal(np.asarray(updates), y.astype(jnp.bfloat16))
+        # ... and the compensation keeps the rounding of the update too
         lhs = np.asarray(new, np.float64) + np.asarray(state.compensation, np.float64)
         rhs = np.asarray(params, np.float64) + y
         np.testing.assert_array_equal(lhs, rhs)
@@ -105,7 +104,7 @@ def test_stochastic_rounding_unbiased(dtype, p0, step):
     grads = jnp.full((n,), -step, jnp.float32)
     updates, state = jax.jit(tx.update)(grads, state, params)
     new = optax.apply_updates(params, updates)
-    assert new.dtype == dtype and updates.dtype == jnp.float32
+    assert new.dtype == dtype and updates.dtype == dtype
     exact = np.float64(np.float32(np.asarray(params[0], np.float32)) + np.float32(step))
     vals = np.asarray(new, np.float64)
     # Only the two neighbours of the exact value appear...

@@ -61,15 +61,36 @@ def test_apply_updates_lands_on_cast_master_bitwise(dtype):
             ).astype(dtype),
             params,
         )
+        old = params
         params, state, updates = step(params, state, g)
-        for p, m, u in zip(
+        for p0, p, m, u in zip(
+            jax.tree.leaves(old),
             jax.tree.leaves(params),
             jax.tree.leaves(optim.master_params(state)),
             jax.tree.leaves(updates),
         ):
             assert p.dtype == dtype and m.dtype == jnp.float32
-            assert u.dtype == jnp.float32
-            _bits_equal(p, m.astype(dtype))
+            assert u.dtype == dtype  # the gradients' dtype, as optax's updates
+            _lands_on_cast_master(p0, p, m, u)
+
+
+def _lands_on_cast_master(p0, p, m, u):
+    """``p`` (``p0`` + the update ``u``, applied) is the cast master ``m``
+    bitwise wherever the step is within a factor 2 of ``p0`` (Sterbenz: the
+    difference is exact in ``p0``'s dtype), and within half an ulp of ``u``
+    elsewhere."""
+    target = np.asarray(m.astype(p.dtype), np.float64)
+    a, b = np.asarray(p0, np.float64), target
+    sterbenz = (
+        (np.sign(a) == np.sign(b)) & (np.abs(b) >= np.abs(a) / 2) & (np.abs(b) <= 2 * np.abs(a))
+    )
+    sterbenz |= a == b
+    got = np.asarray(p, np.float64)
+    np.testing.assert_array_equal(got[sterbenz], target[sterbenz])
+    half_ulp = np.abs(np.asarray(u, np.float64)) * 2.0 ** -(jnp.finfo(p.dtype).nmant + 1)
+    assert np.all(
+        np.abs(got - target) <= half_ulp + np.abs(target) * 2.0 ** -jnp.finfo(p.dtype).nmant
+    )
 
 
 def test_master_trajectory_equals_float32_training_bitwise():
@@ -138,16 +159,25 @@ def test_donated_step_with_float32_leaves():
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-def test_extreme_shrinks_land_exactly(dtype):
-    # The master copy jumps from large values to tiny ones in one step.
+def test_extreme_shrinks_land_near_and_the_next_step_exactly(dtype):
+    # The master copy jumps from large values to tiny ones in one step: an
+    # update in the parameters' dtype cannot land there exactly (no such
+    # number exists), but the master stays exact and the next (small) step
+    # lands on it again.
     m = jnp.array([2.0**10 + 2.0**-3, -3000.5, 1000.0, 2.0**14], jnp.float32)
     params = m.astype(dtype)
     tx = optim.master_weights(optax.sgd(1.0))
     state = tx.init(params)
     g = m - jnp.array([2.0**-12, -3e-7, 1.5e-3, 0.0], jnp.float32)
     updates, state = tx.update(g, state, params)
+    assert updates.dtype == dtype  # (the narrower of the gradients' and the parameters')
     new = optax.apply_updates(params, updates)
-    _bits_equal(new, optim.master_params(state).astype(dtype))
+    master = optim.master_params(state)
+    np.testing.assert_array_equal(np.asarray(master), np.asarray(params.astype(jnp.float32) - g))
+    _lands_on_cast_master(params, new, master, updates)
+    small = (master * 1e-3).astype(dtype)
+    updates, state = tx.update(small, state, new)
+    _bits_equal(optax.apply_updates(new, updates), optim.master_params(state).astype(dtype))
 
 
 def test_float16_overflow_stays_inf_not_nan():

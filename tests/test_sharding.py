@@ -410,3 +410,24 @@ def test_scan_step_float16_dynamic_loss_scale_with_fsdp_stacks_matches_standard_
     # (CPU, 8 host devices, 3 updates): loss 4.7e-6 relative, parameters 8.1e-5.
     np.testing.assert_allclose(loss, ls, rtol=5e-5)
     _assert_stacks_match(p, ps, m, stack_specs, rtol=1e-3, atol=2e-4)
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_eager_amp_of_a_jitted_shard_map_with_one_manual_axis(mode):
+    """``amp(jit(shard_map(..., axis_names={"a"})))`` called eagerly over a
+    (2, 4) mesh: amp inlines the jit, and the shard_map keeps its specs (the
+    other axis stays automatic). Same values as ``jit(amp(...))``, matmul low."""
+    mesh = jax.make_mesh((2, 4), ("a", "b"), axis_types=(MODES[mode],) * 2)
+    w = jax.random.normal(jax.random.key(0), (64, 64)) / 8
+
+    def body(x):
+        return jnp.tanh(x @ w) - jax.lax.pmean(x @ w, "a")
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("a"), out_specs=P("a"), axis_names={"a"}))
+    x = jax.device_put(jax.random.normal(jax.random.key(1), (16, 64)), NamedSharding(mesh, P("a")))
+    with jax.set_mesh(mesh):
+        eager, jitted, ref = amp_jax.amp(f)(x), jax.jit(amp_jax.amp(f))(x), f(x)
+        dots = prim_dtypes(jax.make_jaxpr(amp_jax.amp(f))(x), "dot_general")
+    np.testing.assert_allclose(np.asarray(eager), np.asarray(jitted), rtol=1e-6, atol=1e-6)
+    assert 0 < float(jnp.max(jnp.abs(eager - ref))) < 5e-2
+    assert dots and all(ins == (BF16, BF16) for ins, _, _ in dots), dots

@@ -183,3 +183,62 @@ def test_optax_wrappers_around_amp_optim(name):
     np.testing.assert_allclose(got, ref, rtol=2e-2)
     if name != "MultiSteps":  # (MultiSteps applies every other step)
         assert got[-1] < got[0]
+
+
+LOW_PRECISION_OPTIMIZERS = {
+    "adamw": lambda: optim.adamw(1e-2),
+    "adamw_kahan": lambda: optim.adamw(1e-2, kahan=True),
+    "master_weights": lambda: optim.master_weights(optax.adam(1e-2)),
+    "stochastic_rounding": lambda: optim.stochastic_rounding(optax.adam(1e-2), 0),
+    "8bit": lambda: optim.adamw(1e-2, state_format="8bit", min_quantized_size=0),
+}
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("opt", sorted(LOW_PRECISION_OPTIMIZERS))
+@pytest.mark.parametrize("wrapper", ["apply_if_finite", "MultiSteps"])
+def test_optax_wrappers_with_low_precision_parameters(wrapper, opt, dtype):
+    """optax's wrappers put a ``lax.cond`` around the inner update whose other
+    branch is built from the gradients (``zeros_like(grads)``): amp's
+    optimizers return updates in the gradients' dtype, so it traces, steps
+    while the gradients are finite and skips (state bit-identical) when not."""
+    tx = WRAPPERS[wrapper](lambda lr: LOW_PRECISION_OPTIMIZERS[opt]())
+    params = {"w": (jax.random.normal(jax.random.key(0), (64, 64)) / 8).astype(dtype)}
+    state = tx.init(params)
+    step = jax.jit(lambda g, s, p: tx.update(g, s, p))
+    good = {"w": jnp.full((64, 64), 0.5, dtype)}
+    for _ in range(2):  # (MultiSteps applies every second step)
+        updates, state = step(good, state, params)
+        assert updates["w"].dtype == dtype
+        params = optax.apply_updates(params, updates)
+    assert params["w"].dtype == dtype
+    moved = float(
+        jnp.abs(
+            params["w"].astype(jnp.float32)
+            - (jax.random.normal(jax.random.key(0), (64, 64)) / 8).astype(dtype).astype(jnp.float32)
+        ).max()
+    )
+    assert moved > 1e-3
+    if wrapper == "apply_if_finite":
+        bad = {"w": good["w"].at[0, 0].set(jnp.inf)}
+        updates, new_state = step(bad, state, params)
+        assert not np.any(np.asarray(updates["w"], np.float32))
+        for a, b in zip(jax.tree.leaves(new_state.inner_state), jax.tree.leaves(state.inner_state)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_apply_if_finite_around_static_loss_scale_with_float16_parameters():
+    # the composition static_loss_scale's docstring recommends
+    tx = optax.apply_if_finite(optim.static_loss_scale(optax.adam(1e-2), 4.0), 3)
+    params = jnp.ones(8, jnp.float16)
+    state = tx.init(params)
+
+    @jax.jit
+    def step(p, s):
+        _, g = optim.scaled_value_and_grad(lambda p: jnp.sum(p.astype(jnp.float32) ** 2), s)(p)
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s, u
+
+    new, state, updates = step(params, state)
+    assert updates.dtype == jnp.float16 and new.dtype == jnp.float16
+    assert float(new[0]) < 1.0

@@ -13,6 +13,7 @@ keeps of them.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -29,8 +30,10 @@ from amp_jax._src.explain import (
     _full_stack,
     _is_backward,
     _loss_of,
+    _row_reason,
     _scope,
     _split_fn,
+    _trace_decisions,
     ran_in,
 )
 from amp_jax._src.policy import is_managed_float
@@ -185,6 +188,8 @@ class FirstNonfinite:
       float32_max_abs: the largest magnitude the same source line's ops reached
         in the original float32 program (None when unknown).
       float32_finite: whether the original program stayed finite there.
+      decision: amp's decision for the op (for a cast: for the op whose
+        result it casts), with its reason, as :func:`explain` states it.
       fix: what to do about it, in words.
     """
 
@@ -199,6 +204,7 @@ class FirstNonfinite:
     dtype_max: float
     float32_max_abs: float | None
     float32_finite: bool
+    decision: str
     fix: str
 
     def __str__(self) -> str:
@@ -217,6 +223,7 @@ class FirstNonfinite:
                 + (f", casting the result of {self.cast_of}" if self.cast_of else ""),
                 f"  largest finite input |x| = {ins}; the output dtype's finite range is +-{self.dtype_max:.4g}",
                 f"  the float32 program at this line: {f32}",
+                f"  amp's decision: {self.decision}",
                 f"  fix: {self.fix}",
             ]
         )
@@ -347,6 +354,15 @@ def first_nonfinite(
     dtype_max = float(jnp.finfo(hit["out_dtype"]).max)
     backward = _is_backward(stack)
     dtype = ran_in(eqn)
+    # the plan's decision for the op (a cast's: the op whose result it casts)
+    decisions = _trace_decisions(base, pol, args, kwargs)
+    empty = collections.Counter()
+    decided = _row_reason(decisions, eqn if src is None else src, stack, empty, empty)
+    if src is not None:
+        low = dtype.split("->")[-1]
+        decided = (
+            f"a cast amp inserted: an op reads {src.primitive.name}'s result in {low} ({decided})"
+        )
     return FirstNonfinite(
         where=where,
         scope=_scope(stack),
@@ -359,6 +375,7 @@ def first_nonfinite(
         dtype_max=dtype_max,
         float32_max_abs=f32_max,
         float32_finite=f32_finite,
+        decision=decided,
         fix=_fix_text(
             prim, where, dtype, backward, f32_finite, f32_max, dtype_max, src is not None
         ),

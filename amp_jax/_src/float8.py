@@ -344,7 +344,23 @@ def float8_dot_rule(
         np.dtype(y.dtype),
         NATIVE_OVERRIDE if NATIVE_OVERRIDE is not None else compat.native_float8_matmul(backend),
     )
-    return [f(x, y)]
+    try:
+        return [f(x, y)]
+    except TypeError as e:  # JAX's refusal of forward mode through a custom_vjp
+        if "forward-mode" not in str(e):
+            raise
+        raise TypeError(FORWARD_MODE_REFUSAL) from e
+
+
+#: the error of forward-mode differentiation through a float8 matmul
+FORWARD_MODE_REFUSAL = (
+    "amp: forward-mode differentiation (jax.jvp, jax.jacfwd, jax.linearize, "
+    "Hessian-vector products) cannot go through a float8 matmul: its backward "
+    "quantizes the cotangent with a scale computed from the cotangent itself, "
+    "which is not linear, so no tangent rule can stand for it. Use "
+    "policy='bfloat16' for forward-mode code (or wrap this matmul in "
+    "amp_jax.full_precision); reverse mode (jax.grad) works."
+)
 
 
 rules.register_variant("dot_general", Variant.FLOAT8, _variant_rule)

@@ -13,12 +13,12 @@ kernel, fp8 under a float8 policy: ``float8.py``). Each rule also answers
 :meth:`EqnRule.reads_low`: whether it reads an operand only in the compute
 dtype, which is what the scan cast hoisting needs to know.
 
-A lowered ``dot_general`` gets a ``jax.custom_jvp`` whose tangent products
-are ``lowdot``'s linear dot, and ``conv_general_dilated`` a ``jax.custom_vjp``,
-so that under ``jax.grad`` their cotangent products also take compute-dtype
-operands (JAX's own transpose rules would multiply a float32 cotangent with a
-bf16 operand: a mixed, slow, float32 product); the dot's form also works in
-forward mode.
+A lowered ``dot_general`` or ``conv_general_dilated`` gets a ``jax.custom_jvp``
+whose tangent products take compute-dtype operands (a dot's are ``lowdot``'s
+linear dot; a conv's write compute-dtype results), so that under ``jax.grad``
+their cotangent products also take compute-dtype operands (JAX's own transpose
+rules would multiply a float32 cotangent with a bf16 operand: a mixed, slow,
+float32 product), and forward mode works.
 """
 
 from __future__ import annotations
@@ -587,8 +587,6 @@ def _amp_conv(
     frozen: tuple[tuple[str, Any], ...],
     acc: Any,
     compute_dtype: np.dtype,
-    x_dtype: np.dtype,
-    w_dtype: np.dtype,
 ) -> Callable:
     params = dict(frozen)
     prim = jax.extend.core.primitives.conv_general_dilated_p
@@ -599,22 +597,27 @@ def _amp_conv(
     def primal(x, w):
         return conv(casting.lower(x, compute_dtype), casting.lower(w, compute_dtype), acc)
 
-    f = jax.custom_vjp(primal)
+    # A custom JVP (so forward mode works): the tangent convolutions take
+    # compute-dtype operands and write compute-dtype results, which JAX's conv
+    # transpose rules turn into compute-dtype cotangent convolutions (the
+    # cotangent rounded to the compute dtype first: the transpose of the cast).
+    f = jax.custom_jvp(primal)
 
-    def fwd(x, w):
+    def jvp(primals, tangents):
+        x, w = primals
+        tx, tw = tangents
         xl, wl = casting.lower(x, compute_dtype), casting.lower(w, compute_dtype)
-        return conv(xl, wl, acc), (xl, wl)
+        out = conv(xl, wl, acc)
+        parts = []
+        if not isinstance(tx, SymbolicZero):
+            parts.append(conv(casting.lower(tx, compute_dtype), wl, None).astype(out.dtype))
+        if not isinstance(tw, SymbolicZero):
+            parts.append(conv(xl, casting.lower(tw, compute_dtype), None).astype(out.dtype))
+        if not parts:
+            return out, jax.numpy.zeros_like(out)  # (JAX skips the rule then; for safety)
+        return out, functools.reduce(lambda a, b: a + b, parts)
 
-    def bwd(res, ct):
-        xl, wl = res
-        # JAX's conv transpose rules, applied to a compute-dtype conv: the
-        # cotangent convolutions take compute-dtype operands.
-        ctl = ct.astype(xl.dtype)
-        (dx,) = jax.linear_transpose(lambda a: conv(a, wl, None), xl)(ctl)
-        (dw,) = jax.linear_transpose(lambda b: conv(xl, b, None), wl)(ctl)
-        return dx.astype(x_dtype), dw.astype(w_dtype)
-
-    f.defvjp(fwd, bwd)
+    f.defjvp(jvp, symbolic_zeros=True)
     return f
 
 
@@ -625,13 +628,7 @@ def conv_rule(
     if not (is_managed_float(x.dtype) and is_managed_float(w.dtype)):
         return default_allow_rule(eqn, invals, compute_dtype, out_dtype)
     params = {k: v for k, v in eqn.params.items() if k != "preferred_element_type"}
-    f = _amp_conv(
-        _freeze(params),
-        _acc_dtype(eqn, out_dtype),
-        compute_dtype,
-        np.dtype(x.dtype),
-        np.dtype(w.dtype),
-    )
+    f = _amp_conv(_freeze(params), _acc_dtype(eqn, out_dtype), compute_dtype)
     return [f(x, w)]
 
 

@@ -48,7 +48,7 @@ def scale_by_any_precision_adam(
 
     Returns:
       An ``optax.GradientTransformation`` with ``optax.ScaleByAdamState`` state.
-      Updates of low-precision gradients are returned in float32.
+      Updates come back in the gradients' dtypes, as optax's do.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -89,7 +89,7 @@ def scale_by_any_precision_adam(
             m_hat = m_new / bc1.astype(wd)
             v_hat = v_new / bc2.astype(wd)
             u = m_hat / (jnp.sqrt(v_hat + 0.0) + eps)
-            return u, m_new.astype(m.dtype), v_new.astype(v.dtype)
+            return u.astype(g.dtype), m_new.astype(m.dtype), v_new.astype(v.dtype)
 
         new_updates, mu, nu = _tree.map_unzip(
             one, 3, updates, state.mu, state.nu, is_leaf=lambda x: x is None

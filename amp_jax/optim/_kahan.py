@@ -40,14 +40,17 @@ def kahan_summation(
         c_new = (y - (p_new - p)).astype(compensation_dtype)
 
     and returns ``y`` as the update, so ``optax.apply_updates(params, updates)``
-    lands exactly on ``p_new`` (the same operations, bitwise). This is the Kahan
+    lands exactly on ``p_new`` (the same operations, bitwise). ``y`` is
+    returned in the narrower of the gradient's and the parameter's dtypes (as
+    optax returns updates in the gradients' dtypes), and ``p_new`` and ``c_new``
+    are computed from that rounded ``y``, so the rounding of the update is
+    compensated too. This is the Kahan
     step of torchdistx's AnyPrecisionAdamW (``c += delta; old = p; p += c;
     c += old - p``). The rounding error of every step is carried over, so
     bfloat16 parameters follow the float32 trajectory closely even when single
     updates are below half a bfloat16 ulp.
 
-    Updates of bfloat16/float16 parameters are returned in float32. Use this
-    wrapper as the *outermost* transformation that changes updates (after the
+    Use this wrapper as the *outermost* transformation that changes updates (after the
     learning rate): anything applied after it would modify ``y``.
 
     Args:
@@ -107,20 +110,25 @@ def kahan_summation(
             )
         inner_updates, new_inner = inner.update(updates, state.inner_state, params, **extra_args)
 
-        def step(p, c, u):
+        def step(p, c, g, u):
             if not _tree.is_float(p):
                 return u, c
             wd = _tree.work_dtype(p.dtype)
             p_wd = p.astype(wd)
             y = c.astype(wd) + u.astype(wd)
-            # The new parameter as apply_updates will round it, with the rounding
-            # explicit: a plain cast pair would be dropped under excess precision.
-            p_new = _rounding.round_nearest(p_wd + y, p.dtype)
+            # The update as returned (rounded to its dtype) and the new parameter
+            # as apply_updates will round it, both roundings explicit: a plain
+            # cast pair would be dropped under excess precision.
+            out_dtype = _tree.update_dtype(g, p)
+            y_out = _rounding.round_nearest(y, out_dtype)
+            p_new = _rounding.round_nearest(p_wd + y_out, p.dtype)
             c_new = (y - (p_new - p_wd)).astype(c.dtype)
-            return y, c_new
+            return y_out.astype(out_dtype), c_new
 
         # Map over params (leaves), comp may hold MaskedNode at non-float leaves.
-        new_updates, new_comp = _tree.map_unzip(step, 2, params, state.compensation, inner_updates)
+        new_updates, new_comp = _tree.map_unzip(
+            step, 2, params, state.compensation, updates, inner_updates
+        )
         return new_updates, KahanSummationState(new_comp, new_inner)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

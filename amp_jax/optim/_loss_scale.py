@@ -224,8 +224,8 @@ def dynamic_loss_scale(
     1. divides every floating gradient by exactly the scale stored in the state,
        i.e. the scale the loss was multiplied with (in float32; float16 and
        bfloat16 gradients are unscaled *to* float32, so values below float16's
-       range survive; ``inner`` sees float32 gradients, ``apply_updates`` casts
-       the updates back to the parameters' dtype);
+       range survive; ``inner`` sees float32 gradients, and its updates are
+       returned in the gradients' dtypes, as optax's are);
     2. checks that all unscaled gradients are finite (across the devices of
        ``axis_name`` when given; a sharded ``jax.Array`` under ``jit`` is
        already checked globally);
@@ -344,6 +344,7 @@ def dynamic_loss_scale(
         inner_updates, new_inner = inner.update(grads, state.inner_state, params, **extra_args)
         new_inner = optax.tree_utils.tree_cast_like(new_inner, state.inner_state)
         new_updates = jax.tree.map(lambda u: jnp.where(finite, u, jnp.zeros_like(u)), inner_updates)
+        new_updates = _tree.cast_like_grads(new_updates, updates)
         new_inner = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new_inner, state.inner_state)
 
         new_state = _advance(state, finite, new_inner, rule)
@@ -360,9 +361,12 @@ def static_loss_scale(
 
     ``update`` divides every floating gradient by ``scale`` (in float32; low
     precision gradients stay float32, as in :func:`dynamic_loss_scale`) and runs
-    ``inner``. Unlike
-    :func:`dynamic_loss_scale` no step is skipped (as in apex and jmp); chain
-    ``optax.apply_if_finite`` inside if you want non-finite steps dropped.
+    ``inner``; the updates come back in the gradients' dtypes. Unlike
+    :func:`dynamic_loss_scale` no step is skipped (as in apex and jmp); wrap it
+    in ``optax.apply_if_finite`` (outside: it then checks the scaled gradients,
+    in their own dtype) if you want non-finite steps dropped. (Inside, an
+    optax optimizer would see float32 gradients with float16 moments and
+    promote them, which ``apply_if_finite``'s ``lax.cond`` rejects.)
 
     Args:
       inner: the transformation to run on the unscaled gradients.
@@ -407,6 +411,7 @@ def static_loss_scale(
         new_updates, new_inner = inner.update(grads, state.inner_state, params, **extra_args)
         # (float32 gradients must not promote a low-precision inner state)
         new_inner = optax.tree_utils.tree_cast_like(new_inner, state.inner_state)
+        new_updates = _tree.cast_like_grads(new_updates, updates)
         return new_updates, StaticLossScaleState(state.scale, new_inner)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -26,15 +26,19 @@ class MasterWeightsState(NamedTuple):
     inner_state: optax.OptState
 
 
-def landing_update(target: jax.Array, param: jax.Array) -> jax.Array:
-    """An update ``u`` with ``optax.apply_updates(param, u) == target``.
+def landing_update(target: jax.Array, param: jax.Array, dtype: Any = None) -> jax.Array:
+    """An update ``u`` (in ``dtype``; ``None``: ``param``'s) with
+    ``optax.apply_updates(param, u) == target``.
 
     ``target`` has ``param``'s dtype, or a wider one: then it lands on its
-    round-to-nearest value in ``param``'s dtype. ``u = target - param`` is computed in (at
-    least) float32: for bfloat16/float16 the difference of two such numbers is
-    exact in float32 whenever their magnitudes are within a factor ~2**15 of
-    each other, so ``param + u`` is exactly ``target`` and the cast in
-    ``apply_updates`` is exact.
+    round-to-nearest value in ``param``'s dtype. ``u = target - param`` is
+    computed in (at least) float32 and then cast to ``dtype``. In the
+    parameter's own dtype the difference of two of its numbers is exact
+    whenever they are within a factor 2 of each other (Sterbenz), so
+    ``param + u`` is exactly ``target`` for every step that moves a parameter
+    by less than half its magnitude; a larger step (a sign change, a jump
+    towards zero) can land up to half an ulp of ``u`` away. In float32
+    (``dtype=jnp.float32``) it is exact for magnitudes within ~2**15.
     """
     wd = _tree.work_dtype(param.dtype)
     p = param.astype(wd)
@@ -44,7 +48,8 @@ def landing_update(target: jax.Array, param: jax.Array) -> jax.Array:
         # explicit (a cast pair would be dropped under excess precision).
         t = _rounding.round_nearest(t, param.dtype)
     # Equal values (infinities included) need a zero update, not inf - inf.
-    return jnp.where(t == p, jnp.zeros_like(t), t - p)
+    u = jnp.where(t == p, jnp.zeros_like(t), t - p)
+    return u.astype(param.dtype if dtype is None else dtype)
 
 
 def master_weights(
@@ -63,15 +68,15 @@ def master_weights(
     ``new_master.astype(param.dtype)`` bitwise.
 
     For parameters whose dtype differs from ``master_dtype`` the returned update
-    is ``new_master.astype(p.dtype) - p`` computed in float32 (so updates of
-    bfloat16/float16 parameters are float32); ``p + u`` is then exactly the cast
-    master and the cast in ``apply_updates`` is exact. This was verified bitwise
-    on millions of random steps, shrinks by up to 2**30x included. It can only
-    fail when ``params`` was moved away from the cast master copy by more than
-    ~2**15x outside the optimizer (the difference is then not representable in
-    float32), or when a float16 parameter is already infinite while the master
-    is finite; the master copy stays exact either way and the next update lands
-    on it again where the parameter is finite.
+    is ``new_master.astype(p.dtype) - p``, computed in float32 and returned in
+    the narrower of the gradient's and the parameter's dtypes (optax returns
+    updates in the gradients' dtypes, and its wrappers rely on it:
+    ``optax.apply_if_finite``, ``MultiSteps``). In the parameter's dtype that
+    difference is exact whenever the step moves the parameter by less than
+    half its magnitude (Sterbenz), so ``p + u`` is then exactly the cast
+    master; a larger step (a sign change, a jump towards zero) lands within
+    half an ulp of ``u`` of it. The master copy stays exact either way, and
+    the next update lands on it again.
     For parameters already in ``master_dtype`` the inner update is returned
     as is. Non-floating parameters are passed to ``inner`` unchanged and its
     updates for them returned unchanged.
@@ -133,17 +138,17 @@ def master_weights(
         )
         new_master = optax.apply_updates(state.master, inner_updates)
 
-        def out(p, m_old, m_new, u):
+        def out(p, g, m_new, u):
             if not _tree.is_float(p):
                 return u
             if p.dtype == master_dtype:
-                return u
-            return landing_update(m_new, p)
+                return u.astype(_tree.update_dtype(g, p))
+            return landing_update(m_new, p, _tree.update_dtype(g, p))
 
         def keep(p, m_old, m_new):
             return m_new if _tree.is_float(p) else jnp.asarray(p)
 
-        new_updates = jax.tree.map(out, params, state.master, new_master, inner_updates)
+        new_updates = jax.tree.map(out, params, updates, new_master, inner_updates)
         new_master = jax.tree.map(keep, params, state.master, new_master)
         return new_updates, MasterWeightsState(new_master, new_inner)
 

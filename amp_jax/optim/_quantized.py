@@ -407,12 +407,16 @@ def scale_by_quantized_adam(
                 jnp.sqrt(v_new / bc2.astype(v_new.dtype) + 0.0) + eps
             )
             if not quantized:
-                return u, m_new.astype(m.dtype), v_new.astype(v.dtype)
+                return u.astype(g.dtype), m_new.astype(m.dtype), v_new.astype(v.dtype)
             # Materialise the new moments once: fused into the block reductions
             # below, the dequantizing gathers were recomputed per consumer (4x
             # slower on CPU).
             m_new, v_new = jax.lax.optimization_barrier((m_new, v_new))
-            return u, quantize(m_new, mu_codec, block_size), quantize(v_new, nu_codec, block_size)
+            return (
+                u.astype(g.dtype),
+                quantize(m_new, mu_codec, block_size),
+                quantize(v_new, nu_codec, block_size),
+            )
 
         new_updates, mu, nu = _tree.map_unzip(
             one, 3, updates, state.mu, state.nu, is_leaf=lambda x: x is None

@@ -80,8 +80,11 @@ def stochastic_rounding(
     sum ``x = p + u`` (in float32) is rounded to ``p.dtype`` up or down at
     random, with probability proportional to the distance, so the result is
     unbiased: ``E[round(x)] = x``. Small updates then survive on average instead
-    of being rounded away. The returned update is ``round(x) - p`` in float32,
-    which makes ``optax.apply_updates`` land exactly on the rounded value.
+    of being rounded away. The returned update is ``round(x) - p`` in the
+    parameter's dtype (the gradient's, if narrower), which makes
+    ``optax.apply_updates`` land exactly on the rounded value whenever the
+    step moves the parameter by less than half its magnitude (the difference
+    is then exact: Sterbenz), and within half an ulp of the update otherwise.
 
     bfloat16 uses the truncation trick (add 16 random bits to the float32 bit
     pattern, drop the low 16 bits); other dtypes (float16) pick between the two
@@ -147,13 +150,14 @@ def stochastic_rounding(
         # One key per parameter leaf (jax.random.split over the leaves, in order).
         keys = optax.tree_utils.tree_split_key_like(step_key, params)
 
-        def land(p, u, k):
+        def land(p, g, u, k):
             if not _tree.is_float(p) or jnp.dtype(p.dtype).itemsize >= 4:
                 return (u,)
             x = p.astype(jnp.float32) + u.astype(jnp.float32)
-            return (_master.landing_update(stochastic_round(x, k, p.dtype), p),)
+            target = stochastic_round(x, k, p.dtype)
+            return (_master.landing_update(target, p, _tree.update_dtype(g, p)),)
 
-        (new_updates,) = _tree.map_unzip(land, 1, params, inner_updates, keys)
+        (new_updates,) = _tree.map_unzip(land, 1, params, updates, inner_updates, keys)
         new_key = jax.random.key_data(key) if impl is not None else key
         return new_updates, StochasticRoundingState(new_key, new_inner)
 

@@ -23,6 +23,27 @@ def work_dtype(dtype: Any) -> Any:
     return jnp.promote_types(dtype, jnp.float32)
 
 
+def update_dtype(grad: Any, param: Any) -> Any:
+    """The dtype of the update a parameter-rounding wrapper returns: the
+    narrower of the gradient's and the parameter's (the parameter's on a tie).
+
+    optax returns updates in the gradients' dtypes, and its wrappers rely on
+    it (``apply_if_finite``'s skip branch is ``zeros_like(grads)``); a wrapper
+    that hands its inner transformation float32 gradients (a loss scaler)
+    still gets back updates no wider than the parameters."""
+    g, p = jnp.dtype(grad.dtype), jnp.dtype(param.dtype)
+    return g if g.itemsize < p.itemsize else p
+
+
+def cast_like_grads(updates: Any, grads: Any) -> Any:
+    """``updates`` with every floating leaf cast to its gradient's dtype."""
+
+    def one(u, g):
+        return u.astype(g.dtype) if is_float(u) and is_float(g) else u
+
+    return jax.tree.map(one, updates, grads, is_leaf=lambda x: x is None)
+
+
 def adam_counts(count: Any, b1: float, b2: float) -> tuple[Any, Any, Any]:
     """Adam's next step count and its two bias corrections ``1 - b**count``."""
     count_inc = optax.safe_increment(count)
