@@ -304,6 +304,17 @@ def main():
             variants=["standard", "eager"],
         )
     ]
+    rows += [
+        dict(r, variant=r["variant"] + " 8-bit states")
+        for r in rows_for(
+            "adamw 8bit",
+            amp_jax.optim.adamw(1e-3, state_format="8bit"),
+            a.width,
+            a.layers,
+            a.seq,
+            variants=["standard", "eager"],
+        )
+    ]
     mib = lambda b: f"{b / 2**20:.2f}"
     std = {r["opt"]: r["peak"] for r in rows if r["variant"].startswith("standard")}
     lines = [

@@ -99,7 +99,15 @@ def main(argv=None):
     p.add_argument("--only", default=None, help="comma-separated variant names")
     p.add_argument("--out", default=os.path.dirname(os.path.abspath(__file__)))
     p.add_argument("--no-timing", action="store_true", help="skip the update timings")
+    p.add_argument(
+        "--timing-only",
+        action="store_true",
+        help="only print the update-timing table (no training)",
+    )
     args = p.parse_args(argv)
+    if args.timing_only:
+        print("\n".join(timing_table(timings(_model.Config()))))
+        return
     cfg = _model.Config()
     chosen = variants()
     if args.only:  # in the order given
@@ -127,10 +135,33 @@ def main(argv=None):
                 flush=True,
             )
             write(args, cfg, runs, {})  # after every run: a long run keeps what it has
+    write(args, cfg, runs, {} if args.no_timing else timings(cfg))
+
+
+def timings(cfg):
+    """``update_times`` on the demo's parameters and on one 2048x2048 matrix."""
     params = _model.init_params(jax.random.PRNGKey(0), cfg)
     big = {"w": jax.random.normal(jax.random.key(0), (2048, 2048))}
-    times = {} if args.no_timing else {"demo": update_times(params), "2048x2048": update_times(big)}
-    write(args, cfg, runs, times)
+    return {"demo": update_times(params), "2048x2048": update_times(big)}
+
+
+def timing_table(times):
+    """Markdown lines of the update-timing table, with where it was measured."""
+    with open("/proc/loadavg") as f:
+        load = " ".join(f.read().split()[:3])
+    lines = [
+        "Optimizer update alone (`jit(tx.update + optax.apply_updates)`, float32 "
+        f"params, median of 30): JAX {jax.__version__}, Python {platform.python_version()}, "
+        f"{platform.machine()} CPU, {os.cpu_count()} cores, "
+        f"{time.strftime('%Y-%m-%d', time.gmtime())}, load average after the run {load}.",
+        "",
+        "| params | states | ms | vs bf16-state AdamW |",
+        "|---|---|---:|---:|",
+    ]
+    for where, rows in times.items():
+        ref = rows[0][1]
+        lines += [f"| {where} | {name} | {ms:.2f} | {ms / ref:.2f}x |" for name, ms in rows]
+    return lines
 
 
 def write(args, cfg, runs, times):
@@ -155,22 +186,8 @@ def write(args, cfg, runs, times):
             f"| {seed} | {name} | {r.final_val_loss:.4f} | {gap:+.2f}% | "
             f"{r.opt_state_bytes / n_params:.2f} | {r.median_step_s * 1e3:.2f} |"
         )
-    lines += (
-        []
-        if not times
-        else [
-            "",
-            "Optimizer update alone (`jit(tx.update + optax.apply_updates)`, float32 "
-            "params, median of 30):",
-            "",
-            "| params | states | ms | vs bf16-state AdamW |",
-            "|---|---|---:|---:|",
-        ]
-    )
-    for where, rows in times.items():
-        ref = rows[0][1]
-        for name, ms in rows:
-            lines.append(f"| {where} | {name} | {ms:.2f} | {ms / ref:.2f}x |")
+    if times:
+        lines += [""] + timing_table(times)
     table = "\n".join(lines)
     print("\n" + table)
     with open(os.path.join(args.out, "QUANTIZED_STATES.md"), "w") as f:

@@ -179,10 +179,18 @@ def test_update_runs_inside_backward_scan_without_full_gradient():
     assert len(scan_outs) == 6, [str(v.aval) for v in scan_outs]
 
 
-def test_compiled_peak_below_standard():
-    tx = optax.sgd(1e-2, momentum=0.9)
-    params = abstract_params(64, 8)
-    batch = jax.ShapeDtypeStruct((1, 64), jnp.float32)
+@pytest.mark.parametrize(
+    "tx,width,layers",
+    [
+        (optax.sgd(1e-2, momentum=0.9), 64, 8),
+        # 8-bit AdamW states (blocks of 256: wide enough for quantized layers)
+        (optim.adamw(1e-3, state_format="8bit"), 128, 6),
+    ],
+    ids=["sgd_momentum", "adamw_8bit"],
+)
+def test_compiled_peak_below_standard(tx, width, layers):
+    params = abstract_params(width, layers)
+    batch = jax.ShapeDtypeStruct((1, width), jnp.float32)
     step = amp_jax.eager.scan_step(embed, block, head, tx)
 
     def peak(fn, s):
@@ -523,3 +531,48 @@ def test_dynamic_loss_scale_bad_state():
     p = make_params()
     with pytest.raises(ValueError, match=r"DynamicLossScaleState\(inner_state=ScanStepState"):
         step.update(p, step.init(p).inner_state, BATCH)
+
+
+@pytest.mark.parametrize("fmt", ["8bit", "4bit", "float8"])
+def test_quantized_adamw_states_match_standard_step(fmt):
+    """optim.adamw(state_format=...) inside the backward scan: each layer's
+    moments are quantized block-wise on their own (blocks run along the last
+    axis, so a layer's slice of the stacked codes is that layer's codes) and
+    the step tracks the standard one. Not bitwise: the float32 Adam
+    arithmetic differs by ~1 ulp (see TOL), which can move a value across a
+    code's midpoint."""
+    tx_fn = lambda: optim.adamw(1e-2, state_format=fmt, min_quantized_size=0)  # noqa: E731
+    p, s, l, ps, ss, ls = run_both(tx_fn, remat=False)
+    np.testing.assert_allclose(l, ls, rtol=1e-4)
+    moved = max(
+        float(jnp.abs(a - b).max())
+        for a, b in zip(jax.tree.leaves(ps), jax.tree.leaves(make_params()))
+    )
+    for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(ps)):
+        assert float(jnp.abs(a - b).max()) < 0.05 * moved
+    assert len(optim._tree.find_states(s, optim.QuantizedArray)) == 2 * 5  # mu, nu each
+    parts = {
+        part: dict(
+            (jax.tree_util.keystr(k), v)
+            for k, v in jax.tree_util.tree_flatten_with_path(getattr(s, part))[0]
+        )
+        for part in ("embed", "blocks", "head")
+    }
+    n_codes = 0
+    for path, want in jax.tree_util.tree_flatten_with_path(ss)[0]:
+        key = jax.tree_util.keystr(path)
+        part = next((q for q in parts if f"['{q}']" in key), None)
+        if part is None or not key.endswith((".codes", ".absmax")):
+            continue
+        got = parts[part][key.replace(f"['{part}']", "", 1)]
+        assert got.dtype == want.dtype and got.shape == want.shape, key
+        if key.endswith(".absmax"):
+            np.testing.assert_allclose(got, want, rtol=1e-3)
+        else:
+            assert np.mean(_bytes(got) == _bytes(want)) > 0.9, key
+            n_codes += 1
+    assert n_codes == 2 * 5
+
+
+def _bytes(x):
+    return np.asarray(x).reshape(-1).view(np.uint8)

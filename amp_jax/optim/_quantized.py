@@ -71,11 +71,26 @@ def linear_map_without_zero(bits: int = 4) -> np.ndarray:
 
 @dataclasses.dataclass(frozen=True)
 class _Codec:
-    """How one moment of one format is quantized."""
+    """How one moment of one format is quantized.
 
-    table: np.ndarray | None  # sorted code values in [-1, 1]; None for float8
+    ``kind`` names the code map: ``"dynamic"`` (:func:`dynamic_map`, with
+    ``signed`` and ``exponent_bits``), ``"linear"``
+    (:func:`linear_map_without_zero`) or ``"float8"`` (``float8_e4m3fn``
+    numbers scaled so the block absmax is 448).
+    """
+
+    kind: Literal["dynamic", "linear", "float8"]
     bits: int
     sqrt: bool = False  # store sqrt(x) (second moments): half the dynamic range
+    signed: bool = True
+    exponent_bits: int = 7
+
+    @property
+    def table(self) -> np.ndarray | None:
+        """The sorted code values in [-1, 1] (None for float8)."""
+        if self.kind == "dynamic":
+            return dynamic_map(self.signed, bits=self.bits, exponent_bits=self.exponent_bits)
+        return linear_map_without_zero(self.bits) if self.kind == "linear" else None
 
     def quantize(self, blocks: jax.Array) -> tuple[jax.Array, jax.Array]:
         """float32 ``(..., n_blocks, block)`` -> (codes, absmax ``(..., n_blocks)``).
@@ -86,16 +101,22 @@ class _Codec:
         the block. An infinite element is stored as the block's extreme code,
         a NaN as the code nearest 0.
         """
-        if self.sqrt:
+        if self.sqrt:  # max(sqrt(x)) = sqrt(max(x)): sqrt rounds monotonically
+            usable = (blocks >= 0) & (blocks < jnp.inf)
+            absmax = jnp.sqrt(_block_max(jnp.where(usable, blocks, 0.0)))
             blocks = jnp.sqrt(blocks)
-        finite = jnp.isfinite(blocks)
-        absmax = jnp.max(jnp.where(finite, jnp.abs(blocks), 0.0), axis=-1)
+        else:
+            absmax = _block_max(jnp.where(jnp.isfinite(blocks), jnp.abs(blocks), 0.0))
         safe = jnp.where(absmax > 0, absmax, 1.0)[..., None]
         norm = jnp.clip(blocks / safe, -1.0, 1.0)
         norm = jnp.where(jnp.isnan(norm), 0.0, norm)
-        if self.table is None:
-            return (norm * _F8_MAX).astype(_F8), absmax
-        codes = _nearest(norm, self.table)
+        if self.kind == "float8":
+            return _to_float8(norm * _F8_MAX), absmax
+        if self.kind == "linear":  # midpoints (i + 1.5) / 2**bits: exact in float32
+            n = np.float32(2**self.bits)
+            codes = jnp.clip(jnp.ceil(norm * n - 1.5), 0, n - 1).astype(jnp.uint8)
+        else:
+            codes = _nearest(norm, self.table)
         if self.bits == 4:  # first half of the block in the low nibbles
             half = codes.shape[-1] // 2
             codes = codes[..., :half] | (codes[..., half:] << 4)
@@ -105,9 +126,10 @@ class _Codec:
         """``quantize(zeros_like(blocks))`` without table lookups (an eager
         gather of a replicated table by sharded indices fails in JAX 0.10)."""
         absmax = jnp.zeros_like(blocks[..., 0])
-        if self.table is None:
+        if self.kind == "float8":
             return jnp.zeros_like(blocks, dtype=_F8), absmax
-        first, mid = _buckets(self.table.tobytes())
+        table = self.table
+        mid = ((table[:-1].astype(np.float64) + table[1:]) / 2).astype(np.float32)
         code = int(np.searchsorted(mid, np.float32(0)))
         if self.bits == 4:
             blocks, code = blocks[..., : blocks.shape[-1] // 2], code | code << 4
@@ -115,13 +137,60 @@ class _Codec:
 
     def dequantize(self, codes: jax.Array, absmax: jax.Array) -> jax.Array:
         """(codes, absmax) -> float32 ``(..., n_blocks, block)``."""
-        if self.table is None:
-            x = codes.astype(jnp.float32) * (absmax / _F8_MAX)[..., None]
+        if self.kind == "float8":
+            x = _from_float8(codes) * (absmax / _F8_MAX)[..., None]
         else:
             if self.bits == 4:
                 codes = jnp.concatenate([codes & 0xF, codes >> 4], axis=-1)
-            x = _lookup(self.table, codes.astype(jnp.int32)) * absmax[..., None]
+            if self.kind == "linear":
+                x = (codes.astype(jnp.float32) + 1) * np.float32(2.0**-self.bits)
+            else:
+                x = _lookup(self.table, codes.astype(jnp.int32))
+            x = x * absmax[..., None]
         return x * x if self.sqrt else x
+
+
+def _block_max(x: jax.Array) -> jax.Array:
+    """``jnp.max(x, axis=-1)`` as elementwise maxima of halves down to 16
+    columns, then a reduction of those.
+
+    XLA fuses the halving with the ops that produce ``x`` (the decoded moment,
+    Adam's update) into one loop, where a reduction of the whole axis first
+    writes ``x`` out: on CPU a float32 temporary the size of the parameter
+    (and above 32 MiB of temporaries, glibc maps fresh pages for them in every
+    step, so each page faults again). The maximum is exact in any order.
+    """
+    while x.shape[-1] > 16 and x.shape[-1] % 2 == 0:
+        half = x.shape[-1] // 2
+        x = jnp.maximum(x[..., :half], x[..., half:])
+    return jnp.max(x, axis=-1)
+
+
+def _to_float8(v: jax.Array) -> jax.Array:
+    """``v.astype(float8_e4m3fn)`` for float32 ``|v| <= 448`` without NaNs,
+    computed on the bits (round to nearest even): XLA's CPU convert into
+    float8 is emulated and about twice as slow."""
+    bits = jax.lax.bitcast_convert_type(v, jnp.uint32)
+    sign = (bits >> 24).astype(jnp.uint8) & 0x80
+    a = jnp.abs(v)
+    ab = jax.lax.bitcast_convert_type(a, jnp.uint32)
+    # normal: keep 3 mantissa bits (the 20 dropped ones rounded to nearest
+    # even) and rebias the exponent from 127 to 7
+    normal = ((ab + 0x7FFFF + ((ab >> 20) & 1)) >> 20) - (120 << 3)
+    # subnormal (below 2**-6): multiples of 2**-9; 2**-6 itself is code 8 either way
+    sub = jnp.round(a * np.float32(512.0)).astype(jnp.uint32)
+    code = jnp.where(a < np.float32(2.0**-6), sub, normal).astype(jnp.uint8) | sign
+    return jax.lax.bitcast_convert_type(code, _F8)
+
+
+def _from_float8(codes: jax.Array) -> jax.Array:
+    """``codes.astype(float32)`` for ``float8_e4m3fn`` codes, from the bits."""
+    b = jax.lax.bitcast_convert_type(codes, jnp.uint8).astype(jnp.uint32)
+    m = b & 0x7F
+    normal = jax.lax.bitcast_convert_type((m + (120 << 3)) << 20, jnp.float32)
+    x = jnp.where(m >= 8, normal, m.astype(jnp.float32) * np.float32(2.0**-9))
+    x = jnp.where(m == 0x7F, np.float32(np.nan), x)
+    return jnp.where(b >= 0x80, -x, x)
 
 
 _BUCKET_MANTISSA_BITS = 7  # buckets of 2**-7 relative width: at most one midpoint each
@@ -181,12 +250,10 @@ def _nearest(norm: jax.Array, table: np.ndarray) -> jax.Array:
 def _codecs(fmt: str) -> tuple[_Codec, _Codec]:
     """(first-moment codec, second-moment codec) of a format."""
     if fmt == "8bit":
-        return _Codec(dynamic_map(True), 8), _Codec(dynamic_map(False), 8, sqrt=True)
+        return _Codec("dynamic", 8), _Codec("dynamic", 8, sqrt=True, signed=False)
     if fmt == "4bit":
-        return _Codec(dynamic_map(True, bits=4, exponent_bits=3), 4), _Codec(
-            linear_map_without_zero(4), 4, sqrt=True
-        )
-    return _Codec(None, 8), _Codec(None, 8, sqrt=True)
+        return _Codec("dynamic", 4, exponent_bits=3), _Codec("linear", 4, sqrt=True)
+    return _Codec("float8", 8), _Codec("float8", 8, sqrt=True)
 
 
 class QuantizedArray(NamedTuple):
@@ -329,7 +396,7 @@ def scale_by_quantized_adam(
 
     Returns:
       An ``optax.GradientTransformation`` with
-      :class:`ScaleByQuantizedAdamState` state. Updates are float32.
+      :class:`ScaleByQuantizedAdamState` state. Updates come back in the gradients' dtypes.
 
     Raises:
       ValueError: for an unknown ``state_format``, an odd 4-bit block size or
@@ -394,29 +461,37 @@ def scale_by_quantized_adam(
         del params
         count_inc, bc1, bc2 = _tree.adam_counts(state.count, b1, b2)
 
-        def one(g, m, v):
-            if g is None:
-                return None, m, v
-            quantized = isinstance(m, QuantizedArray)
-            g32 = g.astype(_tree.work_dtype(g.dtype))
-            m32 = dequantize(m, mu_codec, g.shape) if quantized else m
-            v32 = dequantize(v, nu_codec, g.shape) if quantized else v
+        def adam(g32, m32, v32):
             m_new = (1 - b1) * g32 + b1 * m32
             v_new = (1 - b2) * (g32**2) + b2 * v32
             u = (m_new / bc1.astype(m_new.dtype)) / (
                 jnp.sqrt(v_new / bc2.astype(v_new.dtype) + 0.0) + eps
             )
-            if not quantized:
+            return u, m_new, v_new
+
+        def one(g, m, v):
+            if g is None:
+                return None, m, v
+            g32 = g.astype(_tree.work_dtype(g.dtype))
+            if not isinstance(m, QuantizedArray):
+                u, m_new, v_new = adam(g32, m, v)
                 return u.astype(g.dtype), m_new.astype(m.dtype), v_new.astype(v.dtype)
-            # Materialise the new moments once: fused into the block reductions
-            # below, the dequantizing gathers were recomputed per consumer (4x
-            # slower on CPU).
-            m_new, v_new = jax.lax.optimization_barrier((m_new, v_new))
-            return (
-                u.astype(g.dtype),
-                quantize(m_new, mu_codec, block_size),
-                quantize(v_new, nu_codec, block_size),
+            # The arithmetic runs in the codes' block layout: one shape in every
+            # fused loop (mixing it with the parameter's shape costs index
+            # arithmetic per element), the new moments quantized in place.
+            block, n_blocks = block_layout(g.shape, block_size, mu_codec.bits)
+            u, m_new, v_new = adam(
+                _to_blocks(g32, block, n_blocks),
+                mu_codec.dequantize(m.codes, m.absmax),
+                nu_codec.dequantize(v.codes, v.absmax),
             )
+            n = g.shape[-1] if g.shape else 1
+            if n_blocks * block > n:  # the padding quantizes zeros, as in `quantize`
+                real = _to_blocks(jnp.ones(n, bool), block, n_blocks)
+                m_new, v_new = jnp.where(real, m_new, 0.0), jnp.where(real, v_new, 0.0)
+            m_q, v_q = mu_codec.quantize(m_new), nu_codec.quantize(v_new)
+            u = _from_blocks(u, g.shape).astype(g.dtype)  # (the gradients' dtype, as optax)
+            return u, QuantizedArray(*m_q), QuantizedArray(*v_q)
 
         new_updates, mu, nu = _tree.map_unzip(
             one, 3, updates, state.mu, state.nu, is_leaf=lambda x: x is None
