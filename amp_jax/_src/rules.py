@@ -453,6 +453,12 @@ def _permuted_contraction(a: Any, b: Any, da: int, db: int) -> tuple[Any, Any]:
     return _permute_dim(a, da, f), _permute_dim(b, db, f)
 
 
+def _tangent_sum(out: Any, parts: list[Any]) -> Any:
+    """The tangent of a bilinear op: the sum of its products (zeros when no
+    operand has a tangent; JAX skips the rule then, this is for safety)."""
+    return functools.reduce(lambda a, b: a + b, parts) if parts else jax.numpy.zeros_like(out)
+
+
 @functools.cache
 def _amp_dot(
     dims: Any,
@@ -496,9 +502,7 @@ def _amp_dot(
             for t, o, is_lhs in ((tx, yl, True), (ty, xl, False))
             if not isinstance(t, SymbolicZero)
         ]
-        if not parts:
-            return out, jax.numpy.zeros_like(out)  # (JAX skips the rule then; for safety)
-        return out, functools.reduce(lambda a, b: a + b, parts)
+        return out, _tangent_sum(out, parts)
 
     f.defjvp(jvp, symbolic_zeros=True)
     return f
@@ -613,9 +617,7 @@ def _amp_conv(
             parts.append(conv(casting.lower(tx, compute_dtype), wl, None).astype(out.dtype))
         if not isinstance(tw, SymbolicZero):
             parts.append(conv(xl, casting.lower(tw, compute_dtype), None).astype(out.dtype))
-        if not parts:
-            return out, jax.numpy.zeros_like(out)  # (JAX skips the rule then; for safety)
-        return out, functools.reduce(lambda a, b: a + b, parts)
+        return out, _tangent_sum(out, parts)
 
     f.defjvp(jvp, symbolic_zeros=True)
     return f

@@ -87,10 +87,8 @@ class _Codec:
 
     @property
     def table(self) -> np.ndarray | None:
-        """The sorted code values in [-1, 1] (None for float8)."""
-        if self.kind == "dynamic":
-            return dynamic_map(self.signed, bits=self.bits, exponent_bits=self.exponent_bits)
-        return linear_map_without_zero(self.bits) if self.kind == "linear" else None
+        """The sorted code values in [-1, 1] (None for float8), built once."""
+        return _table(self.kind, self.bits, self.signed, self.exponent_bits)
 
     def quantize(self, blocks: jax.Array) -> tuple[jax.Array, jax.Array]:
         """float32 ``(..., n_blocks, block)`` -> (codes, absmax ``(..., n_blocks)``).
@@ -128,8 +126,7 @@ class _Codec:
         absmax = jnp.zeros_like(blocks[..., 0])
         if self.kind == "float8":
             return jnp.zeros_like(blocks, dtype=_F8), absmax
-        table = self.table
-        mid = ((table[:-1].astype(np.float64) + table[1:]) / 2).astype(np.float32)
+        _, mid = _buckets(self.table.tobytes())
         code = int(np.searchsorted(mid, np.float32(0)))
         if self.bits == 4:
             blocks, code = blocks[..., : blocks.shape[-1] // 2], code | code << 4
@@ -148,6 +145,13 @@ class _Codec:
                 x = _lookup(self.table, codes.astype(jnp.int32))
             x = x * absmax[..., None]
         return x * x if self.sqrt else x
+
+
+@functools.cache
+def _table(kind: str, bits: int, signed: bool, exponent_bits: int) -> np.ndarray | None:
+    if kind == "dynamic":
+        return dynamic_map(signed, bits=bits, exponent_bits=exponent_bits)
+    return linear_map_without_zero(bits) if kind == "linear" else None
 
 
 def _block_max(x: jax.Array) -> jax.Array:
