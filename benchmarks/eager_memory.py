@@ -189,11 +189,9 @@ def rows_f16(name, inner, width, layers, seq, reps):
 
 def fsdp_table(width, layers, seq):
     """Per-device peaks with every block weight's last dim sharded over 8 devices."""
+    from hlo import loop_scalar_all_reduces
     from jax.sharding import AxisType, NamedSharding
     from jax.sharding import PartitionSpec as P
-
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-    from _sharded_model import loop_scalar_all_reduces
 
     mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
 

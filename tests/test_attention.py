@@ -8,21 +8,17 @@ scales and gradients. The cuDNN tests run where a GPU is the default backend
 
 import functools
 import math
-import pathlib
 import re
-import sys
 
 import jax
 import jax.extend.core as jex_core
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _util import BF16, eqns
+from _util import BF16, benchmark_module, eqns
 
 from amp_jax import Policy, amp, full_precision
 from amp_jax._src import decision
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
 
 B, T, N, H = 2, 16, 4, 8
 KQ, KK, KV, KX = jax.random.split(jax.random.PRNGKey(0), 4)
@@ -405,9 +401,9 @@ def test_bad_attention_option_names_the_choices():
 def test_real_layers_are_recognised():
     import equinox as eqx
     import flax.linen as nn
-    import models as M
     from flax import nnx
 
+    M = benchmark_module("models")
     x = jax.random.normal(KX, (B, T, 32))
     linen = nn.MultiHeadDotProductAttention(num_heads=4)
     variables = linen.init(jax.random.PRNGKey(0), x)

@@ -6,6 +6,8 @@ eqns on the way keep their original precision, and the matmuls where the
 slice stops keep low operands but write float32.
 """
 
+import collections
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -126,6 +128,24 @@ def _fixed_point_args():
     w2 = jnp.eye(n) + 0.01 * jax.random.normal(k2, (n, n))
     x = jax.random.normal(k3, (8, n))
     return w1, w2, x
+
+
+def test_the_loop_decision_fixed_point_paints_each_body_once(monkeypatch):
+    # (the fixed point widens the carried decisions r -> x over several
+    # rounds; each round reuses the body's painting, and the plan reuses it too)
+    painted = collections.Counter()
+    paint = painting.paint
+
+    def counting(classes, jaxpr):
+        painted[id(jaxpr)] += 1
+        return paint(classes, jaxpr)
+
+    monkeypatch.setattr(painting, "paint", counting)
+    jaxpr = jax.make_jaxpr(amp(fixed_point, policy=COMPUTE_OUT))(*_fixed_point_args())
+    assert len(painted) >= 3  # the outer jaxpr, the while's cond and body
+    assert set(painted.values()) == {1}
+    # and the decisions are those of test_while_residual_is_computed_in_float32
+    assert [outs for _, outs, _ in prim_dtypes(jaxpr, "dot_general")] == [(F32,), (F32,)]
 
 
 def test_while_residual_is_computed_in_float32():

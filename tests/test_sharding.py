@@ -14,13 +14,14 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
-from _util import BF16, prim_dtypes
+from _util import BF16, benchmark_module, prim_dtypes
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import amp_jax
 from amp_jax import optim
 
+HLO = benchmark_module("hlo")
 MODES = {"auto": AxisType.Auto, "explicit": AxisType.Explicit}
 
 # The meshes are 8 devices of the default backend: CPU CI forces 8 host devices
@@ -372,8 +373,8 @@ def test_scan_step_under_set_mesh_adds_no_collectives_to_the_backward_loop():
     compile_ = lambda: jax.jit(step.update).lower(p, s, b).compile().as_text()
     with jax.set_mesh(m):
         under_mesh = compile_()
-    assert sm.loop_scalar_all_reduces(under_mesh) == 0
-    assert sm.loop_scalar_all_reduces(compile_()) > 0
+    assert HLO.loop_scalar_all_reduces(under_mesh) == 0
+    assert HLO.loop_scalar_all_reduces(compile_()) > 0
 
 
 def test_scan_step_float16_dynamic_loss_scale_with_fsdp_stacks_matches_standard_step():

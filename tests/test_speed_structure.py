@@ -14,26 +14,19 @@ The trace cache (one trace per input signature) is tested in
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
 import re
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _util import BF16, F32, _open, allow_out_dtype, eqns
+from _util import BF16, F32, _open, allow_out_dtype, benchmark_module, eqns
 from jax.extend import core as jex_core
 
 from amp_jax import amp
 from amp_jax._src.rules import materialized_transpose
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("bench_models", ROOT / "benchmarks" / "models.py")
-M = importlib.util.module_from_spec(_spec)
-sys.modules["bench_models"] = M  # dataclasses look their module up
-_spec.loader.exec_module(M)
+M = benchmark_module("models")
 
 SMALL = {"mlp": M.mlp(small=True), "gpt": M.gpt(small=True)}
 

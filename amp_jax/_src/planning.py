@@ -396,15 +396,10 @@ def _paint(
     positions whose values decide control flow (a while predicate, a loop's
     carried decision), ``carry_outs`` those a loop carries to its next
     iteration (``jaxpr`` is the body)."""
-    classified = [ctx.classify(e) for e in jaxpr.eqns]
+    classified, colors = _painted(ctx, jaxpr)
+    draft = _Draft(list(classified), list(colors))
     if ctx.identity:
-        return _Draft(classified, [Color.ORIG] * len(classified))
-    kept: dict[int, Reason] = {}
-    for i in _reads_unrepresentable_constant(jaxpr, ctx.policy.compute_dtype):
-        c = classified[i]
-        if c.op_class in (OpClass.ALLOW, OpClass.FOLLOW, OpClass.CLEAR):
-            classified[i] = Classified(c.kind, OpClass.NEVER, Reason.kept(Why.CONSTANT_RANGE))
-    draft = _Draft(classified, painting.paint([c.op_class for c in classified], jaxpr), kept)
+        return draft
     seeds = painting.decision_seeds(jaxpr, decide_outs, lambda e: _loop_reads(ctx, e))
     _keep_slice(draft, jaxpr, seeds, Why.DECIDES_CONTROL)
     # A loop-carried float keeps its dtype through the ops that compute the
@@ -417,6 +412,26 @@ def _paint(
         for sub in _carry_bodies(jaxpr.eqns[i]):  # a cond's branches compute the carry too
             ctx.mark_carries(sub, [k])
     return draft
+
+
+def _painted(ctx: Context, jaxpr: Any) -> tuple[tuple[Classified, ...], tuple[Color, ...]]:
+    """The classes of ``jaxpr``'s eqns (an op reading a constant the compute
+    dtype cannot hold is kept as written) and their painting, before any
+    decision or carry is kept; once per jaxpr (the plan and the loop-decision
+    fixed point both start from it)."""
+
+    def make() -> tuple[tuple[Classified, ...], tuple[Color, ...]]:
+        classified = [ctx.classify(e) for e in jaxpr.eqns]
+        if ctx.identity:
+            return tuple(classified), (Color.ORIG,) * len(classified)
+        for i in _reads_unrepresentable_constant(jaxpr, ctx.policy.compute_dtype):
+            c = classified[i]
+            if c.op_class in (OpClass.ALLOW, OpClass.FOLLOW, OpClass.CLEAR):
+                classified[i] = Classified(c.kind, OpClass.NEVER, Reason.kept(Why.CONSTANT_RANGE))
+        colors = painting.paint([c.op_class for c in classified], jaxpr)
+        return tuple(classified), tuple(colors)
+
+    return ctx.cached("painted", jaxpr, make)
 
 
 def _keep_slice(draft: _Draft, jaxpr: Any, seeds: list[Any], why: Why) -> list[tuple[int, int]]:
@@ -457,11 +472,10 @@ def _carry_bodies(eqn: Any) -> list[Any]:
 def _reached_inputs(ctx: Context, closed: Any, outs: Iterable[int]) -> set[int]:
     """Input positions of ``closed`` that its decisions (and outputs ``outs``) read."""
     jaxpr = compat.jaxpr_of(ctx.prepare(closed))
-    classified = [ctx.classify(e) for e in jaxpr.eqns]
-    classes = [c.op_class for c in classified]
-    colors = painting.paint(classes, jaxpr)
+    classified, colors = _painted(ctx, jaxpr)
     seeds = painting.decision_seeds(jaxpr, outs, lambda e: _loop_reads(ctx, e))
     kinds = [c.kind for c in classified]
+    classes = [c.op_class for c in classified]
     return painting.decision_slice(jaxpr, kinds, classes, colors, seeds)[2]
 
 
