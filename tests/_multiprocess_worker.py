@@ -2,7 +2,7 @@
 
     python tests/_multiprocess_worker.py OUT.npz NUM_PROCESSES PROCESS_ID PORT
 
-trains the transformer block of tests/_sharded_model.py data parallel over
+trains the transformer block of benchmarks/sharded_model.py data parallel over
 all 8 devices (8 forced host CPU devices in 1 process, or 4 in each of 2
 processes joined by ``jax.distributed`` on 127.0.0.1) twice:
 
@@ -41,12 +41,14 @@ if nproc > 1:
         initialization_timeout=60,
     )
 
-import _sharded_model as sm  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from _util import benchmark_module  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
+
+sm = benchmark_module("sharded_model")
 
 import amp_jax  # noqa: E402
 from amp_jax import optim  # noqa: E402

@@ -7,7 +7,6 @@ another mesh; eager updates with FSDP-sharded stacks."""
 
 import functools
 
-import _sharded_model as sm
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,6 +21,7 @@ import amp_jax
 from amp_jax import optim
 
 HLO = benchmark_module("hlo")
+sm = benchmark_module("sharded_model")
 MODES = {"auto": AxisType.Auto, "explicit": AxisType.Explicit}
 
 # The meshes are 8 devices of the default backend: CPU CI forces 8 host devices
