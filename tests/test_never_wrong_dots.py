@@ -211,3 +211,84 @@ def test_every_dot_layout_runs_under_jit_grad_and_vmap(spec, policy):
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
         assert g.dtype == w.dtype and g.shape == w.shape
         assert rel(g, w) < (3e-2 if policy == "bfloat16" else 5e-3)
+
+
+# -- a transpose of a dot's result (the checkpointed adjoint of diffrax) --------
+# XLA's simplifier rewrites transpose(dot(a, b)) as dot(b, a) after XLA:CPU chose
+# the dot's kernel; with the rhs contracting its leading dims, the swapped dot
+# has no kernel (rules._dot keeps such dots behind a barrier).
+
+_A = jnp.linspace(-1.0, 1.0, 16 * 32).reshape(16, 32)
+_B = jnp.cos(jnp.arange(32 * 24, dtype=jnp.float32)).reshape(32, 24) / 4
+_A3 = jnp.sin(jnp.arange(2 * 16 * 32, dtype=jnp.float32)).reshape(2, 16, 32)
+
+
+def _tanh_mm(a, b):
+    return jnp.tanh(a @ b)
+
+
+@jax.custom_vjp
+def _recomputing(a, b):
+    """A custom VJP whose backward recomputes the forward with ``jax.vjp``, as
+    Equinox's checkpointed while loop does: the backward's jaxpr holds JAX's
+    own transposed dots, a dot_general and a transpose of its result."""
+    return _tanh_mm(a, b)
+
+
+_recomputing.defvjp(
+    lambda a, b: (_recomputing(a, b), (a, b)),
+    lambda res, g: jax.vjp(_tanh_mm, *res)[1](g),
+)
+
+
+def _checkpointed_loop_loss(a, b):
+    import equinox as eqx
+
+    def body(c):
+        i, y = c
+        return i + 1, y + 0.1 * jnp.tanh(_tanh_mm(y, b) @ b.T)
+
+    _, y = eqx.internal.while_loop(
+        lambda c: c[0] < 4, body, (0, a), max_steps=4, kind="checkpointed"
+    )
+    return jnp.sum(y**2)
+
+
+#: name -> (function of (a, b) to wrap, a, b)
+TRANSPOSED_RESULTS = {
+    "(a @ b).T": (lambda a, b: (a @ b).T, _A, _B),
+    "a jitted matmul, transposed outside": (lambda a, b: jax.jit(jnp.matmul)(a, b).T, _A, _B),
+    "grad of a 3-D result transposed": (
+        jax.grad(lambda a, b: jnp.sum(jnp.tanh((a @ b).transpose(2, 0, 1)) ** 2), (0, 1)),
+        _A3,
+        _B,
+    ),
+    "custom_vjp recomputing with jax.vjp": (
+        jax.grad(lambda a, b: jnp.sum(_recomputing(a, b) ** 2), (0, 1)),
+        _A,
+        _B,
+    ),
+    "Equinox checkpointed while loop": (jax.grad(_checkpointed_loop_loss, (0, 1)), _A, _B),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TRANSPOSED_RESULTS))
+def test_a_transposed_dot_result_runs_and_matches_float32(name):
+    """Each crashed under ``jax.jit`` on XLA:CPU ("Unsupported element type for
+    DotThunk::Execute: BF16 x BF16 = F32"), as diffrax's default adjoint did."""
+    fn, a, b = TRANSPOSED_RESULTS[name]
+    if "Equinox" in name:
+        pytest.importorskip("equinox")
+    got = jax.jit(amp(fn))(a, b)
+    ref = jax.jit(fn)(a, b)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        assert rel(g, w) < 3e-2, rel(g, w)
+    # ... and the dots did go low
+    jaxpr = jax.make_jaxpr(amp(fn))(a, b)
+    ins = [
+        np.dtype(e.invars[0].aval.dtype)
+        for e, _ in eqns(jaxpr)
+        if e.primitive.name == "dot_general"
+    ]
+    assert BF16 in ins, ins

@@ -265,18 +265,7 @@ def _run_all(fn, with_grad):
     return jax.jit(run)(X, W, W2)
 
 
-_QR_XFAIL = pytest.mark.xfail(
-    jax.default_backend() == "cpu",
-    raises=jax.errors.JaxRuntimeError,
-    strict=True,
-    reason="XLA:CPU bug: a bf16 x bf16 -> f32 dot whose operand has the column-major layout "
-    "of a LAPACK result is left to DotThunk, which has no kernel for it",
-)
-
-
-@pytest.mark.parametrize(
-    "name", [pytest.param(n, marks=_QR_XFAIL) if n == "ew:qr" else n for n in sorted(CASES)]
-)
+@pytest.mark.parametrize("name", sorted(CASES))
 def test_op(name):
     fn, op = CASES[name], name.split(":")[1]
     r = _run_all(fn, op not in NO_GRAD)

@@ -396,7 +396,9 @@ def _dot(
     which contracts dim 0 of ``x``) it upcasts both operands to f32 and uses
     a slower kernel (benchmarks/RESULTS.md). There, such an operand is
     transposed explicitly with :func:`materialized_transpose` (a memory-bound
-    copy of a bf16 array).
+    copy of a bf16 array). A dot whose rhs contracts its leading dims comes
+    out behind an ``optimization_barrier`` (a transpose of its result must not
+    swap its operands, see below).
     Batched and non-bf16 dots are left as they are.
     """
     (ca, cb), (ba, bb) = dims
@@ -431,9 +433,22 @@ def _dot(
         b_kept = [d for d in range(nb) if d not in cb]
         b = materialized_transpose(b, (*cb, *b_kept))
         cb = tuple(range(k))
-    return lax.dot_general(
+    out = lax.dot_general(
         a, b, ((ca, cb), ((), ())), precision=precision, preferred_element_type=acc
     )
+    if k and cb == tuple(range(k)) and nb > k:
+        # XLA's algebraic simplifier rewrites transpose(dot(a, b)) as
+        # dot(b, a), after XLA:CPU chose the dot's kernel: with the rhs
+        # contracting its leading dims, the swapped lhs would contract them,
+        # a dot only DotThunk takes, without a bf16 kernel. The transpose of
+        # a caller (``(x @ w).T``) or of JAX's own transpose rule (a backward
+        # written with ``jax.vjp`` that amp rewrites: Equinox's checkpointed
+        # while loop, diffrax's default adjoint) meets the dot in another
+        # jaxpr or as a later eqn. Behind a barrier (kept until after those
+        # simplifier passes) the transpose stays a float32 copy. A rhs
+        # contracting its trailing dims swaps into a dot that runs: no barrier.
+        return lax.optimization_barrier(out)
+    return out
 
 
 def _permute_dim(x: Any, dim: int, f: int) -> Any:
