@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _util import BF16, F16, eqns, rel
+from _util import BF16, F16, eqns, prim_dtypes, rel
 from flax import nnx
 
 from amp_jax import amp
@@ -159,6 +159,24 @@ def test_issue_reproductions_run_and_match_float32(name):
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
         assert g.dtype == w.dtype
         np.testing.assert_allclose(g, w, rtol=3e-2, atol=3e-2 * float(jnp.max(jnp.abs(w))))
+
+
+def _closed_over_relu_layer(w):
+    # _X is a constant of the jitted program, not an argument
+    return jnp.sum(jax.nn.relu(jax.vmap(lambda v: w @ v)(_X)) ** 2)
+
+
+def test_data_closed_over_under_grad_of_a_vmapped_layer_runs_and_matches_float32():
+    """The weight gradient multiplies the cotangent with the data: when that
+    is a constant of the compiled program, XLA folded the guard permutation
+    into it and a transpose into the lhs (DotThunk crash); the guard's
+    operands now pass a barrier first."""
+    w = jnp.tile(_W, (4, 1))  # (64, 32)
+    got = jax.jit(jax.grad(amp(_closed_over_relu_layer)))(w)
+    ref = jax.jit(jax.grad(_closed_over_relu_layer))(w)
+    assert got.dtype == ref.dtype and rel(got, ref) < 3e-2
+    dots = prim_dtypes(jax.make_jaxpr(jax.grad(amp(_closed_over_relu_layer)))(w), "dot_general")
+    assert dots and all(ins == (BF16, BF16) for ins, _, _ in dots)
 
 
 def test_equinox_mlp_with_its_default_activation_trains_under_grad():

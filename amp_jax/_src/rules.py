@@ -465,6 +465,10 @@ def _permuted_contraction(a: Any, b: Any, da: int, db: int) -> tuple[Any, Any]:
     f = _split_factor(a.shape[da])
     if not f or a.shape[da] // f == 1:
         return a, b
+    # Each behind a barrier (one each: a pair would tie a constant operand to
+    # a linear one): XLA would fold the permutation of a constant operand into
+    # the constant, then both permutations away, and a transpose into the lhs.
+    a, b = lax.optimization_barrier(a), lax.optimization_barrier(b)
     return _permute_dim(a, da, f), _permute_dim(b, db, f)
 
 
