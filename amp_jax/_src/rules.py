@@ -436,7 +436,7 @@ def _dot(
     out = lax.dot_general(
         a, b, ((ca, cb), ((), ())), precision=precision, preferred_element_type=acc
     )
-    if k and cb == tuple(range(k)) and nb > k:
+    if k and cb == tuple(range(k)) and nb > k and out.dtype != a.dtype:
         # XLA's algebraic simplifier rewrites transpose(dot(a, b)) as
         # dot(b, a), after XLA:CPU chose the dot's kernel: with the rhs
         # contracting its leading dims, the swapped lhs would contract them,
@@ -447,6 +447,9 @@ def _dot(
         # jaxpr or as a later eqn. Behind a barrier (kept until after those
         # simplifier passes) the transpose stays a float32 copy. A rhs
         # contracting its trailing dims swaps into a dot that runs: no barrier.
+        # Nor for a dot writing bf16 (``allow_outputs="compute"``): XLA:CPU
+        # has a kernel for it, and a barrier there would pin the bf16 rounding
+        # of the result that XLA otherwise elides with the convert that follows.
         return lax.optimization_barrier(out)
     return out
 
