@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _util import BF16, F32, _open, allow_out_dtype, benchmark_module, eqns
+from _util import BF16, F32, _open, allow_out_dtype, benchmark_module, check_dots_low, eqns, rel
 from jax.extend import core as jex_core
 
 from amp_jax import amp
@@ -216,3 +216,63 @@ def test_every_weight_layout_keeps_its_dots_bf16_after_xla(layout):
     for g, r in zip(got, ref):
         assert g.dtype == r.dtype
         assert float(jnp.linalg.norm(g - r) / jnp.linalg.norm(r)) < 8e-2  # 3 bf16 layers
+
+
+_TRANSPOSED_RESULTS = {
+    # (apply(w, x), x's shape): the dot JAX writes, then a transpose of its result
+    "vmap(W @ v)": (lambda w, x: jax.vmap(lambda v: w @ v)(x), (64, 256)),
+    "vmap(vmap(W @ v))": (lambda w, x: jax.vmap(jax.vmap(lambda v: w @ v))(x), (4, 16, 256)),
+}
+
+
+def _transposed_low_dot_results(closed) -> list[str]:
+    """The ``transpose`` eqns (at any depth) that read the result of a dot with
+    bf16 operands, directly or through a ``convert_element_type``."""
+    producer = {v: e for e, _ in eqns(closed) for v in e.outvars}
+
+    def low_dot(v):
+        e = producer.get(v)
+        if e is not None and e.primitive.name == "convert_element_type":
+            e = producer.get(e.invars[0])
+        return (
+            e is not None
+            and e.primitive.name == "dot_general"
+            and all(x.aval.dtype == BF16 for x in e.invars)
+        )
+
+    return [
+        str(e)
+        for e, _ in eqns(closed)
+        if e.primitive.name == "transpose" and not isinstance(e.invars[0], jex_core.Literal)
+        if low_dot(e.invars[0])
+    ]
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's dot layouts")
+@pytest.mark.parametrize("layout", sorted(_TRANSPOSED_RESULTS))
+def test_a_transposed_dot_result_is_the_dot_with_its_operands_swapped(layout):
+    """A lowered dot whose result only a ``transpose`` reads (JAX's batching of
+    a per-example matvec ``vmap(lambda v: W @ v)``: Equinox's ``Linear``; an
+    ``einsum`` whose output puts the rhs's dims first) is the same dot with its
+    operands swapped: no transpose of a bf16 dot's result is left, forward or
+    backward. Left in, every elementwise op after the dot, and its backward,
+    read a transposed array (``eqx.nn.MLP`` with gelu: 0.87x float32 before,
+    0.65x after; benchmarks/RESULTS.md). Values and gradients match float32."""
+    apply, x_shape = _TRANSPOSED_RESULTS[layout]
+    ws = [jax.random.normal(jax.random.key(i), (256, 256)) / 16 for i in range(3)]
+    x = jax.random.normal(jax.random.key(9), x_shape)
+
+    def loss(ws, x):
+        for w in ws:
+            x = jax.nn.gelu(apply(w, x))
+        return jnp.mean(x**2)
+
+    closed = jax.make_jaxpr(jax.value_and_grad(amp(loss)))(ws, x)
+    check_dots_low(closed, min_low=8)
+    assert not _transposed_low_dot_results(closed), _transposed_low_dot_results(closed)
+    ref = jax.jit(jax.value_and_grad(loss))(ws, x)
+    got = jax.jit(jax.value_and_grad(amp(loss)))(ws, x)
+    assert rel(got[0], ref[0]) < 2e-2
+    for g, r in zip(got[1], ref[1]):
+        assert g.dtype == r.dtype
+        assert rel(g, r) < 8e-2  # 3 bf16 layers

@@ -23,7 +23,7 @@ import jax
 import numpy as np
 from jax import lax
 
-from amp_jax._src import casting, compat, decision, rules
+from amp_jax._src import casting, compat, decision, jaxprs, rules
 from amp_jax._src.decision import Color, Fused
 from amp_jax._src.planning import Context, Plan, plan
 
@@ -39,6 +39,12 @@ class _Env:
         #: {var: (operand var, permutation)} of the ``transpose`` eqns evaluated
         #: (a dot reading one of them can contract the operand directly)
         self.transposes: dict[Any, tuple[Any, tuple[int, ...]]] = {}
+        #: {var: (eqn, operands, dimension numbers, out dtype)} of the lowered
+        #: dots whose result only a later eqn reads (a ``transpose`` of it can
+        #: be the same dot with its operands swapped)
+        self.dots: dict[Any, tuple[Any, list[Any], Any, Any]] = {}
+        #: the vars that exactly one eqn reads, and no output
+        self.single_use: frozenset[Any] = frozenset()
 
     def write(self, v: Any, val: Any) -> None:
         if type(v).__name__ != "DropVar":
@@ -119,6 +125,9 @@ def evaluate(
     keep their dtypes (unless ``cast_outputs`` is false: then as computed)."""
     jaxpr = plan_.jaxpr
     env = _Env()
+    _, consumers = jaxprs.def_use(jaxpr)
+    outs = {v for v in jaxpr.outvars if not isinstance(v, compat.Literal)}
+    env.single_use = frozenset(v for v, c in consumers.items() if len(c) == 1 and v not in outs)
     for v, c in zip(jaxpr.constvars, compat.consts_of(plan_.closed)):
         env.write(v, c)
     for v, a in zip(jaxpr.invars, args):

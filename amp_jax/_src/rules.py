@@ -163,10 +163,12 @@ class DotRule(AllowRule):
     def evaluate(self, ctx: Any, eqn: Any, d: Decision, env: Any) -> list[Any]:
         if d.lowered and d.variant is Variant.COMPUTE and _cpu_fast_layouts(ctx.backend):
             fn = self.low_fn(ctx, eqn)
-            ok = _is_dot_rule(fn)
-            found = _through_transposes(eqn, env, ctx.policy.compute_dtype) if ok else None
-            if found is not None:
-                invals, dims = found
+            if _is_dot_rule(fn):
+                found = _through_transposes(eqn, env, ctx.policy.compute_dtype)
+                invals, dims = found or ([env.read(v, None) for v in eqn.invars], None)
+                out = eqn.outvars[0]
+                if out in getattr(env, "single_use", ()):
+                    env.dots[out] = (eqn, invals, dims, d.out_dtype)
                 return fn(eqn, invals, ctx.policy.compute_dtype, d.out_dtype, dims=dims)
         return super().evaluate(ctx, eqn, d, env)
 
@@ -185,11 +187,45 @@ class TransposeRule(EqnRule):
     the dots that read its result (:class:`DotRule`)."""
 
     def evaluate(self, ctx: Any, eqn: Any, d: Decision, env: Any) -> list[Any]:
-        outs = super().evaluate(ctx, eqn, d, env)
         src = eqn.invars[0]
-        if not isinstance(src, compat.Literal) and hasattr(env, "transposes"):
-            env.transposes[eqn.outvars[0]] = (src, tuple(eqn.params["permutation"]))
-        return outs
+        if isinstance(src, compat.Literal) or not hasattr(env, "transposes"):
+            return super().evaluate(ctx, eqn, d, env)
+        perm = tuple(eqn.params["permutation"])
+        swapped = _swapped_dot(ctx, env.dots.get(src), perm)
+        if swapped is not None:
+            want = casting.target(casting.dtype_of(src), d.color, ctx.policy.compute_dtype)
+            return [swapped if want is None else casting.cast(swapped, want)]
+        env.transposes[eqn.outvars[0]] = (src, perm)
+        return super().evaluate(ctx, eqn, d, env)
+
+
+def _swapped_dot(ctx: Any, record: Any, perm: tuple[int, ...]) -> Any:
+    """The transpose ``perm`` of a lowered dot's result (``record``, from
+    ``env.dots``), computed as the same dot with its operands swapped, when
+    ``perm`` puts the rhs's kept dims before the lhs's (in order): on XLA:CPU
+    the product is then written in the layout its readers want, where the
+    transpose of a bf16 dot's result (a per-example matvec ``vmap(lambda v: W
+    @ v)``, Equinox's ``Linear``) would make every elementwise op after it
+    (and its backward) read a transposed array. None otherwise."""
+    if record is None or compat.partitioned_by_mesh():
+        return None
+    eqn, (a, b), dims, out_dtype = record
+    if eqn.params.get("out_sharding") is not None:
+        return None
+    (ca, cb), (ba, bb) = dims if dims is not None else eqn.params["dimension_numbers"]
+    m, n, k = a.ndim - len(ca), b.ndim - len(cb), len(ca)
+    if ba or bb or not m or not n or perm != (*range(m, m + n), *range(m)):
+        return None
+    # (only where the swapped operands need no copy: ``b`` contracting its
+    # trailing dims, ``a`` its leading or trailing ones, see ``_dot``)
+    if tuple(cb) != tuple(range(n, n + k)) or tuple(ca) not in (
+        tuple(range(k)),
+        tuple(range(m, m + k)),
+    ):
+        return None
+    swapped = ((tuple(cb), tuple(ca)), ((), ()))
+    fn = functools.partial(dot_general_rule, backend=ctx.backend)
+    return fn(eqn, [b, a], ctx.policy.compute_dtype, out_dtype, dims=swapped)[0]
 
 
 #: primitive name -> its rule; names without an entry get the fallbacks of
