@@ -16,6 +16,7 @@ their rules (in ``rules.py`` with the others) call back through the
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,7 +34,8 @@ from amp_jax._src.planning import Context, Plan, plan
 class _Env:
     """Values of a jaxpr being evaluated, and the casts made of them (each once)."""
 
-    def __init__(self):
+    def __init__(self, jaxpr: Any):
+        self.jaxpr = jaxpr
         self.vals: dict[Any, Any] = {}
         self.casts: dict[tuple[Any, Any], Any] = {}
         #: {var: (operand var, permutation)} of the ``transpose`` eqns evaluated
@@ -43,8 +45,14 @@ class _Env:
         #: dots whose result only a later eqn reads (a ``transpose`` of it can
         #: be the same dot with its operands swapped)
         self.dots: dict[Any, tuple[Any, list[Any], Any, Any]] = {}
-        #: the vars that exactly one eqn reads, and no output
-        self.single_use: frozenset[Any] = frozenset()
+
+    @functools.cached_property
+    def single_use(self) -> frozenset[Any]:
+        """The vars of the jaxpr that exactly one eqn reads, and no output
+        (made once, and only when a transpose reads a dot's result)."""
+        _, consumers = jaxprs.def_use(self.jaxpr)
+        outs = {v for v in self.jaxpr.outvars if not isinstance(v, compat.Literal)}
+        return frozenset(v for v, c in consumers.items() if len(c) == 1 and v not in outs)
 
     def write(self, v: Any, val: Any) -> None:
         if type(v).__name__ != "DropVar":
@@ -124,10 +132,7 @@ def evaluate(
     """Evaluates a planned jaxpr on ``args`` under the caller's trace; outputs
     keep their dtypes (unless ``cast_outputs`` is false: then as computed)."""
     jaxpr = plan_.jaxpr
-    env = _Env()
-    _, consumers = jaxprs.def_use(jaxpr)
-    outs = {v for v in jaxpr.outvars if not isinstance(v, compat.Literal)}
-    env.single_use = frozenset(v for v, c in consumers.items() if len(c) == 1 and v not in outs)
+    env = _Env(jaxpr)
     for v, c in zip(jaxpr.constvars, compat.consts_of(plan_.closed)):
         env.write(v, c)
     for v, a in zip(jaxpr.invars, args):

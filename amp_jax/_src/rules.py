@@ -166,9 +166,8 @@ class DotRule(AllowRule):
             if _is_dot_rule(fn):
                 found = _through_transposes(eqn, env, ctx.policy.compute_dtype)
                 invals, dims = found or ([env.read(v, None) for v in eqn.invars], None)
-                out = eqn.outvars[0]
-                if out in getattr(env, "single_use", ()):
-                    env.dots[out] = (eqn, invals, dims, d.out_dtype)
+                if hasattr(env, "dots"):
+                    env.dots[eqn.outvars[0]] = (eqn, invals, dims, d.out_dtype)
                 return fn(eqn, invals, ctx.policy.compute_dtype, d.out_dtype, dims=dims)
         return super().evaluate(ctx, eqn, d, env)
 
@@ -191,7 +190,8 @@ class TransposeRule(EqnRule):
         if isinstance(src, compat.Literal) or not hasattr(env, "transposes"):
             return super().evaluate(ctx, eqn, d, env)
         perm = tuple(eqn.params["permutation"])
-        swapped = _swapped_dot(ctx, env.dots.get(src), perm)
+        record = env.dots.get(src) if src in env.dots and src in env.single_use else None
+        swapped = _swapped_dot(ctx, record, perm)
         if swapped is not None:
             want = casting.target(casting.dtype_of(src), d.color, ctx.policy.compute_dtype)
             return [swapped if want is None else casting.cast(swapped, want)]
@@ -201,7 +201,7 @@ class TransposeRule(EqnRule):
 
 def _swapped_dot(ctx: Any, record: Any, perm: tuple[int, ...]) -> Any:
     """The transpose ``perm`` of a lowered dot's result (``record``, from
-    ``env.dots``), computed as the same dot with its operands swapped, when
+    ``env.dots``; the transpose is its only reader), computed as the same dot with its operands swapped, when
     ``perm`` puts the rhs's kept dims before the lhs's (in order): on XLA:CPU
     the product is then written in the layout its readers want, where the
     transpose of a bf16 dot's result (a per-example matvec ``vmap(lambda v: W
@@ -224,8 +224,8 @@ def _swapped_dot(ctx: Any, record: Any, perm: tuple[int, ...]) -> Any:
     ):
         return None
     swapped = ((tuple(cb), tuple(ca)), ((), ()))
-    fn = functools.partial(dot_general_rule, backend=ctx.backend)
-    return fn(eqn, [b, a], ctx.policy.compute_dtype, out_dtype, dims=swapped)[0]
+    cd = ctx.policy.compute_dtype
+    return dot_general_rule(eqn, [b, a], cd, out_dtype, backend=ctx.backend, dims=swapped)[0]
 
 
 #: primitive name -> its rule; names without an entry get the fallbacks of
