@@ -146,6 +146,12 @@ REPRODUCTIONS = {
     "matvec under vmap of the vector": lambda f: jax.jit(
         jax.vmap(f(lambda a, b: jnp.einsum("ik,k->i", a, b)), (None, -1))
     )(_W, _X.T),
+    "grad of a matvec under vmap of the vector": lambda f: jax.jit(
+        jax.vmap(jax.grad(f(lambda a, b: jnp.sum(jnp.tanh(a @ b) ** 2))), (None, -1))
+    )(_W, _X.T),
+    "(x @ w).T through relu, transposed back, under grad": lambda f: jax.jit(
+        jax.grad(f(lambda x, w: jnp.sum(jnp.tanh(jax.nn.relu((x @ w).T).T @ w.T))), (0, 1))
+    )(_X, _W.T),
 }
 
 
@@ -153,7 +159,9 @@ REPRODUCTIONS = {
 def test_issue_reproductions_run_and_match_float32(name):
     """Each crashed on XLA:CPU with "Unsupported element type for
     DotThunk::Execute: BF16 x BF16 = F32" (a transpose folded into the lhs of
-    a bf16 dot after XLA chose its kernel, or a layout amp emitted)."""
+    a bf16 dot after XLA chose its kernel, or a layout amp emitted); the
+    vmapped matvec and the relu between transposes also do without the
+    barriers of ``rules._dot``."""
     got = REPRODUCTIONS[name](amp)
     ref = REPRODUCTIONS[name](lambda f: f)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
@@ -169,8 +177,8 @@ def _closed_over_relu_layer(w):
 def test_data_closed_over_under_grad_of_a_vmapped_layer_runs_and_matches_float32():
     """The weight gradient multiplies the cotangent with the data: when that
     is a constant of the compiled program, XLA folded the guard permutation
-    into it and a transpose into the lhs (DotThunk crash); the guard's
-    operands now pass a barrier first."""
+    of the time into it and a transpose into the lhs (DotThunk crash); each
+    operand now passes its own barrier."""
     w = jnp.tile(_W, (4, 1))  # (64, 32)
     got = jax.jit(jax.grad(amp(_closed_over_relu_layer)))(w)
     ref = jax.jit(jax.grad(_closed_over_relu_layer))(w)

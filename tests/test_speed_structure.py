@@ -178,6 +178,7 @@ def _dot_operand_dtypes(hlo_text):
 
 
 _COPY = re.compile(r"= f32\[[\d,]+\]\{[\d,]+\} (?:transpose|copy)\(")
+_LOW_COPY = re.compile(r"= bf16\[[\d,]+\]\{[\d,]+\} copy\(")
 
 _LAYOUTS = {
     "x @ W (in, out)": lambda w, x: x @ w,
@@ -211,6 +212,11 @@ def test_every_weight_layout_keeps_its_dots_bf16_after_xla(layout):
     # ... and no float32 transpose of a weight gradient (an (out, in) weight's
     # gradient came out (in, out) and was transposed: 6 f32 copies here)
     assert not _COPY.findall(hlo), _COPY.findall(hlo)
+    # ... and the only bf16 copies are the weight gradients' transposed
+    # operands, one each: no copy of a weight or an activation guards a dot
+    # against XLA:CPU's transpose folding (barriers do; the permuted copies
+    # of both operands they replaced were 13 copies here)
+    assert len(_LOW_COPY.findall(hlo)) <= len(ws), _LOW_COPY.findall(hlo)
     ref = jax.jit(jax.grad(loss))(ws, x)
     got = jax.jit(jax.grad(amp(loss)))(ws, x)
     for g, r in zip(got, ref):

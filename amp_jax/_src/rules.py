@@ -458,13 +458,12 @@ def _dot(
         # XLA:CPU picks a dot's kernel before its transpose folding runs: a
         # transpose that reaches the lhs afterwards (JAX's own, from a vmap or
         # a transposition of the caller's code) leaves a bf16 x bf16 -> f32 dot
-        # that only DotThunk takes, and it has no kernel for it. A lhs that is
-        # the output of a reshape cannot take a transpose in: permute the
-        # contraction (the same order on both sides, the same products).
-        # (not under a mesh that partitions the step: the permutation would move
-        # sharded contracting dims across devices)
+        # that only DotThunk takes, and it has no kernel for it. Each operand
+        # behind its own optimization_barrier (no copy; a pair would tie a
+        # constant operand to a linear one): no transpose can be folded in.
+        # (not under a mesh that partitions the step, as _swapped_dot)
         if not compat.partitioned_by_mesh():
-            a, b = _permuted_contraction(a, b, ca[-1], cb[-1])
+            a, b = lax.optimization_barrier(a), lax.optimization_barrier(b)
     if cb != tuple(range(k)) and cb != tuple(range(nb - k, nb)):
         b_kept = [d for d in range(nb) if d not in cb]
         b = materialized_transpose(b, (*cb, *b_kept))
@@ -472,7 +471,7 @@ def _dot(
     out = lax.dot_general(
         a, b, ((ca, cb), ((), ())), precision=precision, preferred_element_type=acc
     )
-    if k and cb == tuple(range(k)) and nb > k and out.dtype != a.dtype:
+    if k and cb == tuple(range(k)) and out.dtype != a.dtype:
         # XLA's algebraic simplifier rewrites transpose(dot(a, b)) as
         # dot(b, a), after XLA:CPU chose the dot's kernel: with the rhs
         # contracting its leading dims, the swapped lhs would contract them,
@@ -483,32 +482,13 @@ def _dot(
         # jaxpr or as a later eqn. Behind a barrier (kept until after those
         # simplifier passes) the transpose stays a float32 copy. A rhs
         # contracting its trailing dims swaps into a dot that runs: no barrier.
+        # A rhs with no kept dims (a matvec) gets one too: batched by a vmap
+        # outside amp, it gains kept dims and its result a transpose.
         # Nor for a dot writing bf16 (``allow_outputs="compute"``): XLA:CPU
         # has a kernel for it, and a barrier there would pin the bf16 rounding
         # of the result that XLA otherwise elides with the convert that follows.
         return lax.optimization_barrier(out)
     return out
-
-
-def _permute_dim(x: Any, dim: int, f: int) -> Any:
-    """``x`` with dimension ``dim`` (of size n) reordered as [f, n/f] -> [n/f, f]:
-    a reshape -> transpose -> reshape copy that XLA cannot remove."""
-    n = x.shape[dim]
-    split = (*x.shape[:dim], n // f, f, *x.shape[dim + 1 :])
-    perm = (*range(dim), dim + 1, dim, *range(dim + 2, x.ndim + 1))
-    return lax.reshape(lax.transpose(lax.reshape(x, split), perm), x.shape)
-
-
-def _permuted_contraction(a: Any, b: Any, da: int, db: int) -> tuple[Any, Any]:
-    """``a`` and ``b`` with their paired contracting dims ``da``, ``db`` permuted alike."""
-    f = _split_factor(a.shape[da])
-    if not f or a.shape[da] // f == 1:
-        return a, b
-    # Each behind a barrier (one each: a pair would tie a constant operand to
-    # a linear one): XLA would fold the permutation of a constant operand into
-    # the constant, then both permutations away, and a transpose into the lhs.
-    a, b = lax.optimization_barrier(a), lax.optimization_barrier(b)
-    return _permute_dim(a, da, f), _permute_dim(b, db, f)
 
 
 def _tangent_sum(out: Any, parts: list[Any]) -> Any:
