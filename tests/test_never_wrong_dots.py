@@ -159,9 +159,9 @@ REPRODUCTIONS = {
 def test_issue_reproductions_run_and_match_float32(name):
     """Each crashed on XLA:CPU with "Unsupported element type for
     DotThunk::Execute: BF16 x BF16 = F32" (a transpose folded into the lhs of
-    a bf16 dot after XLA chose its kernel, or a layout amp emitted); the
-    vmapped matvec and the relu between transposes also do without the
-    barriers of ``rules._dot``."""
+    a bf16 dot after XLA chose its kernel, or a layout amp emitted).
+    Without the barriers of ``rules._dot``, "matvec under vmap of the vector"
+    and "(x @ w).T through relu, transposed back, under grad" crash again."""
     got = REPRODUCTIONS[name](amp)
     ref = REPRODUCTIONS[name](lambda f: f)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
