@@ -282,3 +282,37 @@ def test_a_transposed_dot_result_is_the_dot_with_its_operands_swapped(layout):
     for g, r in zip(got[1], ref[1]):
         assert g.dtype == r.dtype
         assert rel(g, r) < 8e-2  # 3 bf16 layers
+
+
+_PROJECTIONS = {
+    # (einsum, x's shape, w's shape): attention projections with (d, heads,
+    # head_dim) and (heads, head_dim, d) weights, as in Flax's MultiHeadAttention
+    "bsd,dhk->bshk": ((4, 32, 64), (64, 4, 16)),
+    "bshk,hkd->bsd": ((4, 32, 4, 16), (4, 16, 64)),
+}
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's dot canonicalization")
+@pytest.mark.parametrize("spec", sorted(_PROJECTIONS))
+def test_a_dot_contracting_several_dims_copies_no_weight(spec):
+    """XLA canonicalizes a dot contracting several dims by putting the rhs's
+    contraction first: the input gradient of ``x @ W`` with a 3-D weight
+    contracted over its two trailing dims copied a transposed weight in every
+    step. amp merges contiguous contracting dims into one (a bitcast), so the
+    only bf16 copy left is the weight gradient's transposed input. Values and
+    gradients match float32."""
+    xs, ws = _PROJECTIONS[spec]
+    x = jax.random.normal(jax.random.key(0), xs)
+    w = jax.random.normal(jax.random.key(1), ws) / 8
+
+    def loss(w, x):
+        return jnp.sum(jnp.tanh(jnp.einsum(spec, x, w)) ** 2)
+
+    hlo = jax.jit(jax.grad(amp(loss), (0, 1))).lower(w, x).compile().as_text()
+    assert len(_LOW_COPY.findall(hlo)) <= 1, _LOW_COPY.findall(hlo)
+    assert all(d == ("bf16", "bf16") for d in _dot_operand_dtypes(hlo))
+    got = jax.jit(jax.grad(amp(loss), (0, 1)))(w, x)
+    ref = jax.jit(jax.grad(loss, (0, 1)))(w, x)
+    for g, r in zip(got, ref):
+        assert g.dtype == r.dtype
+        assert float(jnp.linalg.norm(g - r) / jnp.linalg.norm(r)) < 3e-2

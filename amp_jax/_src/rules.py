@@ -468,10 +468,25 @@ def _dot(
         b_kept = [d for d in range(nb) if d not in cb]
         b = materialized_transpose(b, (*cb, *b_kept))
         cb = tuple(range(k))
-    out = lax.dot_general(
-        a, b, ((ca, cb), ((), ())), precision=precision, preferred_element_type=acc
-    )
-    if k and cb == tuple(range(k)) and out.dtype != a.dtype:
+    leading = bool(k) and cb == tuple(range(k))
+    if k and (k > 1 or nb - k > 1) and not compat.partitioned_by_mesh():
+        # XLA canonicalizes a dot with several contracting dims, or a rhs with
+        # several kept dims, into one whose rhs has its contraction first: a
+        # rhs contracting its trailing dims (the input gradient of an
+        # attention projection) is transposed by a copy in every step. Merged
+        # by amp, the dims are bitcasts, and a rhs contracting its trailing
+        # dim runs in the bf16 kernel as it is.
+        out_shape = (*a.shape[: na - k], *(b.shape[k:] if leading else b.shape[: nb - k]))
+        a, b, ca, cb = _merged_dims(a, b, k, leading)
+        out = lax.dot_general(
+            a, b, ((ca, cb), ((), ())), precision=precision, preferred_element_type=acc
+        )
+        out = lax.reshape(out, out_shape)
+    else:
+        out = lax.dot_general(
+            a, b, ((ca, cb), ((), ())), precision=precision, preferred_element_type=acc
+        )
+    if leading and out.dtype != a.dtype:
         # XLA's algebraic simplifier rewrites transpose(dot(a, b)) as
         # dot(b, a), after XLA:CPU chose the dot's kernel: with the rhs
         # contracting its leading dims, the swapped lhs would contract them,
@@ -489,6 +504,20 @@ def _dot(
         # of the result that XLA otherwise elides with the convert that follows.
         return lax.optimization_barrier(out)
     return out
+
+
+def _merged_dims(a: Any, b: Any, k: int, leading: bool) -> tuple[Any, Any, Any, Any]:
+    """``a`` (contracting its ``k`` trailing dims) and ``b`` (its ``k`` leading
+    dims if ``leading``, else its ``k`` trailing ones, in the same order) with
+    the contracting dims merged into one and ``b``'s kept dims into one, and the
+    new contracting dims: reshapes of contiguous dims (bitcasts), the same
+    products summed in the same order."""
+    n = int(np.prod(a.shape[a.ndim - k :]))
+    m = int(np.prod(b.shape[k:] if leading else b.shape[: b.ndim - k]))
+    a = lax.reshape(a, (*a.shape[: a.ndim - k], n))
+    if leading:
+        return a, lax.reshape(b, (n, m)), (a.ndim - 1,), (0,)
+    return a, lax.reshape(b, (m, n)), (a.ndim - 1,), (1,)
 
 
 def _tangent_sum(out: Any, parts: list[Any]) -> Any:
