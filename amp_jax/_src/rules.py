@@ -190,7 +190,7 @@ class TransposeRule(EqnRule):
         if isinstance(src, compat.Literal) or not hasattr(env, "transposes"):
             return super().evaluate(ctx, eqn, d, env)
         perm = tuple(eqn.params["permutation"])
-        record = env.dots.get(src) if src in env.dots and src in env.single_use else None
+        record = env.dots[src] if src in env.dots and src in env.single_use else None
         swapped = _swapped_dot(ctx, record, perm)
         if swapped is not None:
             want = casting.target(casting.dtype_of(src), d.color, ctx.policy.compute_dtype)
@@ -469,6 +469,7 @@ def _dot(
         b = materialized_transpose(b, (*cb, *b_kept))
         cb = tuple(range(k))
     leading = bool(k) and cb == tuple(range(k))
+    out_shape = (*a.shape[: na - k], *(b.shape[k:] if leading else b.shape[: nb - k]))
     if k and (k > 1 or nb - k > 1) and not compat.partitioned_by_mesh():
         # XLA canonicalizes a dot with several contracting dims, or a rhs with
         # several kept dims, into one whose rhs has its contraction first: a
@@ -476,16 +477,12 @@ def _dot(
         # attention projection) is transposed by a copy in every step. Merged
         # by amp, the dims are bitcasts, and a rhs contracting its trailing
         # dim runs in the bf16 kernel as it is.
-        out_shape = (*a.shape[: na - k], *(b.shape[k:] if leading else b.shape[: nb - k]))
         a, b, ca, cb = _merged_dims(a, b, k, leading)
-        out = lax.dot_general(
-            a, b, ((ca, cb), ((), ())), precision=precision, preferred_element_type=acc
-        )
+    out = lax.dot_general(
+        a, b, ((ca, cb), ((), ())), precision=precision, preferred_element_type=acc
+    )
+    if out.shape != out_shape:
         out = lax.reshape(out, out_shape)
-    else:
-        out = lax.dot_general(
-            a, b, ((ca, cb), ((), ())), precision=precision, preferred_element_type=acc
-        )
     if leading and out.dtype != a.dtype:
         # XLA's algebraic simplifier rewrites transpose(dot(a, b)) as
         # dot(b, a), after XLA:CPU chose the dot's kernel: with the rhs
