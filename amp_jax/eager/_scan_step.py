@@ -87,6 +87,29 @@ def check_params(params: Any) -> int:
     return num_layers
 
 
+_UINT = {1: jnp.uint8, 2: jnp.uint16}
+
+
+def _as_bits(x: Any) -> Any:
+    """A floating array narrower than 32 bits as the unsigned ints of its
+    width (a bitcast); anything else as it is.
+
+    The forward loop stacks its residuals so: XLA:CPU has no dynamic-update-slice
+    of a bfloat16, float16 or float8 array; it widens the whole stack to float32
+    and back around every row write, so a loop over ``L`` layers converts the
+    stack ``L`` times. On integers the write is in place, and the backward loop
+    bitcasts each row back (free on every backend).
+    """
+    if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize in _UINT:
+        return lax.bitcast_convert_type(x, _UINT[x.dtype.itemsize])
+    return x
+
+
+def _as_float(x: Any, dtype: Any) -> Any:
+    """Inverse of :func:`_as_bits` for an array that was ``dtype``."""
+    return x if x.dtype == dtype else lax.bitcast_convert_type(x, dtype)
+
+
 def _layer(tree: Any, i: Any) -> Any:
     return jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, i, keepdims=False), tree)
 
@@ -375,17 +398,22 @@ class ScanStep:
         if not self.remat:
             mask = _deps.residual_depends_on_input(self.block_fn, layer_aval, h_aval)
 
-        # Forward: scan over the layers, storing what the backward loop needs.
+        # Forward: scan over the layers, storing what the backward loop needs
+        # (as `_as_bits`; `stored_dtypes`: their dtypes, known once traced).
+        stored_dtypes = []
         if mask is None:  # remat (or opaque pullbacks): store only the block inputs
 
             def fwd(h, p):
-                return self.block_fn(p, h), h
+                stored_dtypes[:] = [jax.tree.map(lambda x: x.dtype, h)]
+                return self.block_fn(p, h), jax.tree.map(_as_bits, h)
         else:  # store the residuals that depend on the activations
 
             def fwd(h, p):
                 h_next, vjp_fn = jax.vjp(self.block_fn, p, h)
                 leaves, _ = compat.vjp_residuals(vjp_fn)
-                return h_next, [x for x, m in zip(leaves, mask) if m]
+                kept = [x for x, m in zip(leaves, mask) if m]
+                stored_dtypes[:] = [[x.dtype for x in kept]]
+                return h_next, [_as_bits(x) for x in kept]
 
         h_last, stored = lax.scan(fwd, h0, p_blocks)
 
@@ -406,6 +434,7 @@ class ScanStep:
         g_head, ct = head_vjp(seed)
 
         def layer_vjp(p_i, saved):
+            saved = jax.tree.map(_as_float, saved, stored_dtypes[0])
             if mask is None:
                 _, vjp_fn = jax.vjp(self.block_fn, p_i, saved)
                 return vjp_fn

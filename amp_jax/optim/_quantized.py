@@ -8,9 +8,12 @@ sharded along any axis whose shard holds whole blocks (a leading axis, or a
 last axis split in multiples of the block) keeps its blocks on one device.
 
 Codes are indices into a sorted table of values in [-1, 1] (8-bit and 4-bit)
-or ``float8_e4m3fn`` numbers (float8). Quantizing stores integer or float8
-arrays, a rounding no compiler pass may drop (unlike a float32 -> bfloat16 ->
-float32 convert pair under excess precision).
+or the bits of ``float8_e4m3fn`` numbers (float8). Every format stores
+``uint8`` arrays: a rounding no compiler pass may drop (unlike a float32 ->
+bfloat16 -> float32 convert pair under excess precision), and one that loops
+write in place (XLA:CPU widens a float8 array to float32 around every
+dynamic-update-slice: a float8 state stack written layer by layer in
+``amp_jax.eager.scan_step`` made its step 7x slower).
 """
 
 from __future__ import annotations
@@ -125,7 +128,7 @@ class _Codec:
         gather of a replicated table by sharded indices fails in JAX 0.10)."""
         absmax = jnp.zeros_like(blocks[..., 0])
         if self.kind == "float8":
-            return jnp.zeros_like(blocks, dtype=_F8), absmax
+            return jnp.zeros_like(blocks, dtype=jnp.uint8), absmax
         _, mid = _buckets(self.table.tobytes())
         code = int(np.searchsorted(mid, np.float32(0)))
         if self.bits == 4:
@@ -171,9 +174,9 @@ def _block_max(x: jax.Array) -> jax.Array:
 
 
 def _to_float8(v: jax.Array) -> jax.Array:
-    """``v.astype(float8_e4m3fn)`` for float32 ``|v| <= 448`` without NaNs,
-    computed on the bits (round to nearest even): XLA's CPU convert into
-    float8 is emulated and about twice as slow."""
+    """The bits (``uint8``) of ``v.astype(float8_e4m3fn)`` for float32 ``|v| <=
+    448`` without NaNs, computed on the bits (round to nearest even): XLA's CPU
+    convert into float8 is emulated and about twice as slow."""
     bits = jax.lax.bitcast_convert_type(v, jnp.uint32)
     sign = (bits >> 24).astype(jnp.uint8) & 0x80
     a = jnp.abs(v)
@@ -183,12 +186,11 @@ def _to_float8(v: jax.Array) -> jax.Array:
     normal = ((ab + 0x7FFFF + ((ab >> 20) & 1)) >> 20) - (120 << 3)
     # subnormal (below 2**-6): multiples of 2**-9; 2**-6 itself is code 8 either way
     sub = jnp.round(a * np.float32(512.0)).astype(jnp.uint32)
-    code = jnp.where(a < np.float32(2.0**-6), sub, normal).astype(jnp.uint8) | sign
-    return jax.lax.bitcast_convert_type(code, _F8)
+    return jnp.where(a < np.float32(2.0**-6), sub, normal).astype(jnp.uint8) | sign
 
 
 def _from_float8(codes: jax.Array) -> jax.Array:
-    """``codes.astype(float32)`` for ``float8_e4m3fn`` codes, from the bits."""
+    """``codes.astype(float32)`` for ``float8_e4m3fn`` codes (or their bits, ``uint8``)."""
     b = jax.lax.bitcast_convert_type(codes, jnp.uint8).astype(jnp.uint32)
     m = b & 0x7F
     normal = jax.lax.bitcast_convert_type((m + (120 << 3)) << 20, jnp.float32)
@@ -264,10 +266,12 @@ class QuantizedArray(NamedTuple):
     """A block-wise quantized float32 array (one Adam moment of one parameter).
 
     Attributes:
-      codes: ``uint8`` (8-bit: one code per element; 4-bit: two, the first
-        half of the block in the low nibbles) or ``float8_e4m3fn``, shape ``(..., n_blocks, block)`` (4-bit:
-        ``block // 2``) for a parameter of shape ``(..., n)``; each row is
-        padded to ``n_blocks * block`` elements.
+      codes: ``uint8``, shape ``(..., n_blocks, block)`` (4-bit: ``block //
+        2``) for a parameter of shape ``(..., n)``; each row is padded to
+        ``n_blocks * block`` elements. 8-bit: one table index per element;
+        4-bit: two, the first half of the block in the low nibbles; float8:
+        the bits of a ``float8_e4m3fn`` per element
+        (``jax.lax.bitcast_convert_type(codes, jnp.float8_e4m3fn)`` reads them).
       absmax: ``float32`` ``(..., n_blocks)``, the largest finite magnitude of
         each block (the value code 1.0 stands for).
     """
@@ -372,7 +376,8 @@ def scale_by_quantized_adam(
       signed dynamic-exponent map and ``nu`` the zero-point-free linear map
       ``(i + 1) / 16`` of Li et al.: 0.53 bytes per moment value.
     * ``"float8"``: ``float8_e4m3fn`` values scaled so the block absmax maps to
-      448, blocks of 256: 1.016 bytes per moment value.
+      448 (stored as their bits, ``uint8``), blocks of 256: 1.016 bytes per
+      moment value.
 
     In every format the second moment is stored as ``sqrt(nu)`` (the
     denominator's own scale), which halves the dynamic range a block must
