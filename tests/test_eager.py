@@ -155,7 +155,7 @@ def test_low_precision_stacks_are_written_as_integers():
     moment codes (backward) one layer at a time into stacks held as unsigned
     ints of their width: XLA:CPU has no dynamic-update-slice of a bf16 or
     float8 array and converts the whole stack to float32 and back around every
-    row write (a float8 state stack made the step 7-10x slower). No
+    row write (a float8 state stack made the step 10x slower). No
     dynamic-update-slice of the optimized step writes a bf16 or f8 stack."""
     layers, width = 6, 128
     params = abstract_params(width, layers)
