@@ -115,6 +115,7 @@ def adamw(
     block_size: int | None = None,
     min_quantized_size: int = _quantized.DEFAULT_MIN_SIZE,
     quantize_mask: Any | Callable[[optax.Params], Any] | None = None,
+    state_rounding: _quantized.StateRounding = "stochastic",
 ) -> optax.GradientTransformationExtraArgs:
     """Any-precision AdamW: per-state dtypes and optional Kahan summation.
 
@@ -135,6 +136,10 @@ def adamw(
     float8 cost 1.02 bytes per moment value, 4-bit 0.53. Parameters smaller
     than ``min_quantized_size`` (4096) elements and those ``quantize_mask``
     deselects (pass one that deselects the embeddings) keep float32 moments.
+    The second moment is rounded to its codes stochastically (unbiased: to
+    the nearest code it would lag; :func:`scale_by_quantized_adam` says why),
+    the first to the nearest code; ``state_rounding="nearest"`` rounds both
+    to the nearest.
 
     The defaults are ``optax.adamw``'s (``weight_decay=1e-4`` included).
     With ``optax.inject_hyperparams`` pass ``static_args=("mu_dtype", "nu_dtype", "compensation_dtype")``: dtypes are
@@ -162,6 +167,8 @@ def adamw(
       min_quantized_size: smaller parameters keep float32 moments.
       quantize_mask: pytree of bools like the parameters, or a function of
         them; ``False`` keeps float32 moments (embeddings).
+      state_rounding: ``"stochastic"`` (``nu``, and any moment with a decay
+        above 0.95) or ``"nearest"``. Only with ``state_format``.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``; its state is the chain's
@@ -212,10 +219,11 @@ def adamw(
             "pass kahan=True or drop compensation_dtype."
         )
     if state_format is None:
-        if block_size is not None or quantize_mask is not None:
+        if block_size is not None or quantize_mask is not None or state_rounding != "stochastic":
             raise ValueError(
-                "adamw: `block_size` and `quantize_mask` are only used with quantized "
-                "states; pass state_format='8bit' (or '4bit', 'float8') or drop them."
+                "adamw: `block_size`, `quantize_mask` and `state_rounding` are only used "
+                "with quantized states; pass state_format='8bit' (or '4bit', 'float8') "
+                "or drop them."
             )
         scale = scale_by_any_precision_adam(b1, b2, eps, mu_dtype=mu_dtype, nu_dtype=nu_dtype)
     elif mu_dtype is not None or nu_dtype is not None:
@@ -233,6 +241,7 @@ def adamw(
             block_size=block_size,
             min_quantized_size=min_quantized_size,
             quantize_mask=quantize_mask,
+            state_rounding=state_rounding,
         )
     tx = optax.chain(
         scale,
