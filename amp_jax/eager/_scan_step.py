@@ -399,21 +399,18 @@ class ScanStep:
             mask = _deps.residual_depends_on_input(self.block_fn, layer_aval, h_aval)
 
         # Forward: scan over the layers, storing what the backward loop needs
-        # (as `_as_bits`; `stored_dtypes`: their dtypes, known once traced).
-        stored_dtypes = []
+        # (as `_as_bits`; `layer_vjp` reads them back in the dtypes of `h0` or
+        # of the block's re-traced residuals).
         if mask is None:  # remat (or opaque pullbacks): store only the block inputs
 
             def fwd(h, p):
-                stored_dtypes[:] = [jax.tree.map(lambda x: x.dtype, h)]
                 return self.block_fn(p, h), jax.tree.map(_as_bits, h)
         else:  # store the residuals that depend on the activations
 
             def fwd(h, p):
                 h_next, vjp_fn = jax.vjp(self.block_fn, p, h)
                 leaves, _ = compat.vjp_residuals(vjp_fn)
-                kept = [x for x, m in zip(leaves, mask) if m]
-                stored_dtypes[:] = [[x.dtype for x in kept]]
-                return h_next, [_as_bits(x) for x in kept]
+                return h_next, [_as_bits(x) for x, m in zip(leaves, mask) if m]
 
         h_last, stored = lax.scan(fwd, h0, p_blocks)
 
@@ -434,8 +431,8 @@ class ScanStep:
         g_head, ct = head_vjp(seed)
 
         def layer_vjp(p_i, saved):
-            saved = jax.tree.map(_as_float, saved, stored_dtypes[0])
-            if mask is None:
+            if mask is None:  # (block_fn keeps h's dtypes: checked above)
+                saved = jax.tree.map(lambda x, z: _as_float(x, z.dtype), saved, zeros_h)
                 _, vjp_fn = jax.vjp(self.block_fn, p_i, saved)
                 return vjp_fn
             # Re-trace the block's vjp on a stub input: the residuals that depend
@@ -445,7 +442,7 @@ class ScanStep:
             _, stub = jax.vjp(self.block_fn, p_i, zeros_h)
             leaves, treedef = compat.vjp_residuals(stub)
             it = iter(saved)
-            leaves = [next(it) if m else x for x, m in zip(leaves, mask)]
+            leaves = [_as_float(next(it), x.dtype) if m else x for x, m in zip(leaves, mask)]
             return jax.tree.unflatten(treedef, leaves)
 
         zeros_h = jax.tree.map(jnp.zeros_like, h0)

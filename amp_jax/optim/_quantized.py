@@ -249,7 +249,7 @@ def _unit(rand: jax.Array) -> jax.Array:
 def _step_keys(count: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(mu key, nu key) of step ``count`` (the same for every parameter, so a
     layer's moments round alike whether its parameters are stacked or not)."""
-    step = _hash32(count.astype(jnp.uint32) * np.uint32(0x9E3779B9))
+    step = _hash32(count.astype(jnp.uint32) * np.uint32(_tree._GOLDEN))
     return _hash32(step ^ np.uint32(0x85EBCA6B)), _hash32(step ^ np.uint32(0x27D4EB2F))
 
 
