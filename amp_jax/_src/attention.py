@@ -1,46 +1,28 @@
 """Attention written out in a jaxpr, recognised and run as fused attention.
 
-Under :func:`amp_jax.amp` a model is traced in float32, so attention written
-as ``einsum -> scale -> mask -> softmax -> einsum`` (or
-``jax.nn.dot_product_attention`` on float32 inputs, which takes its XLA path)
-arrives as separate primitives that materialise the ``[B, N, T, S]`` score
-and probability arrays. Only amp knows that the inputs will be bf16/f16,
-which is what cuDNN's fused flash attention needs. :func:`find` recognises
-the pattern in one jaxpr; :meth:`Match.evaluate` replaces it by one call of
+Under ``amp`` a model is traced in float32, so attention written as
+``einsum -> scale -> mask -> softmax -> einsum`` (or float32
+``jax.nn.dot_product_attention``, which takes its XLA path) arrives as separate
+primitives that materialise the ``[B, N, T, S]`` scores and probabilities.
+Only amp knows the inputs will be bf16/f16, which cuDNN's fused flash attention
+needs. `find` recognises the pattern in one jaxpr (stage by stage: the softmax,
+its values matmul, the ops back to the scores matmul, the operands' layouts, the
+mask and bias); `Match.evaluate` replaces it by one call of
 ``jax.nn.dot_product_attention`` on compute-dtype operands.
 
-Recognised (each part optional except the two matmuls and the softmax):
-
-* ``S = dot_general(q, k)`` contracting one head dim, with 0-2 batch dims
-  (batch, heads) and one non-unit free dim for the keys; the queries have
-  one non-unit free dim (positions) or two (positions and ``G``, the query
-  heads of one kv head: grouped-query attention as a grouped einsum, which is
-  how ``jax.nn.dot_product_attention`` writes it, or multi-query attention
-  with k and v without a heads dim); then an optional ``transpose``;
-* k and v repeated along the heads (``jnp.repeat``: a ``broadcast_in_dim``
-  and a ``reshape``): the fused call reads them un-repeated;
-* a scale: ``mul``/``div`` by a scalar literal or constant;
-* an additive bias: ``add(S, bias)`` (a scale applied after it is folded
-  into it); ``bias = jnp.where(mask, 0, fill)`` becomes a mask;
-* a mask: ``select_n(pred, fill, S)`` where ``fill`` is a broadcast scalar
-  ``<= -1e4`` (``-1e9``, ``-inf``, ``finfo.min``) and ``pred`` is not
-  computed from the float values q, k and v come from (a constant, iota
-  comparisons, integer tokens, a given boolean or float mask); a constant
-  lower-triangular ``pred`` becomes ``is_causal=True``;
-* the softmax over the key axis, as ``jax.nn.softmax`` emits it (reduce_max,
-  sub, exp, reduce_sum, div, with or without ``stop_gradient``);
-* ``dot_general(P, v)`` (or ``(v, P)``) contracting the key axis; v's head
-  dim may differ from q's (the smaller one is zero-padded for the call).
-
-The intermediate values must have no other consumers. A softmax between two
-matmuls that cannot be taken (dropout or other ops between the softmax and
-the second matmul, a softmax over another axis, a soft or value-dependent
-mask, the scores or probabilities used elsewhere, an op such as ``tanh``
-before the softmax) is a *near miss*: it is left as written and its reason
-recorded. :func:`plan` decides per attention (:func:`decide`: policy,
-compute dtype, backend, cuDNN's limits) and names the scope its ops are
-bound under: ``amp_attention[cudnn]``, ``amp_attention[xla-fused]`` or
-``amp_attention[xla: <reason>]``, which ``dtype_report`` and ``explain`` read.
+Recognised: a scores ``dot_general`` with 0-2 batch dims (grouped-query and
+multi-query attention too, and k/v repeated with ``jnp.repeat``), then at most
+one each of a scalar scale, an additive bias, a ``select_n`` mask whose fill is
+``<= -1e4`` and whose predicate depends on no float value q, k and v come from
+(a constant lower-triangular one becomes ``is_causal=True``) and a transpose,
+then ``jax.nn.softmax`` over the keys and the values ``dot_general`` (v's head
+dim may differ from q's: the smaller is zero-padded). The intermediate values
+must have no other consumers. A softmax between two matmuls that cannot be
+taken is a *near miss*, left as written with its reason. `plan` decides per
+attention (`decide`: policy, compute dtype, backend, cuDNN's limits) and names
+the scope its ops run under (``amp_attention[cudnn]``,
+``amp_attention[xla-fused]``, ``amp_attention[xla: <reason>]``), which
+``dtype_report`` and ``explain`` read. docs/how-amp-works.md lists the patterns.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -61,12 +61,24 @@ def _max_abs(xs: Sequence[Any]) -> float | None:
     return max(vals) if vals else None
 
 
+@dataclasses.dataclass(frozen=True)
+class _Hit:
+    """The first op whose output became non-finite while its inputs were finite."""
+
+    eqn: Any
+    src: Any  # for a cast: the first-order eqn whose result it casts, else None
+    stack: str
+    kind: str  # "inf", "nan" or "inf and nan"
+    input_max_abs: float | None
+    out_dtype: str
+
+
 class _Probe:
     """Watches every first-order eqn's outputs during an eager evaluation."""
 
     def __init__(self, stop_at_first: bool):
         self.stop_at_first = stop_at_first
-        self.first: dict[str, Any] | None = None
+        self.first: _Hit | None = None
         #: (source line, primitive) -> [max |finite output|, any non-finite output]
         self.ranges: dict[tuple[str, str], list[Any]] = {}
         #: id(value) -> (value, the first-order eqn that produced it), to trace
@@ -92,7 +104,7 @@ class _Probe:
         src = None
         if eqn.primitive.name == "convert_element_type" and invals:
             src = self.producer.get(id(invals[0]), (None, None))[1]
-        self.first = dict(
+        self.first = _Hit(
             eqn=eqn,
             src=src,
             stack=stack,
@@ -337,25 +349,34 @@ def first_nonfinite(
         return None
     ref = _Probe(stop_at_first=False)
     _run_closed(old, dyn, (), ref)
-    hit = probe.first
-    eqn, stack = hit["eqn"], hit["stack"]
+    # the plan's decision for the op (a cast's: the op whose result it casts)
+    decisions = _trace_decisions(base, pol, args, kwargs)
+    return _found(probe.first, ref, decisions)
+
+
+def _float32_range(ref: _Probe, key: tuple[str, str]) -> tuple[float | None, bool]:
+    """``(max |x|, finite)`` that the float32 program reached at ``key``'s op, else
+    at its source line (``(None, True)`` when it ran nothing there)."""
+    same = ref.ranges.get(key)
+    line = [r for (w, _), r in ref.ranges.items() if w == key[0]]
+    if same is None and line:
+        same = [max(r[0] for r in line), any(r[1] for r in line)]
+    return (same[0], not same[1]) if same else (None, True)
+
+
+def _found(hit: _Hit, ref: _Probe, decisions: Any) -> FirstNonfinite:
+    """The report of ``hit``, beside the float32 run ``ref`` and amp's decisions."""
+    eqn, stack, src = hit.eqn, hit.stack, hit.src
     where, prim = compat.source_line(eqn), eqn.primitive.name
-    src = hit["src"]
     cast_of = None
     key = (where, prim)
     if src is not None:
         key = (compat.source_line(src), src.primitive.name)
         where, cast_of = key[0], f"{src.primitive.name} at {key[0]}"
-    same = ref.ranges.get(key)
-    line = [r for (w, _), r in ref.ranges.items() if w == where]
-    if same is None and line:
-        same = [max(r[0] for r in line), any(r[1] for r in line)]
-    f32_max, f32_finite = (same[0], not same[1]) if same else (None, True)
-    dtype_max = float(jnp.finfo(hit["out_dtype"]).max)
+    f32_max, f32_finite = _float32_range(ref, key)
+    dtype_max = float(jnp.finfo(hit.out_dtype).max)
     backward = _is_backward(stack)
     dtype = ran_in(eqn)
-    # the plan's decision for the op (a cast's: the op whose result it casts)
-    decisions = _trace_decisions(base, pol, args, kwargs)
     empty = collections.Counter()
     decided = _row_reason(decisions, eqn if src is None else src, stack, empty, empty)
     if src is not None:
@@ -370,8 +391,8 @@ def first_nonfinite(
         primitive=prim,
         cast_of=cast_of,
         dtype=dtype,
-        kind=hit["kind"],
-        input_max_abs=hit["input_max_abs"],
+        kind=hit.kind,
+        input_max_abs=hit.input_max_abs,
         dtype_max=dtype_max,
         float32_max_abs=f32_max,
         float32_finite=f32_finite,
@@ -447,6 +468,41 @@ class UnderflowReport:
         return "\n".join(lines)
 
 
+class _LeafCounts(NamedTuple):
+    """Counts of one gradient leaf's values (what an `UnderflowRow` reports as shares)."""
+
+    path: str
+    nonzero: int
+    flushed: int
+    subnormal: int
+    lost: int
+    max_abs: float
+
+    def row(self) -> UnderflowRow:
+        n = self.nonzero
+        share = lambda k: k / n if n else 0.0  # noqa: E731
+        return UnderflowRow(
+            self.path, n, share(self.flushed), share(self.subnormal), share(self.lost), self.max_abs
+        )
+
+
+def _leaf_counts(path: Any, a: Any, b: Any, scale: float, low: Any, tiny: float) -> _LeafCounts:
+    """Counts of float32 gradient ``a`` against its ``low`` storage (scaled by
+    ``scale``) and against the amp program's gradient ``b``."""
+    a32 = jnp.asarray(a, jnp.float32)
+    nz = a32 != 0
+    scaled = a32 * scale
+    stored = scaled.astype(low)
+    return _LeafCounts(
+        jax.tree_util.keystr(path) or "(params)",
+        int(jnp.sum(nz)),
+        int(jnp.sum(nz & (stored == 0))),
+        int(jnp.sum(nz & (stored != 0) & (jnp.abs(scaled) < tiny))),
+        int(jnp.sum(nz & (jnp.asarray(b, jnp.float32) == 0))),
+        float(jnp.max(jnp.abs(a32))) if a32.size else 0.0,
+    )
+
+
 def underflow_report(
     loss_fn: Callable[..., Any],
     params: Any,
@@ -503,33 +559,16 @@ def underflow_report(
         params
     )
     info = jnp.finfo(low)
-    rows = []
-    tot_nz = tot_flushed = tot_lost = 0
-    max_all = 0.0
-    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g32), jax.tree.leaves(gamp)):
-        if not _is_float_array(a):
-            continue
-        a32 = jnp.asarray(a, jnp.float32)
-        nz = a32 != 0
-        scaled = a32 * scale
-        stored = scaled.astype(low)
-        n = int(jnp.sum(nz))
-        flushed = int(jnp.sum(nz & (stored == 0)))
-        sub = int(jnp.sum(nz & (stored != 0) & (jnp.abs(scaled) < float(info.tiny))))
-        lost = int(jnp.sum(nz & (jnp.asarray(b, jnp.float32) == 0)))
-        mx = float(jnp.max(jnp.abs(a32))) if a32.size else 0.0
-        max_all = max(max_all, mx)
-        rows.append(
-            UnderflowRow(
-                jax.tree_util.keystr(path) or "(params)",
-                n,
-                flushed / n if n else 0.0,
-                sub / n if n else 0.0,
-                lost / n if n else 0.0,
-                mx,
-            )
-        )
-        tot_nz, tot_flushed, tot_lost = tot_nz + n, tot_flushed + flushed, tot_lost + lost
+    counts = [
+        _leaf_counts(path, a, b, scale, low, float(info.tiny))
+        for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g32), jax.tree.leaves(gamp))
+        if _is_float_array(a)
+    ]
+    rows = [c.row() for c in counts]
+    tot_nz = sum(c.nonzero for c in counts)
+    tot_flushed = sum(c.flushed for c in counts)
+    tot_lost = sum(c.lost for c in counts)
+    max_all = max([0.0, *(c.max_abs for c in counts)])
     if max_all > 0:
         suggested = float(2.0 ** np.clip(np.floor(np.log2(float(info.max) / max_all)) - 1, 0, 24))
     else:

@@ -2,48 +2,22 @@
 
 A large, unbatched ``dot_general`` (a dense layer: ``x @ w``) runs with
 ``float8_e4m3fn`` operands in the forward pass and a ``float8_e5m2`` cotangent
-in the two backward products, with dynamic scales computed from the current
-tensors (torchao's "tensorwise" recipe, or "rowwise": one scale per row of the
-non-contracted dims) and float32 accumulation. Everything else -- batched dots
-(attention), small dots, convolutions -- follows the bfloat16 policy.
+in the two backward products, with dynamic power-of-two scales computed from
+the current tensors (torchao's "tensorwise" recipe, or "rowwise": one scale per
+row of the non-contracted dims) and float32 accumulation. Batched dots
+(attention), small dots and convolutions follow the bfloat16 policy.
 
-How a product is written where the GPU has fp8 matmuls (compute capability
-8.9 and up)::
-
-    s  = 2 ** ceil(log2(amax(|x|) / fp8_max))          # a power of two
-    q  = convert(clamp(x / s, -fp8_max, fp8_max), f8)  # quantize
-    out = dot_general(qx, qy, preferred_element_type=float32) * (sx * sy)
-
-a dot of the fp8 operands themselves, which XLA runs as an fp8 GEMM
-(``__cublas$lt$matmul$f8``, or a Triton GEMM fusion with fp8 operands); a
-per-row scale lies along a kept dim, so it also factors out of the product.
-(The dequantize-then-dot form below, which XLA's GEMM rewriter was meant to
-turn into an fp8 GEMM, ran as a bf16 GEMM of the unrounded values on an H100
-with JAX 0.11.2: the fp8 rounding was gone, the gradients equal to bf16's.)
-
-Elsewhere (CPU, older GPUs) the product is emulated::
-
-    xd = convert(q, bf16) * s                          # dequantize (exact)
-    out = dot_general(xd, wd, preferred_element_type=float32 or bf16)
-
-Because the scales are powers of two and every fp8 value is a bf16 value, the
-dequantized operands are exactly the fp8 values times their scale, so the
-emulation computes the same products as the fp8 GEMM (up to accumulation
-order; ``tests/test_float8.py`` checks both forms against each other on CPU).
-
-Scales never overflow or divide by zero: an all-zero tensor gets the scale
-``2**-126`` (quantizes to zeros); an ``inf``/``nan`` amax gets the scale 1 and
-the non-finite entries stay non-finite (NaN: ``float8_e4m3fn`` has no inf), so
-loss scaling and ``is_finite`` checks still see the overflow -- never a
-silent saturation to a finite value.
-
-Convolutions are not lowered to fp8: XLA has no scaled-fp8 convolution
-rewrite, and neither torchao nor Transformer Engine trains convolutions in
-fp8; they keep the bfloat16 rule.
+Where the GPU has fp8 matmuls the product is a dot of the fp8 operands
+themselves, its scales applied to the result (XLA runs it as an fp8 GEMM);
+elsewhere it is emulated as a dot of the dequantized operands, which multiplies
+exactly the same numbers since the scales are powers of two and every fp8 value
+is a bfloat16 value. Scales are always finite: non-finite inputs stay
+non-finite, never saturate. docs/float8.md has the details.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -70,7 +44,7 @@ MIN_CONTRACTION = 16
 
 _LOW = np.dtype(jnp.bfloat16)
 
-#: tests only: force the native (True) or emulated (False) products on any backend
+#: force the native (True) or emulated (False) products on any backend (None: the backend decides)
 NATIVE_OVERRIDE: bool | None = None
 _MIN_SCALE = 2.0**-126  # smallest normal float32: 0 / scale stays 0, x / scale stays finite
 
@@ -221,103 +195,154 @@ def _native_dot(qx, sx, qy, sy, dims, acc, extra, rowwise):
     return out.astype(acc)
 
 
-@functools.cache
-def _fp8_dot(
-    dims: Any,
-    acc: Any,
-    out_sharding: Any,
-    recipe: str,
-    x_dtype: np.dtype,
-    y_dtype: np.dtype,
-    native: bool = False,
-) -> Callable:
-    (xc, yc), (xb, yb) = dims
-    extra = {} if out_sharding is None else {"out_sharding": out_sharding}
-    rowwise = recipe == "rowwise"
+@dataclasses.dataclass(frozen=True)
+class _Dot:
+    """The static description of one fp8 ``dot_general`` (hashable: a cache key)."""
 
-    def axes(reduce_axes):
-        return tuple(reduce_axes) if rowwise else None
+    dims: Any  # dot_general's dimension_numbers
+    acc: Any  # the dtype the products are written in
+    out_sharding: Any
+    recipe: str  # "tensorwise" or "rowwise"
+    x_dtype: np.dtype  # the operands' dtypes (their gradients are cast back to them)
+    y_dtype: np.dtype
+    native: bool = False  # a dot of the fp8 operands (else dequantized, emulated)
 
-    def qdq(v, dtype, reduce_axes):
-        return round_trip(v, dtype, axes(reduce_axes))
+    @property
+    def rowwise(self) -> bool:
+        return self.recipe == "rowwise"
 
-    def quantized(v, dtype, reduce_axes):
-        s = scale_of(v, dtype, axes(reduce_axes))
+    @property
+    def extra(self) -> dict[str, Any]:
+        return {} if self.out_sharding is None else {"out_sharding": self.out_sharding}
+
+    def axes(self, reduce_axes: Any) -> tuple[int, ...] | None:
+        """The amax axes of a scale: ``reduce_axes`` (rowwise) or all (tensorwise)."""
+        return tuple(reduce_axes) if self.rowwise else None
+
+    def quantized(self, v: Any, dtype: Any, reduce_axes: Any) -> tuple[Any, Any]:
+        s = scale_of(v, dtype, self.axes(reduce_axes))
         return quantize(v, dtype, s), s
 
-    def product(x, y):
-        """The forward product and the fp8 operands with their scales (rowwise:
-        one scale per row of the non-contracted dims, amax over the contraction)."""
-        (qx, sx), (qy, sy) = quantized(x, FWD_DTYPE, xc), quantized(y, FWD_DTYPE, yc)
-        if native:
-            out = _native_dot(qx, sx, qy, sy, dims, acc, extra, rowwise)
-        else:
-            xd, yd = dequantize(qx, sx), dequantize(qy, sy)
-            out = lax.dot_general(xd, yd, dims, preferred_element_type=acc, **extra)
-        return out, (qx, sx, qy, sy)
+    def qdq(self, v: Any, dtype: Any, reduce_axes: Any) -> Any:
+        return round_trip(v, dtype, self.axes(reduce_axes))
 
-    def primal(x, y):
-        with jax.named_scope(float8_scope(recipe)):
-            return product(x, y)[0]
 
-    f = jax.custom_vjp(primal)
+@dataclasses.dataclass(frozen=True)
+class _Grid:
+    """Operand and cotangent dims of one product, for its two backward products."""
 
-    def fwd(x, y):
-        with jax.named_scope(float8_scope(recipe)):
-            out, quant = product(x, y)
-        # rowwise: the backward products re-quantize along their own contractions;
-        # tensorwise: fp8 residuals, half the bytes of bf16 ones
-        return out, ((x.astype(_LOW), y.astype(_LOW)) if rowwise else quant)
+    nx: int
+    ny: int
+    x_kept: tuple[int, ...]
+    y_kept: tuple[int, ...]
+    ct_x_kept: tuple[int, ...]  # ct dims: [batch, x kept, y kept]
+    ct_y_kept: tuple[int, ...]
 
-    def bwd(res, ct):
-        nx, ny = (res[0].ndim, res[1].ndim) if rowwise else (res[0].ndim, res[2].ndim)
+    @classmethod
+    def of(cls, dims: Any, nx: int, ny: int) -> _Grid:
+        (xc, yc), (xb, yb) = dims
         nb = len(xb)
         x_kept, y_kept = _kept(nx, xc, xb), _kept(ny, yc, yb)
-        # ct dims: [batch, x kept, y kept]
         ct_x_kept = tuple(range(nb, nb + len(x_kept)))
         ct_y_kept = tuple(range(nb + len(x_kept), nb + len(x_kept) + len(y_kept)))
-        with jax.named_scope(float8_scope(recipe, backward=True)):
-            if native:  # fp8 GEMMs: dx = ct . y, dy = x . ct, e5m2 cotangent
-                if rowwise:  # each product re-quantizes along its own contraction
-                    x, y = res
-                    qct_x, sct_x = quantized(ct, BWD_DTYPE, ct_y_kept)
-                    qct_y, sct_y = quantized(ct, BWD_DTYPE, ct_x_kept)
-                    qy, sy = quantized(y, FWD_DTYPE, y_kept)
-                    qx, sx = quantized(x, FWD_DTYPE, x_kept)
-                    ct_b = tuple(range(nb))
-                    fx = _placed(sct_x, ct_b + ct_x_kept, (*xb, *x_kept), nx)
-                    fx = fx * _placed(sy, (*yb, *yc), (*xb, *xc), nx)
-                    fy = _placed(sct_y, ct_b + ct_y_kept, (*yb, *y_kept), ny)
-                    fy = fy * _placed(sx, (*xb, *xc), (*yb, *yc), ny)
-                else:
-                    qx, sx, qy, sy = res
-                    qct_x, sct = quantized(ct, BWD_DTYPE, ())
-                    qct_y, fx, fy = qct_x, sct * sy, sct * sx
-                dx = _dot_transpose(qct_x, qy, nx, xc, xb, yc, yb, ny, True, None, HIGH_DTYPE, qx)
-                dy = _dot_transpose(qct_y, qx, ny, yc, yb, xc, xb, nx, False, None, HIGH_DTYPE, qy)
-                # written in the policy's matmul output dtype, as the other rules do
-                dx, dy = (dx * fx).astype(acc), (dy * fy).astype(acc)
-                return dx.astype(x_dtype), dy.astype(y_dtype)
-            if rowwise:
-                x, y = res
-                # dx = ct . y over y's kept dims; dy = x . ct over x's kept dims
-                ct_for_dx = qdq(ct, BWD_DTYPE, ct_y_kept)
-                y_for_dx = qdq(y, FWD_DTYPE, y_kept)
-                ct_for_dy = qdq(ct, BWD_DTYPE, ct_x_kept)
-                x_for_dy = qdq(x, FWD_DTYPE, x_kept)
-            else:
-                qx, sx, qy, sy = res
-                ct_for_dx = ct_for_dy = round_trip(ct, BWD_DTYPE)
-                y_for_dx, x_for_dy = dequantize(qy, sy), dequantize(qx, sx)
-            # (like=: an operand of the result's shape, for explicit-sharding outputs)
-            dx = _dot_transpose(
-                ct_for_dx, y_for_dx, nx, xc, xb, yc, yb, ny, True, None, acc, x_for_dy
-            )
-            dy = _dot_transpose(
-                ct_for_dy, x_for_dy, ny, yc, yb, xc, xb, nx, False, None, acc, y_for_dx
-            )
-        return dx.astype(x_dtype), dy.astype(y_dtype)
+        return cls(nx, ny, x_kept, y_kept, ct_x_kept, ct_y_kept)
 
+
+def _product(d: _Dot, x: Any, y: Any) -> tuple[Any, tuple[Any, ...]]:
+    """The forward product and the fp8 operands with their scales (rowwise: one
+    scale per row of the non-contracted dims, amax over the contraction)."""
+    (xc, yc), _ = d.dims
+    (qx, sx), (qy, sy) = d.quantized(x, FWD_DTYPE, xc), d.quantized(y, FWD_DTYPE, yc)
+    if d.native:
+        out = _native_dot(qx, sx, qy, sy, d.dims, d.acc, d.extra, d.rowwise)
+    else:
+        xd, yd = dequantize(qx, sx), dequantize(qy, sy)
+        out = lax.dot_general(xd, yd, d.dims, preferred_element_type=d.acc, **d.extra)
+    return out, (qx, sx, qy, sy)
+
+
+def _operand_grads(
+    d: _Dot, g: _Grid, ct_for_dx: Any, y_for_dx: Any, ct_for_dy: Any, x_for_dy: Any, acc: Any
+) -> tuple[Any, Any]:
+    """``dx = ct . y`` and ``dy = x . ct``, written in ``acc``."""
+    (xc, yc), (xb, yb) = d.dims
+    # (like=: an operand of the result's shape, for explicit-sharding outputs)
+    dx = _dot_transpose(
+        ct_for_dx, y_for_dx, ndim=g.nx, contract=xc, batch=xb,
+        other_contract=yc, other_batch=yb, other_ndim=g.ny,
+        ct_is_lhs_side=True, precision=None, acc=acc, like=x_for_dy,
+    )  # fmt: skip
+    dy = _dot_transpose(
+        ct_for_dy, x_for_dy, ndim=g.ny, contract=yc, batch=yb,
+        other_contract=xc, other_batch=xb, other_ndim=g.nx,
+        ct_is_lhs_side=False, precision=None, acc=acc, like=y_for_dx,
+    )  # fmt: skip
+    return dx, dy
+
+
+def _native_backward(d: _Dot, g: _Grid, res: Any, ct: Any) -> tuple[Any, Any]:
+    """fp8 GEMMs ``dx = ct . y``, ``dy = x . ct`` with an e5m2 cotangent, their
+    scales applied to the results."""
+    (xc, yc), (xb, yb) = d.dims
+    if d.rowwise:  # each product re-quantizes along its own contraction
+        x, y = res
+        qct_x, sct_x = d.quantized(ct, BWD_DTYPE, g.ct_y_kept)
+        qct_y, sct_y = d.quantized(ct, BWD_DTYPE, g.ct_x_kept)
+        qy, sy = d.quantized(y, FWD_DTYPE, g.y_kept)
+        qx, sx = d.quantized(x, FWD_DTYPE, g.x_kept)
+        ct_b = tuple(range(len(xb)))
+        fx = _placed(sct_x, ct_b + g.ct_x_kept, (*xb, *g.x_kept), g.nx)
+        fx = fx * _placed(sy, (*yb, *yc), (*xb, *xc), g.nx)
+        fy = _placed(sct_y, ct_b + g.ct_y_kept, (*yb, *g.y_kept), g.ny)
+        fy = fy * _placed(sx, (*xb, *xc), (*yb, *yc), g.ny)
+    else:
+        qx, sx, qy, sy = res
+        qct_x, sct = d.quantized(ct, BWD_DTYPE, ())
+        qct_y, fx, fy = qct_x, sct * sy, sct * sx
+    dx, dy = _operand_grads(d, g, qct_x, qy, qct_y, qx, HIGH_DTYPE)
+    # written in the policy's matmul output dtype, as the other rules do
+    return (dx * fx).astype(d.acc), (dy * fy).astype(d.acc)
+
+
+def _emulated_backward(d: _Dot, g: _Grid, res: Any, ct: Any) -> tuple[Any, Any]:
+    """The backward products of dequantized fp8 operands (an e5m2 cotangent)."""
+    if d.rowwise:
+        x, y = res
+        # dx = ct . y over y's kept dims; dy = x . ct over x's kept dims
+        ct_for_dx = d.qdq(ct, BWD_DTYPE, g.ct_y_kept)
+        y_for_dx = d.qdq(y, FWD_DTYPE, g.y_kept)
+        ct_for_dy = d.qdq(ct, BWD_DTYPE, g.ct_x_kept)
+        x_for_dy = d.qdq(x, FWD_DTYPE, g.x_kept)
+    else:
+        qx, sx, qy, sy = res
+        ct_for_dx = ct_for_dy = round_trip(ct, BWD_DTYPE)
+        y_for_dx, x_for_dy = dequantize(qy, sy), dequantize(qx, sx)
+    return _operand_grads(d, g, ct_for_dx, y_for_dx, ct_for_dy, x_for_dy, d.acc)
+
+
+@functools.cache
+def _fp8_dot(d: _Dot) -> Callable:
+    """The fp8 product ``d`` as a ``custom_vjp`` of its two operands."""
+
+    def primal(x, y):
+        with jax.named_scope(float8_scope(d.recipe)):
+            return _product(d, x, y)[0]
+
+    def fwd(x, y):
+        with jax.named_scope(float8_scope(d.recipe)):
+            out, quant = _product(d, x, y)
+        # rowwise: the backward products re-quantize along their own contractions;
+        # tensorwise: fp8 residuals, half the bytes of bf16 ones
+        return out, ((x.astype(_LOW), y.astype(_LOW)) if d.rowwise else quant)
+
+    def bwd(res, ct):
+        g = _Grid.of(d.dims, res[0].ndim, res[1].ndim if d.rowwise else res[2].ndim)
+        with jax.named_scope(float8_scope(d.recipe, backward=True)):
+            backward = _native_backward if d.native else _emulated_backward
+            dx, dy = backward(d, g, res, ct)
+        return dx.astype(d.x_dtype), dy.astype(d.y_dtype)
+
+    f = jax.custom_vjp(primal)
     f.defvjp(fwd, bwd)
     return f
 
@@ -335,14 +360,19 @@ def float8_dot_rule(
     del compute_dtype
     x, y = invals
     p = eqn.params
+    native = (
+        NATIVE_OVERRIDE if NATIVE_OVERRIDE is not None else compat.native_float8_matmul(backend)
+    )
     f = _fp8_dot(
-        p["dimension_numbers"],
-        _acc_dtype(eqn, out_dtype),
-        p.get("out_sharding"),
-        recipe,
-        np.dtype(x.dtype),
-        np.dtype(y.dtype),
-        NATIVE_OVERRIDE if NATIVE_OVERRIDE is not None else compat.native_float8_matmul(backend),
+        _Dot(
+            dims=p["dimension_numbers"],
+            acc=_acc_dtype(eqn, out_dtype),
+            out_sharding=p.get("out_sharding"),
+            recipe=recipe,
+            x_dtype=np.dtype(x.dtype),
+            y_dtype=np.dtype(y.dtype),
+            native=native,
+        )
     )
     try:
         return [f(x, y)]

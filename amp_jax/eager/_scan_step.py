@@ -165,12 +165,36 @@ def _update_rows(stacks: Any, update: Callable[[Any], Any], i: Any, after: list[
     return jax.tree.unflatten(treedef, out)
 
 
-#: (a name of its own: tests/mutants.py replaces it)
+#: whether the step is jitted on a mesh (the layer loop then carries the state slice)
 _partitioned_by_mesh = compat.partitioned_by_mesh
 
 
 def _abstract(tree: Any) -> Any:
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype), tree)
+
+
+class _Forward(NamedTuple):
+    """What the forward pass leaves for the backward steps of :meth:`ScanStep.update`."""
+
+    loss: jax.Array
+    g_head: Any  # the head's parameter gradient
+    ct: Any  # the cotangent of the last block's output
+    stored: Any  # what each layer saved for its backward (as `_as_bits`), stacked
+    embed_vjp: Callable  # cotangent of h0 -> (embed gradient,)
+    layer_vjp: Callable  # (layer params, its stored values) -> the layer's pullback
+
+
+def _check_loss(loss: Any) -> None:
+    if (
+        not hasattr(loss, "shape")
+        or loss.shape != ()
+        or not jnp.issubdtype(loss.dtype, jnp.floating)
+    ):
+        raise ValueError(
+            f"scan_step: `head_loss_fn` must return a floating scalar loss, got "
+            f"{_abstract(loss) if hasattr(loss, 'dtype') else loss!r}. Reduce "
+            f"the loss (e.g. jnp.mean) inside head_loss_fn."
+        )
 
 
 class ScanStep:
@@ -351,34 +375,60 @@ class ScanStep:
             function returns the wrong shape (the message names the function).
         """
         num_layers = check_params(params)
-        dyn = None
-        if self._rule is not None:
-            if not isinstance(opt_state, _loss_scale.DynamicLossScaleState) or not isinstance(
-                opt_state.inner_state, ScanStepState
-            ):
-                raise ValueError(
-                    f"scan_step: with optimizer=dynamic_loss_scale(...), `opt_state` "
-                    f"must be the DynamicLossScaleState(inner_state=ScanStepState(...)) "
-                    f"returned by step.init(params) (or a previous step), got "
-                    f"{type(opt_state).__name__}."
-                )
-            dyn, opt_state = opt_state, opt_state.inner_state
-        elif not isinstance(opt_state, ScanStepState):
-            raise ValueError(
-                f"scan_step: `opt_state` must be the ScanStepState returned by "
-                f"step.init(params) (or a previous step), got "
-                f"{type(opt_state).__name__}."
-            )
+        dyn, opt_state = self._unwrap(opt_state)
         self._check_optimizer(params)
         _deps.refuse_by_state(opt_state)
-        p_embed, p_blocks, p_head = params["embed"], params["blocks"], params["head"]
+        scale = self._seed_scale(opt_state, dyn)
+        fw = self._forward(params, batch, scale)
+        finite = None if dyn is None else self._all_finite(fw, params, scale)
+        apply = functools.partial(self._apply, scale=scale if dyn is not None else None)
+        new_head, head_state = apply(fw.g_head, opt_state.head, params["head"], finite=finite)
+        ct0, new_blocks, blocks_state = self._backward(
+            fw, params["blocks"], opt_state.blocks, apply, finite, num_layers
+        )
+        (g_embed,) = fw.embed_vjp(ct0)
+        new_embed, embed_state = apply(g_embed, opt_state.embed, params["embed"], finite=finite)
+        new_params = {"embed": new_embed, "blocks": new_blocks, "head": new_head}
+        new_state = ScanStepState(embed_state, blocks_state, head_state)
+        if dyn is not None:
+            new_state = _loss_scale._advance(dyn, finite, new_state, self._rule)
+        return new_params, new_state, fw.loss
 
+    # -------------------------------------------------------- the steps ---
+
+    def _unwrap(self, opt_state: Any) -> tuple[Any, ScanStepState]:
+        """``(the DynamicLossScaleState or None, the ScanStepState)``, checked."""
+        if self._rule is None:
+            if not isinstance(opt_state, ScanStepState):
+                raise ValueError(
+                    f"scan_step: `opt_state` must be the ScanStepState returned by "
+                    f"step.init(params) (or a previous step), got "
+                    f"{type(opt_state).__name__}."
+                )
+            return None, opt_state
+        if not isinstance(opt_state, _loss_scale.DynamicLossScaleState) or not isinstance(
+            opt_state.inner_state, ScanStepState
+        ):
+            raise ValueError(
+                f"scan_step: with optimizer=dynamic_loss_scale(...), `opt_state` "
+                f"must be the DynamicLossScaleState(inner_state=ScanStepState(...)) "
+                f"returned by step.init(params) (or a previous step), got "
+                f"{type(opt_state).__name__}."
+            )
+        return opt_state, opt_state.inner_state
+
+    @staticmethod
+    def _seed_scale(opt_state: ScanStepState, dyn: Any) -> Any:
+        """The loss scale the backward pass is seeded with (None: unscaled)."""
         static = _tree.find_states(opt_state.head, _loss_scale.StaticLossScaleState)
         scale = _loss_scale.loss_scale(opt_state.head) if static else None
         if dyn is not None:
             scale = dyn.scale
+        return scale
 
-        h0, embed_vjp = jax.vjp(lambda p: self.embed_fn(p, batch), p_embed)
+    def _check_block_fn(self, p_blocks: Any, h0: Any) -> tuple[Any, Any]:
+        """``(one layer's parameter avals, h's avals)``; refuses a ``block_fn``
+        that changes h's structure, shapes or dtypes."""
         layer_aval = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(jnp.shape(x)[1:], x.dtype), p_blocks
         )
@@ -393,14 +443,21 @@ class ScanStep:
                 f"dtype of its input h ({h_aval}), got {out_aval}. Cast or reshape "
                 f"inside block_fn so that blocks can be scanned."
             )
+        return layer_aval, h_aval
 
+    def _forward(self, params: dict[str, Any], batch: Any, scale: Any) -> _Forward:
+        """The forward pass and the head's backward: everything the layer loop reads.
+
+        The forward scan stores, per layer, the block's input (``remat``) or
+        its activation-dependent residuals, as :func:`_as_bits`; ``layer_vjp``
+        reads them back in the dtypes of ``h0`` or of the re-traced residuals.
+        """
+        p_blocks = params["blocks"]
+        h0, embed_vjp = jax.vjp(lambda p: self.embed_fn(p, batch), params["embed"])
+        layer_aval, h_aval = self._check_block_fn(p_blocks, h0)
         mask = None
         if not self.remat:
             mask = _deps.residual_depends_on_input(self.block_fn, layer_aval, h_aval)
-
-        # Forward: scan over the layers, storing what the backward loop needs
-        # (as `_as_bits`; `layer_vjp` reads them back in the dtypes of `h0` or
-        # of the block's re-traced residuals).
         if mask is None:  # remat (or opaque pullbacks): store only the block inputs
 
             def fwd(h, p):
@@ -413,84 +470,92 @@ class ScanStep:
                 return h_next, [_as_bits(x) for x, m in zip(leaves, mask) if m]
 
         h_last, stored = lax.scan(fwd, h0, p_blocks)
-
-        loss, head_vjp = jax.vjp(lambda p, h: self.head_loss_fn(p, h, batch), p_head, h_last)
-        if (
-            not hasattr(loss, "shape")
-            or loss.shape != ()
-            or not jnp.issubdtype(loss.dtype, jnp.floating)
-        ):
-            raise ValueError(
-                f"scan_step: `head_loss_fn` must return a floating scalar loss, got "
-                f"{_abstract(loss) if hasattr(loss, 'dtype') else loss!r}. Reduce "
-                f"the loss (e.g. jnp.mean) inside head_loss_fn."
-            )
+        loss, head_vjp = jax.vjp(
+            lambda p, h: self.head_loss_fn(p, h, batch), params["head"], h_last
+        )
+        _check_loss(loss)
         seed = jnp.ones((), loss.dtype)
         if scale is not None:
             seed = (seed.astype(jnp.float32) * scale).astype(loss.dtype)
         g_head, ct = head_vjp(seed)
-
-        def layer_vjp(p_i, saved):
-            if mask is None:  # (block_fn keeps h's dtypes: checked above)
-                saved = jax.tree.map(lambda x, z: _as_float(x, z.dtype), saved, zeros_h)
-                _, vjp_fn = jax.vjp(self.block_fn, p_i, saved)
-                return vjp_fn
-            # Re-trace the block's vjp on a stub input: the residuals that depend
-            # only on the parameters (weights, their casts) are recomputed from
-            # p_i, the activation-dependent ones come from the forward pass; the
-            # unused stub computations are dead code.
-            _, stub = jax.vjp(self.block_fn, p_i, zeros_h)
-            leaves, treedef = compat.vjp_residuals(stub)
-            it = iter(saved)
-            leaves = [_as_float(next(it), x.dtype) if m else x for x, m in zip(leaves, mask)]
-            return jax.tree.unflatten(treedef, leaves)
-
         zeros_h = jax.tree.map(jnp.zeros_like, h0)
-        finite = None
-        if dyn is not None:
-            # Check-first: a backward pass that only reduces isfinite over every
-            # (unscaled) gradient, layer by layer; nothing is stored or updated.
-            # The eager pass below then writes each layer only if all are finite.
-            def check(carry, xs):
-                ct, ok = carry
-                p_i, saved = xs
-                g_i, ct_prev = layer_vjp(p_i, saved)(ct)
-                ok = ok & _loss_scale._all_finite(_loss_scale._unscale(g_i, scale))
-                return (ct_prev, ok), None
+        layer_vjp = functools.partial(self._layer_vjp, mask=mask, zeros_h=zeros_h)
+        return _Forward(loss, g_head, ct, stored, embed_vjp, layer_vjp)
 
-            ok = _loss_scale._all_finite(_loss_scale._unscale(g_head, scale))
-            (ct_first, ok), _ = lax.scan(check, (ct, ok), (p_blocks, stored), reverse=True)
-            (g_embed,) = embed_vjp(ct_first)
-            finite = ok & _loss_scale._all_finite(_loss_scale._unscale(g_embed, scale))
-            del g_embed, ct_first
-            if self._rule.axis_name is not None:
-                finite = lax.pmin(finite.astype(jnp.int32), self._rule.axis_name).astype(bool)
+    def _layer_vjp(self, p_i: Any, saved: Any, *, mask: Any, zeros_h: Any) -> Callable:
+        """The pullback of one block, from its parameters and its stored values."""
+        if mask is None:  # (block_fn keeps h's dtypes: checked before the forward pass)
+            saved = jax.tree.map(lambda x, z: _as_float(x, z.dtype), saved, zeros_h)
+            _, vjp_fn = jax.vjp(self.block_fn, p_i, saved)
+            return vjp_fn
+        # Re-trace the block's vjp on a stub input: the residuals that depend
+        # only on the parameters (weights, their casts) are recomputed from
+        # p_i, the activation-dependent ones come from the forward pass; the
+        # unused stub computations are dead code.
+        _, stub = jax.vjp(self.block_fn, p_i, zeros_h)
+        leaves, treedef = compat.vjp_residuals(stub)
+        it = iter(saved)
+        leaves = [_as_float(next(it), x.dtype) if m else x for x, m in zip(leaves, mask)]
+        return jax.tree.unflatten(treedef, leaves)
 
-        apply = functools.partial(self._apply, scale=scale if dyn is not None else None)
-        new_head, head_state = apply(g_head, opt_state.head, p_head, finite=finite)
-        del g_head
+    def _all_finite(self, fw: _Forward, params: dict[str, Any], scale: Any) -> jax.Array:
+        """Whether every unscaled gradient is finite (dynamic loss scaling).
 
-        # Backward: a reverse loop over the layers; each layer's gradient is used
-        # for its update at once and written back into the carried stacks, in
-        # place. The order of reads and writes decides whether XLA can do that
-        # without copying a stack (reading and writing every stack in the same
-        # iteration, unordered, makes copy insertion copy every stack on every
-        # iteration: the update arithmetic fused into one stack's write reads
-        # the other stacks):
-        # - Parameters are software-pipelined: the carry holds layer i's slice,
-        #   read from the stacks in the previous iteration *after* that
-        #   iteration's write (the slice is needed anyway, by the layer's vjp).
-        # - Optimizer state, on one device or inside shard_map: not carried
-        #   (that would hold one layer's state besides the stacks). The
-        #   parameter update reads the state rows from the stacks, and the
-        #   state writes are ordered after the parameter writes and after each
-        #   other through data-dependent indices (`_update_rows`), so the fused
-        #   read-modify-writes run one stack at a time.
-        # - Optimizer state under jit on a mesh (jax.set_mesh): pipelined like
-        #   the parameters. There the ordering index would read an element of a
-        #   sharded row, which costs a scalar all-reduce per state leaf and
-        #   layer; carrying the state slice costs one layer of state per device
-        #   instead. benchmarks/EAGER_MEMORY.md and docs/eager.md have numbers.
+        A backward pass that only reduces ``isfinite`` over the gradients,
+        layer by layer; nothing is stored or updated. The eager pass then
+        writes each layer only if all are finite.
+        """
+
+        def check(carry, xs):
+            ct, ok = carry
+            p_i, saved = xs
+            g_i, ct_prev = fw.layer_vjp(p_i, saved)(ct)
+            ok = ok & _loss_scale._all_finite(_loss_scale._unscale(g_i, scale))
+            return (ct_prev, ok), None
+
+        ok = _loss_scale._all_finite(_loss_scale._unscale(fw.g_head, scale))
+        carry, xs = (fw.ct, ok), (params["blocks"], fw.stored)
+        (ct_first, ok), _ = lax.scan(check, carry, xs, reverse=True)
+        (g_embed,) = fw.embed_vjp(ct_first)
+        finite = ok & _loss_scale._all_finite(_loss_scale._unscale(g_embed, scale))
+        if self._rule.axis_name is not None:
+            finite = lax.pmin(finite.astype(jnp.int32), self._rule.axis_name).astype(bool)
+        return finite
+
+    def _backward(
+        self,
+        fw: _Forward,
+        p_blocks: Any,
+        s_blocks: Any,
+        apply: Callable,
+        finite: Any,
+        num_layers: int,
+    ) -> tuple[Any, Any, Any]:
+        """The eager layer loop: ``(cotangent of h0, new block params, new block state)``.
+
+        A reverse loop over the layers; each layer's gradient is used for its
+        update at once and written back into the carried stacks, in place. The
+        order of reads and writes decides whether XLA can do that without
+        copying a stack (reading and writing every stack in the same
+        iteration, unordered, makes copy insertion copy every stack on every
+        iteration: the update arithmetic fused into one stack's write reads
+        the other stacks):
+
+        - Parameters are software-pipelined: the carry holds layer i's slice,
+          read from the stacks in the previous iteration *after* that
+          iteration's write (the slice is needed anyway, by the layer's vjp).
+        - Optimizer state, on one device or inside shard_map: not carried
+          (that would hold one layer's state besides the stacks). The
+          parameter update reads the state rows from the stacks, and the state
+          writes are ordered after the parameter writes and after each other
+          through data-dependent indices (:func:`_update_rows`), so the fused
+          read-modify-writes run one stack at a time.
+        - Optimizer state under jit on a mesh (``jax.set_mesh``): pipelined
+          like the parameters. There the ordering index would read an element
+          of a sharded row, a scalar all-reduce per state leaf and layer;
+          carrying the state slice costs one layer of state per device instead
+          (docs/eager.md).
+        """
         carry_state = _partitioned_by_mesh()
         # the state update of the in-place order: traced once, called once per
         # state leaf (XLA keeps that leaf's part)
@@ -501,7 +566,7 @@ class ScanStep:
         def bwd(carry, xs):
             ct, blocks, states, p_i, s_i = carry
             i, saved = xs
-            g_i, ct_prev = layer_vjp(p_i, saved)(ct)
+            g_i, ct_prev = fw.layer_vjp(p_i, saved)(ct)
             nxt = jnp.maximum(i - 1, 0)
             if carry_state:
                 new_p, new_s = apply(g_i, s_i, p_i, finite=finite)
@@ -520,21 +585,14 @@ class ScanStep:
             return (ct_prev, blocks, states, _layer(blocks, nxt), s_i), None
 
         last = num_layers - 1
-        s_last = _layer(opt_state.blocks, last) if carry_state else ()
-        (ct0, new_blocks, blocks_state, _, _), _ = lax.scan(
+        s_last = _layer(s_blocks, last) if carry_state else ()
+        (ct0, new_blocks, new_states, _, _), _ = lax.scan(
             bwd,
-            (ct, p_blocks, opt_state.blocks, _layer(p_blocks, last), s_last),
-            (jnp.arange(num_layers), stored),
+            (fw.ct, p_blocks, s_blocks, _layer(p_blocks, last), s_last),
+            (jnp.arange(num_layers), fw.stored),
             reverse=True,
         )
-
-        (g_embed,) = embed_vjp(ct0)
-        new_embed, embed_state = apply(g_embed, opt_state.embed, p_embed, finite=finite)
-        new_params = {"embed": new_embed, "blocks": new_blocks, "head": new_head}
-        new_state = ScanStepState(embed_state, blocks_state, head_state)
-        if dyn is not None:
-            new_state = _loss_scale._advance(dyn, finite, new_state, self._rule)
-        return new_params, new_state, loss
+        return ct0, new_blocks, new_states
 
     def __call__(
         self, params: dict[str, Any], opt_state: ScanStepState, batch: Any
@@ -558,59 +616,32 @@ def scan_step(
     """A training step that applies ``optimizer`` inside the backward pass.
 
     For a model ``embed -> stack of identical blocks (lax.scan) -> head + loss``
-    the step runs the forward pass, updates the head, then walks the layers in
-    reverse: for each layer it computes that layer's parameter gradient, applies
-    the optimizer to the layer's slice of the parameters and optimizer state,
-    writes the result back into the stacked arrays (in place: they are loop
-    carries, and ``step(...)`` donates them) and drops the gradient before the
-    next layer. The embedding is updated last. At no point does a gradient of
-    the whole block stack exist: peak memory is weights + optimizer state + one
-    layer's gradient + activations, instead of + a full gradient. (Besides
-    those, the loop holds the current and next layer's parameter slices; the
-    optimizer state is updated in place, stack by stack. On a mesh, jit the
-    step inside ``jax.set_mesh``: it then also holds the layer's state slice,
-    which keeps scalar all-reduces out of the loop; docs/eager.md.)
-
-    Parameters are a dict ``{"embed": ..., "blocks": ..., "head": ...}`` where
-    every leaf of ``blocks`` has a leading layer axis (e.g. built with
-    ``jax.vmap(init_block)(keys)``). The optimizer is initialised per part and
-    per layer (see :class:`ScanStepState`), so it sees one layer's parameters
-    at a time, as if the model were unrolled. For element-wise optimizers
-    (sgd, momentum, adam, adamw, lion, ...) the result is the same arithmetic
-    as the standard ``value_and_grad`` + ``update`` step on the stacked model.
-
-    Refused (``ValueError`` at ``init``): optimizers whose update of one
-    parameter reads the gradient of another (``optax.clip_by_global_norm``,
-    ``optax.apply_if_finite``: detected by tracing ``update`` on a probe tree
-    and following data dependences in its jaxpr) and ``optax.MultiSteps``.
-    :func:`amp_jax.optim.static_loss_scale` is supported: the backward pass is
-    seeded with its scale. :func:`amp_jax.optim.dynamic_loss_scale` is
-    supported as the outermost wrapper (``dynamic_loss_scale(inner)``): the
-    step first runs a backward pass that only checks that every gradient is
-    finite (no updates, no stored gradients), then the eager pass, whose
-    writes keep the old parameters and state when the check failed; the scale
-    backs off or grows exactly as in ``dynamic_loss_scale``. The check costs
-    one more backward pass of compute and little memory (docs/eager.md).
+    the step walks the layers in reverse after the forward pass and applies each
+    layer's gradient to that layer's slice of the parameters and optimizer state
+    at once, in place, so a gradient of the whole block stack never exists: peak
+    memory is weights + optimizer state + one layer's gradient + activations.
+    The optimizer sees one layer at a time, as if the model were unrolled; for
+    element-wise optimizers (sgd, momentum, adam, adamw, lion, ...) the result is
+    the arithmetic of the standard ``value_and_grad`` + ``update`` step.
+    Optimizers that read all gradients at once (``optax.clip_by_global_norm``,
+    ``optax.apply_if_finite``, ``optax.MultiSteps``) are refused at ``init``;
+    ``amp_jax.optim.static_loss_scale`` works, and ``dynamic_loss_scale`` as the
+    outermost wrapper. docs/eager.md has the details, limits and memory.
 
     Args:
       embed_fn: ``embed_fn(params["embed"], batch) -> h``; ``h`` is an array or
         pytree of arrays.
       block_fn: ``block_fn(layer_params, h) -> h`` with ``h`` keeping its
-        structure, shapes and dtypes; wrap it in :func:`amp_jax.amp` for mixed
+        structure, shapes and dtypes; wrap it in ``amp_jax.amp`` for mixed
         precision.
       head_loss_fn: ``head_loss_fn(params["head"], h, batch) -> loss``, a
         floating scalar.
-      optimizer: an optax ``GradientTransformation`` (or anything with
-        ``init``/``update``) whose update is per parameter; it is called with
-        ``params``, so wrappers such as :func:`amp_jax.optim.kahan_summation`,
-        :func:`amp_jax.optim.master_weights` and
-        :func:`amp_jax.optim.stochastic_rounding` work (each layer gets its own
-        rounding key).
+      optimizer: an optax ``GradientTransformation`` whose update is per
+        parameter; it is called with ``params``, so ``amp_jax.optim`` wrappers
+        (``kahan_summation``, ``master_weights``, ``stochastic_rounding``) work.
       remat: if true, the forward pass stores only each block's input and the
-        backward loop recomputes the block's forward pass; if false (default)
-        it stores the block's activation-dependent residuals (parameter-only
-        residuals such as weights or their low-precision casts are recomputed
-        from the layer's parameters rather than stored).
+        backward loop recomputes the block; if false (default) it stores the
+        block's activation-dependent residuals.
 
     Returns:
       A :class:`ScanStep`: ``opt_state = step.init(params)`` and
