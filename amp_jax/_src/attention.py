@@ -1,12 +1,12 @@
 """Attention written out in a jaxpr, recognised and run as fused attention.
 
-Under :func:`amp_jax.amp` a model is traced in float32, so attention written
+Under [`amp_jax.amp`][amp_jax.amp] a model is traced in float32, so attention written
 as ``einsum -> scale -> mask -> softmax -> einsum`` (or
 ``jax.nn.dot_product_attention`` on float32 inputs, which takes its XLA path)
 arrives as separate primitives that materialise the ``[B, N, T, S]`` score
 and probability arrays. Only amp knows that the inputs will be bf16/f16,
-which is what cuDNN's fused flash attention needs. :func:`find` recognises
-the pattern in one jaxpr; :meth:`Match.evaluate` replaces it by one call of
+which is what cuDNN's fused flash attention needs. `find` recognises
+the pattern in one jaxpr; `Match.evaluate` replaces it by one call of
 ``jax.nn.dot_product_attention`` on compute-dtype operands.
 
 Recognised (each part optional except the two matmuls and the softmax):
@@ -37,7 +37,7 @@ matmuls that cannot be taken (dropout or other ops between the softmax and
 the second matmul, a softmax over another axis, a soft or value-dependent
 mask, the scores or probabilities used elsewhere, an op such as ``tanh``
 before the softmax) is a *near miss*: it is left as written and its reason
-recorded. :func:`plan` decides per attention (:func:`decide`: policy,
+recorded. `plan` decides per attention (`decide`: policy,
 compute dtype, backend, cuDNN's limits) and names the scope its ops are
 bound under: ``amp_attention[cudnn]``, ``amp_attention[xla-fused]`` or
 ``amp_attention[xla: <reason>]``, which ``dtype_report`` and ``explain`` read.
@@ -234,7 +234,7 @@ def find(
 
 
 class _NoMatch(Exception):
-    """Not attention; with a :class:`NearMiss` when the softmax and both matmuls are there."""
+    """Not attention; with a `NearMiss` when the softmax and both matmuls are there."""
 
     def __init__(self, miss: NearMiss | None = None):
         super().__init__(miss.reason if miss is not None else "not attention")

@@ -2,13 +2,13 @@
 
 Two views of one call are joined:
 
-* the *decisions*: the :class:`~amp_jax._src.planning.Plan` that :func:`amp`
-  evaluates, one typed :class:`~amp_jax._src.decision.Decision` per op with
+* the *decisions*: the `Plan` that [`amp`][amp_jax.amp]
+  evaluates, one typed `Decision` per op with
   the reason recorded where it was made (sub-jaxprs' plans included), gives
   each op's reason: explain shows it and decides nothing itself;
 * the *result*: the jaxpr of the rewritten program (``jax.make_jaxpr`` of the
-  amp function, or of its gradient), walked with :func:`iter_eqns` like
-  :func:`dtype_report`, gives the dtype every op ran in, its FLOPs and the
+  amp function, or of its gradient), walked with `iter_eqns` like
+  [`dtype_report`][amp_jax.dtype_report], gives the dtype every op ran in, its FLOPs and the
   bytes it moved; the same walk of the original program gives the casts amp
   inserted and the bytes it saved.
 
@@ -185,7 +185,7 @@ def _decide(
     The scope tells apart the ops of one source line called under different
     ``named_scope`` s (a library layer used twice: one Dense in a
     ``full_precision_scopes`` head, one outside). ``outer`` is the enclosing
-    eqns' name stacks, as :func:`jaxprs.iter_eqns` gives them for the rows.
+    eqns' name stacks, as `jaxprs.iter_eqns` gives them for the rows.
     An eqn bound as written, or a function painted low, gives its own reason
     to everything it holds (``inherited``).
     """
@@ -370,7 +370,7 @@ class ExplainRow:
 
 @dataclasses.dataclass(frozen=True)
 class ExplainSummary:
-    """Totals of an :func:`explain` report.
+    """Totals of an [`explain`][amp_jax.explain] report.
 
     Attributes:
       compute_dtype: the policy's low-precision dtype.
@@ -417,14 +417,14 @@ def _saved_or_more(saved: int) -> str:
 
 
 class Explanation:
-    """What :func:`explain` returns: rows, a summary, text and HTML views.
+    """What [`explain`][amp_jax.explain] returns: rows, a summary, text and HTML views.
 
     ``str(explanation)`` is an aligned text table (``format`` takes options);
     in a notebook the object renders as an HTML table.
 
     Attributes:
-      rows: the :class:`ExplainRow` groups, most FLOPs first.
-      summary: the :class:`ExplainSummary`.
+      rows: the [`ExplainRow`][amp_jax.ExplainRow] groups, most FLOPs first.
+      summary: the [`ExplainSummary`][amp_jax.ExplainSummary].
       policy: the policy that was explained.
     """
 
@@ -571,7 +571,7 @@ def explain(
 ) -> Explanation:
     """What low precision did to every op of ``fn(*args, **kwargs)``, and why.
 
-    Traces the program :func:`amp` runs (the forward pass, or with ``grad``
+    Traces the program [`amp`][amp_jax.amp] runs (the forward pass, or with ``grad``
     also the backward pass of ``jax.grad``), and reports one row per group of
     ops -- same source line, ``named_scope``, pass, primitive, dtype and
     reason -- with the dtype the ops ran in, the reason amp chose it (op
@@ -585,7 +585,7 @@ def explain(
     once.
 
     Args:
-      fn: the float32 function, or an :func:`amp`-wrapped one (whose policy is
+      fn: the float32 function, or an [`amp`][amp_jax.amp]-wrapped one (whose policy is
         used unless ``policy`` is given). Flax ``apply`` functions and
         Equinox modules (non-array leaves are static) work as arguments.
       *args: its positional arguments (arrays or ``jax.ShapeDtypeStruct``).
@@ -600,7 +600,7 @@ def explain(
       **kwargs: keyword arguments of ``fn``.
 
     Returns:
-      An :class:`Explanation`: ``print`` it in a terminal, show it in a
+      An [`Explanation`][amp_jax.Explanation]: ``print`` it in a terminal, show it in a
       notebook; ``.rows`` and ``.summary`` hold the data.
 
     Raises:

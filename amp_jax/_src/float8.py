@@ -8,7 +8,7 @@ non-contracted dims) and float32 accumulation. Everything else -- batched dots
 (attention), small dots, convolutions -- follows the bfloat16 policy.
 
 How a product is written where the GPU has fp8 matmuls (compute capability
-8.9 and up)::
+8.9 and up):
 
     s  = 2 ** ceil(log2(amax(|x|) / fp8_max))          # a power of two
     q  = convert(clamp(x / s, -fp8_max, fp8_max), f8)  # quantize
@@ -21,7 +21,7 @@ per-row scale lies along a kept dim, so it also factors out of the product.
 turn into an fp8 GEMM, ran as a bf16 GEMM of the unrounded values on an H100
 with JAX 0.11.2: the fp8 rounding was gone, the gradients equal to bf16's.)
 
-Elsewhere (CPU, older GPUs) the product is emulated::
+Elsewhere (CPU, older GPUs) the product is emulated:
 
     xd = convert(q, bf16) * s                          # dequantize (exact)
     out = dot_general(xd, wd, preferred_element_type=float32 or bf16)

@@ -290,7 +290,7 @@ _POLICY_PRESETS: dict[str, dict[str, Any]] = {
     "float8_rowwise": {"compute_dtype": jnp.bfloat16, "float8": "rowwise"},
 }
 
-#: Named scope that :func:`amp_jax.full_precision` opens; eqns under it are kept.
+#: Named scope that [`amp_jax.full_precision`][amp_jax.full_precision] opens; eqns under it are kept.
 FULL_PRECISION_SCOPE = "amp_full_precision"
 
 
@@ -410,12 +410,12 @@ def _check_spelling(name: str, argname: str) -> None:
 class Policy:
     """A mixed-precision policy: the compute dtype and the op classification.
 
-    Frozen and hashable: it is part of :func:`amp_jax.amp`'s trace cache key.
+    Frozen and hashable: it is part of [`amp_jax.amp`][amp_jax.amp]'s trace cache key.
 
     Attributes:
       compute_dtype: dtype that ``allow`` ops (and low-precision ``follow`` /
         ``clear`` regions between them) compute in: ``bfloat16``, ``float16``
-        or ``float32`` (``float32`` makes :func:`amp_jax.amp` the identity).
+        or ``float32`` (``float32`` makes [`amp_jax.amp`][amp_jax.amp] the identity).
       allow: primitive names run with compute-dtype operands and float32
         accumulation.
       deny: primitive names always computed in float32.
@@ -425,7 +425,7 @@ class Policy:
       overrides: per-primitive class overrides, ``{name: class}``; they win
         over the lists above. Stored as a sorted tuple of pairs.
       full_precision_scopes: ``jax.named_scope`` names whose ops are left in
-        their original precision (the scope of :func:`amp_jax.full_precision`
+        their original precision (the scope of [`amp_jax.full_precision`][amp_jax.full_precision]
         is always included).
       strict: raise ``NotImplementedError`` for a primitive in no class
         instead of treating it as ``follow``.
@@ -433,7 +433,7 @@ class Policy:
         makes them slower (measured: convolutions on CPU). See the docs.
       allow_outputs: the dtype ``allow`` ops write (they accumulate in
         float32 either way): ``"auto"`` (default) takes it per backend from
-        :data:`BACKEND_LOW_OUTPUTS` -- the compute dtype on GPU, where cuBLAS
+        [`BACKEND_LOW_OUTPUTS`][amp_jax.BACKEND_LOW_OUTPUTS] -- the compute dtype on GPU, where cuBLAS
         and cuDNN accumulate in float32 internally and a bf16 result halves
         the activation traffic, float32 elsewhere (XLA:CPU runs bf16 dots
         fastest with a float32 result); ``"float32"`` or ``"compute"`` force
@@ -583,7 +583,7 @@ class Policy:
         return None
 
     def effective_class_of(self, name: str, backend: str) -> str | None:
-        """Like :meth:`class_of`, with the backend-aware adjustments applied."""
+        """Like `class_of`, with the backend-aware adjustments applied."""
         cls = self.class_of(name)
         if (
             cls == "allow"
@@ -632,17 +632,17 @@ _ATTENTION = ("auto", "off", "cudnn", "xla")
 
 
 def get_policy(policy: Policy | str | Any) -> Policy:
-    """Resolves ``policy`` (a :class:`Policy`, a preset name or a dtype) to a Policy.
+    """Resolves ``policy`` (a [`Policy`][amp_jax.Policy], a preset name or a dtype) to a Policy.
 
     Args:
-      policy: a :class:`Policy`; one of the preset names ``"bfloat16"``,
+      policy: a [`Policy`][amp_jax.Policy]; one of the preset names ``"bfloat16"``,
         ``"float16"``, ``"float32"`` (aliases ``"bf16"``, ``"f16"``,
         ``"f32"``...), ``"float8"`` (aliases ``"fp8"``, ``"f8"``: the
         bfloat16 policy with ``float8="tensorwise"``) or ``"float8_rowwise"``;
         or a dtype such as ``jnp.bfloat16``.
 
     Returns:
-      The :class:`Policy`.
+      The [`Policy`][amp_jax.Policy].
 
     Raises:
       ValueError: for an unknown name or a dtype that is not a float type amp

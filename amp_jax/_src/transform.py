@@ -211,7 +211,7 @@ def _apply(fn: Any, *args: Any, **kwargs: Any) -> Any:
 
 @jax.tree_util.register_pytree_with_keys_class
 class AmpFunction:
-    """The callable returned by :func:`amp`; also exposes its trace cache.
+    """The callable returned by [`amp`][amp_jax.amp]; also exposes its trace cache.
 
     A pytree whose one child is ``fn``: ``amp(model)`` of an Equinox or Flax
     NNX module holds the model's arrays, so ``eqx.filter_grad``,
@@ -448,7 +448,7 @@ def amp(fn=None, *extra, policy="bfloat16", strict=None, cache_size=_CACHE_SIZE)
         ``jax.jit`` refuses it: amp would bake the arrays into its cached
         trace. ``fn`` may itself be a pytree (an Equinox or Flax NNX module):
         the result is then a pytree over it, and its arrays are traced.
-      policy: a :class:`Policy`, a preset name (``"bfloat16"``,
+      policy: a [`Policy`][amp_jax.Policy], a preset name (``"bfloat16"``,
         ``"float16"``, ``"float32"``) or a dtype. ``"float32"`` is the
         identity: bitwise the same results and gradients as ``fn``.
       strict: if true, a primitive that is in no class of the policy raises
@@ -502,7 +502,7 @@ def amp(fn=None, *extra, policy="bfloat16", strict=None, cache_size=_CACHE_SIZE)
 
 
 def full_precision(fn: F | None = None) -> F:
-    """Marks ``fn`` to run in its original precision under :func:`amp`.
+    """Marks ``fn`` to run in its original precision under [`amp`][amp_jax.amp].
 
     The equivalent of ``torch.autocast(enabled=False)``: every primitive traced
     while ``fn`` runs (including its backward, and anything nested in ``jit``,

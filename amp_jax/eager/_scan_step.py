@@ -19,7 +19,7 @@ _PARTS = ("embed", "blocks", "head")
 
 
 class ScanStepState(NamedTuple):
-    """Optimizer state of a :func:`scan_step` (what ``step.init`` returns).
+    """Optimizer state of a [`scan_step`][amp_jax.eager.scan_step] (what ``step.init`` returns).
 
     The optimizer is initialised separately on each part of the parameters, as
     if the model were unrolled: every layer of the block stack has its own state,
@@ -106,7 +106,7 @@ def _as_bits(x: Any) -> Any:
 
 
 def _as_float(x: Any, dtype: Any) -> Any:
-    """Inverse of :func:`_as_bits` for an array that was ``dtype``."""
+    """Inverse of `_as_bits` for an array that was ``dtype``."""
     return x if x.dtype == dtype else lax.bitcast_convert_type(x, dtype)
 
 
@@ -174,7 +174,7 @@ def _abstract(tree: Any) -> Any:
 
 
 class ScanStep:
-    """A training step with eager (in-backward) optimizer updates; see :func:`scan_step`.
+    """A training step with eager (in-backward) optimizer updates; see [`scan_step`][amp_jax.eager.scan_step].
 
     Attributes:
       embed_fn: ``embed_fn(params["embed"], batch) -> h``.
@@ -258,10 +258,10 @@ class ScanStep:
             parameters stacked along a leading layer axis.
 
         Returns:
-          A :class:`ScanStepState`; for ``optimizer = dynamic_loss_scale(inner)``
-          a :class:`~amp_jax.optim.DynamicLossScaleState` whose ``inner_state``
-          is the :class:`ScanStepState` of ``inner`` (so
-          :func:`amp_jax.optim.loss_scale_stats` works on it).
+          A [`ScanStepState`][amp_jax.eager.ScanStepState]; for ``optimizer = dynamic_loss_scale(inner)``
+          a [`DynamicLossScaleState`][amp_jax.optim.DynamicLossScaleState] whose ``inner_state``
+          is the [`ScanStepState`][amp_jax.eager.ScanStepState] of ``inner`` (so
+          [`amp_jax.optim.loss_scale_stats`][amp_jax.optim.loss_scale_stats] works on it).
 
         Raises:
           ValueError: if ``params`` does not have that structure, or the optimizer
@@ -298,7 +298,7 @@ class ScanStep:
         ``jax.value_and_grad`` of this function is the standard (non-eager) step.
 
         Args:
-          params: the parameters (structure as for :meth:`init`).
+          params: the parameters (structure as for `init`).
           batch: any pytree, passed to ``embed_fn`` and ``head_loss_fn``.
 
         Returns:
@@ -336,9 +336,9 @@ class ScanStep:
         1))``), otherwise the inputs stay alive next to the outputs.
 
         Args:
-          params: the parameters (structure as for :meth:`init`).
-          opt_state: the state from :meth:`init` or a previous step (a
-            :class:`ScanStepState`, or with ``dynamic_loss_scale`` a
+          params: the parameters (structure as for `init`).
+          opt_state: the state from `init` or a previous step (a
+            [`ScanStepState`][amp_jax.eager.ScanStepState], or with ``dynamic_loss_scale`` a
             ``DynamicLossScaleState`` wrapping one).
           batch: any pytree, passed to ``embed_fn`` and ``head_loss_fn``.
 
@@ -574,7 +574,7 @@ def scan_step(
     Parameters are a dict ``{"embed": ..., "blocks": ..., "head": ...}`` where
     every leaf of ``blocks`` has a leading layer axis (e.g. built with
     ``jax.vmap(init_block)(keys)``). The optimizer is initialised per part and
-    per layer (see :class:`ScanStepState`), so it sees one layer's parameters
+    per layer (see [`ScanStepState`][amp_jax.eager.ScanStepState]), so it sees one layer's parameters
     at a time, as if the model were unrolled. For element-wise optimizers
     (sgd, momentum, adam, adamw, lion, ...) the result is the same arithmetic
     as the standard ``value_and_grad`` + ``update`` step on the stacked model.
@@ -583,8 +583,8 @@ def scan_step(
     parameter reads the gradient of another (``optax.clip_by_global_norm``,
     ``optax.apply_if_finite``: detected by tracing ``update`` on a probe tree
     and following data dependences in its jaxpr) and ``optax.MultiSteps``.
-    :func:`amp_jax.optim.static_loss_scale` is supported: the backward pass is
-    seeded with its scale. :func:`amp_jax.optim.dynamic_loss_scale` is
+    [`amp_jax.optim.static_loss_scale`][amp_jax.optim.static_loss_scale] is supported: the backward pass is
+    seeded with its scale. [`amp_jax.optim.dynamic_loss_scale`][amp_jax.optim.dynamic_loss_scale] is
     supported as the outermost wrapper (``dynamic_loss_scale(inner)``): the
     step first runs a backward pass that only checks that every gradient is
     finite (no updates, no stored gradients), then the eager pass, whose
@@ -596,15 +596,15 @@ def scan_step(
       embed_fn: ``embed_fn(params["embed"], batch) -> h``; ``h`` is an array or
         pytree of arrays.
       block_fn: ``block_fn(layer_params, h) -> h`` with ``h`` keeping its
-        structure, shapes and dtypes; wrap it in :func:`amp_jax.amp` for mixed
+        structure, shapes and dtypes; wrap it in [`amp_jax.amp`][amp_jax.amp] for mixed
         precision.
       head_loss_fn: ``head_loss_fn(params["head"], h, batch) -> loss``, a
         floating scalar.
       optimizer: an optax ``GradientTransformation`` (or anything with
         ``init``/``update``) whose update is per parameter; it is called with
-        ``params``, so wrappers such as :func:`amp_jax.optim.kahan_summation`,
-        :func:`amp_jax.optim.master_weights` and
-        :func:`amp_jax.optim.stochastic_rounding` work (each layer gets its own
+        ``params``, so wrappers such as [`amp_jax.optim.kahan_summation`][amp_jax.optim.kahan_summation],
+        [`amp_jax.optim.master_weights`][amp_jax.optim.master_weights] and
+        [`amp_jax.optim.stochastic_rounding`][amp_jax.optim.stochastic_rounding] work (each layer gets its own
         rounding key).
       remat: if true, the forward pass stores only each block's input and the
         backward loop recomputes the block's forward pass; if false (default)
@@ -613,7 +613,7 @@ def scan_step(
         from the layer's parameters rather than stored).
 
     Returns:
-      A :class:`ScanStep`: ``opt_state = step.init(params)`` and
+      A [`ScanStep`][amp_jax.eager.ScanStep]: ``opt_state = step.init(params)`` and
       ``params, opt_state, loss = step(params, opt_state, batch)`` (jitted,
       ``params`` and ``opt_state`` donated); ``step.update`` is the un-jitted
       pure function and ``step.loss`` the forward loss.
