@@ -290,6 +290,48 @@ _POLICY_PRESETS: dict[str, dict[str, Any]] = {
     "float8_rowwise": {"compute_dtype": jnp.bfloat16, "float8": "rowwise"},
 }
 
+#: Keras' mixed-precision policy names -> the amp preset that means the same
+_KERAS_NAMES = {"mixed_bfloat16": "bfloat16", "mixed_float16": "float16"}
+_JMP_KEYS = {"p": "params", "params": "params", "c": "compute", "compute": "compute"}
+_JMP_KEYS |= {"o": "output", "output": "output"}
+
+
+def _jmp_or_keras_preset(name: str) -> str | None:
+    """The preset a jmp policy string ("p=f32,c=bf16,o=f32") or Keras name means.
+
+    None when ``name`` is neither; ValueError when it has no amp equivalent.
+    """
+    if name.lower() in _KERAS_NAMES:
+        return _KERAS_NAMES[name.lower()]
+    if "=" not in name:
+        return None
+    parts = {}
+    for part in name.replace(" ", "").lower().split(","):
+        key, _, value = part.partition("=")
+        if key not in _JMP_KEYS:
+            raise ValueError(
+                f"policy={name!r}: unknown key {key!r} in a jmp-style policy string; "
+                "use params=/compute=/output= (or p=/c=/o=), e.g. 'p=f32,c=bf16,o=f32'."
+            )
+        dtype = _ALIASES.get(value, {"full": "float32", "single": "float32"}.get(value, value))
+        if dtype not in _PRESETS:
+            raise ValueError(f"policy={name!r}: {value!r} is not a dtype amp computes in.")
+        parts[_JMP_KEYS[key]] = dtype
+    compute = parts.get("compute", "float32")
+    if parts.get("params", "float32") != "float32":
+        raise ValueError(
+            f"policy={name!r}: amp leaves parameters in the dtype you store them in. Keep "
+            f"them {parts['params']} yourself (see the pure-bf16 optimizers) and pass "
+            f"policy={compute!r}."
+        )
+    if parts.get("output", "float32") != "float32":
+        raise ValueError(
+            f"policy={name!r}: amp returns the dtypes your function returns (float32 for a "
+            f"float32 model). Cast the output yourself, or write o=f32: policy={compute!r}."
+        )
+    return compute
+
+
 #: Named scope that [`amp_jax.full_precision`][amp_jax.full_precision] opens; eqns under it are kept.
 FULL_PRECISION_SCOPE = "amp_full_precision"
 
@@ -566,6 +608,25 @@ class Policy:
                 "'auto' picks per backend, 'float32' or 'compute' force the dtype allow ops write."
             )
 
+    def __repr__(self) -> str:
+        """The compute dtype and only the fields that differ from their defaults."""
+        parts = [f"compute_dtype={self.compute_dtype.name}"]
+        for field in dataclasses.fields(self)[1:]:
+            value, default = getattr(self, field.name), field.default
+            if field.name in OP_CLASSES:
+                default = _name_set(default, field.name)
+            if value == default:
+                continue
+            if field.name in OP_CLASSES:
+                added, removed = sorted(value - default), sorted(default - value)
+                value = f"DEFAULT_{field.name.upper()}"
+                value += f" | {set(added)}" if added else ""
+                value += f" - {set(removed)}" if removed else ""
+                parts.append(f"{field.name}={value}")
+            else:
+                parts.append(f"{field.name}={value!r}")
+        return f"Policy({', '.join(parts)})"
+
     # -- queries -----------------------------------------------------------
     @property
     def is_identity(self) -> bool:
@@ -639,7 +700,10 @@ def get_policy(policy: Policy | str | Any) -> Policy:
         ``"float16"``, ``"float32"`` (aliases ``"bf16"``, ``"f16"``,
         ``"f32"``...), ``"float8"`` (aliases ``"fp8"``, ``"f8"``: the
         bfloat16 policy with ``float8="tensorwise"``) or ``"float8_rowwise"``;
-        or a dtype such as ``jnp.bfloat16``.
+        Keras' ``"mixed_bfloat16"`` / ``"mixed_float16"``; a jmp policy string
+        with float32 parameters and outputs (``"p=f32,c=bf16,o=f32"``,
+        ``"params=float32,compute=float16,output=float32"``); or a dtype such
+        as ``jnp.bfloat16``.
 
     Returns:
       The [`Policy`][amp_jax.Policy].
@@ -657,6 +721,7 @@ def get_policy(policy: Policy | str | Any) -> Policy:
         return policy
     if isinstance(policy, str):
         key = _ALIASES.get(policy.lower(), policy.lower())
+        key = _jmp_or_keras_preset(policy) or key
         if key in _POLICY_PRESETS:
             return Policy(**_POLICY_PRESETS[key])
         if key not in _PRESETS:
