@@ -101,6 +101,7 @@ def kahan_summation(
         return jnp.zeros_like(p, dtype=compensation_dtype or p.dtype)
 
     def init_fn(params):
+        _check.warn_if_redundant(params, jnp.float32, "kahan_summation")
         return KahanSummationState(jax.tree.map(comp_init, params), inner.init(params))
 
     def update_fn(updates, state, params=None, **extra_args):

@@ -119,6 +119,9 @@ def master_weights(
         return x.astype(master_dtype) if _tree.is_float(x) else jnp.asarray(x)
 
     def init_fn(params):
+        _check.warn_if_redundant(
+            params, master_dtype, f"master_weights(master_dtype={master_dtype})"
+        )
         # a copy even where the dtype already is master_dtype: a master leaf
         # that aliased its parameter's buffer would make a step that donates
         # both params and state fail ("donate the same buffer twice")
