@@ -113,7 +113,7 @@ def adamw(
     mask: Any | Callable[[optax.Params], Any] | None = None,
     state_format: _quantized.StateFormat | None = None,
     block_size: int | None = None,
-    min_quantized_size: int = _quantized.DEFAULT_MIN_SIZE,
+    min_quantized_size: int = 4096,
     quantize_mask: Any | Callable[[optax.Params], Any] | None = None,
     state_rounding: _quantized.StateRounding = "stochastic",
 ) -> optax.GradientTransformationExtraArgs:

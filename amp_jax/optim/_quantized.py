@@ -453,7 +453,7 @@ def scale_by_quantized_adam(
     *,
     state_format: StateFormat = "8bit",
     block_size: int | None = None,
-    min_quantized_size: int = DEFAULT_MIN_SIZE,
+    min_quantized_size: int = 4096,
     quantize_mask: Any | Callable[[optax.Params], Any] | None = None,
     state_rounding: StateRounding = "stochastic",
 ) -> optax.GradientTransformation:
