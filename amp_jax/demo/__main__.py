@@ -212,9 +212,9 @@ def check_extras(progress: bool = True) -> None:
             missing.append(package)
     if missing:
         raise SystemExit(
-            f"python -m amp_jax.demo needs {' and '.join(missing)}, which a plain `pip install amp_jax` "
-            f'does not install. Install the demo extra:\n    pip install "amp_jax[demo]"\n'
-            f"(or: pip install {' '.join(missing)})"
+            f"python -m amp_jax.demo needs {' and '.join(missing)}, which the library alone "
+            f"does not install: pip install {' '.join(missing)}\n"
+            'or, in a clone of the repository: pip install -e ".[demo]"'
         )
 
 
