@@ -24,6 +24,7 @@ import dataclasses
 import functools
 import html
 import math
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -416,6 +417,65 @@ def _saved_or_more(saved: int) -> str:
     return f"saved {_fmt_num(saved)}B"
 
 
+def _short_where(where: str) -> str:
+    """``file:line (function)``: a package's path from the package on, no column,
+    the function's own name (``loss.<locals>.f`` -> ``f``)."""
+    m = re.fullmatch(r"(.*?):(\d+)(?::\d+)?(?: \((.*)\))?", where)
+    if m is None:
+        return where
+    path, line, fn = m.groups()
+    if "site-packages/" in path:
+        path = path.rsplit("site-packages/", 1)[1]
+    elif path.startswith("/") and path.count("/") > 2:
+        path = ".../" + "/".join(path.rsplit("/", 2)[-2:])
+    return f"{path}:{line}" + (f" ({fn.rsplit('.', 1)[-1]})" if fn else "")
+
+
+def _user_scope(scope: str) -> str:
+    """The user's own named scopes: amp's (``amp_...``) carry the reason, shown apart."""
+    parts = [p for p in scope.split("/") if not p.startswith("amp_")]
+    return "/".join(parts) or "-"
+
+
+_SHORT_OPS = {"convert_element_type": "convert", "optimization_barrier": "barrier"}
+_SHORT_DTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "float64": "f64"}
+
+
+def _compact(row: tuple[str, ...]) -> tuple[str, ...]:
+    """A row for the default view: short path and names, amp's scopes and bytes left out."""
+    where, scope, pas, op, dtype, runs, flops, _bytes, reason = row
+    if where == "source line":  # the header
+        return (where, scope, pas, op, dtype, runs, flops, reason)
+    dtype = "->".join(_SHORT_DTYPES.get(d, d) for d in dtype.split("->"))
+    op = _SHORT_OPS.get(op, op)
+    reason = reason.replace(" class: ", ": ")
+    return (_short_where(where), _user_scope(scope), pas, op, dtype, runs, flops, reason)
+
+
+def _cut_where(where: str, n: int) -> str:
+    """The source line within ``n`` characters: the function name goes first."""
+    if len(where) > n and " (" in where:
+        where = where.split(" (", 1)[0]
+    return _cut(where, n, tail=True)
+
+
+def _cut(text: str, n: int, tail: bool = False) -> str:
+    if len(text) <= n:
+        return text
+    return "..." + text[-(n - 3) :] if tail else text[: n - 3] + "..."
+
+
+def _fit(table: list[tuple[str, ...]], width: int) -> list[tuple[str, ...]]:
+    """Cuts the source line, the scope (if shown) and the reason until a row fits ``width``."""
+    has_scope = table[0][1] == "scope"
+    table = [(_cut_where(r[0], 30), *r[1:]) for r in table]
+    if has_scope:
+        table = [(r[0], _cut(r[1], 16, tail=True), *r[2:]) for r in table]
+    fixed = sum(max(len(r[i]) for r in table) + 2 for i in range(len(table[0]) - 1))
+    cap = max(16, width - fixed)
+    return [(*r[:-1], _cut(r[-1], cap)) for r in table]
+
+
 class Explanation:
     """What [`explain`][amp_jax.explain] returns: rows, a summary, text and HTML views.
 
@@ -467,20 +527,38 @@ class Explanation:
             f"{s.casts_inserted} ({s.casts_run} executed)",
         ]
 
-    def format(self, max_rows: int | None = 40, *, min_flops: int = 0) -> str:
+    def format(
+        self,
+        max_rows: int | None = 40,
+        *,
+        min_flops: int = 0,
+        width: int | None = 120,
+        verbose: bool = False,
+    ) -> str:
         """The report as text.
 
         Args:
           max_rows: show at most this many rows (most FLOPs first); None for all.
           min_flops: hide rows with fewer FLOPs (casts have 0).
+          width: fit each row in this many characters: long source paths and
+            scopes are shortened and the reason is cut (None: no limit).
+          verbose: show every row's full source path, amp's own scope names and
+            the whole reason, whatever the width.
 
         Returns:
           An aligned table followed by the summary.
         """
         rows = [r for r in self.rows if r.flops >= min_flops]
         shown = rows if max_rows is None else rows[:max_rows]
-        table = [self._HEADER, *self._columns(shown)]
-        widths = [max(len(r[i]) for r in table) for i in range(len(self._HEADER))]
+        cols = self._columns(shown)
+        table = [self._HEADER, *cols]
+        if not verbose:
+            table = [_compact(r) for r in table]
+            if all(r[1] == "-" for r in table[1:]):  # no named scopes: no column
+                table = [(r[0], *r[2:]) for r in table]
+        if not verbose and width is not None:
+            table = _fit(table, width)
+        widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in table]
         if len(shown) < len(rows):
             lines.append(
