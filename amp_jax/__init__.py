@@ -1,6 +1,6 @@
 """amp_jax: automatic mixed precision for JAX.
 
-``amp(fn)`` rewrites the primitives of ``fn`` under a :class:`Policy` so that a
+``amp(fn)`` rewrites the primitives of ``fn`` under a [`Policy`][amp_jax.Policy] so that a
 float32 model runs its matmuls and convolutions in bfloat16 or float16 while
 numerically sensitive ops stay in float32. ``amp_jax.optim`` holds the optax
 transformations low precision needs (loss scaling, master weights, Kahan

@@ -261,6 +261,10 @@ def write(args, cfg, runs, times):
     ax.set_title("demo model: AdamW with quantized states")
     fig.tight_layout()
     fig.savefig(os.path.join(args.out, "quantized_states.png"), dpi=100)
+    # the copy the docs show (docs/optim.md)
+    docs = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "images")
+    if os.path.isdir(docs):
+        fig.savefig(os.path.join(docs, "quantized_states.png"), dpi=100)
 
 
 if __name__ == "__main__":

@@ -165,7 +165,8 @@ def test_explain_reasons_dtypes_and_casts():
     assert s.casts_inserted == 2 and s.matmul_flops_by_dtype == {"bfloat16": 512, "float32": 512}
     assert s.low_matmul_flop_share == 0.5
     text = str(ex)
-    assert "allow class" in text and "50.0% of matmul/conv FLOPs" in text
+    assert "allow: runs in bfloat16" in text and "50.0% of matmul/conv FLOPs" in text
+    assert "allow class: runs in bfloat16" in ex.format(verbose=True)
     html = ex._repr_html_()
     assert "<table>" in html and "cast inserted by amp" in html
     ident = amp_jax.explain(small, w, x, policy="float32")
@@ -291,7 +292,7 @@ def test_demo_names_the_extra_when_a_dependency_is_missing(missing):
         [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
     )
     assert proc.returncode == 1, proc.stderr[-2000:]
-    assert 'pip install "amp_jax[demo]"' in proc.stderr and missing in proc.stderr
+    assert 'pip install -e ".[demo]"' in proc.stderr and f"pip install {missing}" in proc.stderr
     assert "Traceback" not in proc.stderr and "ModuleNotFoundError" not in proc.stderr
 
 
@@ -345,3 +346,26 @@ def test_explain_says_moved_more_not_negative_savings():
     ex = amp_jax.explain(f, jnp.ones((64, 8)), jnp.ones((8, 64)), policy="float16")
     if ex.summary.bytes_saved < 0:
         assert "B more)" in text
+
+
+def test_explain_rows_fit_120_columns_with_short_paths():
+    # a model from a package (Flax): its source lines live in site-packages
+    nnx = pytest.importorskip("flax.nnx")
+    model = nnx.Sequential(
+        nnx.Linear(64, 256, rngs=nnx.Rngs(0)), nnx.gelu, nnx.Linear(256, 64, rngs=nnx.Rngs(1))
+    )
+
+    def loss(model, x):
+        with jax.named_scope("a_rather_long_scope_name_for_the_model_body"):
+            return jnp.mean(model(x) ** 2)
+
+    ex = amp_jax.explain(loss, model, jnp.ones((8, 64)), grad=True)
+    lines = str(ex).splitlines()
+    table = lines[: lines.index("")]
+    assert max(map(len, table)) <= 120, max(table, key=len)
+    assert not any("site-packages" in l or l.startswith("/") for l in table)
+    assert any(l.startswith("flax/") for l in table)  # a package's path from the package on
+    assert not any("amp_" in l for l in table)  # amp's own scope names only with verbose
+    full = ex.format(verbose=True).splitlines()
+    assert any("site-packages" in l for l in full) and max(map(len, full)) > 120
+    assert len(ex.format(width=None).splitlines()[0]) <= max(map(len, full))

@@ -1,5 +1,6 @@
 """The documentation builds in strict mode and covers every public name."""
 
+import html
 import importlib
 import inspect
 import itertools
@@ -74,6 +75,17 @@ def test_mkdocs_build_strict(tmp_path):
     api = "".join(page.read_text() for page in sorted((site / "api").rglob("index.html")))
     for module, name in PUBLIC:
         assert f'id="{module}.{name}"' in api, f"{module}.{name} was not rendered on an API page"
+    _check_api_renders(api)
+
+
+def _check_api_renders(api_html: str) -> None:
+    """What mkdocstrings shows: no reST roles, no private names in signatures."""
+    text = html.unescape(re.sub(r"<[^>]+>", "", api_html))
+    roles = sorted(set(re.findall(r":(?:class|func|meth|attr|data|mod|obj|exc):`[^`]*`", text)))
+    assert not roles, f"reST roles render as literal text; write [`X`][amp_jax.X]: {roles[:10]}"
+    private = sorted(set(re.findall(r"\w+\s*(?::[^=\n]+)?=\s*_[A-Za-z]\w*", text)))
+    assert not private, f"private names as defaults in rendered signatures: {private[:10]}"
+    assert "*extra" not in text
 
 
 # --- every Python block of README.md and docs/*.md runs as written ---------

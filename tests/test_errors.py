@@ -12,7 +12,7 @@ from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 from jax import lax
 
-from amp_jax import Policy, amp, dtype_report, optim
+from amp_jax import Policy, amp, dtype_report, full_precision, optim
 
 # -- plain objects holding arrays ---------------------------------------------------
 
@@ -416,3 +416,44 @@ def test_positional_policy_names_the_keyword():
     f = lambda x: x @ x
     with pytest.raises(TypeError, match=r"amp\(fn, policy='float16'\)"):
         amp(f, "float16")
+
+
+# -- habits from other libraries get an answer that shows amp's form -----------------------
+
+
+@pytest.mark.parametrize(
+    "make, shown",
+    [
+        (lambda: amp(), "@amp\n"),
+        (lambda: amp(policy="float16"), "@amp(policy='float16')"),
+        (lambda: full_precision(), "@full_precision\n"),
+    ],
+    ids=["amp", "amp-float16", "full_precision"],
+)
+def test_with_amp_explains_the_function_form(make, shown):
+    # torch.autocast is a context manager; amp transforms functions
+    with pytest.raises(TypeError, match="is not a context manager") as info:
+        with make():
+            pass
+    assert shown in str(info.value)
+    # the same object still decorates
+    f = make()(lambda a, b: a @ b)
+    assert f(jnp.ones((2, 2)), jnp.ones((2, 2))).dtype == jnp.float32
+
+
+def test_errors_quote_a_summary_of_a_large_argument():
+    params = {f"w{i}": jnp.ones((256,)) for i in range(10)}
+    with pytest.raises(TypeError, match=r"got dict: a dict with keys \['w0',") as info:
+        amp(params)
+    assert len(str(info.value)) < 300 and "Array(" not in str(info.value)
+    with pytest.raises(TypeError, match=r"shape \(1000,\) and dtype float32") as info:
+        full_precision(jnp.ones(1000))
+    assert len(str(info.value)) < 200
+
+
+def test_signature_shows_no_private_names():
+    import inspect
+
+    sig = inspect.signature(amp)
+    assert sig.parameters["cache_size"].default == 64
+    assert [p.kind for p in sig.parameters.values()][1:] == [inspect.Parameter.KEYWORD_ONLY] * 3

@@ -1,6 +1,7 @@
 """master_weights: landing bitwise, master trajectory equals float32 training."""
 
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -217,3 +218,26 @@ def test_errors():
     two = optax.chain(tx, optim.master_weights(optax.sgd(0.1)))
     with pytest.raises(ValueError, match="found 2"):
         optim.master_params(two.init(jnp.ones(2)))
+
+
+# -- master weights or Kahan summation over float32 parameters warn: they buy nothing -------
+
+
+@pytest.mark.parametrize(
+    "make, name",
+    [
+        (lambda: optim.master_weights(optax.sgd(1.0)), "master_weights"),
+        (lambda: optim.kahan_summation(optax.sgd(1.0)), "kahan_summation"),
+        (lambda: optim.adamw(1e-3, kahan=True), "kahan_summation"),
+    ],
+    ids=["master_weights", "kahan_summation", "adamw-kahan"],
+)
+def test_redundant_over_float32_parameters_warns(make, name):
+    params32 = {"w": jnp.ones(3), "step": jnp.arange(3)}
+    with pytest.warns(UserWarning, match=f"{name}.*all float32 or wider.*bfloat16"):
+        make().init(params32)
+    # one low-precision leaf is what these transforms are for: no warning
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        make().init({"w": jnp.ones(3, jnp.bfloat16), "b": jnp.ones(3)})
+    assert not [w for w in seen if "all float32" in str(w.message)]

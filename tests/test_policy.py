@@ -88,3 +88,46 @@ def test_overlapping_lists_rejected_and_table_agrees_with_class_of():
     p = Policy(jnp.bfloat16, overrides={"dot_general": "deny", "my_prim": "follow"})
     assert dict(p.table()) == {n: p.class_of(n) for n, _ in p.table()}
     assert dict(p.table())["dot_general"] == "deny" and dict(p.table())["my_prim"] == "follow"
+
+
+# -- policy names from jmp and Keras mean the preset they name ------------------------------
+
+
+@pytest.mark.parametrize(
+    "name, preset",
+    [
+        ("p=f32,c=bf16,o=f32", "bfloat16"),
+        ("params=float32,compute=float16,output=float32", "float16"),
+        ("p=f32, c=f16", "float16"),
+        ("c=bf16", "bfloat16"),
+        ("mixed_bfloat16", "bfloat16"),
+        ("mixed_float16", "float16"),
+        ("Mixed_Float16", "float16"),
+    ],
+)
+def test_jmp_and_keras_policy_names_are_their_presets(name, preset):
+    assert get_policy(name) == get_policy(preset)
+
+
+@pytest.mark.parametrize(
+    "name, match",
+    [
+        ("p=bf16,c=bf16,o=bf16", r"amp leaves parameters in the dtype.*policy='bfloat16'"),
+        ("p=f32,c=bf16,o=bf16", r"Cast the output yourself.*policy='bfloat16'"),
+        ("p=f32,q=bf16", r"unknown key 'q'.*p=/c=/o="),
+        ("p=f32,c=int8", r"'int8' is not a dtype amp computes in"),
+    ],
+)
+def test_jmp_policy_without_an_equivalent_says_what_to_write(name, match):
+    with pytest.raises(ValueError, match=match):
+        get_policy(name)
+
+
+def test_policy_repr_shows_what_differs_from_the_defaults():
+    assert repr(Policy()) == "Policy(compute_dtype=bfloat16)"
+    assert repr(get_policy("float8")) == "Policy(compute_dtype=bfloat16, float8='tensorwise')"
+    p = Policy(jnp.float16, allow=(*Policy().allow, "my_mm"), deny=Policy().deny - {"exp"})
+    assert repr(p) == (
+        "Policy(compute_dtype=float16, allow=DEFAULT_ALLOW | {'my_mm'}, "
+        "deny=DEFAULT_DENY - {'exp'})"
+    )

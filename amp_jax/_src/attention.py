@@ -216,7 +216,7 @@ def find(
 
 
 class _NoMatch(Exception):
-    """Not attention; with a :class:`NearMiss` when the softmax and both matmuls are there."""
+    """Not attention; with a `NearMiss` when the softmax and both matmuls are there."""
 
     def __init__(self, miss: NearMiss | None = None):
         super().__init__(miss.reason if miss is not None else "not attention")

@@ -36,7 +36,7 @@ Tracer = jax.core.Tracer
 #: ``(major, minor)`` of the running JAX.
 JAX_VERSION: tuple[int, int] = tuple(jax.__version_info__[:2])
 #: True from JAX 0.11 on, where the two classes are one: a "closed" jaxpr is a
-#: Jaxpr with consts, and no jaxpr is open in the sense of :func:`is_open_jaxpr`.
+#: Jaxpr with consts, and no jaxpr is open in the sense of `is_open_jaxpr`.
 ONE_JAXPR_CLASS = ClosedJaxpr is Jaxpr
 
 
@@ -114,7 +114,7 @@ def trace_with_shape(fn: Callable[..., Any], args: Sequence[Any]) -> tuple[Any, 
 def trace_with_shape_kw(
     fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]
 ) -> tuple[Any, Any]:
-    """Like :func:`trace_with_shape` with keyword arguments too (pytrees of
+    """Like `trace_with_shape` with keyword arguments too (pytrees of
     ShapeDtypeStructs); the jaxpr's invars are the leaves of ``(args, kwargs)``.
     JAX names ``fn`` (and its ``__wrapped__`` function's arguments) in its errors."""
     return jax.make_jaxpr(fn, return_shape=True)(*args, **kwargs)
@@ -282,13 +282,13 @@ def map_subjaxprs(
 def custom_jvp_parts(eqn: Any) -> tuple[Any, Any, int]:
     """(body closed jaxpr, JVP-rule thunk, number of leading consts) of a
     ``custom_jvp_call`` eqn. The thunk maps the operands' symbolic-zero flags
-    to ``(jaxpr, consts, output zero flags)`` (:func:`call_thunk`)."""
+    to ``(jaxpr, consts, output zero flags)`` (`call_thunk`)."""
     p = eqn.params
     return p["call_jaxpr"], p["jvp_jaxpr_fun"], p.get("num_consts", 0)
 
 
 def custom_jvp_params(eqn: Any, body: Any, jvp_thunk: Any) -> dict[str, Any]:
-    """``eqn``'s params with a new body and JVP-rule thunk (see :func:`custom_jvp_parts`)."""
+    """``eqn``'s params with a new body and JVP-rule thunk (see `custom_jvp_parts`)."""
     return dict(eqn.params, call_jaxpr=body, jvp_jaxpr_fun=jvp_thunk)
 
 

@@ -1,13 +1,13 @@
 """Finding where low precision overflowed or underflowed.
 
-:func:`first_nonfinite` traces the program :func:`amp` runs and the original
+[`first_nonfinite`][amp_jax.debug.first_nonfinite] traces the program [`amp`][amp_jax.amp] runs and the original
 one (``jax.make_jaxpr``) and evaluates both eagerly, eqn by eqn (``scan``,
 ``while``, ``cond`` and call-like primitives such as ``jit``, ``checkpoint``,
 ``custom_jvp``/``custom_vjp`` are entered, so the op found is a first-order
 one with its source line). ``jax.experimental.checkify``'s ``nan_checks``
 would stop at the first NaN only, not at the overflow to inf that precedes it
 in float16, and does not know the float32 program; ``jax_debug_nans`` the
-same. :func:`underflow_report` compares float32 gradients with what float16
+same. [`underflow_report`][amp_jax.debug.underflow_report] compares float32 gradients with what float16
 keeps of them.
 """
 
@@ -182,7 +182,7 @@ def _eval_eqn(
 
 @dataclasses.dataclass(frozen=True)
 class FirstNonfinite:
-    """The first op whose output became inf or NaN (see :func:`first_nonfinite`).
+    """The first op whose output became inf or NaN (see [`first_nonfinite`][amp_jax.debug.first_nonfinite]).
 
     Attributes:
       where: its source line, ``file:line:col (function)``.
@@ -201,7 +201,7 @@ class FirstNonfinite:
         in the original float32 program (None when unknown).
       float32_finite: whether the original program stayed finite there.
       decision: amp's decision for the op (for a cast: for the op whose
-        result it casts), with its reason, as :func:`explain` states it.
+        result it casts), with its reason, as [`explain`][amp_jax.explain] states it.
       fix: what to do about it, in words.
     """
 
@@ -289,7 +289,7 @@ def first_nonfinite(
     has_aux: bool = False,
     **kwargs: Any,
 ) -> FirstNonfinite | None:
-    """Runs the program :func:`amp` makes of ``fn`` and finds its first non-finite op.
+    """Runs the program [`amp`][amp_jax.amp] makes of ``fn`` and finds its first non-finite op.
 
     Both the rewritten and the original float32 program are traced and
     evaluated eagerly, op by op, entering ``scan``/``while``/``cond`` bodies
@@ -301,7 +301,7 @@ def first_nonfinite(
     shrink the batch first).
 
     Args:
-      fn: the float32 function, or an :func:`amp`-wrapped one (whose policy
+      fn: the float32 function, or an [`amp`][amp_jax.amp]-wrapped one (whose policy
         is used unless ``policy`` is given).
       *args: its positional arguments (concrete arrays).
       policy: the policy (default: ``fn``'s, else ``"float16"``).
@@ -312,7 +312,7 @@ def first_nonfinite(
       **kwargs: keyword arguments of ``fn``.
 
     Returns:
-      A :class:`FirstNonfinite`, or ``None`` when every value stayed finite.
+      A [`FirstNonfinite`][amp_jax.debug.FirstNonfinite], or ``None`` when every value stayed finite.
 
     Raises:
       TypeError: ``fn`` is not callable or ``grad`` is not a bool/int/tuple.
@@ -405,7 +405,7 @@ def _found(hit: _Hit, ref: _Probe, decisions: Any) -> FirstNonfinite:
 
 @dataclasses.dataclass(frozen=True)
 class UnderflowRow:
-    """Underflow of one gradient leaf (see :func:`underflow_report`).
+    """Underflow of one gradient leaf (see [`underflow_report`][amp_jax.debug.underflow_report]).
 
     Attributes:
       path: the leaf's path in the parameters (``jax.tree_util.keystr``).
@@ -429,12 +429,12 @@ class UnderflowRow:
 
 @dataclasses.dataclass(frozen=True)
 class UnderflowReport:
-    """What :func:`underflow_report` returns.
+    """What [`underflow_report`][amp_jax.debug.underflow_report] returns.
 
     Attributes:
       dtype: the low-precision dtype.
       loss_scale: the loss scale that was applied.
-      rows: one :class:`UnderflowRow` per floating gradient leaf.
+      rows: one [`UnderflowRow`][amp_jax.debug.UnderflowRow] per floating gradient leaf.
       flushed: share of all nonzero float32 gradient values that flush to 0.
       lost_in_amp: share of them that are 0 in the amp program's gradient.
       suggested_scale: a power of two that puts the largest gradient a factor
@@ -521,17 +521,17 @@ def underflow_report(
     same scale (unscaled in float32 afterwards).
 
     Args:
-      loss_fn: the float32 loss (or an :func:`amp`-wrapped one), returning
+      loss_fn: the float32 loss (or an [`amp`][amp_jax.amp]-wrapped one), returning
         a scalar; ``params`` is its first argument.
       params: the parameters (a pytree of float32 arrays).
       *args: the other positional arguments of ``loss_fn``.
       policy: the policy of the amp program (default ``"float16"``).
       loss_scale: the loss scale to evaluate (> 0), e.g. the value
-        :func:`amp_jax.optim.loss_scale` returns.
+        [`amp_jax.optim.loss_scale`][amp_jax.optim.loss_scale] returns.
       **kwargs: keyword arguments of ``loss_fn``.
 
     Returns:
-      An :class:`UnderflowReport` (print it for a table).
+      An [`UnderflowReport`][amp_jax.debug.UnderflowReport] (print it for a table).
 
     Raises:
       ValueError: ``loss_scale`` is not a finite positive number.

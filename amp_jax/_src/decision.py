@@ -1,19 +1,19 @@
 """What amp decided for one eqn, and why: the typed record of a plan.
 
-Planning (``planning.py``) gives every eqn of a jaxpr one :class:`Decision`:
+Planning (``planning.py``) gives every eqn of a jaxpr one `Decision`:
 its *kind* (an op to paint, an eqn without floats, a higher-order eqn whose
-bodies are rewritten or one bound as written), its policy :class:`OpClass`,
-its :class:`Color` (the dtype its operands are read in), the dtype an
-``allow`` op writes and the function it runs (:class:`Variant`), the
-attention it belongs to, and the :class:`Reason` for all of it, recorded
+bodies are rewritten or one bound as written), its policy `OpClass`,
+its `Color` (the dtype its operands are read in), the dtype an
+``allow`` op writes and the function it runs (`Variant`), the
+attention it belongs to, and the `Reason` for all of it, recorded
 where the decision is made. The rules (``rules.py``) bind the eqn as its
 decision says, and ``explain`` shows the reason: neither decides again.
 
 A reason also travels with the ops amp emits, through ``jax.grad`` into the
 backward pass, as a ``jax.named_scope``: this module is the only one that
-writes reasons into scopes (:func:`scopes`, :func:`float8_scope`) and reads
-them back from a name stack (:func:`from_stack`, :func:`attention_from_stack`),
-which is how :func:`amp_jax.dtype_report` says why an op of any program ran
+writes reasons into scopes (`scopes`, `float8_scope`) and reads
+them back from a name stack (`from_stack`, `attention_from_stack`),
+which is how [`amp_jax.dtype_report`][amp_jax.dtype_report] says why an op of any program ran
 as it did.
 """
 
@@ -114,7 +114,7 @@ class Reason:
 
     @classmethod
     def kept(cls, why: Why) -> Reason:
-        """A reason an op is kept in its original precision (one of :data:`KEPT`)."""
+        """A reason an op is kept in its original precision (one of `KEPT`)."""
         return cls(why, KEPT[why])
 
     @property
@@ -143,7 +143,7 @@ class Decision:
     """What amp does with one eqn, and why.
 
     Attributes:
-      kind: what sort of eqn it is (:class:`Kind`).
+      kind: what sort of eqn it is (`Kind`).
       op_class: its class under the policy (None for kinds other than ``OP``).
       color: the dtype its managed-float operands are read in.
       reason: why, recorded where the decision was made.

@@ -2,13 +2,13 @@
 
 Two views of one call are joined:
 
-* the *decisions*: the :class:`~amp_jax._src.planning.Plan` that :func:`amp`
-  evaluates, one typed :class:`~amp_jax._src.decision.Decision` per op with
+* the *decisions*: the `Plan` that [`amp`][amp_jax.amp]
+  evaluates, one typed `Decision` per op with
   the reason recorded where it was made (sub-jaxprs' plans included), gives
   each op's reason: explain shows it and decides nothing itself;
 * the *result*: the jaxpr of the rewritten program (``jax.make_jaxpr`` of the
-  amp function, or of its gradient), walked with :func:`iter_eqns` like
-  :func:`dtype_report`, gives the dtype every op ran in, its FLOPs and the
+  amp function, or of its gradient), walked with `iter_eqns` like
+  [`dtype_report`][amp_jax.dtype_report], gives the dtype every op ran in, its FLOPs and the
   bytes it moved; the same walk of the original program gives the casts amp
   inserted and the bytes it saved.
 
@@ -24,6 +24,7 @@ import dataclasses
 import functools
 import html
 import math
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -185,7 +186,7 @@ def _decide(
     The scope tells apart the ops of one source line called under different
     ``named_scope`` s (a library layer used twice: one Dense in a
     ``full_precision_scopes`` head, one outside). ``outer`` is the enclosing
-    eqns' name stacks, as :func:`jaxprs.iter_eqns` gives them for the rows.
+    eqns' name stacks, as `jaxprs.iter_eqns` gives them for the rows.
     An eqn bound as written, or a function painted low, gives its own reason
     to everything it holds (``inherited``).
     """
@@ -370,7 +371,7 @@ class ExplainRow:
 
 @dataclasses.dataclass(frozen=True)
 class ExplainSummary:
-    """Totals of an :func:`explain` report.
+    """Totals of an [`explain`][amp_jax.explain] report.
 
     Attributes:
       compute_dtype: the policy's low-precision dtype.
@@ -416,15 +417,74 @@ def _saved_or_more(saved: int) -> str:
     return f"saved {_fmt_num(saved)}B"
 
 
+def _short_where(where: str) -> str:
+    """``file:line (function)``: a package's path from the package on, no column,
+    the function's own name (``loss.<locals>.f`` -> ``f``)."""
+    m = re.fullmatch(r"(.*?):(\d+)(?::\d+)?(?: \((.*)\))?", where)
+    if m is None:
+        return where
+    path, line, fn = m.groups()
+    if "site-packages/" in path:
+        path = path.rsplit("site-packages/", 1)[1]
+    elif path.startswith("/") and path.count("/") > 2:
+        path = ".../" + "/".join(path.rsplit("/", 2)[-2:])
+    return f"{path}:{line}" + (f" ({fn.rsplit('.', 1)[-1]})" if fn else "")
+
+
+def _user_scope(scope: str) -> str:
+    """The user's own named scopes: amp's (``amp_...``) carry the reason, shown apart."""
+    parts = [p for p in scope.split("/") if not p.startswith("amp_")]
+    return "/".join(parts) or "-"
+
+
+_SHORT_OPS = {"convert_element_type": "convert", "optimization_barrier": "barrier"}
+_SHORT_DTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "float64": "f64"}
+
+
+def _compact(row: tuple[str, ...]) -> tuple[str, ...]:
+    """A row for the default view: short path and names, amp's scopes and bytes left out."""
+    where, scope, pas, op, dtype, runs, flops, _bytes, reason = row
+    if where == "source line":  # the header
+        return (where, scope, pas, op, dtype, runs, flops, reason)
+    dtype = "->".join(_SHORT_DTYPES.get(d, d) for d in dtype.split("->"))
+    op = _SHORT_OPS.get(op, op)
+    reason = reason.replace(" class: ", ": ")
+    return (_short_where(where), _user_scope(scope), pas, op, dtype, runs, flops, reason)
+
+
+def _cut_where(where: str, n: int) -> str:
+    """The source line within ``n`` characters: the function name goes first."""
+    if len(where) > n and " (" in where:
+        where = where.split(" (", 1)[0]
+    return _cut(where, n, tail=True)
+
+
+def _cut(text: str, n: int, tail: bool = False) -> str:
+    if len(text) <= n:
+        return text
+    return "..." + text[-(n - 3) :] if tail else text[: n - 3] + "..."
+
+
+def _fit(table: list[tuple[str, ...]], width: int) -> list[tuple[str, ...]]:
+    """Cuts the source line, the scope (if shown) and the reason until a row fits ``width``."""
+    has_scope = table[0][1] == "scope"
+    table = [(_cut_where(r[0], 30), *r[1:]) for r in table]
+    if has_scope:
+        table = [(r[0], _cut(r[1], 16, tail=True), *r[2:]) for r in table]
+    fixed = sum(max(len(r[i]) for r in table) + 2 for i in range(len(table[0]) - 1))
+    cap = max(16, width - fixed)
+    return [(*r[:-1], _cut(r[-1], cap)) for r in table]
+
+
 class Explanation:
-    """What :func:`explain` returns: rows, a summary, text and HTML views.
+    """What [`explain`][amp_jax.explain] returns: rows, a summary, text and HTML views.
 
     ``str(explanation)`` is an aligned text table (``format`` takes options);
     in a notebook the object renders as an HTML table.
 
     Attributes:
-      rows: the :class:`ExplainRow` groups, most FLOPs first.
-      summary: the :class:`ExplainSummary`.
+      rows: the [`ExplainRow`][amp_jax.ExplainRow] groups, most FLOPs first.
+      summary: the [`ExplainSummary`][amp_jax.ExplainSummary].
       policy: the policy that was explained.
     """
 
@@ -467,20 +527,38 @@ class Explanation:
             f"{s.casts_inserted} ({s.casts_run} executed)",
         ]
 
-    def format(self, max_rows: int | None = 40, *, min_flops: int = 0) -> str:
+    def format(
+        self,
+        max_rows: int | None = 40,
+        *,
+        min_flops: int = 0,
+        width: int | None = 120,
+        verbose: bool = False,
+    ) -> str:
         """The report as text.
 
         Args:
           max_rows: show at most this many rows (most FLOPs first); None for all.
           min_flops: hide rows with fewer FLOPs (casts have 0).
+          width: fit each row in this many characters: long source paths and
+            scopes are shortened and the reason is cut (None: no limit).
+          verbose: show every row's full source path, amp's own scope names and
+            the whole reason, whatever the width.
 
         Returns:
           An aligned table followed by the summary.
         """
         rows = [r for r in self.rows if r.flops >= min_flops]
         shown = rows if max_rows is None else rows[:max_rows]
-        table = [self._HEADER, *self._columns(shown)]
-        widths = [max(len(r[i]) for r in table) for i in range(len(self._HEADER))]
+        cols = self._columns(shown)
+        table = [self._HEADER, *cols]
+        if not verbose:
+            table = [_compact(r) for r in table]
+            if all(r[1] == "-" for r in table[1:]):  # no named scopes: no column
+                table = [(r[0], *r[2:]) for r in table]
+        if not verbose and width is not None:
+            table = _fit(table, width)
+        widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in table]
         if len(shown) < len(rows):
             lines.append(
@@ -571,7 +649,7 @@ def explain(
 ) -> Explanation:
     """What low precision did to every op of ``fn(*args, **kwargs)``, and why.
 
-    Traces the program :func:`amp` runs (the forward pass, or with ``grad``
+    Traces the program [`amp`][amp_jax.amp] runs (the forward pass, or with ``grad``
     also the backward pass of ``jax.grad``), and reports one row per group of
     ops -- same source line, ``named_scope``, pass, primitive, dtype and
     reason -- with the dtype the ops ran in, the reason amp chose it (op
@@ -585,7 +663,7 @@ def explain(
     once.
 
     Args:
-      fn: the float32 function, or an :func:`amp`-wrapped one (whose policy is
+      fn: the float32 function, or an [`amp`][amp_jax.amp]-wrapped one (whose policy is
         used unless ``policy`` is given). Flax ``apply`` functions and
         Equinox modules (non-array leaves are static) work as arguments.
       *args: its positional arguments (arrays or ``jax.ShapeDtypeStruct``).
@@ -600,7 +678,7 @@ def explain(
       **kwargs: keyword arguments of ``fn``.
 
     Returns:
-      An :class:`Explanation`: ``print`` it in a terminal, show it in a
+      An [`Explanation`][amp_jax.Explanation]: ``print`` it in a terminal, show it in a
       notebook; ``.rows`` and ``.summary`` hold the data.
 
     Raises:

@@ -1,16 +1,16 @@
 """Rewriting a jaxpr under a mixed-precision policy: evaluation.
 
-:func:`rewrite` (and :func:`evaluate`, its eager form) evaluate the
-:class:`~amp_jax._src.planning.Plan` of a jaxpr (``planning.py``: one typed
-:class:`~amp_jax._src.decision.Decision` per eqn) under the caller's trace:
+`rewrite` (and `evaluate`, its eager form) evaluate the
+`Plan` of a jaxpr (``planning.py``: one typed
+`Decision` per eqn) under the caller's trace:
 every eqn is bound through its rule in the primitive-keyed table of
-``rules.py`` (:func:`rules.rule_for`), under the named scopes that carry its
-reason (``decision.scopes``). A rule casts its operands (:mod:`casting`:
+``rules.py`` (`rules.rule_for`), under the named scopes that carry its
+reason (``decision.scopes``). A rule casts its operands (`casting`:
 each (value, dtype) cast is made once and shared) and says which operands it
 reads only in the compute dtype. Higher-order primitives get their
 sub-jaxprs rewritten with the same policy and keep their boundary dtypes:
 their rules (in ``rules.py`` with the others) call back through the
-:class:`Interpreter` (``ctx.plan``, ``ctx.rewrite``, ``ctx.evaluate``).
+`Interpreter` (``ctx.plan``, ``ctx.rewrite``, ``ctx.evaluate``).
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ class _Env:
 
 
 class Interpreter(Context):
-    """A planning :class:`~amp_jax._src.planning.Context` that also evaluates:
+    """A planning `Context` that also evaluates:
     what the rules of higher-order primitives (``rules.py``) call back to
     rewrite their sub-jaxprs."""
 

@@ -94,7 +94,7 @@ def eval_jaxpr(
     args: Sequence[Any],
     bind: Callable[[Any, list[Any]], Sequence[Any]] = compat.bind_eqn,
 ) -> list[Any]:
-    """``jaxpr`` evaluated on ``args``, every eqn through ``bind`` (see :func:`run_eqns`)."""
+    """``jaxpr`` evaluated on ``args``, every eqn through ``bind`` (see `run_eqns`)."""
     env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts))
     env.update(zip(jaxpr.invars, args))
     run_eqns(jaxpr.eqns, env, bind)

@@ -2,7 +2,7 @@
 
 A lowered dot ``dot(cast(x), cast(y))`` gets a ``jax.custom_jvp`` (in
 ``rules``) whose tangent is ``P(tx, yl) + P(ty, xl)``: ``P(t, o)`` is
-:data:`linear_dot_p`, the dot of ``cast(t)`` with the already low ``o``,
+`linear_dot_p`, the dot of ``cast(t)`` with the already low ``o``,
 linear in ``t`` (and in ``o``). Because a JVP rule is all JAX needs,
 forward mode (``jax.jvp``, ``jacfwd``, ``linearize``, Hessian-vector
 products) works; because ``P`` has its own transpose rule, the cotangent

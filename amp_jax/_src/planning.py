@@ -1,13 +1,13 @@
-"""Planning: one :class:`~amp_jax._src.decision.Decision` for every eqn of a jaxpr.
+"""Planning: one `Decision` for every eqn of a jaxpr.
 
-:func:`plan` runs, once per (context, closed jaxpr):
+`plan` runs, once per (context, closed jaxpr):
 
-1. *Prepare* (:meth:`Context.prepare`): inline ``jit`` eqns that carry no
+1. *Prepare* (`Context.prepare`): inline ``jit`` eqns that carry no
    shardings, so that the analysis sees through ``jax.nn``/``jnp`` helpers
    that are jitted internally.
-2. *Classify* (:meth:`Context.classify`, once per eqn): its kind, its class
+2. *Classify* (`Context.classify`, once per eqn): its kind, its class
    under the policy, and what keeps an op amp would lower in its original
-   precision (:func:`stays_high`: float64, an explicit precision, too small;
+   precision (`stays_high`: float64, an explicit precision, too small;
    a full_precision scope; no kernel on this backend).
 3. *Paint* (``painting.py``, pure): colors after TensorFlow's
    auto-mixed-precision pass; an op that reads a constant the compute dtype
@@ -16,7 +16,7 @@
    a loop carries to its next iteration is kept out of the compute dtype.
 4. *Attention* (``attention.py``): which attentions run fused.
 
-Every reason is recorded where its decision is made; the :class:`Plan` is
+Every reason is recorded where its decision is made; the `Plan` is
 then read by the interpreter and its rules, by ``explain`` and (through the
 named scopes of ``decision.py``) by ``dtype_report``.
 """
@@ -129,11 +129,11 @@ class Context:
         self._carries[id(closed)] = (closed, self.carries(closed) | frozenset(outs))
 
     def plan(self, closed: Any) -> Plan:
-        """The plan of closed jaxpr ``closed`` under this context (:func:`plan`)."""
+        """The plan of closed jaxpr ``closed`` under this context (`plan`)."""
         return plan(self, closed)
 
     def all_low(self, closed: Any) -> Plan:
-        """The plan of a transparent function painted low (:func:`all_low`)."""
+        """The plan of a transparent function painted low (`all_low`)."""
         return all_low(self, closed)
 
     # -- classification -------------------------------------------------

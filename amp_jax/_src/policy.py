@@ -290,7 +290,49 @@ _POLICY_PRESETS: dict[str, dict[str, Any]] = {
     "float8_rowwise": {"compute_dtype": jnp.bfloat16, "float8": "rowwise"},
 }
 
-#: Named scope that :func:`amp_jax.full_precision` opens; eqns under it are kept.
+#: Keras' mixed-precision policy names -> the amp preset that means the same
+_KERAS_NAMES = {"mixed_bfloat16": "bfloat16", "mixed_float16": "float16"}
+_JMP_KEYS = {"p": "params", "params": "params", "c": "compute", "compute": "compute"}
+_JMP_KEYS |= {"o": "output", "output": "output"}
+
+
+def _jmp_or_keras_preset(name: str) -> str | None:
+    """The preset a jmp policy string ("p=f32,c=bf16,o=f32") or Keras name means.
+
+    None when ``name`` is neither; ValueError when it has no amp equivalent.
+    """
+    if name.lower() in _KERAS_NAMES:
+        return _KERAS_NAMES[name.lower()]
+    if "=" not in name:
+        return None
+    parts = {}
+    for part in name.replace(" ", "").lower().split(","):
+        key, _, value = part.partition("=")
+        if key not in _JMP_KEYS:
+            raise ValueError(
+                f"policy={name!r}: unknown key {key!r} in a jmp-style policy string; "
+                "use params=/compute=/output= (or p=/c=/o=), e.g. 'p=f32,c=bf16,o=f32'."
+            )
+        dtype = _ALIASES.get(value, {"full": "float32", "single": "float32"}.get(value, value))
+        if dtype not in _PRESETS:
+            raise ValueError(f"policy={name!r}: {value!r} is not a dtype amp computes in.")
+        parts[_JMP_KEYS[key]] = dtype
+    compute = parts.get("compute", "float32")
+    if parts.get("params", "float32") != "float32":
+        raise ValueError(
+            f"policy={name!r}: amp leaves parameters in the dtype you store them in. Keep "
+            f"them {parts['params']} yourself (see the pure-bf16 optimizers) and pass "
+            f"policy={compute!r}."
+        )
+    if parts.get("output", "float32") != "float32":
+        raise ValueError(
+            f"policy={name!r}: amp returns the dtypes your function returns (float32 for a "
+            f"float32 model). Cast the output yourself, or write o=f32: policy={compute!r}."
+        )
+    return compute
+
+
+#: Named scope that [`amp_jax.full_precision`][amp_jax.full_precision] opens; eqns under it are kept.
 FULL_PRECISION_SCOPE = "amp_full_precision"
 
 
@@ -410,12 +452,12 @@ def _check_spelling(name: str, argname: str) -> None:
 class Policy:
     """A mixed-precision policy: the compute dtype and the op classification.
 
-    Frozen and hashable: it is part of :func:`amp_jax.amp`'s trace cache key.
+    Frozen and hashable: it is part of [`amp_jax.amp`][amp_jax.amp]'s trace cache key.
 
     Attributes:
       compute_dtype: dtype that ``allow`` ops (and low-precision ``follow`` /
         ``clear`` regions between them) compute in: ``bfloat16``, ``float16``
-        or ``float32`` (``float32`` makes :func:`amp_jax.amp` the identity).
+        or ``float32`` (``float32`` makes [`amp_jax.amp`][amp_jax.amp] the identity).
       allow: primitive names run with compute-dtype operands and float32
         accumulation.
       deny: primitive names always computed in float32.
@@ -425,7 +467,7 @@ class Policy:
       overrides: per-primitive class overrides, ``{name: class}``; they win
         over the lists above. Stored as a sorted tuple of pairs.
       full_precision_scopes: ``jax.named_scope`` names whose ops are left in
-        their original precision (the scope of :func:`amp_jax.full_precision`
+        their original precision (the scope of [`amp_jax.full_precision`][amp_jax.full_precision]
         is always included).
       strict: raise ``NotImplementedError`` for a primitive in no class
         instead of treating it as ``follow``.
@@ -433,7 +475,7 @@ class Policy:
         makes them slower (measured: convolutions on CPU). See the docs.
       allow_outputs: the dtype ``allow`` ops write (they accumulate in
         float32 either way): ``"auto"`` (default) takes it per backend from
-        :data:`BACKEND_LOW_OUTPUTS` -- the compute dtype on GPU, where cuBLAS
+        [`BACKEND_LOW_OUTPUTS`][amp_jax.BACKEND_LOW_OUTPUTS] -- the compute dtype on GPU, where cuBLAS
         and cuDNN accumulate in float32 internally and a bf16 result halves
         the activation traffic, float32 elsewhere (XLA:CPU runs bf16 dots
         fastest with a float32 result); ``"float32"`` or ``"compute"`` force
@@ -566,6 +608,25 @@ class Policy:
                 "'auto' picks per backend, 'float32' or 'compute' force the dtype allow ops write."
             )
 
+    def __repr__(self) -> str:
+        """The compute dtype and only the fields that differ from their defaults."""
+        parts = [f"compute_dtype={self.compute_dtype.name}"]
+        for field in dataclasses.fields(self)[1:]:
+            value, default = getattr(self, field.name), field.default
+            if field.name in OP_CLASSES:
+                default = _name_set(default, field.name)
+            if value == default:
+                continue
+            if field.name in OP_CLASSES:
+                added, removed = sorted(value - default), sorted(default - value)
+                value = f"DEFAULT_{field.name.upper()}"
+                value += f" | {set(added)}" if added else ""
+                value += f" - {set(removed)}" if removed else ""
+                parts.append(f"{field.name}={value}")
+            else:
+                parts.append(f"{field.name}={value!r}")
+        return f"Policy({', '.join(parts)})"
+
     # -- queries -----------------------------------------------------------
     @property
     def is_identity(self) -> bool:
@@ -583,7 +644,7 @@ class Policy:
         return None
 
     def effective_class_of(self, name: str, backend: str) -> str | None:
-        """Like :meth:`class_of`, with the backend-aware adjustments applied."""
+        """Like `class_of`, with the backend-aware adjustments applied."""
         cls = self.class_of(name)
         if (
             cls == "allow"
@@ -632,17 +693,20 @@ _ATTENTION = ("auto", "off", "cudnn", "xla")
 
 
 def get_policy(policy: Policy | str | Any) -> Policy:
-    """Resolves ``policy`` (a :class:`Policy`, a preset name or a dtype) to a Policy.
+    """Resolves ``policy`` (a [`Policy`][amp_jax.Policy], a preset name or a dtype) to a Policy.
 
     Args:
-      policy: a :class:`Policy`; one of the preset names ``"bfloat16"``,
+      policy: a [`Policy`][amp_jax.Policy]; one of the preset names ``"bfloat16"``,
         ``"float16"``, ``"float32"`` (aliases ``"bf16"``, ``"f16"``,
         ``"f32"``...), ``"float8"`` (aliases ``"fp8"``, ``"f8"``: the
         bfloat16 policy with ``float8="tensorwise"``) or ``"float8_rowwise"``;
-        or a dtype such as ``jnp.bfloat16``.
+        Keras' ``"mixed_bfloat16"`` / ``"mixed_float16"``; a jmp policy string
+        with float32 parameters and outputs (``"p=f32,c=bf16,o=f32"``,
+        ``"params=float32,compute=float16,output=float32"``); or a dtype such
+        as ``jnp.bfloat16``.
 
     Returns:
-      The :class:`Policy`.
+      The [`Policy`][amp_jax.Policy].
 
     Raises:
       ValueError: for an unknown name or a dtype that is not a float type amp
@@ -657,6 +721,7 @@ def get_policy(policy: Policy | str | Any) -> Policy:
         return policy
     if isinstance(policy, str):
         key = _ALIASES.get(policy.lower(), policy.lower())
+        key = _jmp_or_keras_preset(policy) or key
         if key in _POLICY_PRESETS:
             return Policy(**_POLICY_PRESETS[key])
         if key not in _PRESETS:

@@ -40,14 +40,14 @@ def dtype_report(
 
     Traces ``fn`` and walks the resulting jaxpr, including every sub-jaxpr
     (``scan`` bodies, ``cond`` branches, ``custom_vjp`` calls, ...). It takes
-    the same function and options as :func:`amp_jax.explain`: the float32
-    function with ``policy=``, or an :func:`amp_jax.amp`-wrapped one, and
+    the same function and options as [`amp_jax.explain`][amp_jax.explain]: the float32
+    function with ``policy=``, or an [`amp_jax.amp`][amp_jax.amp]-wrapped one, and
     ``grad=True`` for the training step's backward pass. Any other function
     (``jax.grad(amp(f))``) is traced as it is.
 
     Args:
       fn: the function to inspect: a float32 function (with ``policy``), an
-        :func:`amp_jax.amp`-wrapped one, or any function of arrays.
+        [`amp_jax.amp`][amp_jax.amp]-wrapped one, or any function of arrays.
       *args: its positional arguments.
       policy: run ``fn`` under ``amp`` with this policy (an amp function's own
         policy is replaced); ``None``: ``fn`` as given.
@@ -58,7 +58,7 @@ def dtype_report(
       **kwargs: its keyword arguments.
 
     Array leaves of the arguments are traced; other leaves (a mode string, a
-    callable) are passed as they are, as :func:`amp_jax.amp` passes them.
+    callable) are passed as they are, as [`amp_jax.amp`][amp_jax.amp] passes them.
 
     Returns:
       Rows ``(primitive, input dtypes, output dtypes, enclosing primitives,
@@ -95,7 +95,7 @@ def dtype_report(
 
 
 def format_dtype_report(rows: list[tuple[str, str, str, str, int, str]]) -> str:
-    """Formats :func:`dtype_report` rows as an aligned text table."""
+    """Formats [`dtype_report`][amp_jax.dtype_report] rows as an aligned text table."""
     header = ("primitive", "inputs", "outputs", "inside", "count", "why")
     table = [header, *[(a, b, c, d, str(n), *rest) for a, b, c, d, n, *rest in rows]]
     table = [r if len(r) == 6 else (*r, "") for r in table]

@@ -1,8 +1,8 @@
 """The rule table: how amp binds each primitive.
 
-Every eqn of a rewritten jaxpr is bound through one :class:`EqnRule`, looked
-up by primitive name in :data:`TABLE` (:func:`rule_for`), as the eqn's
-:class:`~amp_jax._src.decision.Decision` says: the default rule binds the
+Every eqn of a rewritten jaxpr is bound through one `EqnRule`, looked
+up by primitive name in `TABLE` (`rule_for`), as the eqn's
+`Decision` says: the default rule binds the
 primitive on operands cast to its color's dtype; higher-order primitives get
 the generic rule that rewrites their sub-jaxprs through the context
 (``ctx.plan``, ``ctx.rewrite``, ``ctx.evaluate``), with ``scan``,
@@ -10,7 +10,7 @@ the generic rule that rewrites their sub-jaxprs through the context
 before casting them; ``allow`` ops run the low-precision *function* of their
 rule, or of the variant the plan chose (float32 where the backend has no
 kernel, fp8 under a float8 policy: ``float8.py``). Each rule also answers
-:meth:`EqnRule.reads_low`: whether it reads an operand only in the compute
+`EqnRule.reads_low`: whether it reads an operand only in the compute
 dtype, which is what the scan cast hoisting needs to know.
 
 A lowered ``dot_general`` or ``conv_general_dilated`` gets a ``jax.custom_jvp``
@@ -37,13 +37,13 @@ from amp_jax._src.decision import Color, Decision, Kind, OpClass, Variant
 from amp_jax._src.policy import HIGH_DTYPE, is_managed_float
 
 #: ``rule(eqn, invals, compute_dtype, out_dtype) -> list of outputs``: the
-#: low-precision function of an ``allow`` primitive (:func:`register_rule`).
+#: low-precision function of an ``allow`` primitive ([`register_rule`][amp_jax.register_rule]).
 Rule = Callable[[Any, Sequence[Any], np.dtype, np.dtype], list[Any]]
 
 
 class EqnRule:
     """How amp binds one primitive. The default: bind it with every operand
-    cast to the dtype of the eqn's color (:func:`casting.target`)."""
+    cast to the dtype of the eqn's color (`casting.target`)."""
 
     def evaluate(self, ctx: Any, eqn: Any, d: Decision, env: Any) -> list[Any]:
         """The outputs of ``eqn`` as decided by ``d``, under ``ctx`` (policy,
@@ -95,7 +95,7 @@ class ExpandRule(EqnRule):
     rows). Painted low, such an op reads its float operand in the operand's
     own dtype and casts its *result* to the compute dtype, so the backward
     sum (``reduce_sum``, ``scatter-add``) accumulates in float32, like the
-    implicit broadcasts of :class:`BroadcastRule`."""
+    implicit broadcasts of `BroadcastRule`."""
 
     def evaluate(self, ctx: Any, eqn: Any, d: Decision, env: Any) -> list[Any]:
         if d.color is not Color.LOW or not self.sums_in_transpose(eqn):
@@ -118,9 +118,9 @@ class ExpandRule(EqnRule):
 
 
 class AllowRule(EqnRule):
-    """An ``allow`` primitive: painted low, it runs ``fn`` (a :data:`Rule`) on
+    """An ``allow`` primitive: painted low, it runs ``fn`` (a `Rule`) on
     its operands as stored, or the function of the variant its decision names
-    (:func:`register_variant`); otherwise (kept high, or not in the allow
+    (`register_variant`); otherwise (kept high, or not in the allow
     class under this policy) it is bound like any other op."""
 
     def __init__(self, fn: Rule | None = None):
@@ -183,7 +183,7 @@ class DotRule(AllowRule):
 
 class TransposeRule(EqnRule):
     """``transpose``: bound as written, and recorded in ``env.transposes`` for
-    the dots that read its result (:class:`DotRule`)."""
+    the dots that read its result (`DotRule`)."""
 
     def evaluate(self, ctx: Any, eqn: Any, d: Decision, env: Any) -> list[Any]:
         src = eqn.invars[0]
@@ -229,16 +229,16 @@ def _swapped_dot(ctx: Any, record: Any, perm: tuple[int, ...]) -> Any:
 
 
 #: primitive name -> its rule; names without an entry get the fallbacks of
-#: :func:`rule_for` (higher-order, allow or plain bind).
+#: `rule_for` (higher-order, allow or plain bind).
 TABLE: dict[str, EqnRule] = {}
 
-#: the key of the generic rule of higher-order primitives (:class:`HigherOrderRule`).
+#: the key of the generic rule of higher-order primitives (`HigherOrderRule`).
 HIGHER_ORDER = "<higher-order>"
 
 
 def rule_for(eqn: Any, op_class: OpClass | None) -> EqnRule:
     """The rule that binds ``eqn`` (of class ``op_class``): its primitive's entry
-    in :data:`TABLE`, else the generic rule of higher-order primitives, the
+    in `TABLE`, else the generic rule of higher-order primitives, the
     default ``allow`` rule, or the plain bind."""
     rule = TABLE.get(eqn.primitive.name)
     if rule is not None:
@@ -271,7 +271,7 @@ def register_rule(primitive_name: str, rule: Rule) -> None:
         outputs. ``invals`` are the operands in their current dtypes;
         ``eqn.params`` are the original params; ``out_dtype`` is the dtype
         the policy wants the op to write on this backend
-        (:meth:`Policy.allow_output_dtype`), e.g. its
+        (`Policy.allow_output_dtype`), e.g. its
         ``preferred_element_type``. It runs for eqns of the primitive that
         the policy puts in the ``allow`` class and amp lowers.
     """
@@ -383,7 +383,7 @@ def materialized_transpose(x: Any, perm: Sequence[int]) -> Any:
 
     XLA folds a plain ``transpose`` that feeds a ``dot`` back into the dot's
     dimension numbers, which on XLA:CPU turns a fast bf16 dot into a slow
-    one (see :func:`_dot`). A transpose written as reshape -> transpose ->
+    one (see `_dot`). A transpose written as reshape -> transpose ->
     reshape (one dimension split in two) is left alone by the jaxlib 0.10
     simplifier and becomes one copy fusion (measured: benchmarks/RESULTS.md).
     Falls back to a plain transpose when no dimension can be split.
@@ -411,7 +411,7 @@ def materialized_transpose(x: Any, perm: Sequence[int]) -> Any:
 
 
 def _cpu_fast_layouts(backend: str) -> bool:
-    """Whether backward dots get the operand layouts of :func:`_dot` on ``backend``."""
+    """Whether backward dots get the operand layouts of `_dot` on ``backend``."""
     return backend == "cpu"
 
 
@@ -431,7 +431,7 @@ def _dot(
     leading or trailing dims; otherwise (e.g. the weight gradient ``x.T @ g``,
     which contracts dim 0 of ``x``) it upcasts both operands to f32 and uses
     a slower kernel (benchmarks/RESULTS.md). There, such an operand is
-    transposed explicitly with :func:`materialized_transpose` (a memory-bound
+    transposed explicitly with `materialized_transpose` (a memory-bound
     copy of a bf16 array). A dot whose rhs contracts its leading dims comes
     out behind an ``optimization_barrier`` (a transpose of its result must not
     swap its operands, see below).
@@ -623,7 +623,7 @@ def dot_general_rule(
     dims: Any = None,
 ) -> list[Any]:
     """``dims``: dimension numbers that replace ``eqn``'s (for operands read
-    through their transposes, :class:`DotRule`)."""
+    through their transposes, `DotRule`)."""
     x, y = invals
     p = eqn.params
     if dims is not None:
@@ -767,7 +767,7 @@ class HigherOrderRule(EqnRule):
 
 class ScanRule(HigherOrderRule):
     """``scan``: the casts of scanned-over inputs read only in the compute
-    dtype are hoisted out of the loop (:func:`_plan_hoisted_casts`)."""
+    dtype are hoisted out of the loop (`_plan_hoisted_casts`)."""
 
     def bind_rewritten(self, ctx: Any, eqn: Any, invals: list[Any]) -> list[Any]:
         eqn = ctx.cached("masks", eqn, lambda: _with_constant_masks(eqn, invals))
@@ -813,7 +813,7 @@ class ShardMapRule(HigherOrderRule):
 class CustomJvpRule(HigherOrderRule):
     """``custom_jvp_call``: a transparent one (``jax.nn.relu``: only follow
     and clear ops) painted low runs its body in the compute dtype and keeps
-    the user's JVP rule (:func:`_custom_jvp_low`)."""
+    the user's JVP rule (`_custom_jvp_low`)."""
 
     def evaluate(self, ctx: Any, eqn: Any, d: Decision, env: Any) -> list[Any]:
         if d.color is not Color.LOW:

@@ -20,8 +20,6 @@ from amp_jax._src.policy import FULL_PRECISION_SCOPE, Policy, get_policy, scope_
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-_CACHE_SIZE = 64
-
 
 def _is_dynamic(leaf: Any) -> bool:
     return isinstance(leaf, (jax.Array, np.ndarray, np.generic, compat.Tracer))
@@ -211,7 +209,7 @@ def _apply(fn: Any, *args: Any, **kwargs: Any) -> Any:
 
 @jax.tree_util.register_pytree_with_keys_class
 class AmpFunction:
-    """The callable returned by :func:`amp`; also exposes its trace cache.
+    """The callable returned by [`amp`][amp_jax.amp]; also exposes its trace cache.
 
     A pytree whose one child is ``fn``: ``amp(model)`` of an Equinox or Flax
     NNX module holds the model's arrays, so ``eqx.filter_grad``,
@@ -219,7 +217,7 @@ class AmpFunction:
     ``eqx.filter_jit(model)``), and each call traces them as arguments.
     """
 
-    def __init__(self, fn: Callable[..., Any], policy: Policy, cache_size: int = _CACHE_SIZE):
+    def __init__(self, fn: Callable[..., Any], policy: Policy, cache_size: int = 64):
         self.fn = fn
         self.policy = policy
         self.cache_size = cache_size
@@ -411,7 +409,7 @@ def amp(
     *,
     policy: Policy | str | Any = "bfloat16",
     strict: bool | None = None,
-    cache_size: int = _CACHE_SIZE,
+    cache_size: int = 64,
 ) -> F: ...
 @overload
 def amp(
@@ -419,11 +417,77 @@ def amp(
     *,
     policy: Policy | str | Any = "bfloat16",
     strict: bool | None = None,
-    cache_size: int = _CACHE_SIZE,
+    cache_size: int = 64,
 ) -> Callable[[F], F]: ...
 
 
-def amp(fn=None, *extra, policy="bfloat16", strict=None, cache_size=_CACHE_SIZE):
+def _brief(value: Any, limit: int = 80) -> str:
+    """A short description of ``value`` for an error message (never a whole pytree)."""
+    if isinstance(value, Mapping):
+        keys = [repr(k) for k in list(value)[:4]]
+        more = ", ..." if len(value) > 4 else ""
+        return f"a {type(value).__name__} with keys [{', '.join(keys)}{more}]"
+    if hasattr(value, "shape") and hasattr(value, "dtype"):
+        return f"an array of shape {tuple(value.shape)} and dtype {value.dtype}"
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    return f"{text[: limit - 20]}... ({type(value).__name__}, {len(text)} characters)"
+
+
+class _Decorator:
+    """What ``amp(policy=...)`` and ``full_precision()`` return: a decorator.
+
+    Used as a context manager (``with amp():``, the ``torch.autocast`` habit),
+    it raises a ``TypeError`` that shows the function form.
+    """
+
+    def __init__(self, apply: Callable[[Any], Any], name: str, options: str = ""):
+        self._apply, self._name, self._options = apply, name, options
+
+    def __call__(self, fn: Any) -> Any:
+        return self._apply(fn)
+
+    def __repr__(self) -> str:
+        return f"<decorator {self._name}({self._options})>"
+
+    def __enter__(self):
+        at = f"@{self._name}({self._options})" if self._options else f"@{self._name}"
+        raise TypeError(
+            f"{self._name}() is not a context manager: {self._name} transforms a function, "
+            f"as jax.jit does. Decorate the function instead:\n\n    {at}\n"
+            f"    def loss(params, batch): ...\n\nor wrap it: {self._name}(loss"
+            + (f", {self._options})." if self._options else ").")
+        )
+
+    def __exit__(self, *exc: Any) -> bool:
+        return False
+
+
+def _options_by_keyword(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """amp(f, "float16") names the keyword rather than Python's positional-count error."""
+
+    @functools.wraps(fn)
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        if len(args) > 1:
+            raise TypeError(
+                f"amp() takes its options by keyword: write amp(fn, policy={_brief(args[1])}) "
+                f"(got {len(args)} positional arguments: fn and {_brief(args[1])})."
+            )
+        return fn(*args, **kwargs)
+
+    return checked
+
+
+@_options_by_keyword
+def amp(
+    fn: Callable[..., Any] | None = None,
+    /,
+    *,
+    policy: Policy | str | Any = "bfloat16",
+    strict: bool | None = None,
+    cache_size: int = 64,
+) -> Any:
     """Automatic mixed precision: runs ``fn`` with its primitives recast by ``policy``.
 
     ``amp`` traces ``fn`` to a jaxpr once per input signature, decides for
@@ -448,7 +512,7 @@ def amp(fn=None, *extra, policy="bfloat16", strict=None, cache_size=_CACHE_SIZE)
         ``jax.jit`` refuses it: amp would bake the arrays into its cached
         trace. ``fn`` may itself be a pytree (an Equinox or Flax NNX module):
         the result is then a pytree over it, and its arrays are traced.
-      policy: a :class:`Policy`, a preset name (``"bfloat16"``,
+      policy: a [`Policy`][amp_jax.Policy], a preset name (``"bfloat16"``,
         ``"float16"``, ``"float32"``) or a dtype. ``"float32"`` is the
         identity: bitwise the same results and gradients as ``fn``.
       strict: if true, a primitive that is in no class of the policy raises
@@ -477,32 +541,29 @@ def amp(fn=None, *extra, policy="bfloat16", strict=None, cache_size=_CACHE_SIZE)
       >>> jax.grad(loss)(w, x).dtype
       dtype('float32')
     """
-    if extra:
-        raise TypeError(
-            f"amp() takes its options by keyword: write amp(fn, policy={extra[0]!r}) "
-            f"(got {len(extra) + 1} positional arguments: fn and {extra[0]!r})."
-        )
     pol = get_policy(policy)
     if strict is not None:
         if not isinstance(strict, bool):
             raise TypeError(f"strict must be a bool, got {strict!r}.")
         pol = pol.replace(strict=strict)
     if isinstance(cache_size, bool) or not isinstance(cache_size, int) or cache_size < 1:
-        raise ValueError(
-            f"amp(cache_size={cache_size!r}) must be an int >= 1 (default {_CACHE_SIZE})."
-        )
+        raise ValueError(f"amp(cache_size={cache_size!r}) must be an int >= 1 (default 64).")
     if fn is None:
-        return functools.partial(amp, policy=pol, cache_size=cache_size)
+        return _Decorator(
+            functools.partial(amp, policy=pol, cache_size=cache_size),
+            "amp",
+            "" if isinstance(policy, str) and policy == "bfloat16" else f"policy={_brief(policy)}",
+        )
     if not callable(fn):
         raise TypeError(
-            f"amp(fn) needs a callable, got {type(fn).__name__}: {fn!r}. "
-            "Use @amp or amp(fn, policy=...) on a function."
+            f"amp(fn) needs a callable, got {type(fn).__name__}: {_brief(fn)}. Use @amp or "
+            "amp(fn, policy=...) on a function, then call it with the arrays: amp(loss)(params, x)."
         )
     return AmpFunction(fn, pol, cache_size)
 
 
 def full_precision(fn: F | None = None) -> F:
-    """Marks ``fn`` to run in its original precision under :func:`amp`.
+    """Marks ``fn`` to run in its original precision under [`amp`][amp_jax.amp].
 
     The equivalent of ``torch.autocast(enabled=False)``: every primitive traced
     while ``fn`` runs (including its backward, and anything nested in ``jit``,
@@ -526,9 +587,11 @@ def full_precision(fn: F | None = None) -> F:
       dtype('float32')
     """
     if fn is None:
-        return full_precision
+        return _Decorator(full_precision, "full_precision")
     if not callable(fn):
-        raise TypeError(f"full_precision(fn) needs a callable, got {type(fn).__name__}: {fn!r}.")
+        raise TypeError(
+            f"full_precision(fn) needs a callable, got {type(fn).__name__}: {_brief(fn)}."
+        )
 
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):

@@ -2,7 +2,7 @@
 
 Pre-LayerNorm blocks (causal multi-head attention, GELU MLP), learned position
 embeddings, layers stacked and run with ``lax.scan``. Written for float32 and
-left to :func:`amp_jax.amp` to run in low precision: there is no ``dtype``
+left to [`amp_jax.amp`][amp_jax.amp] to run in low precision: there is no ``dtype``
 argument anywhere.
 """
 

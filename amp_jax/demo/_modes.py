@@ -6,7 +6,7 @@ same batches; only the precision recipe changes:
 * ``f32``: float32 everything, AdamW.
 * ``amp-bf16``: float32 parameters, ``amp(loss, policy="bfloat16")``, AdamW.
 * ``amp-f16``: float32 parameters, ``amp(loss, policy="float16")``, AdamW
-  inside :func:`amp_jax.optim.dynamic_loss_scale`.
+  inside [`amp_jax.optim.dynamic_loss_scale`][amp_jax.optim.dynamic_loss_scale].
 * ``bf16-kahan``: pure bfloat16 parameters (no float32 copy),
   ``amp(loss, policy="bfloat16")`` for float32 softmax/norm statistics,
   AdamW with bfloat16 moments and Kahan-compensated updates.

@@ -1,7 +1,7 @@
 """Eager optimizer updates: apply the optimizer inside the backward pass.
 
 For models written as ``embed -> lax.scan over identical blocks -> head + loss``,
-:func:`scan_step` builds a training step whose backward pass is a reverse loop
+[`scan_step`][amp_jax.eager.scan_step] builds a training step whose backward pass is a reverse loop
 over the layers that updates each layer's parameters (and optimizer state) as
 soon as that layer's gradient is ready, so the gradient of the whole block
 stack never exists. See ``docs/eager.md``.

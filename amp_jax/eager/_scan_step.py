@@ -19,7 +19,7 @@ _PARTS = ("embed", "blocks", "head")
 
 
 class ScanStepState(NamedTuple):
-    """Optimizer state of a :func:`scan_step` (what ``step.init`` returns).
+    """Optimizer state of a [`scan_step`][amp_jax.eager.scan_step] (what ``step.init`` returns).
 
     The optimizer is initialised separately on each part of the parameters, as
     if the model were unrolled: every layer of the block stack has its own state,
@@ -106,7 +106,7 @@ def _as_bits(x: Any) -> Any:
 
 
 def _as_float(x: Any, dtype: Any) -> Any:
-    """Inverse of :func:`_as_bits` for an array that was ``dtype``."""
+    """Inverse of `_as_bits` for an array that was ``dtype``."""
     return x if x.dtype == dtype else lax.bitcast_convert_type(x, dtype)
 
 
@@ -174,7 +174,7 @@ def _abstract(tree: Any) -> Any:
 
 
 class _Forward(NamedTuple):
-    """What the forward pass leaves for the backward steps of :meth:`ScanStep.update`."""
+    """What the forward pass leaves for the backward steps of `ScanStep.update`."""
 
     loss: jax.Array
     g_head: Any  # the head's parameter gradient
@@ -198,7 +198,7 @@ def _check_loss(loss: Any) -> None:
 
 
 class ScanStep:
-    """A training step with eager (in-backward) optimizer updates; see :func:`scan_step`.
+    """A training step with eager (in-backward) optimizer updates; see [`scan_step`][amp_jax.eager.scan_step].
 
     Attributes:
       embed_fn: ``embed_fn(params["embed"], batch) -> h``.
@@ -282,10 +282,10 @@ class ScanStep:
             parameters stacked along a leading layer axis.
 
         Returns:
-          A :class:`ScanStepState`; for ``optimizer = dynamic_loss_scale(inner)``
-          a :class:`~amp_jax.optim.DynamicLossScaleState` whose ``inner_state``
-          is the :class:`ScanStepState` of ``inner`` (so
-          :func:`amp_jax.optim.loss_scale_stats` works on it).
+          A [`ScanStepState`][amp_jax.eager.ScanStepState]; for ``optimizer = dynamic_loss_scale(inner)``
+          a [`DynamicLossScaleState`][amp_jax.optim.DynamicLossScaleState] whose ``inner_state``
+          is the [`ScanStepState`][amp_jax.eager.ScanStepState] of ``inner`` (so
+          [`amp_jax.optim.loss_scale_stats`][amp_jax.optim.loss_scale_stats] works on it).
 
         Raises:
           ValueError: if ``params`` does not have that structure, or the optimizer
@@ -322,7 +322,7 @@ class ScanStep:
         ``jax.value_and_grad`` of this function is the standard (non-eager) step.
 
         Args:
-          params: the parameters (structure as for :meth:`init`).
+          params: the parameters (structure as for `init`).
           batch: any pytree, passed to ``embed_fn`` and ``head_loss_fn``.
 
         Returns:
@@ -360,9 +360,9 @@ class ScanStep:
         1))``), otherwise the inputs stay alive next to the outputs.
 
         Args:
-          params: the parameters (structure as for :meth:`init`).
-          opt_state: the state from :meth:`init` or a previous step (a
-            :class:`ScanStepState`, or with ``dynamic_loss_scale`` a
+          params: the parameters (structure as for `init`).
+          opt_state: the state from `init` or a previous step (a
+            [`ScanStepState`][amp_jax.eager.ScanStepState], or with ``dynamic_loss_scale`` a
             ``DynamicLossScaleState`` wrapping one).
           batch: any pytree, passed to ``embed_fn`` and ``head_loss_fn``.
 
@@ -449,7 +449,7 @@ class ScanStep:
         """The forward pass and the head's backward: everything the layer loop reads.
 
         The forward scan stores, per layer, the block's input (``remat``) or
-        its activation-dependent residuals, as :func:`_as_bits`; ``layer_vjp``
+        its activation-dependent residuals, as `_as_bits`; ``layer_vjp``
         reads them back in the dtypes of ``h0`` or of the re-traced residuals.
         """
         p_blocks = params["blocks"]
@@ -548,7 +548,7 @@ class ScanStep:
           (that would hold one layer's state besides the stacks). The
           parameter update reads the state rows from the stacks, and the state
           writes are ordered after the parameter writes and after each other
-          through data-dependent indices (:func:`_update_rows`), so the fused
+          through data-dependent indices (`_update_rows`), so the fused
           read-modify-writes run one stack at a time.
         - Optimizer state under jit on a mesh (``jax.set_mesh``): pipelined
           like the parameters. There the ordering index would read an element
@@ -644,7 +644,7 @@ def scan_step(
         block's activation-dependent residuals.
 
     Returns:
-      A :class:`ScanStep`: ``opt_state = step.init(params)`` and
+      A [`ScanStep`][amp_jax.eager.ScanStep]: ``opt_state = step.init(params)`` and
       ``params, opt_state, loss = step(params, opt_state, batch)`` (jitted,
       ``params`` and ``opt_state`` donated); ``step.update`` is the un-jitted
       pure function and ``step.loss`` the forward loss.

@@ -113,7 +113,7 @@ def adamw(
     mask: Any | Callable[[optax.Params], Any] | None = None,
     state_format: _quantized.StateFormat | None = None,
     block_size: int | None = None,
-    min_quantized_size: int = _quantized.DEFAULT_MIN_SIZE,
+    min_quantized_size: int = 4096,
     quantize_mask: Any | Callable[[optax.Params], Any] | None = None,
     state_rounding: _quantized.StateRounding = "stochastic",
 ) -> optax.GradientTransformationExtraArgs:
@@ -122,7 +122,7 @@ def adamw(
     ``optax.chain(scale_by_any_precision_adam(...),
     optax.add_decayed_weights(weight_decay, mask),
     optax.scale_by_learning_rate(learning_rate))``, wrapped in
-    :func:`kahan_summation` when ``kahan=True``. With float32 parameters, default
+    [`kahan_summation`][amp_jax.optim.kahan_summation] when ``kahan=True``. With float32 parameters, default
     dtypes and ``kahan=False`` it is bitwise identical to ``optax.adamw``
     (``eps_root=0``, ``nesterov=False``), schedules included.
 
@@ -132,12 +132,12 @@ def adamw(
     good ``nu_dtype``; float16 is not (squared gradients below 6e-8 flush to 0).
 
     ``state_format`` (``"8bit"``, ``"4bit"``, ``"float8"``) stores the moments
-    block-wise quantized instead (:func:`scale_by_quantized_adam`): 8-bit and
+    block-wise quantized instead ([`scale_by_quantized_adam`][amp_jax.optim.scale_by_quantized_adam]): 8-bit and
     float8 cost 1.02 bytes per moment value, 4-bit 0.53. Parameters smaller
     than ``min_quantized_size`` (4096) elements and those ``quantize_mask``
     deselects (pass one that deselects the embeddings) keep float32 moments.
     The second moment is rounded to its codes stochastically (unbiased: to
-    the nearest code it would lag; :func:`scale_by_quantized_adam` says why),
+    the nearest code it would lag; [`scale_by_quantized_adam`][amp_jax.optim.scale_by_quantized_adam] says why),
     the first to the nearest code; ``state_rounding="nearest"`` rounds both
     to the nearest.
 
@@ -155,7 +155,7 @@ def adamw(
       weight_decay: decoupled weight decay coefficient.
       mu_dtype: storage dtype of the first moment (``None``: parameter dtype).
       nu_dtype: storage dtype of the second moment (``None``: parameter dtype).
-      kahan: wrap the update in :func:`kahan_summation` (for pure bfloat16
+      kahan: wrap the update in [`kahan_summation`][amp_jax.optim.kahan_summation] (for pure bfloat16
         parameters).
       compensation_dtype: dtype of the Kahan buffer (``None``: parameter dtype).
         Only used with ``kahan=True``.
@@ -173,8 +173,8 @@ def adamw(
     Returns:
       An ``optax.GradientTransformationExtraArgs``; its state is the chain's
       tuple ``(ScaleByAdamState, EmptyState/MaskedState, lr state)`` (with
-      ``state_format``, a :class:`ScaleByQuantizedAdamState` first), or a
-      :class:`KahanSummationState` around it.
+      ``state_format``, a [`ScaleByQuantizedAdamState`][amp_jax.optim.ScaleByQuantizedAdamState] first), or a
+      [`KahanSummationState`][amp_jax.optim.KahanSummationState] around it.
 
     Raises:
       ValueError: for a non-floating dtype argument, ``compensation_dtype``

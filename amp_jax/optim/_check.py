@@ -4,6 +4,7 @@ function, the argument, the value it got and what is allowed."""
 from __future__ import annotations
 
 import numbers
+import warnings
 from typing import Any
 
 import jax
@@ -122,3 +123,16 @@ def single_key(key: Any, caller: str) -> Any:
             f"pass one key, e.g. jax.random.key(0)."
         )
     return key
+
+
+def warn_if_redundant(params: Any, at_least: Any, what: str) -> None:
+    """A UserWarning when every floating leaf of ``params`` is already ``at_least`` wide."""
+    floats = [p for p in jax.tree.leaves(params) if jnp.issubdtype(p.dtype, jnp.floating)]
+    if floats and all(np.dtype(p.dtype).itemsize >= np.dtype(at_least).itemsize for p in floats):
+        warnings.warn(
+            f"{what} over parameters that are all {floats[0].dtype} or wider does nothing "
+            "useful and costs memory: drop it (use the inner optimizer directly; adamw: "
+            "kahan=False), or store the parameters in bfloat16 or float16, where it helps.",
+            UserWarning,
+            stacklevel=3,
+        )

@@ -13,7 +13,7 @@ from amp_jax.optim import _check, _rounding, _tree
 
 
 class KahanSummationState(NamedTuple):
-    """State of :func:`kahan_summation`.
+    """State of [`kahan_summation`][amp_jax.optim.kahan_summation].
 
     Attributes:
       compensation: per floating parameter, the part of past updates that
@@ -33,7 +33,7 @@ def kahan_summation(
     """Kahan-compensated summation of the updates into the parameters.
 
     With ``c`` the compensation buffer, ``u`` the inner update and ``p`` the
-    parameter, one step does (arithmetic in at least float32)::
+    parameter, one step does (arithmetic in at least float32):
 
         y     = c + u                      # compensated increment
         p_new = (p + y).astype(p.dtype)    # what optax.apply_updates computes
@@ -60,7 +60,7 @@ def kahan_summation(
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is a
-      :class:`KahanSummationState`.
+      [`KahanSummationState`][amp_jax.optim.KahanSummationState].
 
     Raises:
       ValueError: if ``compensation_dtype`` is not floating, or ``update`` is
@@ -101,6 +101,7 @@ def kahan_summation(
         return jnp.zeros_like(p, dtype=compensation_dtype or p.dtype)
 
     def init_fn(params):
+        _check.warn_if_redundant(params, jnp.float32, "kahan_summation")
         return KahanSummationState(jax.tree.map(comp_init, params), inner.init(params))
 
     def update_fn(updates, state, params=None, **extra_args):

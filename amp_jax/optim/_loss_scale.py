@@ -21,7 +21,7 @@ _INT32_MAX = jnp.iinfo(jnp.int32).max
 
 
 class DynamicLossScaleState(NamedTuple):
-    """State of :func:`dynamic_loss_scale`.
+    """State of [`dynamic_loss_scale`][amp_jax.optim.dynamic_loss_scale].
 
     Attributes:
       scale: the loss scale to use for the *next* gradient computation, a float32
@@ -46,11 +46,11 @@ class DynamicLossScaleState(NamedTuple):
 
 
 class StaticLossScaleState(NamedTuple):
-    """State of :func:`static_loss_scale`.
+    """State of [`static_loss_scale`][amp_jax.optim.static_loss_scale].
 
     Attributes:
       scale: the constant loss scale, a float32 scalar (kept in the state so
-        :func:`loss_scale` can find it and checkpoints record it).
+        [`loss_scale`][amp_jax.optim.loss_scale] can find it and checkpoints record it).
       inner_state: the state of the wrapped transformation.
     """
 
@@ -58,7 +58,7 @@ class StaticLossScaleState(NamedTuple):
     inner_state: optax.OptState
 
 
-# id -> weak reference of every ``scale`` that :func:`loss_scale` read and that
+# id -> weak reference of every ``scale`` that [`loss_scale`][amp_jax.optim.loss_scale] read and that
 # is still alive (under ``jit``: the tracer of the step being traced).
 _SCALES_READ: dict[int, weakref.ref] = {}
 
@@ -94,7 +94,7 @@ def caller_scaled():
 
 def _check_scaled(scale: Any, caller: str) -> None:
     """Under a trace, refuse an ``update`` when no loss scale read by
-    :func:`loss_scale` is alive: the gradients were computed without it (plain
+    [`loss_scale`][amp_jax.optim.loss_scale] is alive: the gradients were computed without it (plain
     ``jax.value_and_grad``). Concrete (eager) calls are not checked."""
     if not isinstance(scale, jax.core.Tracer) or _CALLER_SCALED.get():
         return
@@ -149,9 +149,9 @@ def _all_finite(tree: Any) -> jax.Array:
 
 
 class _DynamicRule(NamedTuple):
-    """The hyperparameters of one :func:`dynamic_loss_scale` (``inner`` with
+    """The hyperparameters of one [`dynamic_loss_scale`][amp_jax.optim.dynamic_loss_scale] (``inner`` with
     extra-args support), for code that runs the skip decision itself
-    (``amp_jax.eager.scan_step``) and reuses :func:`_advance`."""
+    (``amp_jax.eager.scan_step``) and reuses `_advance`."""
 
     inner: Any
     growth_interval: int
@@ -167,7 +167,7 @@ _DYNAMIC_RULES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def dynamic_rule(tx: Any) -> _DynamicRule | None:
-    """The rule of ``tx`` if it is (exactly) a :func:`dynamic_loss_scale`, else None."""
+    """The rule of ``tx`` if it is (exactly) a [`dynamic_loss_scale`][amp_jax.optim.dynamic_loss_scale], else None."""
     update = getattr(tx, "update", None)
     try:
         return _DYNAMIC_RULES.get(update)
@@ -218,7 +218,7 @@ def dynamic_loss_scale(
     """Dynamic loss scaling with skipped steps, as an optax wrapper.
 
     Multiply the loss by ``loss_scale(opt_state)`` before differentiating (or use
-    :func:`scaled_value_and_grad`) and pass the still-scaled gradients to
+    [`scaled_value_and_grad`][amp_jax.optim.scaled_value_and_grad]) and pass the still-scaled gradients to
     ``update``. Each ``update``:
 
     1. divides every floating gradient by exactly the scale stored in the state,
@@ -254,13 +254,13 @@ def dynamic_loss_scale(
         finiteness decision is reduced, so every device skips together.
       check_scaled: under a trace (``jit``, ``grad``...), refuse gradients whose
         loss was not multiplied by this state's scale in the same trace (plain
-        ``jax.value_and_grad`` instead of :func:`scaled_value_and_grad`, whose
+        ``jax.value_and_grad`` instead of [`scaled_value_and_grad`][amp_jax.optim.scaled_value_and_grad], whose
         updates would be ``scale`` times too small). Pass ``False`` when the
         scaled gradients come from another jitted function.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is a
-      :class:`DynamicLossScaleState`.
+      [`DynamicLossScaleState`][amp_jax.optim.DynamicLossScaleState].
 
     Raises:
       ValueError: if an argument is outside its allowed range (the message names
@@ -360,9 +360,9 @@ def static_loss_scale(
     """A constant loss scale, as an optax wrapper.
 
     ``update`` divides every floating gradient by ``scale`` (in float32; low
-    precision gradients stay float32, as in :func:`dynamic_loss_scale`) and runs
+    precision gradients stay float32, as in [`dynamic_loss_scale`][amp_jax.optim.dynamic_loss_scale]) and runs
     ``inner``; the updates come back in the gradients' dtypes. Unlike
-    :func:`dynamic_loss_scale` no step is skipped (as in apex and jmp); wrap it
+    [`dynamic_loss_scale`][amp_jax.optim.dynamic_loss_scale] no step is skipped (as in apex and jmp); wrap it
     in ``optax.apply_if_finite`` (outside: it then checks the scaled gradients,
     in their own dtype) if you want non-finite steps dropped. (Inside, an
     optax optimizer would see float32 gradients with float16 moments and
@@ -371,11 +371,11 @@ def static_loss_scale(
     Args:
       inner: the transformation to run on the unscaled gradients.
       scale: the loss scale (> 0), e.g. ``2.0**12``.
-      check_scaled: as in :func:`dynamic_loss_scale`.
+      check_scaled: as in [`dynamic_loss_scale`][amp_jax.optim.dynamic_loss_scale].
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is a
-      :class:`StaticLossScaleState`.
+      [`StaticLossScaleState`][amp_jax.optim.StaticLossScaleState].
 
     Raises:
       ValueError: if ``scale`` is not a finite positive number.
@@ -427,8 +427,8 @@ _FIX = (
 def loss_scale(opt_state: Any) -> jax.Array:
     """The current loss scale stored anywhere inside an optimizer state.
 
-    Finds the single :class:`DynamicLossScaleState` or
-    :class:`StaticLossScaleState` nested in ``opt_state`` (inside
+    Finds the single [`DynamicLossScaleState`][amp_jax.optim.DynamicLossScaleState] or
+    [`StaticLossScaleState`][amp_jax.optim.StaticLossScaleState] nested in ``opt_state`` (inside
     ``optax.chain`` tuples, ``inject_hyperparams``, ``MultiSteps``,
     ``masked``/``multi_transform`` states, dicts, lists...).
 
@@ -577,7 +577,7 @@ def loss_scale_stats(opt_state: Any) -> dict[str, jax.Array]:
     """The loss-scale counters of an optimizer state, to log.
 
   Finds the single loss-scale state nested in ``opt_state`` (like
-  :func:`loss_scale`) and returns its counters as scalar arrays; works under
+  [`loss_scale`][amp_jax.optim.loss_scale]) and returns its counters as scalar arrays; works under
   ``jit`` (convert with ``{k: float(v) for k, v in stats.items()}`` on the
   host).
 
@@ -585,11 +585,11 @@ def loss_scale_stats(opt_state: Any) -> dict[str, jax.Array]:
     opt_state: an optimizer state containing exactly one loss-scale state.
 
   Returns:
-    For a :class:`DynamicLossScaleState`: ``scale`` (float32), ``steps``,
+    For a [`DynamicLossScaleState`][amp_jax.optim.DynamicLossScaleState]: ``scale`` (float32), ``steps``,
     ``skipped_steps``, ``good_steps`` (consecutive finite steps since the
     last growth or backoff), ``last_skipped_step`` (1-based, 0 when none;
     all int32) and ``skip_rate`` (float32, ``skipped_steps / steps``). For a
-    :class:`StaticLossScaleState`: ``scale`` only.
+    [`StaticLossScaleState`][amp_jax.optim.StaticLossScaleState]: ``scale`` only.
 
   Raises:
     ValueError: if no loss-scale state or more than one is found.

@@ -13,7 +13,7 @@ from amp_jax.optim import _check, _rounding, _tree
 
 
 class MasterWeightsState(NamedTuple):
-    """State of :func:`master_weights`.
+    """State of [`master_weights`][amp_jax.optim.master_weights].
 
     Attributes:
       master: the high-precision copy of the parameters (floating leaves in
@@ -89,7 +89,7 @@ def master_weights(
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is a
-      :class:`MasterWeightsState`.
+      [`MasterWeightsState`][amp_jax.optim.MasterWeightsState].
 
     Raises:
       ValueError: if ``master_dtype`` is not floating, or ``update`` is called
@@ -119,6 +119,9 @@ def master_weights(
         return x.astype(master_dtype) if _tree.is_float(x) else jnp.asarray(x)
 
     def init_fn(params):
+        _check.warn_if_redundant(
+            params, master_dtype, f"master_weights(master_dtype={master_dtype})"
+        )
         # a copy even where the dtype already is master_dtype: a master leaf
         # that aliased its parameter's buffer would make a step that donates
         # both params and state fail ("donate the same buffer twice")
@@ -165,7 +168,7 @@ def master_params(opt_state: Any) -> optax.Params:
     """The high-precision master parameters stored in an optimizer state.
 
     Args:
-      opt_state: a state containing exactly one :class:`MasterWeightsState`
+      opt_state: a state containing exactly one [`MasterWeightsState`][amp_jax.optim.MasterWeightsState]
         (possibly nested in chains, loss-scale wrappers, ``MultiSteps``...).
 
     Returns:

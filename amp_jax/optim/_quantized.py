@@ -81,9 +81,9 @@ def linear_map_without_zero(bits: int = 4) -> np.ndarray:
 class _Codec:
     """How one moment of one format is quantized.
 
-    ``kind`` names the code map: ``"dynamic"`` (:func:`dynamic_map`, with
+    ``kind`` names the code map: ``"dynamic"`` (`dynamic_map`, with
     ``signed`` and ``exponent_bits``), ``"linear"``
-    (:func:`linear_map_without_zero`) or ``"float8"`` (``float8_e4m3fn``
+    (`linear_map_without_zero`) or ``"float8"`` (``float8_e4m3fn``
     numbers scaled so the block absmax is 448).
     """
 
@@ -112,7 +112,7 @@ class _Codec:
         ``key`` (a ``uint32`` scalar): round each value stochastically to one
         of the two codes around it, the upper one with probability equal to
         the value's distance from the lower one over the gap, so the decoded
-        value is unbiased (:func:`_uniform_bits`). ``None``: to the nearest
+        value is unbiased (`_uniform_bits`). ``None``: to the nearest
         code (ties to the lower one).
         """
         if self.sqrt:  # max(sqrt(x)) = sqrt(max(x)): sqrt rounds monotonically
@@ -228,7 +228,7 @@ def _hash32(x: jax.Array) -> jax.Array:
 def _uniform_bits(x: jax.Array, key: jax.Array) -> jax.Array:
     """``uint32`` pseudo-random bits per element of float32 ``x``: a hash of
     its top 16 bits (sign, exponent, 7 mantissa bits) and ``key`` (one per
-    step and moment, :func:`_step_keys`).
+    step and moment, `_step_keys`).
 
     Element-wise, so it needs no index arrays (they would have to be sharded
     like the state and differ between a stacked and a per-layer state) and
@@ -374,11 +374,11 @@ class QuantizedArray(NamedTuple):
 
 
 class ScaleByQuantizedAdamState(NamedTuple):
-    """State of :func:`scale_by_quantized_adam`.
+    """State of [`scale_by_quantized_adam`][amp_jax.optim.scale_by_quantized_adam].
 
     Attributes:
       count: int32 step counter (as ``optax.ScaleByAdamState.count``).
-      mu: first moments: a :class:`QuantizedArray` per quantized parameter, a
+      mu: first moments: a [`QuantizedArray`][amp_jax.optim.QuantizedArray] per quantized parameter, a
         float32 array per parameter kept in full precision.
       nu: second moments, laid out like ``mu``.
     """
@@ -412,7 +412,7 @@ def _from_blocks(blocks: jax.Array, shape: tuple[int, ...]) -> jax.Array:
 
 
 def quantize(x: jax.Array, codec: _Codec, block_size: int) -> QuantizedArray:
-    """``x`` (any float dtype) as a :class:`QuantizedArray`."""
+    """``x`` (any float dtype) as a [`QuantizedArray`][amp_jax.optim.QuantizedArray]."""
     block, n_blocks = block_layout(x.shape, block_size, codec.bits)
     return QuantizedArray(*codec.quantize(_to_blocks(x.astype(jnp.float32), block, n_blocks)))
 
@@ -425,7 +425,7 @@ def quantized_zeros(like: jax.Array, codec: _Codec, block_size: int) -> Quantize
 
 
 def dequantize(q: QuantizedArray, codec: _Codec, shape: tuple[int, ...]) -> jax.Array:
-    """The float32 array of ``shape`` a :class:`QuantizedArray` stands for."""
+    """The float32 array of ``shape`` a [`QuantizedArray`][amp_jax.optim.QuantizedArray] stands for."""
     return _from_blocks(codec.dequantize(q.codes, q.absmax), shape)
 
 
@@ -453,7 +453,7 @@ def scale_by_quantized_adam(
     *,
     state_format: StateFormat = "8bit",
     block_size: int | None = None,
-    min_quantized_size: int = DEFAULT_MIN_SIZE,
+    min_quantized_size: int = 4096,
     quantize_mask: Any | Callable[[optax.Params], Any] | None = None,
     state_rounding: StateRounding = "stochastic",
 ) -> optax.GradientTransformation:
@@ -501,7 +501,7 @@ def scale_by_quantized_adam(
     Parameters with fewer than ``min_quantized_size`` elements, non-floating
     parameters and those ``quantize_mask`` deselects (embeddings, as the
     8-bit paper prescribes) keep float32 moments, updated bitwise like
-    :func:`scale_by_any_precision_adam` with float32 states.
+    [`scale_by_any_precision_adam`][amp_jax.optim.scale_by_any_precision_adam] with float32 states.
 
     Args:
       b1: first-moment decay.
@@ -524,7 +524,7 @@ def scale_by_quantized_adam(
 
     Returns:
       An ``optax.GradientTransformation`` with
-      :class:`ScaleByQuantizedAdamState` state. Updates come back in the gradients' dtypes.
+      [`ScaleByQuantizedAdamState`][amp_jax.optim.ScaleByQuantizedAdamState] state. Updates come back in the gradients' dtypes.
 
     Raises:
       ValueError: for an unknown ``state_format`` or ``state_rounding``, an

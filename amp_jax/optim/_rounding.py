@@ -4,7 +4,7 @@ XLA may keep bfloat16/float16 intermediates in float32 ("excess precision",
 ``--xla_allow_excess_precision``, on by default on GPU) and then removes a
 ``float32 -> bfloat16 -> float32`` convert pair as a no-op. An algorithm
 that *measures* a rounding error (Kahan summation, stochastic rounding)
-would then measure zero. :func:`round_nearest` rounds with
+would then measure zero. `round_nearest` rounds with
 ``lax.reduce_precision``, XLA's explicit rounding op, which no pass may drop.
 """
 

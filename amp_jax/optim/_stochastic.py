@@ -13,7 +13,7 @@ from amp_jax.optim import _check, _master, _rounding, _tree
 
 
 class StochasticRoundingState(NamedTuple):
-    """State of :func:`stochastic_rounding`.
+    """State of [`stochastic_rounding`][amp_jax.optim.stochastic_rounding].
 
     Attributes:
       key: raw ``uint32`` PRNG key data (``jax.random.key_data`` of the key),
@@ -100,7 +100,7 @@ def stochastic_rounding(
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is a
-      :class:`StochasticRoundingState`.
+      [`StochasticRoundingState`][amp_jax.optim.StochasticRoundingState].
 
     Raises:
       ValueError: if ``update`` is called without ``params``.

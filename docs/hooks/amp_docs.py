@@ -77,10 +77,12 @@ def _unlink_relative(text: str) -> str:
 def benchmark_results() -> str:
     """benchmarks/RESULTS.md (CPU) and, when present, RESULTS_GPU.md."""
     parts = []
+    titles = {"RESULTS.md": "CPU", "RESULTS_GPU.md": "GPU"}
     for name in ("RESULTS.md", "RESULTS_GPU.md"):
         path = ROOT / "benchmarks" / name
         if path.exists():
-            text = path.read_text()
+            # each file's own title names the machine here (both are "amp_jax speed benchmark")
+            text = re.sub(r"\A# .*", f"# {titles[name]} (`benchmarks/{name}`)", path.read_text())
             text = re.sub(
                 r"^(#+)", r"#\1", text, flags=re.M
             )  # nest its headings under this page's title
