@@ -153,9 +153,10 @@ def test_while_residual_is_computed_in_float32():
     jaxpr = jax.make_jaxpr(amp(fixed_point, policy=COMPUTE_OUT))(*args)
     dots = prim_dtypes(jaxpr, "dot_general")
     assert len(dots) == 2
-    assert all(ins == (BF16, BF16) for ins, _, _ in dots)  # the speed stays
     # x @ w1 feeds the residual, and d @ w2 the carried x that the next
-    # residual reads: both write float32 (with bf16 operands)
+    # residual reads: both decide when the loop stops, and run in float32,
+    # operands included (bf16 operands would put a floor under the residual)
+    assert all(ins == (F32, F32) for ins, _, _ in dots)
     assert [outs for _, outs, _ in dots] == [(F32,), (F32,)]
     assert [ins for ins, _, _ in prim_dtypes(jaxpr, "tanh")] == [(F32,)]
     assert all(ins == (F32,) for ins, _, _ in prim_dtypes(jaxpr, "abs"))
@@ -189,7 +190,7 @@ def test_cond_index_from_a_float_between_matmuls():
 def test_dtype_report_says_decides_control_flow():
     rows = dtype_report(amp(fixed_point, policy=COMPUTE_OUT), *_fixed_point_args())
     why = {r[0]: r[5] for r in rows if r[5]}
-    assert "decides control flow" in why.get("tanh", ""), rows
+    assert "decides when a while loop stops" in why.get("tanh", ""), rows
 
 
 def test_plain_elementwise_masks_are_not_decisions():

@@ -89,6 +89,9 @@ class Why(enum.Enum):
     TOO_SMALL = "too_small"
     CONSTANT_RANGE = "constant_range"
     DECIDES_CONTROL = "decides_control"
+    DECIDES_EXIT = "decides_exit"
+    FEEDS_SOLVE = "feeds_solve"
+    FLOAT16_RANGE = "float16_range"
     LOOP_CARRY = "loop_carry"
     BACKEND_KERNEL = "backend_kernel"
 
@@ -100,6 +103,18 @@ KEPT = {
     Why.TOO_SMALL: "too small to pay (Policy.min_low_contraction / min_low_flops)",
     Why.CONSTANT_RANGE: "reads a constant the compute dtype cannot represent",
     Why.DECIDES_CONTROL: "decides control flow (a while predicate or cond index reads it)",
+    Why.DECIDES_EXIT: (
+        "decides when a while loop stops (its exit test reads it, directly or through the "
+        "carry): float32, matmuls included, so a convergence test can reach its tolerance"
+    ),
+    Why.FEEDS_SOLVE: (
+        "a factorization or solve (cholesky, lu, qr, eigh, svd, a linear solve) reads its "
+        "result, or its gradient: the solve amplifies rounding, so float32"
+    ),
+    Why.FLOAT16_RANGE: (
+        "can leave float16's range (max 65504: a power, a reciprocal, a product of two "
+        "activations): float32"
+    ),
     Why.LOOP_CARRY: "computes a loop-carried value: kept in the carry's dtype",
     Why.BACKEND_KERNEL: "no low-precision kernel for it on this backend: runs in float32",
 }

@@ -127,6 +127,7 @@ def decision_slice(
     colors: Sequence[Color],
     seeds: Iterable[Any],
     stops: list[tuple[int, int]] | None = None,
+    keep_matmuls: bool = False,
 ) -> tuple[set[int], set[int], set[int]]:
     """What the values ``seeds`` are computed from, back to the matmuls.
 
@@ -136,6 +137,10 @@ def decision_slice(
     float32), and the positions of ``jaxpr.invars`` reached. The slice also
     stops at higher-order eqns (whose outputs keep their original dtype);
     ``stops``, if given, collects ``(eqn index, output position)`` of each.
+
+    With ``keep_matmuls`` the low ``allow`` eqns are kept whole too (operands
+    included) and the slice goes on through their operands: what a
+    convergence test reads must not carry the compute dtype's rounding.
     """
     producer, _ = jaxprs.def_use(jaxpr)
     position = {v: k for k, v in enumerate(jaxpr.invars)}
@@ -154,7 +159,7 @@ def decision_slice(
         i = producer.get(v)
         if i is None:
             continue
-        if colors[i] is LOW and classes[i] is OpClass.ALLOW:
+        if colors[i] is LOW and classes[i] is OpClass.ALLOW and not keep_matmuls:
             f32_out.add(i)
         elif kinds[i] is Kind.NESTED:
             if stops is not None:
@@ -163,3 +168,31 @@ def decision_slice(
             kept.add(i)
             todo.extend(a for a in jaxpr.eqns[i].invars if not isinstance(a, compat.Literal))
     return kept, f32_out, reached
+
+
+def matmuls_around(
+    jaxpr: Any, classes: Sequence[OpClass | None], starts: Iterable[int]
+) -> set[int]:
+    """The ``allow`` eqns nearest to eqns ``starts`` through other ops, both
+    ways: those whose results reach them, and those that read their results."""
+    preds, succs = _graph(jaxpr)
+    through = {
+        i
+        for i, c in enumerate(classes)
+        if c in (OpClass.FOLLOW, OpClass.CLEAR, OpClass.DENY, OpClass.NEVER)
+    }
+    found: set[int] = set()
+    for edges in (preds, succs):
+        todo = collections.deque(starts)
+        seen = set(todo)
+        while todo:
+            i = todo.popleft()
+            for j in edges[i]:
+                if j in seen:
+                    continue
+                seen.add(j)
+                if classes[j] is OpClass.ALLOW:
+                    found.add(j)
+                elif j in through:
+                    todo.append(j)
+    return found

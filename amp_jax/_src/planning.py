@@ -46,7 +46,10 @@ from amp_jax._src.decision import (
 from amp_jax._src.policy import (
     FULL_PRECISION_SCOPE,
     HIGH_DTYPE,
+    RANGE_WIDENING,
+    SOLVES,
     Policy,
+    has_narrow_range,
     is_managed_float,
     scope_in,
 )
@@ -84,6 +87,8 @@ class Context:
         self.attention_log: list[tuple[str, str | None, str]] = []
         #: {id(closed sub-jaxpr): (it, output positions that decide control flow)}
         self._decides: dict[int, tuple[Any, frozenset[int]]] = {}
+        #: {id(closed sub-jaxpr): (it, output positions that decide when a while loop stops)}
+        self._exits: dict[int, tuple[Any, frozenset[int]]] = {}
         #: {id(closed loop body): (it, output positions carried to the next iteration)}
         self._carries: dict[int, tuple[Any, frozenset[int]]] = {}
 
@@ -114,19 +119,26 @@ class Context:
 
     def decides(self, closed: Any) -> frozenset[int]:
         """Output positions of sub-jaxpr ``closed`` that decide control flow."""
-        hit = self._decides.get(id(closed))
-        return hit[1] if hit is not None and hit[0] is closed else frozenset()
+        return _marked(self._decides, closed)
 
-    def mark_decides(self, closed: Any, outs: Iterable[int]) -> None:
-        self._decides[id(closed)] = (closed, self.decides(closed) | frozenset(outs))
+    def mark_decides(self, closed: Any, outs: Iterable[int], exit: bool = False) -> None:
+        """Marks outputs of ``closed`` that decide control flow; ``exit``: they
+        decide when a ``while`` loop stops (its predicate reads them)."""
+        outs = frozenset(outs)
+        _mark(self._decides, closed, outs)
+        if exit:
+            _mark(self._exits, closed, outs)
+
+    def exits(self, closed: Any) -> frozenset[int]:
+        """Output positions of sub-jaxpr ``closed`` that decide when a while loop stops."""
+        return _marked(self._exits, closed)
 
     def carries(self, closed: Any) -> frozenset[int]:
         """Output positions of loop body ``closed`` that are carried to its next iteration."""
-        hit = self._carries.get(id(closed))
-        return hit[1] if hit is not None and hit[0] is closed else frozenset()
+        return _marked(self._carries, closed)
 
     def mark_carries(self, closed: Any, outs: Iterable[int]) -> None:
-        self._carries[id(closed)] = (closed, self.carries(closed) | frozenset(outs))
+        _mark(self._carries, closed, frozenset(outs))
 
     def plan(self, closed: Any) -> Plan:
         """The plan of closed jaxpr ``closed`` under this context (`plan`)."""
@@ -169,6 +181,19 @@ class Context:
         return scope_in(compat.name_stack_str(eqn), self.scopes)
 
 
+def _marked(table: dict[int, tuple[Any, frozenset[int]]], closed: Any) -> frozenset[int]:
+    # (keyed by the open jaxpr: the same body closed again -- as explain and
+    # jaxprs_in_params do -- keeps its marks)
+    jaxpr = compat.jaxpr_of(closed)
+    hit = table.get(id(jaxpr))
+    return hit[1] if hit is not None and hit[0] is jaxpr else frozenset()
+
+
+def _mark(table: dict[int, tuple[Any, frozenset[int]]], closed: Any, outs: frozenset[int]) -> None:
+    jaxpr = compat.jaxpr_of(closed)
+    table[id(jaxpr)] = (jaxpr, _marked(table, closed) | outs)
+
+
 def _classify(ctx: Context, eqn: Any) -> Classified:
     sub = compat.has_subjaxprs(eqn)
     if ctx.identity:
@@ -206,6 +231,8 @@ def _classify(ctx: Context, eqn: Any) -> Classified:
                 f"Policy(overrides={{{name!r}: 'follow'}})."
             )
         cls = "follow"
+    if cls == "follow" and _leaves_range(ctx.policy, eqn):
+        return Classified(Kind.OP, OpClass.DENY, Reason.kept(Why.FLOAT16_RANGE))
     if cls != "allow":
         return Classified(Kind.OP, OpClass(cls))
     why = stays_high(eqn, ctx.policy)
@@ -217,6 +244,31 @@ def _classify(ctx: Context, eqn: Any) -> Classified:
     if float8.applies(ctx, eqn):
         return Classified(Kind.OP, OpClass.ALLOW, variant=Variant.FLOAT8)
     return Classified(Kind.OP, OpClass.ALLOW)
+
+
+def _leaves_range(policy: Policy, eqn: Any) -> bool:
+    """A follow eqn whose result can leave the range its operands came in,
+    under a compute dtype with float16's range (not a policy override): a
+    power or reciprocal (``integer_pow``, ``square``), a division by anything
+    but a constant of magnitude >= 1, a product of two non-constant operands.
+    (bfloat16 has float32's range: these follow their operands there.)"""
+    name = eqn.primitive.name
+    if (
+        name not in RANGE_WIDENING
+        or name in dict(policy.overrides)
+        or not has_narrow_range(policy.compute_dtype)
+    ):
+        return False
+    if name == "integer_pow":
+        return eqn.params["y"] not in (0, 1)
+    if name == "div":
+        d = eqn.invars[1]
+        if isinstance(d, compat.Literal):
+            return bool(np.any(np.abs(np.asarray(compat.literal_value(d), np.float64)) < 1))
+        return True
+    if name == "mul":
+        return not any(isinstance(v, compat.Literal) for v in eqn.invars)
+    return True
 
 
 # -- allow ops that stay in float32 ---------------------------------------------
@@ -277,7 +329,13 @@ def plan(ctx: Context, closed: Any) -> Plan:
 
     def make() -> Plan:
         flat = ctx.prepare(closed)
-        draft = _paint(ctx, compat.jaxpr_of(flat), ctx.decides(closed), ctx.carries(closed))
+        draft = _paint(
+            ctx,
+            compat.jaxpr_of(flat),
+            ctx.decides(closed),
+            ctx.carries(closed),
+            ctx.exits(closed),
+        )
         att = _plan_attention(ctx, flat)
         return Plan(flat, draft.decisions(ctx, compat.jaxpr_of(flat), att), att.fused)
 
@@ -390,16 +448,30 @@ def _low_text(ctx: Context, eqn: Any) -> str:
 
 
 def _paint(
-    ctx: Context, jaxpr: Any, decide_outs: Iterable[int] = (), carry_outs: Iterable[int] = ()
+    ctx: Context,
+    jaxpr: Any,
+    decide_outs: Iterable[int] = (),
+    carry_outs: Iterable[int] = (),
+    exit_outs: Iterable[int] = (),
 ) -> _Draft:
     """Classes and colors of ``jaxpr``'s eqns; ``decide_outs`` are output
     positions whose values decide control flow (a while predicate, a loop's
-    carried decision), ``carry_outs`` those a loop carries to its next
-    iteration (``jaxpr`` is the body)."""
+    carried decision), ``exit_outs`` those of them that decide when a while
+    loop stops, ``carry_outs`` those a loop carries to its next iteration
+    (``jaxpr`` is the body)."""
     classified, colors = _painted(ctx, jaxpr)
     draft = _Draft(list(classified), list(colors))
     if ctx.identity:
         return draft
+    # A while loop's exit test (a convergence test: |z' - z| < tol) and what
+    # it reads through the carry are computed in float32, matmuls included:
+    # compute-dtype operands put a floor of the compute dtype's rounding
+    # under the tested difference, and the loop never stops.
+    exits = [jaxpr.outvars[k] for k in exit_outs]
+    _keep_slice(draft, jaxpr, exits, Why.DECIDES_EXIT, keep_matmuls=True)
+    # What a factorization or solve reads stays out of the compute dtype back
+    # to the matmuls (those next to the solve were kept by _painted).
+    _keep_slice(draft, jaxpr, _solve_operands(jaxpr), Why.FEEDS_SOLVE)
     seeds = painting.decision_seeds(jaxpr, decide_outs, lambda e: _loop_reads(ctx, e))
     _keep_slice(draft, jaxpr, seeds, Why.DECIDES_CONTROL)
     # A loop-carried float keeps its dtype through the ops that compute the
@@ -428,19 +500,31 @@ def _painted(ctx: Context, jaxpr: Any) -> tuple[tuple[Classified, ...], tuple[Co
             c = classified[i]
             if c.op_class in (OpClass.ALLOW, OpClass.FOLLOW, OpClass.CLEAR):
                 classified[i] = Classified(c.kind, OpClass.NEVER, Reason.kept(Why.CONSTANT_RANGE))
+        # A matmul whose result a factorization or solve reads (a Gram matrix
+        # X^T X), or that reads a solve's result (its backward product is the
+        # cotangent the solve's transpose solves), stays float32: the solve
+        # amplifies rounding by the matrix's condition number.
+        solves = [i for i, e in enumerate(jaxpr.eqns) if e.primitive.name in SOLVES]
+        for i in painting.matmuls_around(jaxpr, [c.op_class for c in classified], solves):
+            if classified[i].reason is None or not classified[i].reason.keeps_high:
+                c = classified[i]
+                classified[i] = Classified(c.kind, OpClass.NEVER, Reason.kept(Why.FEEDS_SOLVE))
         colors = painting.paint([c.op_class for c in classified], jaxpr)
         return tuple(classified), tuple(colors)
 
     return ctx.cached("painted", jaxpr, make)
 
 
-def _keep_slice(draft: _Draft, jaxpr: Any, seeds: list[Any], why: Why) -> list[tuple[int, int]]:
+def _keep_slice(
+    draft: _Draft, jaxpr: Any, seeds: list[Any], why: Why, keep_matmuls: bool = False
+) -> list[tuple[int, int]]:
     """Keeps what ``seeds`` are computed from out of the compute dtype (back
-    to the matmuls, which write float32), recording ``why`` as the reason.
+    to the matmuls, which write float32, or with ``keep_matmuls`` through
+    them, kept whole), recording ``why`` as the reason.
     Returns the (eqn index, output position) of the higher-order eqns reached."""
     stops: list[tuple[int, int]] = []
     kept, f32_out, _ = painting.decision_slice(
-        jaxpr, draft.kinds, draft.classes, draft.colors, seeds, stops
+        jaxpr, draft.kinds, draft.classes, draft.colors, seeds, stops, keep_matmuls
     )
     for i in kept:
         if draft.colors[i] is Color.LOW:
@@ -469,14 +553,31 @@ def _carry_bodies(eqn: Any) -> list[Any]:
     return []
 
 
-def _reached_inputs(ctx: Context, closed: Any, outs: Iterable[int]) -> set[int]:
-    """Input positions of ``closed`` that its decisions (and outputs ``outs``) read."""
+def _reached_inputs(ctx: Context, closed: Any, outs: Iterable[int], exit: bool) -> set[int]:
+    """Input positions of ``closed`` that its decisions (and outputs ``outs``)
+    read; ``exit``: ``outs`` decide when a while loop stops, and reach through
+    the matmuls too."""
     jaxpr = compat.jaxpr_of(ctx.prepare(closed))
     classified, colors = _painted(ctx, jaxpr)
-    seeds = painting.decision_seeds(jaxpr, outs, lambda e: _loop_reads(ctx, e))
     kinds = [c.kind for c in classified]
     classes = [c.op_class for c in classified]
-    return painting.decision_slice(jaxpr, kinds, classes, colors, seeds)[2]
+    reached = set()
+    if exit:
+        exits = [jaxpr.outvars[k] for k in outs]
+        reached = painting.decision_slice(jaxpr, kinds, classes, colors, exits, None, True)[2]
+    seeds = painting.decision_seeds(jaxpr, outs, lambda e: _loop_reads(ctx, e))
+    return reached | painting.decision_slice(jaxpr, kinds, classes, colors, seeds)[2]
+
+
+def _solve_operands(jaxpr: Any) -> list[Any]:
+    """The operands of ``jaxpr``'s factorizations and solves (:data:`SOLVES`)."""
+    return [
+        v
+        for e in jaxpr.eqns
+        if e.primitive.name in SOLVES
+        for v in e.invars
+        if not isinstance(v, compat.Literal) and is_managed_float(casting.dtype_of(v))
+    ]
 
 
 def _loop_reads(ctx: Context, eqn: Any) -> list[int]:
@@ -486,11 +587,12 @@ def _loop_reads(ctx: Context, eqn: Any) -> list[int]:
 
     def make() -> list[int]:
         p = eqn.params
-        if eqn.primitive.name == "while":
+        is_while = eqn.primitive.name == "while"
+        if is_while:
             cn, bn = compat.while_split(p)
             body, n_body_consts = p["body_jaxpr"], bn
-            first = _reached_inputs(ctx, p["cond_jaxpr"], [0])
-            ctx.mark_decides(p["cond_jaxpr"], [0])
+            first = _reached_inputs(ctx, p["cond_jaxpr"], [0], exit=True)
+            ctx.mark_decides(p["cond_jaxpr"], [0], exit=True)
             carry = {k - cn for k in first if k >= cn}
             reads = [k for k in first if k < cn]
             carry_at = cn + bn  # carry operands follow the cond and body consts
@@ -501,7 +603,7 @@ def _loop_reads(ctx: Context, eqn: Any) -> list[int]:
             carry, carry_at = set(), n_consts
         body_reads: set[int] = set()
         while True:  # loop-carried: a carry read by a decision is one too
-            body_reads = _reached_inputs(ctx, body, sorted(carry))
+            body_reads = _reached_inputs(ctx, body, sorted(carry), exit=is_while)
             new = carry | {k - n_body_consts for k in body_reads if k >= n_body_consts}
             if eqn.primitive.name == "scan":
                 new = {k for k in new if k < n_carry}
@@ -509,7 +611,7 @@ def _loop_reads(ctx: Context, eqn: Any) -> list[int]:
                 break
             carry = new
         if carry:
-            ctx.mark_decides(body, carry)
+            ctx.mark_decides(body, carry, exit=is_while)
         ctx.mark_carries(body, range(n_carry if eqn.primitive.name == "scan" else n_out))
         consts = [k for k in body_reads if k < n_body_consts]
         if eqn.primitive.name == "while":

@@ -265,6 +265,37 @@ DEFAULT_NEVER: frozenset[str] = frozenset(
 )
 """Primitives whose operand dtypes are part of their meaning (casts, bit casts, random bits, custom reductions): never changed."""
 
+#: Factorizations and solves: the contractions whose results they read stay float32.
+SOLVES: frozenset[str] = frozenset(
+    {
+        "cholesky",
+        "triangular_solve",
+        "lu",
+        "qr",
+        "svd",
+        "eigh",
+        "eig",
+        "tridiagonal_solve",
+        "schur",
+        "hessenberg",
+        "custom_linear_solve",
+        "linear_solve",  # lineax
+    }
+)
+"""Factorizations and solves: they amplify their input's rounding by the matrix's condition number, so a contraction whose result one reads stays float32."""
+
+#: Follow ops whose result can leave the range of their operands (a power, a
+#: reciprocal, a product of two activations); under a compute dtype with
+#: float16's range they run in float32 (see :func:`widens_range`).
+RANGE_WIDENING: frozenset[str] = frozenset({"integer_pow", "square", "div", "mul"})
+"""Follow ops whose result can leave their operands' range: float32 under a compute dtype with float16's small range."""
+
+
+def has_narrow_range(dtype: Any) -> bool:
+    """True for a compute dtype whose largest finite value is small (float16: 65504)."""
+    return float(jnp.finfo(dtype).max) < 1e10
+
+
 _PRESETS: dict[str, Any] = {
     "bfloat16": jnp.bfloat16,
     "float16": jnp.float16,
