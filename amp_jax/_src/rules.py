@@ -435,10 +435,20 @@ def _dot(
     copy of a bf16 array). A dot whose rhs contracts its leading dims comes
     out behind an ``optimization_barrier`` (a transpose of its result must not
     swap its operands, see below).
-    Batched and non-bf16 dots are left as they are.
+    Non-bf16 dots are left as they are; batched ones too, but for one case:
+    XLA:CPU has no kernel for some batched bf16 x bf16 -> f32 layouts (a rhs
+    with several kept dims), and a dot amp lowered can gain batch dims after
+    its plan was made (an outer ``vmap`` batching both operands of a linear
+    dot: a ``cond`` with a batched predicate broadcasts its weights). Such a
+    dot takes its bf16 operands upcast to float32: the same products and
+    float32 sums, in the float32 kernel.
     """
     (ca, cb), (ba, bb) = dims
     extra = {} if out_sharding is None else {"out_sharding": out_sharding}
+    bf16 = np.dtype(jax.numpy.bfloat16)
+    if (ba or bb) and cpu_layouts and np.dtype(a.dtype) == bf16 == np.dtype(b.dtype):
+        if acc is None or np.dtype(acc) != bf16:
+            a, b = a.astype(HIGH_DTYPE), b.astype(HIGH_DTYPE)
     if (
         ba
         or bb
