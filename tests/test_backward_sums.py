@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _util import BF16, F16, eqns, rel
+from _util import BF16, eqns, low_sums, rel
 from jax import lax
 
 from amp_jax import amp
@@ -63,3 +63,83 @@ def test_float32_policy_is_bitwise_on_every_jax_version():
             jax.tree.leaves(jax.value_and_grad(f32, argnums)(W, x)),
         ):
             np.testing.assert_array_equal(u, v)
+
+
+# -- selection ops between two matmuls: their backward sums in float32 -------------
+
+BF = jnp.bfloat16
+
+
+def _mm(a, b, hand):
+    if hand:  # only the matmul operands cast, by hand
+        return jnp.dot(a.astype(BF), b.astype(BF), preferred_element_type=jnp.float32)
+    return a @ b
+
+
+SELECTIONS = {
+    "max-keepdims": lambda h: h - jnp.max(h, 1, keepdims=True),
+    "min-keepdims": lambda h: h - jnp.min(h, 0, keepdims=True),
+    "pool-overlap": lambda h: lax.reduce_window(h, -jnp.inf, lax.max, (1, 4), (1, 2), "SAME"),
+    "cummax": lambda h: lax.cummax(h, axis=0),
+    "cummin": lambda h: lax.cummin(h, axis=1),
+    "gather-repeated": lambda h: h[jnp.arange(h.shape[0]) // 8],
+    "sort": lambda h: jnp.sort(h, axis=1),
+    "top_k": lambda h: lax.top_k(h, 32)[0],
+    "scatter-add": lambda h: jnp.zeros_like(h).at[jnp.arange(h.shape[0]) // 4].add(h),
+}
+
+
+def _between(mid):
+    def f(W1, W2, X, hand=False):
+        h = mid(_mm(X, W1, hand))
+        return jnp.sum(jnp.tanh(_mm(h, W2[: h.shape[1]], hand)))
+
+    return f
+
+
+def _data(n=64):
+    W1 = jax.random.normal(KS[2], (n, n)) / np.sqrt(n)
+    W2 = jax.random.normal(KS[3], (n, n)) / np.sqrt(n)
+    X = jax.random.normal(KS[4], (n, n))
+    return W1, W2, X
+
+
+@pytest.mark.parametrize("name", sorted(SELECTIONS))
+def test_selection_backward_sums_in_float32(name):
+    """No sum of the backward pass (a ``reduce_sum`` of a keepdims max, the
+    ``select_and_scatter_add`` of overlapping pooling, the scatter-add of a
+    sort, top_k or repeated gather) adds compute-dtype values, also under an
+    outer ``vmap``; the gradients are within 2x the hand-cast error."""
+    f = _between(SELECTIONS[name])
+    W1, W2, X = _data()
+    assert low_sums(jax.make_jaxpr(jax.grad(amp(f), (0, 1)))(W1, W2, X)) == []
+    g = lambda fn: jax.jit(jax.grad(fn, (0, 1)))(W1, W2, X)
+    ref = g(f)
+    hand = rel(g(lambda a, b, c: f(a, b, c, True)), ref)
+    got = rel(g(amp(f)), ref)
+    assert got <= 2 * hand, (got, hand)
+    # per-example (the selection over one example's rows) under an outer vmap
+    per = lambda W1, W2, X: jnp.sum(jax.vmap(amp(f), (None, None, 0))(W1, W2, X))
+    Xs = jnp.stack([X[:, :16], X[:, 16:32]])
+    assert low_sums(jax.make_jaxpr(jax.grad(per, (0, 1)))(W1[:16], W2, Xs)) == []
+
+
+def test_cummax_row_that_holds_the_running_max_sums_its_cotangents_in_float32():
+    """Row 0 is the running max of all 64 rows: its gradient adds 64
+    cotangents (a tree of adds in cummax's JVP). With cummax on bf16 they were
+    added in bf16."""
+    W1, W2, X = _data()
+    W1 = jnp.abs(W1)
+    X = X.at[0].set(8.0)
+    f = _between(SELECTIONS["cummax"])
+    g = lambda fn: jax.jit(jax.grad(fn, 2))(W1, W2, X)[0]
+    ref = g(f)
+    hand = rel(g(lambda a, b, c: f(a, b, c, True)), ref)
+    got = rel(g(amp(f)), ref)
+    assert got <= 2 * hand, (got, hand)
+    adds = [
+        e.primitive.name
+        for e, _ in eqns(jax.make_jaxpr(jax.grad(amp(f), 2))(W1, W2, X))
+        if e.primitive.name in ("add", "add_any") and np.dtype(e.invars[0].aval.dtype) == BF16
+    ]
+    assert adds == []

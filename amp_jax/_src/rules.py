@@ -88,14 +88,37 @@ class BroadcastRule(EqnRule):
 
 
 class ExpandRule(EqnRule):
-    """Ops whose transpose sums: ``broadcast_in_dim`` and ``tile``
-    (``jnp.tile``, ``jnp.repeat``, ``broadcast_to``, explicit bias
-    broadcasts) and
-    ``gather`` (an embedding lookup: its transpose scatter-adds repeated
-    rows). Painted low, such an op reads its float operand in the operand's
-    own dtype and casts its *result* to the compute dtype, so the backward
-    sum (``reduce_sum``, ``scatter-add``) accumulates in float32, like the
-    implicit broadcasts of :class:`BroadcastRule`."""
+    """Ops whose derivative adds values: the transpose of ``broadcast_in_dim``
+    and ``tile`` (``jnp.tile``, ``jnp.repeat``, ``broadcast_to``, explicit
+    bias broadcasts) sums over the copies; of ``gather`` (an embedding lookup,
+    indexing with repeated indices), ``sort`` and ``top_k``, it scatter-adds;
+    the JVP rules of the selections ``reduce_max``/``reduce_min`` count ties
+    and sum the tangents of the chosen elements, those of ``cummax``/``cummin``
+    and of overlapping max pooling (``reduce_window_max``/``min``, whose
+    transpose is ``select_and_scatter_add``) sum the cotangents of every
+    position that chose an element; ``scatter-add`` sums in its forward pass.
+    Painted low, such an op reads its float operands in their own dtype
+    (float32) and casts its float *results* to the compute dtype, so that
+    these sums accumulate in float32, as the implicit broadcasts of
+    :class:`BroadcastRule` do; the values are the same (a selection of
+    compute-dtype values is exact in float32)."""
+
+    #: the primitives whose derivative sums whatever their shapes
+    ALWAYS = frozenset(
+        {
+            "gather",
+            "sort",
+            "top_k",
+            "reduce_max",
+            "reduce_min",
+            "cummax",
+            "cummin",
+            "reduce_window_max",
+            "reduce_window_min",
+            "scatter-add",
+            "scatter_add",
+        }
+    )
 
     def evaluate(self, ctx: Any, eqn: Any, d: Decision, env: Any) -> list[Any]:
         if d.color is not Color.LOW or not self.sums_in_transpose(eqn):
@@ -104,14 +127,14 @@ class ExpandRule(EqnRule):
         outs = compat.bind_eqn(eqn, [env.read(v, casting.dtype_of(v)) for v in eqn.invars])
         return [casting.lower(o, cd) for o in outs]
 
-    @staticmethod
-    def sums_in_transpose(eqn: Any) -> bool:
-        x, out = eqn.invars[0].aval, eqn.outvars[0].aval
-        if not is_managed_float(getattr(x, "dtype", None)):
+    @classmethod
+    def sums_in_transpose(cls, eqn: Any) -> bool:
+        if not any(is_managed_float(casting.dtype_of(v)) for v in eqn.invars):
             return False
-        if eqn.primitive.name != "gather":
-            return int(np.prod(out.shape)) > int(np.prod(x.shape))
-        return True
+        if eqn.primitive.name in cls.ALWAYS:
+            return True
+        x, out = eqn.invars[0].aval, eqn.outvars[0].aval
+        return int(np.prod(out.shape)) > int(np.prod(x.shape))
 
     def reads_low(self, ctx: Any, eqn: Any, d: Decision, atom: Any) -> bool:
         return d.color is Color.LOW and not self.sums_in_transpose(eqn)
@@ -732,7 +755,7 @@ register_eqn_rule(BROADCASTING, BroadcastRule())
 register_eqn_rule("dot_general", DotRule())
 register_eqn_rule("transpose", TransposeRule())
 register_eqn_rule("conv_general_dilated", AllowRule(conv_rule))
-register_eqn_rule(("broadcast_in_dim", "tile", "gather"), ExpandRule())
+register_eqn_rule(("broadcast_in_dim", "tile", *ExpandRule.ALWAYS), ExpandRule())
 _BIND = EqnRule()
 _ALLOW = AllowRule()
 
