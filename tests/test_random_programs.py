@@ -158,16 +158,16 @@ KINDS = [
     "euler",
     "adaptive",
     "tiny",
-    "heads",
-    "max_center",
-    "pool",
-    "cummax",
-    "gather",
-    "sort",
-    "top_k",
 ]
+#: multi-head einsums in a cond and selection ops (whose derivatives add values)
+SELECTIONS = ["heads", "max_center", "pool", "cummax", "gather", "sort", "top_k"]
 programs = st.lists(
     st.tuples(st.sampled_from(KINDS), st.integers(0, N_W - 1)), min_size=1, max_size=6
+)
+with_selections = st.lists(
+    st.tuples(st.sampled_from(KINDS + SELECTIONS), st.integers(0, N_W - 1)),
+    min_size=1,
+    max_size=6,
 )
 
 
@@ -194,6 +194,17 @@ def _n_dots(jaxpr):
 @example([("ln", 0), ("while", 0)])  # (failed on an H100: the while carry rounded to bf16)
 @example([("dot", 1), ("ema", 0), ("euler", 2)])
 def test_random_program(program):
+    _check_program(program)
+
+
+@settings(max_examples=8, deadline=None, derandomize=True, phases=[Phase.explicit, Phase.generate])
+@given(with_selections)
+@example([("pool", 0), ("cummax", 1), ("sort", 2)])
+def test_random_program_with_selections(program):
+    _check_program(program)
+
+
+def _check_program(program):
     f = make(program)
     vg = {
         name: jax.value_and_grad(g)
@@ -242,7 +253,7 @@ XS = jax.random.normal(jax.random.PRNGKey(4), (3, 8, 16))
 
 
 @settings(max_examples=6, deadline=None, derandomize=True, phases=[Phase.explicit, Phase.generate])
-@given(programs)
+@given(with_selections)
 @example([("heads", 0)])  # (crashed: a dot batched after amp planned it, on XLA:CPU)
 def test_random_program_under_an_outer_vmap(program):
     """``vmap`` outside amp, under ``grad``: it runs, float32 is bitwise the
