@@ -164,3 +164,41 @@ def benchmark_module(name: str):
         sys.modules[key] = module  # (dataclasses look their module up)
         spec.loader.exec_module(module)
     return sys.modules[key]
+
+
+#: primitives that add values together (a sum over an axis, a window, the
+#: positions of a scatter)
+SUMS = (
+    "reduce_sum",
+    "cumsum",
+    "reduce_window_sum",
+    "scatter-add",
+    "scatter_add",
+    "select_and_scatter_add",
+)
+
+
+def _summed(e) -> int:
+    """How many values ``e`` (a primitive of ``SUMS``) may add into one (a
+    bound: 2 where the indices decide)."""
+    shape = e.invars[0].aval.shape
+    name = e.primitive.name
+    if name == "reduce_sum":
+        return int(np.prod([shape[a] for a in e.params["axes"]]))
+    if name == "cumsum":
+        return int(shape[e.params["axis"]])
+    if name == "reduce_window_sum":
+        return int(np.prod(e.params["window_dimensions"]))
+    return 2
+
+
+def low_sums(jaxpr):
+    """[(primitive, operand aval)] of the eqns of ``jaxpr`` (recursively) that
+    add two or more compute-dtype (bf16/f16) values together."""
+    return [
+        (e.primitive.name, str(e.invars[0].aval))
+        for e, _ in eqns(jaxpr)
+        if e.primitive.name in SUMS
+        and any(np.dtype(getattr(v.aval, "dtype", np.int32)) in (BF16, F16) for v in e.invars)
+        and _summed(e) > 1
+    ]

@@ -570,7 +570,7 @@ def _reached_inputs(ctx: Context, closed: Any, outs: Iterable[int], exit: bool) 
 
 
 def _solve_operands(jaxpr: Any) -> list[Any]:
-    """The operands of ``jaxpr``'s factorizations and solves (:data:`SOLVES`)."""
+    """The operands of ``jaxpr``'s factorizations and solves (`SOLVES`)."""
     return [
         v
         for e in jaxpr.eqns

@@ -286,7 +286,7 @@ SOLVES: frozenset[str] = frozenset(
 
 #: Follow ops whose result can leave the range of their operands (a power, a
 #: reciprocal, a product of two activations); under a compute dtype with
-#: float16's range they run in float32 (see :func:`widens_range`).
+#: float16's range they run in float32 (see `widens_range`).
 RANGE_WIDENING: frozenset[str] = frozenset({"integer_pow", "square", "div", "mul"})
 """Follow ops whose result can leave their operands' range: float32 under a compute dtype with float16's small range."""
 

@@ -88,14 +88,37 @@ class BroadcastRule(EqnRule):
 
 
 class ExpandRule(EqnRule):
-    """Ops whose transpose sums: ``broadcast_in_dim`` and ``tile``
-    (``jnp.tile``, ``jnp.repeat``, ``broadcast_to``, explicit bias
-    broadcasts) and
-    ``gather`` (an embedding lookup: its transpose scatter-adds repeated
-    rows). Painted low, such an op reads its float operand in the operand's
-    own dtype and casts its *result* to the compute dtype, so the backward
-    sum (``reduce_sum``, ``scatter-add``) accumulates in float32, like the
-    implicit broadcasts of `BroadcastRule`."""
+    """Ops whose derivative adds values: the transpose of ``broadcast_in_dim``
+    and ``tile`` (``jnp.tile``, ``jnp.repeat``, ``broadcast_to``, explicit
+    bias broadcasts) sums over the copies; of ``gather`` (an embedding lookup,
+    indexing with repeated indices), ``sort`` and ``top_k``, it scatter-adds;
+    the JVP rules of the selections ``reduce_max``/``reduce_min`` count ties
+    and sum the tangents of the chosen elements, those of ``cummax``/``cummin``
+    and of overlapping max pooling (``reduce_window_max``/``min``, whose
+    transpose is ``select_and_scatter_add``) sum the cotangents of every
+    position that chose an element; ``scatter-add`` sums in its forward pass.
+    Painted low, such an op reads its float operands in their own dtype
+    (float32) and casts its float *results* to the compute dtype, so that
+    these sums accumulate in float32, as the implicit broadcasts of
+    `BroadcastRule` do; the values are the same (a selection of
+    compute-dtype values is exact in float32)."""
+
+    #: the primitives whose derivative sums whatever their shapes
+    ALWAYS = frozenset(
+        {
+            "gather",
+            "sort",
+            "top_k",
+            "reduce_max",
+            "reduce_min",
+            "cummax",
+            "cummin",
+            "reduce_window_max",
+            "reduce_window_min",
+            "scatter-add",
+            "scatter_add",
+        }
+    )
 
     def evaluate(self, ctx: Any, eqn: Any, d: Decision, env: Any) -> list[Any]:
         if d.color is not Color.LOW or not self.sums_in_transpose(eqn):
@@ -104,14 +127,14 @@ class ExpandRule(EqnRule):
         outs = compat.bind_eqn(eqn, [env.read(v, casting.dtype_of(v)) for v in eqn.invars])
         return [casting.lower(o, cd) for o in outs]
 
-    @staticmethod
-    def sums_in_transpose(eqn: Any) -> bool:
-        x, out = eqn.invars[0].aval, eqn.outvars[0].aval
-        if not is_managed_float(getattr(x, "dtype", None)):
+    @classmethod
+    def sums_in_transpose(cls, eqn: Any) -> bool:
+        if not any(is_managed_float(casting.dtype_of(v)) for v in eqn.invars):
             return False
-        if eqn.primitive.name != "gather":
-            return int(np.prod(out.shape)) > int(np.prod(x.shape))
-        return True
+        if eqn.primitive.name in cls.ALWAYS:
+            return True
+        x, out = eqn.invars[0].aval, eqn.outvars[0].aval
+        return int(np.prod(out.shape)) > int(np.prod(x.shape))
 
     def reads_low(self, ctx: Any, eqn: Any, d: Decision, atom: Any) -> bool:
         return d.color is Color.LOW and not self.sums_in_transpose(eqn)
@@ -435,10 +458,20 @@ def _dot(
     copy of a bf16 array). A dot whose rhs contracts its leading dims comes
     out behind an ``optimization_barrier`` (a transpose of its result must not
     swap its operands, see below).
-    Batched and non-bf16 dots are left as they are.
+    Non-bf16 dots are left as they are; batched ones too, but for one case:
+    XLA:CPU has no kernel for some batched bf16 x bf16 -> f32 layouts (a rhs
+    with several kept dims), and a dot amp lowered can gain batch dims after
+    its plan was made (an outer ``vmap`` batching both operands of a linear
+    dot: a ``cond`` with a batched predicate broadcasts its weights). Such a
+    dot takes its bf16 operands upcast to float32: the same products and
+    float32 sums, in the float32 kernel.
     """
     (ca, cb), (ba, bb) = dims
     extra = {} if out_sharding is None else {"out_sharding": out_sharding}
+    bf16 = np.dtype(jax.numpy.bfloat16)
+    if (ba or bb) and cpu_layouts and np.dtype(a.dtype) == bf16 == np.dtype(b.dtype):
+        if acc is None or np.dtype(acc) != bf16:
+            a, b = a.astype(HIGH_DTYPE), b.astype(HIGH_DTYPE)
     if (
         ba
         or bb
@@ -722,7 +755,7 @@ register_eqn_rule(BROADCASTING, BroadcastRule())
 register_eqn_rule("dot_general", DotRule())
 register_eqn_rule("transpose", TransposeRule())
 register_eqn_rule("conv_general_dilated", AllowRule(conv_rule))
-register_eqn_rule(("broadcast_in_dim", "tile", "gather"), ExpandRule())
+register_eqn_rule(("broadcast_in_dim", "tile", *ExpandRule.ALWAYS), ExpandRule())
 _BIND = EqnRule()
 _ALLOW = AllowRule()
 

@@ -338,6 +338,13 @@ class AmpFunction:
         else:
             target, names = self.fn, _param_names(self.fn)
             fn_key = self.fn
+        if self.policy.is_identity:
+            # The float32 policy changes nothing: ``fn`` runs as it is, so that
+            # JAX sees the program it would see without amp (its jitted
+            # helpers, and the order in which it sums cotangents, which a
+            # re-evaluated jaxpr would not keep on every JAX version).
+            out = target(*args, **kwargs)
+            return jax.tree.map(_as_output, out)
         leaves, treedef = jax.tree.flatten((args, kwargs))
         dyn_mask = tuple(_is_dynamic(x) for x in leaves)
         key = None
