@@ -129,16 +129,26 @@ def _check_positive(name: str, value: float, caller: str = "dynamic_loss_scale")
     return value
 
 
-def _unscale(grads: Any, scale: jax.Array) -> Any:
+def _unscale(grads: Any, scale: jax.Array, keep_dtype: bool = False) -> Any:
     """``grads / scale`` in at least float32, and left there: cast back to
-    float16, the small gradients the scale exists to keep would flush to 0."""
+    float16, the small gradients the scale exists to keep would flush to 0.
+    ``keep_dtype``: cast back to each gradient's dtype all the same."""
 
     def one(g):
         if not _tree.is_float(g):
             return g
-        return g.astype(_tree.work_dtype(g.dtype)) / scale
+        u = g.astype(_tree.work_dtype(g.dtype)) / scale
+        return u.astype(g.dtype) if keep_dtype else u
 
     return jax.tree.map(one, grads)
+
+
+def _needs_own_dtype(inner_state: Any) -> bool:
+    """Whether ``inner`` holds an ``optax.apply_if_finite``: its ``lax.cond``
+    needs the inner optimizer's state to keep its dtypes, and optax optimizers
+    promote low-precision moments given float32 gradients, so the unscaled
+    gradients go in in their own dtypes."""
+    return bool(_tree.find_states(inner_state, optax.ApplyIfFiniteState))
 
 
 def _all_finite(tree: Any) -> jax.Array:
@@ -333,7 +343,7 @@ def dynamic_loss_scale(
         scale = state.scale
         if check_scaled:
             _check_scaled(scale, "dynamic_loss_scale")
-        grads = _unscale(updates, scale)
+        grads = _unscale(updates, scale, _needs_own_dtype(state.inner_state))
         finite = _all_finite(grads)
         if axis_name is not None:
             finite = lax.pmin(finite.astype(jnp.int32), axis_name).astype(bool)
@@ -407,7 +417,7 @@ def static_loss_scale(
     def update_fn(updates, state, params=None, **extra_args):
         if check_scaled:
             _check_scaled(state.scale, "static_loss_scale")
-        grads = _unscale(updates, state.scale)
+        grads = _unscale(updates, state.scale, _needs_own_dtype(state.inner_state))
         new_updates, new_inner = inner.update(grads, state.inner_state, params, **extra_args)
         # (float32 gradients must not promote a low-precision inner state)
         new_inner = optax.tree_utils.tree_cast_like(new_inner, state.inner_state)
