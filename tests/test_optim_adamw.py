@@ -154,3 +154,101 @@ def test_defaults_are_optax_adamw_defaults():
     u1, _ = ours.update(g, ours.init(params), params)
     u2, _ = ref.update(g, ref.init(params), params)
     np.testing.assert_array_equal(np.asarray(u1["w"]), np.asarray(u2["w"]))
+
+
+# --- optax's contract: complex parameters, x64, the signature, state dtypes ------
+
+
+def _complex_params():
+    k1, k2 = jax.random.split(jax.random.key(1))
+    re, im = jax.random.normal(k1, (16, 8)), jax.random.normal(k2, (16, 8))
+    return {"w": (re + 1j * im).astype(jnp.complex64), "b": jnp.full(8, 0.5 - 0.25j, jnp.complex64)}
+
+
+@pytest.mark.parametrize("state_format", [None, "8bit"])
+def test_complex_second_moment_is_abs_squared_like_optax(state_format):
+    kw = {} if state_format is None else {"state_format": state_format, "min_quantized_size": 1}
+    params = _complex_params()
+    p1, _ = _run(optim.adamw(1e-2, **kw), params)
+    p2, _ = _run(optax.adamw(1e-2), params)
+    for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p2)):
+        assert a.dtype == b.dtype == jnp.complex64
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+    tx, z = optim.adamw(0.1), jnp.zeros(1, jnp.complex64)
+    u, _ = tx.update(jnp.array([1 + 1j], jnp.complex64), tx.init(z), z)
+    np.testing.assert_allclose(np.asarray(u), -0.1 * (1 + 1j) / np.sqrt(2), rtol=1e-5)
+
+
+def test_complex_parabola_converges():
+    target = jnp.array([1.0 + 2.0j, -3.0 - 0.5j], jnp.complex64)
+    loss = lambda z: jnp.sum(jnp.abs(z - target) ** 2)
+    tx = optim.adamw(0.05, weight_decay=0.0)
+    z, state = jnp.zeros(2, jnp.complex64), tx.init(jnp.zeros(2, jnp.complex64))
+
+    @jax.jit
+    def step(z, state):
+        g = jnp.conj(jax.grad(loss)(z))  # the steepest-descent direction, as optax's tests
+        u, state = tx.update(g, state, z)
+        return optax.apply_updates(z, u), state
+
+    for _ in range(400):
+        z, state = step(z, state)
+    np.testing.assert_allclose(np.asarray(z), np.asarray(target), atol=1e-2)
+
+
+@pytest.mark.parametrize("state_format", ["8bit", "4bit", "float8"])
+def test_quantized_states_on_float64_parameters_under_x64(state_format):
+    kw = {"state_format": state_format, "min_quantized_size": 1}
+    with jax.enable_x64(True):
+        params = {"w": jnp.linspace(-1.0, 1.0, 2 * 300, dtype=jnp.float64).reshape(2, 300)}
+        p64, s64 = _run(optim.adamw(1e-2, **kw), params)
+        p32, s32 = _run(
+            optim.adamw(1e-2, **kw), jax.tree.map(lambda x: x.astype(jnp.float32), params)
+        )
+        assert p64["w"].dtype == jnp.float64
+        for a, b in zip(jax.tree.leaves(s64), jax.tree.leaves(s32)):
+            assert a.dtype == b.dtype and a.shape == b.shape  # float32 codes and absmax
+        # the moments are float32 whatever the parameters: same updates to float32 precision
+        np.testing.assert_allclose(np.asarray(p64["w"]), np.asarray(p32["w"]), atol=1e-6)
+
+
+def test_positional_arguments_are_optax_adamws():
+    import inspect
+
+    ours = list(inspect.signature(optim.adamw).parameters.values())
+    ref = list(inspect.signature(optax.adamw).parameters.values())
+    positional = [p.name for p in ours if p.kind == p.POSITIONAL_OR_KEYWORD]
+    assert positional == [p.name for p in ref if p.kind == p.POSITIONAL_OR_KEYWORD]
+    for p in ours:
+        if p.name in positional:
+            assert p.default == inspect.signature(optax.adamw).parameters[p.name].default
+    # a call ported from optax means the same thing: the fifth argument is eps_root
+    params = _params()
+    args = (1e-2, 0.8, 0.99, 1e-7, 1e-3, None, 1e-2, {"w": True, "b": False})
+    p1, _ = _run(optim.adamw(*args), params)
+    p2, _ = _run(optax.adamw(*args), params)
+    for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p2)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_weight_decay_schedule_like_optax():
+    params = _params()
+    wd = optax.linear_schedule(0.5, 0.0, 6)
+    p1, s1 = _run(optim.adamw(1e-2, weight_decay=wd), params)
+    p2, s2 = _run(optax.adamw(1e-2, weight_decay=wd), params)
+    assert jax.tree.structure(s1) == jax.tree.structure(s2)
+    for a, b in zip(jax.tree.leaves((p1, s1)), jax.tree.leaves((p2, s2))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    p3, _ = _run(optim.adamw(1e-2, weight_decay=0.0), params)
+    assert not np.allclose(np.asarray(p1["w"]), np.asarray(p3["w"]))
+    with pytest.raises(TypeError, match="`weight_decay`.*number or a schedule"):
+        optim.adamw(1e-3, weight_decay="0.1")
+
+
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", jnp.float8_e5m2])
+@pytest.mark.parametrize("arg", ["mu_dtype", "nu_dtype"])
+def test_float8_moment_dtype_refused_at_construction(arg, dtype):
+    with pytest.raises(ValueError, match=rf"adamw: `{arg}`=float8.*state_format='float8'"):
+        optim.adamw(1e-3, **{arg: dtype})
+    with pytest.raises(ValueError, match=rf"`{arg}`=float8.*state_format='float8'"):
+        optim.scale_by_any_precision_adam(**{arg: dtype})

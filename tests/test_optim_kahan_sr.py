@@ -104,7 +104,7 @@ def test_stochastic_rounding_unbiased(dtype, p0, step):
     grads = jnp.full((n,), -step, jnp.float32)
     updates, state = jax.jit(tx.update)(grads, state, params)
     new = optax.apply_updates(params, updates)
-    assert new.dtype == dtype and updates.dtype == dtype
+    assert new.dtype == dtype and updates.dtype == grads.dtype  # optax: the gradients'
     exact = np.float64(np.float32(np.asarray(params[0], np.float32)) + np.float32(step))
     vals = np.asarray(new, np.float64)
     # Only the two neighbours of the exact value appear...

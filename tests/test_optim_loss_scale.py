@@ -201,7 +201,8 @@ def test_scaled_value_and_grad_has_aux():
         jnp.ones(2), jnp.array([1.0, 2.0])
     )
     assert float(loss) == 3.0 and aux == {"n": 3}
-    np.testing.assert_array_equal(np.asarray(grads), [4.0, 8.0])
+    assert isinstance(grads, optim.ScaledGradients)
+    np.testing.assert_array_equal(np.asarray(grads.grads), [4.0, 8.0])
 
 
 def test_non_float_leaves_pass_through():
@@ -298,48 +299,130 @@ def _misuse_setup():
     return params, loss_fn
 
 
-@pytest.mark.parametrize(
-    "make",
-    [
-        lambda: optim.dynamic_loss_scale(optax.sgd(0.1)),
-        lambda: optim.static_loss_scale(optax.sgd(0.1), 2.0**10),
-    ],
-)
-def test_update_refuses_gradients_that_were_never_scaled(make):
+_CHECKED = [
+    lambda: optim.dynamic_loss_scale(optax.sgd(0.1)),
+    lambda: optim.static_loss_scale(optax.sgd(0.1), 2.0**10),
+]
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("make", _CHECKED)
+def test_update_refuses_gradients_that_were_never_scaled(make, jit):
     params, loss_fn = _misuse_setup()
     tx = make()
     state = tx.init(params)
+    maybe_jit = jax.jit if jit else (lambda f: f)
 
-    @jax.jit
+    @maybe_jit
     def plain(params, state):  # the mistake: jax.value_and_grad, no loss scale
         _, g = jax.value_and_grad(loss_fn)(params)
         return tx.update(g, state, params)[0]
 
-    with pytest.raises(ValueError, match="scaled_value_and_grad"):
+    with pytest.raises(ValueError, match=r"plain gradients.*scaled_value_and_grad"):
         plain(params, state)
 
-    @jax.jit
+    @maybe_jit
     def scaled(params, state):
         _, g = optim.scaled_value_and_grad(loss_fn, state)(params)
         return tx.update(g, state, params)[0]
 
     np.testing.assert_allclose(np.asarray(scaled(params, state)["w"]), -0.2, rtol=1e-6)
 
+    # the loss multiplied by hand: declared with ScaledGradients
+    g = jax.grad(lambda p: loss_fn(p) * optim.loss_scale(state))(params)
+    u, _ = tx.update(optim.ScaledGradients(g), state, params)
+    np.testing.assert_allclose(np.asarray(u["w"]), -0.2, rtol=1e-6)
+    # opted out: plain gradients are taken as scaled
+    unchecked = optim.dynamic_loss_scale(optax.sgd(0.1), check_scaled=False)
+    maybe_jit(unchecked.update)({"w": jnp.ones(3)}, unchecked.init(params), params)
 
-def test_update_accepts_scaled_gradients_inside_multisteps_and_nnx():
-    params, loss_fn = _misuse_setup()
-    tx = optax.MultiSteps(optim.dynamic_loss_scale(optax.sgd(0.1)), 2)
+
+@pytest.mark.parametrize("jit_update", [False, True])
+@pytest.mark.parametrize("make", _CHECKED)
+def test_gradient_accumulation_across_jitted_calls(make, jit_update):
+    # micro-batch gradients from one jitted function, summed outside it, one
+    # update (eager or jitted): no flag needed, and the update is the mean's
+    params = {"w": jnp.array([1.0, -2.0, 3.0])}
+    batches = [jnp.array([1.0, 2.0, 3.0]), jnp.array([0.5, 0.0, -1.0]), jnp.ones(3)]
+    loss_fn = lambda p, x: jnp.sum((p["w"] * x) ** 2)
+    tx = make()
     state = tx.init(params)
+    grad_fn = jax.jit(lambda p, s, x: optim.scaled_value_and_grad(loss_fn, s)(p, x)[1])
+    acc = jax.tree.map(jnp.zeros_like, grad_fn(params, state, batches[0]))
+    for x in batches:
+        acc = jax.tree.map(jnp.add, acc, grad_fn(params, state, x))
+    acc = jax.tree.map(lambda g: g / len(batches), acc)
+    assert isinstance(acc, optim.ScaledGradients)
+    update = jax.jit(tx.update) if jit_update else tx.update
+    u, _ = update(acc, state, params)
+    mean = sum(jax.grad(loss_fn)(params, x)["w"] for x in batches) / len(batches)
+    np.testing.assert_allclose(np.asarray(u["w"]), -0.1 * np.asarray(mean), rtol=1e-6)
 
     @jax.jit
-    def step(params, state):  # MultiSteps runs the inner update inside a cond
+    def scanned(params, state):  # accumulation in a lax.scan carry, update in the same jit
+        def body(acc, x):
+            _, g = optim.scaled_value_and_grad(loss_fn, state)(params, x)
+            return jax.tree.map(jnp.add, acc, g), None
+
+        zero = optim.ScaledGradients(jax.tree.map(jnp.zeros_like, params))
+        acc, _ = jax.lax.scan(body, zero, jnp.stack(batches))
+        return tx.update(jax.tree.map(lambda g: g / len(batches), acc), state, params)[0]
+
+    np.testing.assert_allclose(np.asarray(scanned(params, state)["w"]), np.asarray(u["w"]))
+
+
+def test_scaled_gradients_survive_jit_and_tree_utilities():
+    g = optim.ScaledGradients({"w": jnp.ones(2), "b": jnp.zeros(1)})
+    out = jax.jit(lambda g: jax.tree.map(lambda x: 2 * x, g))(g)
+    assert isinstance(out, optim.ScaledGradients)
+    np.testing.assert_array_equal(np.asarray(out.grads["w"]), [2.0, 2.0])
+    assert float(optax.tree.norm(out)) == pytest.approx(np.sqrt(8.0))
+    assert "ScaledGradients" in repr(out)
+
+
+@pytest.mark.parametrize(
+    "wrap",
+    [
+        lambda t: optax.MultiSteps(t, 2),
+        lambda t: optax.apply_if_finite(t, 3),
+        lambda t: optax.masked(t, {"w": True}),
+    ],
+)
+def test_loss_scaler_inside_a_gradient_reshaping_wrapper_is_refused(wrap):
+    params, loss_fn = _misuse_setup()
+    tx = wrap(optim.dynamic_loss_scale(optax.sgd(0.1)))
+    with pytest.raises(ValueError, match=r"inside a .*State.*outermost.*check_scaled=False"):
+        optim.scaled_value_and_grad(loss_fn, tx.init(params))(params)
+    float(optim.loss_scale(tx.init(params)))  # reading the scale is fine
+    # the recommended order works under jit
+    good = optim.dynamic_loss_scale(optax.MultiSteps(optax.sgd(0.1), 2))
+    state = good.init(params)
+
+    @jax.jit
+    def step(params, state):
         _, g = optim.scaled_value_and_grad(loss_fn, state)(params)
-        return tx.update(g, state, params)
+        return good.update(g, state, params)
 
     step(params, state)
-    unchecked = optim.dynamic_loss_scale(optax.sgd(0.1), check_scaled=False)
-    s = unchecked.init(params)
-    jax.jit(unchecked.update)({"w": jnp.ones(3)}, s, params)  # opted out: no error
+
+
+def test_flax_nnx_state_of_scaled_gradients_is_recognised():
+    # flax.nnx.Optimizer.update passes the gradients through nnx.state, which turns
+    # the ScaledGradients node into a mapping keyed by its child's name
+    nnx = pytest.importorskip("flax.nnx")
+    tx = optim.static_loss_scale(optax.sgd(1.0), 4.0)
+    model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    _, params, rest = nnx.split(model, nnx.Param, ...)
+    graphdef = nnx.graphdef(model)
+    loss_fn = lambda p: jnp.sum(nnx.merge(graphdef, p, rest)(jnp.ones((1, 2))))
+    _, grads = optim.scaled_value_and_grad(loss_fn, optimizer.opt_state)(params)
+    before = np.asarray(model.bias[...])
+    optimizer.update(model, grads)
+    np.testing.assert_allclose(np.asarray(model.bias[...]), before - 1.0, rtol=1e-6)
+    _, plain = jax.value_and_grad(loss_fn)(params)
+    with pytest.raises(ValueError, match="plain gradients"):
+        optimizer.update(model, plain)
 
 
 def test_loss_scaler_after_another_transformation_in_a_chain_is_refused():

@@ -171,7 +171,7 @@ def test_extreme_shrinks_land_near_and_the_next_step_exactly(dtype):
     state = tx.init(params)
     g = m - jnp.array([2.0**-12, -3e-7, 1.5e-3, 0.0], jnp.float32)
     updates, state = tx.update(g, state, params)
-    assert updates.dtype == dtype  # (the narrower of the gradients' and the parameters')
+    assert updates.dtype == g.dtype  # the gradients' dtype, as optax's
     new = optax.apply_updates(params, updates)
     master = optim.master_params(state)
     np.testing.assert_array_equal(np.asarray(master), np.asarray(params.astype(jnp.float32) - g))

@@ -252,6 +252,7 @@ def test_checkpoint_restores_onto_another_mesh_and_resumes_bitwise(name, tmp_pat
         g = _grads(p, i)
         if scaled:
             g = jax.tree.map(lambda x: x * optim.loss_scale(s).astype(x.dtype), g)
+            g = optim.ScaledGradients(g)  # the loss scale applied by hand
         u, s = tx.update(g, s, p)
         return optax.apply_updates(p, u), s
 

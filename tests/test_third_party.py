@@ -224,9 +224,9 @@ def test_optax_wrappers_with_low_precision_parameters(wrapper, opt, dtype):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_apply_if_finite_around_static_loss_scale_with_float16_parameters():
+def test_apply_if_finite_inside_static_loss_scale_with_float16_parameters():
     # the composition static_loss_scale's docstring recommends
-    tx = optax.apply_if_finite(optim.static_loss_scale(optax.adam(1e-2), 4.0), 3)
+    tx = optim.static_loss_scale(optax.apply_if_finite(optax.adam(1e-2), 3), 4.0)
     params = jnp.ones(8, jnp.float16)
     state = tx.init(params)
 

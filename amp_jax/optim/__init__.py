@@ -11,6 +11,7 @@ from amp_jax.optim._adamw import scale_by_any_precision_adam as scale_by_any_pre
 from amp_jax.optim._kahan import KahanSummationState as KahanSummationState
 from amp_jax.optim._kahan import kahan_summation as kahan_summation
 from amp_jax.optim._loss_scale import DynamicLossScaleState as DynamicLossScaleState
+from amp_jax.optim._loss_scale import ScaledGradients as ScaledGradients
 from amp_jax.optim._loss_scale import StaticLossScaleState as StaticLossScaleState
 from amp_jax.optim._loss_scale import dynamic_loss_scale as dynamic_loss_scale
 from amp_jax.optim._loss_scale import loss_scale as loss_scale
@@ -33,6 +34,7 @@ __all__ = [
     "MasterWeightsState",
     "QuantizedArray",
     "ScaleByQuantizedAdamState",
+    "ScaledGradients",
     "StaticLossScaleState",
     "StochasticRoundingState",
     "adamw",

@@ -12,20 +12,28 @@ from jax.typing import DTypeLike
 from amp_jax.optim import _check, _kahan, _quantized, _tree
 
 
-def _check_dtype(name: str, dtype: Any) -> Any:
-    return (
-        None
-        if dtype is None
-        else _tree.float_dtype(dtype, name, "; use e.g. jnp.bfloat16 or jnp.float32, or None")
-    )
+def _check_dtype(name: str, dtype: Any, caller: str) -> Any:
+    if dtype is None:
+        return None
+    dtype = _tree.float_dtype(dtype, name, "; use e.g. jnp.bfloat16 or jnp.float32, or None")
+    if dtype.itemsize == 1:  # float8 (and float4): not enough range for a moment
+        raise ValueError(
+            f"{caller}: `{name}`={dtype.name} is a one-byte float: a moment cast to it "
+            "loses its small values (and optax's arithmetic cannot promote it). For "
+            "float8 moments pass state_format='float8' to amp_jax.optim.adamw (block-wise "
+            "scaled float8 codes, computed in float32); otherwise use "
+            f"{name}=jnp.bfloat16 or jnp.float32."
+        )
+    return dtype
 
 
 def scale_by_any_precision_adam(
     b1: float = 0.9,
     b2: float = 0.999,
     eps: float = 1e-8,
-    *,
+    eps_root: float = 0.0,
     mu_dtype: DTypeLike | None = None,
+    *,
     nu_dtype: DTypeLike | None = None,
 ) -> optax.GradientTransformation:
     """Adam scaling with moments stored in chosen dtypes, computed in float32.
@@ -35,12 +43,15 @@ def scale_by_any_precision_adam(
     matters because the decay rates cannot be represented in low precision:
     ``0.999`` rounds to ``1.0`` in bfloat16, which would freeze ``nu``. With
     float32 moments the operations are exactly those of
-    ``optax.scale_by_adam``, so the result is bitwise identical.
+    ``optax.scale_by_adam``, so the result is bitwise identical. The
+    positional arguments are ``optax.scale_by_adam``'s; complex parameters
+    get a real second moment ``|g|**2``, as in optax.
 
     Args:
       b1: decay rate of the first moment.
       b2: decay rate of the second moment.
       eps: term added to the denominator.
+      eps_root: term added to the second moment inside the square root.
       mu_dtype: storage dtype of the first moment; ``None`` uses each
         parameter's dtype (as optax does).
       nu_dtype: storage dtype of the second moment; ``None`` uses each
@@ -63,10 +74,16 @@ def scale_by_any_precision_adam(
       torchdistx AnyPrecisionAdamW,
       https://github.com/pytorch/torchdistx/blob/main/src/python/torchdistx/optimizers/anyprecision_optimizer.py.
     """
-    for name, value, example in (("b1", b1, "0.9"), ("b2", b2, "0.999"), ("eps", eps, "1e-8")):
-        _check.hyperparameter(value, "scale_by_any_precision_adam", name, example)
-    mu_dtype = _check_dtype("mu_dtype", mu_dtype)
-    nu_dtype = _check_dtype("nu_dtype", nu_dtype)
+    caller = "scale_by_any_precision_adam"
+    for name, value, example in (
+        ("b1", b1, "0.9"),
+        ("b2", b2, "0.999"),
+        ("eps", eps, "1e-8"),
+        ("eps_root", eps_root, "0.0"),
+    ):
+        _check.hyperparameter(value, caller, name, example)
+    mu_dtype = _check_dtype("mu_dtype", mu_dtype, caller)
+    nu_dtype = _check_dtype("nu_dtype", nu_dtype, caller)
 
     def init_fn(params):
         return optax.ScaleByAdamState(
@@ -83,12 +100,13 @@ def scale_by_any_precision_adam(
             if g is None:
                 return None, m, v
             wd = _tree.work_dtype(jnp.promote_types(g.dtype, m.dtype))
-            g32, m32, v32 = g.astype(wd), m.astype(wd), v.astype(wd)
+            g32, m32 = g.astype(wd), m.astype(wd)
+            v32 = v.astype(_tree.work_dtype(v.dtype))
             m_new = (1 - b1) * g32 + b1 * m32
-            v_new = (1 - b2) * (g32**2) + b2 * v32
+            v_new = (1 - b2) * _tree.abs_sq(g32) + b2 * v32
             m_hat = m_new / bc1.astype(wd)
-            v_hat = v_new / bc2.astype(wd)
-            u = m_hat / (jnp.sqrt(v_hat + 0.0) + eps)
+            v_hat = v_new / bc2.astype(v_new.dtype)
+            u = m_hat / (jnp.sqrt(v_hat + eps_root) + eps)
             return u.astype(g.dtype), m_new.astype(m.dtype), v_new.astype(v.dtype)
 
         new_updates, mu, nu = _tree.map_unzip(
@@ -104,13 +122,14 @@ def adamw(
     b1: float = 0.9,
     b2: float = 0.999,
     eps: float = 1e-8,
-    weight_decay: float = 1e-4,
-    *,
+    eps_root: float = 0.0,
     mu_dtype: DTypeLike | None = None,
+    weight_decay: optax.ScalarOrSchedule = 1e-4,
+    mask: Any | Callable[[optax.Params], Any] | None = None,
+    *,
     nu_dtype: DTypeLike | None = None,
     kahan: bool = False,
     compensation_dtype: DTypeLike | None = None,
-    mask: Any | Callable[[optax.Params], Any] | None = None,
     state_format: _quantized.StateFormat | None = None,
     block_size: int | None = None,
     min_quantized_size: int = 4096,
@@ -124,7 +143,7 @@ def adamw(
     optax.scale_by_learning_rate(learning_rate))``, wrapped in
     [`kahan_summation`][amp_jax.optim.kahan_summation] when ``kahan=True``. With float32 parameters, default
     dtypes and ``kahan=False`` it is bitwise identical to ``optax.adamw``
-    (``eps_root=0``, ``nesterov=False``), schedules included.
+    (``nesterov=False``), schedules included.
 
     Moment arithmetic is always done in float32 and only the storage uses
     ``mu_dtype``/``nu_dtype``, because bfloat16 cannot represent ``b2=0.999``
@@ -141,7 +160,11 @@ def adamw(
     the first to the nearest code; ``state_rounding="nearest"`` rounds both
     to the nearest.
 
-    The defaults are ``optax.adamw``'s (``weight_decay=1e-4`` included).
+    The positional arguments and their defaults are ``optax.adamw``'s
+    (``learning_rate, b1, b2, eps, eps_root, mu_dtype, weight_decay, mask``;
+    ``weight_decay=1e-4``), so a call ported from ``optax.adamw`` means the
+    same; everything else is keyword-only. Complex parameters get optax's
+    real second moment ``|g|**2``.
     With ``optax.inject_hyperparams`` pass ``static_args=("mu_dtype", "nu_dtype", "compensation_dtype")``: dtypes are
     callables and would otherwise be mistaken for schedules; with quantized
     states pass ``static_args=("state_format", "min_quantized_size")`` (and
@@ -152,14 +175,17 @@ def adamw(
       b1: first-moment decay.
       b2: second-moment decay.
       eps: denominator term.
-      weight_decay: decoupled weight decay coefficient.
+      eps_root: term added to the second moment inside the square root.
       mu_dtype: storage dtype of the first moment (``None``: parameter dtype).
+        A one-byte float (float8) is refused: use ``state_format="float8"``.
+      weight_decay: decoupled weight decay coefficient, a float or an optax
+        schedule (a function of the step count), as in ``optax.adamw``.
+      mask: as in ``optax.add_decayed_weights``.
       nu_dtype: storage dtype of the second moment (``None``: parameter dtype).
       kahan: wrap the update in [`kahan_summation`][amp_jax.optim.kahan_summation] (for pure bfloat16
         parameters).
       compensation_dtype: dtype of the Kahan buffer (``None``: parameter dtype).
         Only used with ``kahan=True``.
-      mask: as in ``optax.add_decayed_weights``.
       state_format: ``None`` (moments in ``mu_dtype``/``nu_dtype``), or
         ``"8bit"``, ``"4bit"``, ``"float8"`` for quantized moments.
       block_size: quantization block along the last axis (``None``: 256,
@@ -177,7 +203,7 @@ def adamw(
       [`KahanSummationState`][amp_jax.optim.KahanSummationState] around it.
 
     Raises:
-      ValueError: for a non-floating dtype argument, ``compensation_dtype``
+      ValueError: for a non-floating or one-byte (float8) dtype argument, ``compensation_dtype``
         without ``kahan=True``, an unknown ``state_format``, or
         ``mu_dtype``/``nu_dtype``/``block_size``/``quantize_mask`` given with
         the other storage choice.
@@ -205,13 +231,16 @@ def adamw(
       2023, https://arxiv.org/abs/2309.01507.
     """
     _check.hyperparameter(learning_rate, "adamw", "learning_rate", "1e-3", schedule=True)
+    _check.hyperparameter(weight_decay, "adamw", "weight_decay", "1e-4", schedule=True)
     for name, value, example in (
         ("b1", b1, "0.9"),
         ("b2", b2, "0.999"),
         ("eps", eps, "1e-8"),
-        ("weight_decay", weight_decay, "1e-4"),
+        ("eps_root", eps_root, "0.0"),
     ):
         _check.hyperparameter(value, "adamw", name, example)
+    _check_dtype("mu_dtype", mu_dtype, "adamw")
+    _check_dtype("nu_dtype", nu_dtype, "adamw")
     kahan = _check.boolean(kahan, "adamw", "kahan")
     if compensation_dtype is not None and not kahan:
         raise ValueError(
@@ -225,7 +254,7 @@ def adamw(
                 "with quantized states; pass state_format='8bit' (or '4bit', 'float8') "
                 "or drop them."
             )
-        scale = scale_by_any_precision_adam(b1, b2, eps, mu_dtype=mu_dtype, nu_dtype=nu_dtype)
+        scale = scale_by_any_precision_adam(b1, b2, eps, eps_root, mu_dtype, nu_dtype=nu_dtype)
     elif mu_dtype is not None or nu_dtype is not None:
         raise ValueError(
             f"adamw: `state_format`={state_format!r} stores both moments quantized "
@@ -237,6 +266,7 @@ def adamw(
             b1,
             b2,
             eps,
+            eps_root,
             state_format=state_format,
             block_size=block_size,
             min_quantized_size=min_quantized_size,

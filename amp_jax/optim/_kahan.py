@@ -110,6 +110,9 @@ def kahan_summation(
                 "kahan_summation: `update` needs `params`; call `tx.update(grads, state, params)`."
             )
         inner_updates, new_inner = inner.update(updates, state.inner_state, params, **extra_args)
+        # the state keeps its dtypes (float32 gradients would promote low-precision
+        # moments), so the step can sit in a lax.cond (optax.apply_if_finite)
+        new_inner = optax.tree_utils.tree_cast_like(new_inner, state.inner_state)
 
         def step(p, c, g, u):
             if not _tree.is_float(p):

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import functools
-import gc
 import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -58,24 +56,53 @@ class StaticLossScaleState(NamedTuple):
     inner_state: optax.OptState
 
 
-# id -> weak reference of every ``scale`` that [`loss_scale`][amp_jax.optim.loss_scale] read and that
-# is still alive (under ``jit``: the tracer of the step being traced).
-_SCALES_READ: dict[int, weakref.ref] = {}
+class ScaledGradients:
+    """Gradients of a loss multiplied by the loss scale, still scaled.
+
+    What [`scaled_value_and_grad`][amp_jax.optim.scaled_value_and_grad] returns and what the ``update`` of
+    [`dynamic_loss_scale`][amp_jax.optim.dynamic_loss_scale] / [`static_loss_scale`][amp_jax.optim.static_loss_scale] expects: the
+    wrapper is the evidence that the gradients carry the scale, so plain
+    ``jax.grad`` gradients (whose updates would come out ``scale`` times too
+    small) are refused, eagerly and under ``jit``. It is a pytree node with
+    one child, so it survives ``jit`` boundaries, ``lax.scan`` carries and
+    ``jax.tree.map``: summing or averaging micro-batch gradients
+    (``jax.tree.map(jnp.add, g1, g2)``) keeps it.
+
+    Attributes:
+      grads: the scaled gradients, a pytree like the parameters.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, optax
+      >>> from amp_jax import optim
+      >>> tx = optim.static_loss_scale(optax.sgd(1.0), 4.0)
+      >>> state = tx.init(jnp.ones(2))
+      >>> _, g1 = optim.scaled_value_and_grad(jnp.sum, state)(jnp.ones(2))
+      >>> total = jax.tree.map(jnp.add, g1, g1)  # two micro-batches
+      >>> type(total).__name__, total.grads
+      ('ScaledGradients', Array([8., 8.], dtype=float32))
+      >>> tx.update(total, state)[0]
+      Array([-2., -2.], dtype=float32)
+    """
+
+    __slots__ = ("grads",)
+
+    def __init__(self, grads: Any):
+        self.grads = grads
+
+    def __repr__(self) -> str:
+        return f"ScaledGradients({self.grads!r})"
 
 
-def _mark_read(scale: Any) -> None:
-    # a Flax NNX optimizer state holds Variables: mark the array inside too
-    get = getattr(scale, "get_value", None)
-    raw = get() if callable(get) else scale
-    for key, x in {id(scale): scale, id(raw): raw}.items():
-        try:
-            _SCALES_READ[key] = weakref.ref(x, functools.partial(_forget, key))
-        except TypeError:  # not weak-referenceable (a Python float): nothing to check
-            pass
+# The child's key: frameworks that turn pytree nodes into dicts of their
+# children (flax.nnx.state, inside nnx.Optimizer.update) keep it as the key.
+_KEY = "amp_jax_scaled_gradients"
 
-
-def _forget(key: int, _ref: Any) -> None:
-    _SCALES_READ.pop(key, None)
+jax.tree_util.register_pytree_with_keys(
+    ScaledGradients,
+    lambda s: (((jax.tree_util.GetAttrKey(_KEY), s.grads),), None),
+    lambda _, children: ScaledGradients(children[0]),
+    lambda s: ((s.grads,), None),
+)
 
 
 _CALLER_SCALED = contextvars.ContextVar("amp_jax_caller_scaled", default=False)
@@ -92,30 +119,42 @@ def caller_scaled():
         _CALLER_SCALED.reset(token)
 
 
-def _check_scaled(scale: Any, caller: str) -> None:
-    """Under a trace, refuse an ``update`` when no loss scale read by
-    [`loss_scale`][amp_jax.optim.loss_scale] is alive: the gradients were computed without it (plain
-    ``jax.value_and_grad``). Concrete (eager) calls are not checked."""
-    if not isinstance(scale, jax.core.Tracer) or _CALLER_SCALED.get():
-        return
-    ref = _SCALES_READ.get(id(scale))
-    if ref is not None and ref() is scale:
-        return
-    # ``update`` inside a cond/scan/shard_map of the step gets a new tracer:
-    # accept while a scale tracer read by the step being traced is alive
-    # (collected first: a finished trace's tracers can linger in reference
-    # cycles, and JAX 0.12 makes more of them)
-    gc.collect()
-    if any(isinstance(r(), jax.core.Tracer) for r in list(_SCALES_READ.values())):
-        return
+def _unwrap_nnx(updates: Any) -> Any:
+    """The gradients inside a [`ScaledGradients`][amp_jax.optim.ScaledGradients] that ``flax.nnx.state``
+    turned into a mapping ``{_KEY: grads}``, or None."""
+    keys = getattr(updates, "keys", None)
+    if callable(keys) and not isinstance(updates, ScaledGradients):
+        try:
+            names = list(keys())
+        except TypeError:
+            return None
+        if names == [_KEY]:
+            return updates[_KEY]
+    return None
+
+
+def _take_scaled(updates: Any, check: bool, caller: str) -> Any:
+    """The gradients of ``updates``: unwrapped from [`ScaledGradients`][amp_jax.optim.ScaledGradients];
+    plain gradients are refused when ``check`` (they never carried the scale)."""
+    if isinstance(updates, ScaledGradients):
+        return updates.grads
+    inner = _unwrap_nnx(updates)
+    if inner is not None:
+        return inner
+    if not check or _CALLER_SCALED.get():
+        return updates
     raise ValueError(
-        f"{caller}.update: the gradients were not computed from a loss multiplied by "
-        "the loss scale (no amp_jax.optim.loss_scale(opt_state) was read for this step), "
-        "so dividing them by the scale would make the updates that many times too "
-        "small. Compute them with amp_jax.optim.scaled_value_and_grad(loss_fn, "
-        "opt_state)(...) instead of jax.value_and_grad(loss_fn)(...), or multiply the "
-        "loss by amp_jax.optim.loss_scale(opt_state) yourself. If the scaled gradients "
-        f"come from another jitted function, pass {caller}(..., check_scaled=False)."
+        f"{caller}.update: `updates` are plain gradients, not the ScaledGradients that "
+        "amp_jax.optim.scaled_value_and_grad returns, so nothing shows that their loss was "
+        "multiplied by the loss scale; dividing unscaled gradients by it would make the "
+        "updates that many times too small. Compute them with "
+        "amp_jax.optim.scaled_value_and_grad(loss_fn, opt_state)(...) instead of "
+        "jax.value_and_grad(loss_fn)(...); if you multiplied the loss by "
+        "amp_jax.optim.loss_scale(opt_state) yourself, pass "
+        "amp_jax.optim.ScaledGradients(grads). Micro-batch gradients summed with "
+        "jax.tree.map keep the wrapper. If a transformation around the loss scaler "
+        f"(optax.MultiSteps, optax.apply_if_finite) drops it, put {caller} outermost, "
+        f"or pass {caller}(..., check_scaled=False)."
     )
 
 
@@ -129,16 +168,26 @@ def _check_positive(name: str, value: float, caller: str = "dynamic_loss_scale")
     return value
 
 
-def _unscale(grads: Any, scale: jax.Array) -> Any:
+def _unscale(grads: Any, scale: jax.Array, keep_dtype: bool = False) -> Any:
     """``grads / scale`` in at least float32, and left there: cast back to
-    float16, the small gradients the scale exists to keep would flush to 0."""
+    float16, the small gradients the scale exists to keep would flush to 0.
+    ``keep_dtype``: cast back to each gradient's dtype all the same."""
 
     def one(g):
         if not _tree.is_float(g):
             return g
-        return g.astype(_tree.work_dtype(g.dtype)) / scale
+        u = g.astype(_tree.work_dtype(g.dtype)) / scale
+        return u.astype(g.dtype) if keep_dtype else u
 
     return jax.tree.map(one, grads)
+
+
+def _needs_own_dtype(inner_state: Any) -> bool:
+    """Whether ``inner`` holds an ``optax.apply_if_finite``: its ``lax.cond``
+    needs the inner optimizer's state to keep its dtypes, and optax optimizers
+    promote low-precision moments given float32 gradients, so the unscaled
+    gradients go in in their own dtypes."""
+    return bool(_tree.find_states(inner_state, optax.ApplyIfFiniteState))
 
 
 def _all_finite(tree: Any) -> jax.Array:
@@ -217,9 +266,10 @@ def dynamic_loss_scale(
 ) -> optax.GradientTransformationExtraArgs:
     """Dynamic loss scaling with skipped steps, as an optax wrapper.
 
-    Multiply the loss by ``loss_scale(opt_state)`` before differentiating (or use
-    [`scaled_value_and_grad`][amp_jax.optim.scaled_value_and_grad]) and pass the still-scaled gradients to
-    ``update``. Each ``update``:
+    Compute the gradients with [`scaled_value_and_grad`][amp_jax.optim.scaled_value_and_grad] (the loss
+    multiplied by ``loss_scale(opt_state)``; the still-scaled gradients come
+    back as [`ScaledGradients`][amp_jax.optim.ScaledGradients]) and pass them to ``update``. Each
+    ``update``:
 
     1. divides every floating gradient by exactly the scale stored in the state,
        i.e. the scale the loss was multiplied with (in float32; float16 and
@@ -252,11 +302,12 @@ def dynamic_loss_scale(
       max_scale: upper clamp of the scale (>= ``min_scale``).
       axis_name: optional mapped axis name (``shard_map``/``pmap``) over which the
         finiteness decision is reduced, so every device skips together.
-      check_scaled: under a trace (``jit``, ``grad``...), refuse gradients whose
-        loss was not multiplied by this state's scale in the same trace (plain
-        ``jax.value_and_grad`` instead of [`scaled_value_and_grad`][amp_jax.optim.scaled_value_and_grad], whose
-        updates would be ``scale`` times too small). Pass ``False`` when the
-        scaled gradients come from another jitted function.
+      check_scaled: refuse gradients that are not [`ScaledGradients`][amp_jax.optim.ScaledGradients]
+        (eagerly and under ``jit``): plain ``jax.value_and_grad`` gradients
+        instead of [`scaled_value_and_grad`][amp_jax.optim.scaled_value_and_grad]'s, whose updates would be
+        ``scale`` times too small. Pass ``False`` only when a transformation
+        around the loss scaler drops the wrapper and you scale the loss
+        yourself.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is a
@@ -264,8 +315,8 @@ def dynamic_loss_scale(
 
     Raises:
       ValueError: if an argument is outside its allowed range (the message names
-        the argument); from ``update``, if the gradients were not scaled (see
-        ``check_scaled``).
+        the argument); from ``update``, if the gradients are not
+        [`ScaledGradients`][amp_jax.optim.ScaledGradients] (see ``check_scaled``).
 
     Examples:
       >>> import jax, jax.numpy as jnp, optax
@@ -331,9 +382,8 @@ def dynamic_loss_scale(
 
     def update_fn(updates, state, params=None, **extra_args):
         scale = state.scale
-        if check_scaled:
-            _check_scaled(scale, "dynamic_loss_scale")
-        grads = _unscale(updates, scale)
+        updates = _take_scaled(updates, check_scaled, "dynamic_loss_scale")
+        grads = _unscale(updates, scale, _needs_own_dtype(state.inner_state))
         finite = _all_finite(grads)
         if axis_name is not None:
             finite = lax.pmin(finite.astype(jnp.int32), axis_name).astype(bool)
@@ -362,16 +412,18 @@ def static_loss_scale(
     ``update`` divides every floating gradient by ``scale`` (in float32; low
     precision gradients stay float32, as in [`dynamic_loss_scale`][amp_jax.optim.dynamic_loss_scale]) and runs
     ``inner``; the updates come back in the gradients' dtypes. Unlike
-    [`dynamic_loss_scale`][amp_jax.optim.dynamic_loss_scale] no step is skipped (as in apex and jmp); wrap it
-    in ``optax.apply_if_finite`` (outside: it then checks the scaled gradients,
-    in their own dtype) if you want non-finite steps dropped. (Inside, an
-    optax optimizer would see float32 gradients with float16 moments and
-    promote them, which ``apply_if_finite``'s ``lax.cond`` rejects.)
+    [`dynamic_loss_scale`][amp_jax.optim.dynamic_loss_scale] no step is skipped (as in apex and jmp); put an
+    ``optax.apply_if_finite`` inside it if you want non-finite steps dropped:
+    ``static_loss_scale(optax.apply_if_finite(optax.adam(1e-3), 3), 2.0**12)``
+    (an inner ``apply_if_finite`` gets the unscaled gradients in their own
+    dtype, which its ``lax.cond`` needs; outside, it would receive the
+    [`ScaledGradients`][amp_jax.optim.ScaledGradients] and could not pass them on).
 
     Args:
       inner: the transformation to run on the unscaled gradients.
       scale: the loss scale (> 0), e.g. ``2.0**12``.
-      check_scaled: as in [`dynamic_loss_scale`][amp_jax.optim.dynamic_loss_scale].
+      check_scaled: as in [`dynamic_loss_scale`][amp_jax.optim.dynamic_loss_scale]: ``update`` takes
+        [`ScaledGradients`][amp_jax.optim.ScaledGradients].
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is a
@@ -387,7 +439,7 @@ def static_loss_scale(
       >>> state = tx.init(jnp.zeros(2))
       >>> float(optim.loss_scale(state))
       128.0
-      >>> tx.update(jnp.full(2, 256.0), state)[0]
+      >>> tx.update(optim.ScaledGradients(jnp.full(2, 256.0)), state)[0]
       Array([-2., -2.], dtype=float32)
 
     References:
@@ -405,9 +457,8 @@ def static_loss_scale(
         )
 
     def update_fn(updates, state, params=None, **extra_args):
-        if check_scaled:
-            _check_scaled(state.scale, "static_loss_scale")
-        grads = _unscale(updates, state.scale)
+        updates = _take_scaled(updates, check_scaled, "static_loss_scale")
+        grads = _unscale(updates, state.scale, _needs_own_dtype(state.inner_state))
         new_updates, new_inner = inner.update(grads, state.inner_state, params, **extra_args)
         # (float32 gradients must not promote a low-precision inner state)
         new_inner = optax.tree_utils.tree_cast_like(new_inner, state.inner_state)
@@ -457,12 +508,11 @@ def loss_scale(opt_state: Any) -> jax.Array:
     state = _tree.find_one(
         opt_state, (DynamicLossScaleState, StaticLossScaleState), caller="loss_scale", fix=_FIX
     )
-    _check_first_in_chain(opt_state)
-    _mark_read(state.scale)
+    _check_first_in_chain(opt_state, nested_ok=True)
     return jnp.asarray(state.scale, jnp.float32)
 
 
-def _check_first_in_chain(opt_state: Any) -> None:
+def _check_first_in_chain(opt_state: Any, nested_ok: bool = False) -> None:
     """``optax.chain(a, dynamic_loss_scale(b))`` gives ``a`` the scaled gradients
     (clipping would clip them ``scale`` times too early): refuse it."""
     is_scaler = lambda x: isinstance(x, (DynamicLossScaleState, StaticLossScaleState))
@@ -483,7 +533,33 @@ def _check_first_in_chain(opt_state: Any) -> None:
                     f"large. Put them inside the wrapper: {wrapper}(optax.chain("
                     "optax.clip_by_global_norm(1.0), optimizer))."
                 )
+            if isinstance(node, _DROPS_WRAPPER) and not nested_ok:
+                _refuse_inside(type(node).__name__, isinstance(leaf, DynamicLossScaleState))
             node = node[index] if index is not None else _child(node, key)
+
+
+# optax states of wrappers whose update combines the gradients with a tree like
+# the parameters before their inner transformation sees them: they cannot pass
+# a ScaledGradients through
+_DROPS_WRAPPER = (
+    optax.MultiStepsState,
+    optax.ApplyIfFiniteState,
+    optax.MaskedState,
+    optax.PartitionState,
+)
+
+
+def _refuse_inside(state_name: str, dynamic: bool) -> None:
+    wrapper = "dynamic_loss_scale" if dynamic else "static_loss_scale"
+    raise ValueError(
+        f"scaled_value_and_grad: the {wrapper} state sits inside a {state_name}: "
+        "that transformation receives the gradients first and cannot pass on the "
+        "ScaledGradients that show the loss scaler they were scaled. Put the loss scaler "
+        f"outermost, e.g. {wrapper}(optax.MultiSteps(inner, k)) or "
+        f"{wrapper}(optax.apply_if_finite(inner, 3)); or build it with "
+        f"{wrapper}(..., check_scaled=False) and differentiate "
+        "loss * amp_jax.optim.loss_scale(opt_state) yourself."
+    )
 
 
 def _child(node: Any, key: Any) -> Any:
@@ -507,8 +583,10 @@ def scaled_value_and_grad(
     The loss returned by ``fn`` is cast to float32 and multiplied by
     ``loss_scale(opt_state)`` before differentiating. The returned function
     gives back the *unscaled* loss (in the dtype ``fn`` returned, float16
-    included) and the *still-scaled* gradients: pass them to the ``update`` of
-    the loss-scale wrapper, which divides them by the same scale.
+    included) and the *still-scaled* gradients as [`ScaledGradients`][amp_jax.optim.ScaledGradients]:
+    pass them to the ``update`` of the loss-scale wrapper, which divides them
+    by the same scale (the wrapper shows it that they were scaled; sums of
+    micro-batch gradients by ``jax.tree.map`` keep it).
 
     Args:
       fn: the loss function; returns a scalar (or ``(scalar, aux)`` with
@@ -521,10 +599,15 @@ def scaled_value_and_grad(
 
     Returns:
       A function with the signature of ``fn`` returning ``(loss, grads)`` or
-      ``((loss, aux), grads)``.
+      ``((loss, aux), grads)``, ``grads`` a [`ScaledGradients`][amp_jax.optim.ScaledGradients] (the
+      gradients themselves are ``grads.grads``).
 
     Raises:
-      ValueError: if ``opt_state`` holds no loss-scale state or more than one.
+      ValueError: if ``opt_state`` holds no loss-scale state or more than one,
+        or holds it inside an ``optax.MultiSteps``, ``apply_if_finite``,
+        ``masked`` or ``multi_transform`` (those receive the gradients first
+        and cannot pass on the [`ScaledGradients`][amp_jax.optim.ScaledGradients]: put the loss scaler
+        outermost).
       TypeError: if ``fn`` is not callable or ``has_aux``/``allow_int`` are not
         bools.
 
@@ -535,7 +618,7 @@ def scaled_value_and_grad(
       >>> state = tx.init(jnp.ones(2))
       >>> loss, g = optim.scaled_value_and_grad(lambda p: jnp.sum(p), state)(
       ...     jnp.ones(2))
-      >>> float(loss), g
+      >>> float(loss), g.grads
       (2.0, Array([8., 8.], dtype=float32))
 
     References:
@@ -550,6 +633,7 @@ def scaled_value_and_grad(
     has_aux = _check.boolean(has_aux, "scaled_value_and_grad", "has_aux")
     allow_int = _check.boolean(allow_int, "scaled_value_and_grad", "allow_int")
     scale = loss_scale(opt_state)
+    _check_first_in_chain(opt_state)
 
     def scaled(*args, **kwargs):
         out = fn(*args, **kwargs)
@@ -568,7 +652,7 @@ def scaled_value_and_grad(
 
     def wrapped(*args, **kwargs):
         (_, (loss, aux)), grads = grad_fn(*args, **kwargs)
-        return ((loss, aux) if has_aux else loss), grads
+        return ((loss, aux) if has_aux else loss), ScaledGradients(grads)
 
     return wrapped
 
@@ -599,8 +683,8 @@ def loss_scale_stats(opt_state: Any) -> dict[str, jax.Array]:
     >>> from amp_jax import optim
     >>> tx = optim.dynamic_loss_scale(optax.sgd(0.1), init_scale=8.0)
     >>> state = tx.init(jnp.zeros(2))
-    >>> _, state = tx.update(jnp.ones(2), state)
-    >>> _, state = tx.update(jnp.array([1.0, jnp.inf]), state)
+    >>> _, state = tx.update(optim.ScaledGradients(jnp.ones(2)), state)
+    >>> _, state = tx.update(optim.ScaledGradients(jnp.array([1.0, jnp.inf])), state)
     >>> {k: float(v) for k, v in optim.loss_scale_stats(state).items()}
     {'scale': 4.0, 'steps': 2.0, 'skipped_steps': 1.0, 'good_steps': 0.0, \
 'last_skipped_step': 2.0, 'skip_rate': 0.5}

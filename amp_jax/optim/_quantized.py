@@ -450,6 +450,7 @@ def scale_by_quantized_adam(
     b1: float = 0.9,
     b2: float = 0.999,
     eps: float = 1e-8,
+    eps_root: float = 0.0,
     *,
     state_format: StateFormat = "8bit",
     block_size: int | None = None,
@@ -507,6 +508,7 @@ def scale_by_quantized_adam(
       b1: first-moment decay.
       b2: second-moment decay.
       eps: denominator term.
+      eps_root: term added to the second moment inside the square root.
       state_format: ``"8bit"``, ``"4bit"`` or ``"float8"``.
       block_size: elements per block along the last axis (``None``: 256 for
         8-bit and float8, 128 for 4-bit; even for 4-bit). Rows shorter than a
@@ -547,7 +549,12 @@ def scale_by_quantized_adam(
       https://github.com/pytorch/ao/tree/main/torchao/optim.
     """
     caller = "scale_by_quantized_adam"
-    for name, value, example in (("b1", b1, "0.9"), ("b2", b2, "0.999"), ("eps", eps, "1e-8")):
+    for name, value, example in (
+        ("b1", b1, "0.9"),
+        ("b2", b2, "0.999"),
+        ("eps", eps, "1e-8"),
+        ("eps_root", eps_root, "0.0"),
+    ):
         _check.hyperparameter(value, caller, name, example)
     if state_format not in FORMATS:
         raise ValueError(
@@ -578,8 +585,10 @@ def scale_by_quantized_adam(
         mu, nu = [], []
         for p, q in zip(leaves, chosen):
             # zeros_like: the moments take the parameter's sharding; one buffer
-            # each (a shared one could not be donated twice).
-            zero = lambda: jnp.zeros_like(p, dtype=jnp.float32)  # noqa: E731
+            # each (a shared one could not be donated twice). Complex
+            # parameters keep complex moments (nu's imaginary part stays 0).
+            full = jnp.promote_types(p.dtype, jnp.complex64) if jnp.iscomplexobj(p) else jnp.float32
+            zero = lambda: jnp.zeros_like(p, dtype=full)  # noqa: E731
             if q and _tree.is_float(p) and p.size >= min_quantized_size:
                 mu.append(quantized_zeros(p, mu_codec, block_size))
                 nu.append(quantized_zeros(p, nu_codec, block_size))
@@ -596,9 +605,9 @@ def scale_by_quantized_adam(
 
         def adam(g32, m32, v32):
             m_new = (1 - b1) * g32 + b1 * m32
-            v_new = (1 - b2) * (g32**2) + b2 * v32
+            v_new = (1 - b2) * _tree.abs_sq(g32) + b2 * v32
             u = (m_new / bc1.astype(m_new.dtype)) / (
-                jnp.sqrt(v_new / bc2.astype(v_new.dtype) + 0.0) + eps
+                jnp.sqrt(v_new / bc2.astype(v_new.dtype) + eps_root) + eps
             )
             return u, m_new, v_new
 
@@ -612,13 +621,16 @@ def scale_by_quantized_adam(
         def one(g, m, v):
             if g is None:
                 return None, m, v
-            g32 = g.astype(_tree.work_dtype(g.dtype))
             if not isinstance(m, QuantizedArray):
+                g32 = g.astype(_tree.work_dtype(g.dtype))
                 u, m_new, v_new = adam(g32, m, v)
                 return u.astype(g.dtype), m_new.astype(m.dtype), v_new.astype(v.dtype)
             # The arithmetic runs in the codes' block layout: one shape in every
             # fused loop (mixing it with the parameter's shape costs index
             # arithmetic per element), the new moments quantized in place.
+            # float32 arithmetic, whatever the parameter's dtype (float64 under
+            # x64 included): the codes hold far less than float32's precision
+            g32 = g.astype(jnp.float32)
             block, n_blocks = block_layout(g.shape, block_size, mu_codec.bits)
             u, m_new, v_new = adam(
                 _to_blocks(g32, block, n_blocks),

@@ -145,6 +145,9 @@ def stochastic_rounding(
                 "`tx.update(grads, state, params)`."
             )
         inner_updates, new_inner = inner.update(updates, state.inner_state, params, **extra_args)
+        # the state keeps its dtypes (float32 gradients would promote low-precision
+        # moments), so the step can sit in a lax.cond (optax.apply_if_finite)
+        new_inner = optax.tree_utils.tree_cast_like(new_inner, state.inner_state)
         key = jax.random.wrap_key_data(state.key, impl=impl) if impl is not None else state.key
         key, step_key = jax.random.split(key)
         # One key per parameter leaf (jax.random.split over the leaves, in order).

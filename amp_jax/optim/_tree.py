@@ -23,16 +23,21 @@ def work_dtype(dtype: Any) -> Any:
     return jnp.promote_types(dtype, jnp.float32)
 
 
+def abs_sq(x: Any) -> Any:
+    """``|x|**2``: real for complex ``x`` (optax's second moment), ``x * x`` otherwise."""
+    return jnp.real(x * jnp.conj(x)) if jnp.iscomplexobj(x) else x * x
+
+
 def update_dtype(grad: Any, param: Any) -> Any:
     """The dtype of the update a parameter-rounding wrapper returns: the
-    narrower of the gradient's and the parameter's (the parameter's on a tie).
+    gradient's, as optax's transformations do.
 
-    optax returns updates in the gradients' dtypes, and its wrappers rely on
-    it (``apply_if_finite``'s skip branch is ``zeros_like(grads)``); a wrapper
-    that hands its inner transformation float32 gradients (a loss scaler)
-    still gets back updates no wider than the parameters."""
-    g, p = jnp.dtype(grad.dtype), jnp.dtype(param.dtype)
-    return g if g.itemsize < p.itemsize else p
+    optax's wrappers rely on it: ``apply_if_finite``'s skip branch is
+    ``zeros_like(grads)``, so float32 gradients of bfloat16 parameters need
+    float32 updates (which land the parameter exactly where the wrapper
+    meant it to)."""
+    del param
+    return jnp.dtype(grad.dtype)
 
 
 def cast_like_grads(updates: Any, grads: Any) -> Any:
