@@ -21,18 +21,18 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 )
 
-import argparse  # noqa: E402
-import datetime  # noqa: E402
-import functools  # noqa: E402
-import platform  # noqa: E402
+import argparse
+import datetime
+import functools
+import platform
 
-import jax  # noqa: E402
-import optax  # noqa: E402
-import sharded_model as sm  # noqa: E402
-from jax.sharding import AxisType  # noqa: E402
+import jax
+import optax
+from jax.sharding import AxisType
 
-import amp_jax  # noqa: E402
-from amp_jax import optim  # noqa: E402
+import amp_jax
+from amp_jax import optim
+from workloads import sharded as sm
 
 LAYOUTS = {"dp": "data parallel", "fsdp": "FSDP", "tp": "Megatron TP"}
 MODES = {"auto": AxisType.Auto, "explicit": AxisType.Explicit}

@@ -34,7 +34,6 @@ import collections
 import os
 import re
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -42,13 +41,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import models as M  # noqa: E402
-import run  # noqa: E402
-
-from amp_jax import amp, explain  # noqa: E402
+from amp_jax import amp, explain
+from benchmarks import run
+from workloads import models as M
 
 BF16 = jnp.bfloat16
 F32 = jnp.float32
@@ -73,7 +68,7 @@ def _own(model: M.Model) -> tuple[Callable[..., Any], tuple[Any, ...], dict[str,
 
 
 def _peer(name: str) -> tuple[Callable[..., Any], tuple[Any, ...], dict[str, Callable]]:
-    import peers
+    from benchmarks import peers
 
     model = peers.MODELS[name]()
     loss = model.loss

@@ -189,9 +189,10 @@ def rows_f16(name, inner, width, layers, seq, reps):
 
 def fsdp_table(width, layers, seq):
     """Per-device peaks with every block weight's last dim sharded over 8 devices."""
-    from hlo import loop_scalar_all_reduces
     from jax.sharding import AxisType, NamedSharding
     from jax.sharding import PartitionSpec as P
+
+    from workloads.hlo import loop_scalar_all_reduces
 
     mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
 

@@ -12,16 +12,12 @@ are emulated exactly (fp8 round trip + bf16 dot), so the numbers hold there too.
 from __future__ import annotations
 
 import functools
-import os
-import sys
 
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from amp_jax import amp  # noqa: E402
-from amp_jax.demo import _model  # noqa: E402
+from amp_jax import amp
+from amp_jax.demo import _model
 
 POLICIES = ("bfloat16", "float8", "float8_rowwise")
 

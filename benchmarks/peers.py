@@ -34,21 +34,17 @@ import functools
 import os
 import re
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from amp_jax import amp  # noqa: E402
+from amp_jax import amp
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 
@@ -436,7 +432,7 @@ def _versions() -> str:
 
 def machine() -> list[str]:
     """benchmarks/run.py's machine lines (cpu, bf16 flags, load), with the peers' versions."""
-    import run
+    from benchmarks import run
 
     m = run.machine()
     return [

@@ -21,18 +21,15 @@ import argparse
 import json
 import os
 import platform
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-
-from amp_jax import optim  # noqa: E402
-from amp_jax.demo import _data, _model, _modes  # noqa: E402
+from amp_jax import optim
+from amp_jax.demo import _data, _model, _modes
 
 EMBEDDINGS = ("embed", "pos")
 
@@ -49,7 +46,7 @@ def not_embeddings(params):
 def variants():
     """(name, tx factory taking the learning-rate schedule)."""
     q = lambda fmt, rounding="stochastic": (
-        lambda lr: optim.adamw(  # noqa: E731
+        lambda lr: optim.adamw(
             lr,
             weight_decay=0.0,
             state_format=fmt,

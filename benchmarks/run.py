@@ -44,7 +44,6 @@ import os
 import platform
 import re
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -52,17 +51,13 @@ from typing import Any
 # The PyTorch peer shares the GPU: let JAX allocate as it goes, not 75% up front.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax import lax  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import models as M  # noqa: E402
-
-from amp_jax import Policy, amp  # noqa: E402
+from amp_jax import Policy, amp
+from workloads import models as M
 
 BF16 = jnp.bfloat16
 F32 = jnp.float32
@@ -654,7 +649,7 @@ def main(argv: list[str] | None = None) -> None:
         descs[name] = model.description
         if name == "gpt" and gpu and not args.no_torch:
             try:
-                import torch_peer
+                from benchmarks import torch_peer
             except ImportError as e:
                 print(f"# no PyTorch peer: {e}", flush=True)
             else:

@@ -11,19 +11,15 @@ a dense layer's forward + backward under amp's bfloat16 and float8 policies.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax
+import jax.numpy as jnp
+from jax import lax
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from jax import lax  # noqa: E402
-
-from amp_jax import amp  # noqa: E402
-from amp_jax._src import float8  # noqa: E402
+from amp_jax import amp
+from amp_jax._src import float8
 
 BF16, F32, E4M3 = jnp.bfloat16, jnp.float32, jnp.float8_e4m3fn
 DIMS = (((1,), (0,)), ((), ()))

@@ -355,7 +355,7 @@ def gpt_fp8(small: bool = False, **sizes: Any) -> Model:
 
 MODELS: dict[str, Callable[..., Model]] = {"mlp": mlp, "gpt": gpt, "cnn": cnn, "gpt_fp8": gpt_fp8}
 
-#: GPU-scale sizes (``benchmarks/run.py --scale gpu``, the default on a GPU).
+#: GPU-scale sizes (``python -m benchmarks.run --scale gpu``, the default on a GPU).
 GPU_SIZES: dict[str, dict[str, Any]] = {
     "mlp": dict(batch=8192, width=4096, depth=7),
     "gpt": dict(batch=8, seq=1024, d=1024, layers=12, heads=16, vocab=8192),

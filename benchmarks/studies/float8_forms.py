@@ -16,15 +16,12 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax
+import jax.numpy as jnp
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-
-from amp_jax import amp  # noqa: E402
-from amp_jax._src import float8  # noqa: E402
+from amp_jax import amp
+from amp_jax._src import float8
 
 _F8_DOT = re.compile(r"\bdot\(f8e[45]m[23]\w*\[[^)]*f8e[45]m[23]\w*\[")
 _BF16_DOT = re.compile(r"\bdot\(bf16\[")

@@ -19,18 +19,16 @@ import functools
 import os
 import re
 import statistics
-import sys
 import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import optax  # noqa: E402
+import jax
+import jax.numpy as jnp
+import optax
 
-from amp_jax import amp, optim  # noqa: E402
-from amp_jax.demo import _model  # noqa: E402
+from amp_jax import amp, optim
+from amp_jax.demo import _model
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 
@@ -92,7 +90,7 @@ def main(argv=None):
     rows = []
     for name, (params, lfn, tx, donate) in variants.items():
         step = step_fn(lfn, tx, donate)
-        copy = lambda t: jax.tree.map(jnp.copy, t)  # noqa: E731
+        copy = lambda t: jax.tree.map(jnp.copy, t)
         p, s = copy(params), tx.init(params)
         hlo = step.lower(p, s, tokens, targets).compile().as_text()
         scatters = sorted(set(re.findall(r"(\w+)\[[\d,]*\]\S* scatter\(", hlo)))

@@ -23,15 +23,12 @@ import collections
 import os
 import re
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax
 
-import jax  # noqa: E402
-
-from amp_jax.demo import _data, _model, _modes  # noqa: E402
-from amp_jax.demo.__main__ import DEFAULTS  # noqa: E402
+from amp_jax.demo import _data, _model, _modes
+from amp_jax.demo.__main__ import DEFAULTS
 
 _OPS = ("fusion", "custom-call", "scatter", "while", "convert", "all-reduce", "copy")
 
