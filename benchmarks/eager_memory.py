@@ -6,8 +6,8 @@ argument + output + temp bytes minus aliased bytes (params and optimizer state
 are donated in every variant). Prints a table and writes
 benchmarks/EAGER_MEMORY.md.
 
-    PYTHONPATH=. python benchmarks/eager_memory.py [--layers 12] [--width 512]
-    PYTHONPATH=. python benchmarks/eager_memory.py --fsdp   # per device, 8 host devices
+    python -m benchmarks.eager_memory [--layers 12] [--width 512]
+    python -m benchmarks.eager_memory --fsdp   # per device, 8 host devices
 
 ``--fsdp`` forces 8 host CPU devices, shards every block weight's last dim
 over them (FSDP) and writes benchmarks/EAGER_MEMORY_FSDP.md: per-device peaks

@@ -1,6 +1,7 @@
 """8-bit, float8 and 4-bit AdamW states on the demo model: loss curves and step time.
 
-    python benchmarks/quantized_states.py [--steps 1000 --seeds 0] [--out benchmarks]
+    python -m benchmarks.quantized_states [--steps 1000 --seeds 0] [--out benchmarks]
+    python -m benchmarks.quantized_states --smoke --out /tmp/q   # 2 variants, 2 steps (CI)
 
 Trains the demo's model (``amp_jax.demo``, default size, float32 parameters
 and compute) from the same initialisation on the same batches with float32
@@ -95,7 +96,9 @@ def update_times(params, reps=30):
     return out
 
 
-def main(argv=None):
+def main(argv=None) -> str:
+    """Trains and writes QUANTIZED_STATES.md, its curves and plot into ``--out``;
+    returns the table."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--lr", type=float, default=1e-3)
@@ -108,12 +111,18 @@ def main(argv=None):
         action="store_true",
         help="only print the update-timing table (no training)",
     )
+    p.add_argument(
+        "--smoke", action="store_true", help="2 variants, 2 steps, no timings (CI; give --out)"
+    )
     args = p.parse_args(argv)
     if args.timing_only:
-        print("\n".join(timing_table(timings(_model.Config()))))
-        return
+        text = "\n".join(timing_table(timings(_model.Config())))
+        print(text)
+        return text
     cfg = _model.Config()
     chosen = variants()
+    if args.smoke:
+        args.steps, args.no_timing, chosen = 2, True, chosen[:2]
     if args.only:  # in the order given
         by_name = dict(chosen)
         chosen = [(n, by_name[n]) for n in args.only.split(",")]
@@ -139,7 +148,7 @@ def main(argv=None):
                 flush=True,
             )
             write(args, cfg, runs, {})  # after every run: a long run keeps what it has
-    write(args, cfg, runs, {} if args.no_timing else timings(cfg))
+    return write(args, cfg, runs, {} if args.no_timing else timings(cfg))
 
 
 def timings(cfg):
@@ -199,7 +208,7 @@ def seed_summary(runs, base):
 
 
 def write(args, cfg, runs, times):
-    """Writes the table, the curves and the plot for the runs so far."""
+    """Writes the table, the curves and the plot for the runs so far; returns the table."""
     n_params = sum(x.size for x in jax.tree.leaves(_model.init_params(jax.random.PRNGKey(0), cfg)))
 
     base = {s: r.final_val_loss for s, n, r in runs if n == "float32 AdamW"}
@@ -227,7 +236,7 @@ def write(args, cfg, runs, times):
     print("\n" + table)
     with open(os.path.join(args.out, "QUANTIZED_STATES.md"), "w") as f:
         f.write("# Quantized AdamW states: convergence and step time\n\n")
-        f.write("Written by `python benchmarks/quantized_states.py`.\n\n" + table + "\n")
+        f.write("Written by `python -m benchmarks.quantized_states`.\n\n" + table + "\n")
     curves = [
         {
             "seed": seed,
@@ -247,7 +256,7 @@ def write(args, cfg, runs, times):
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return
+        return table
     fig, ax = plt.subplots(figsize=(7, 4))
     for c in curves:
         ax.plot(c["val_steps"], c["val_loss"], label=f"{c['states']} (seed {c['seed']})")
@@ -258,6 +267,8 @@ def write(args, cfg, runs, times):
     ax.set_title("demo model: AdamW with quantized states")
     fig.tight_layout()
     fig.savefig(os.path.join(args.out, "quantized_states.png"), dpi=100)
+    plt.close(fig)
+    return table
 
 
 if __name__ == "__main__":

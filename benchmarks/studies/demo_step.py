@@ -1,7 +1,9 @@
-"""The demo's train steps, mode by mode, timed the way the demo times them and apart.
+"""Frozen study; its results: benchmarks/GPU_STUDIES.md, "The demo's pure-bf16 step" (2026-11-24).
 
-    python benchmarks/demo_step.py [--modes amp-bf16,bf16-kahan] [--hlo-dir DIR]
-                                   [--d-model 256 --layers 2 --heads 4 --seq 64 --batch 16]
+The demo's train steps, mode by mode, timed the way the demo times them and apart.
+
+    python -m benchmarks.studies.demo_step [--modes amp-bf16,bf16-kahan] [--hlo-dir DIR]
+                                          [--d-model 256 --layers 2 --heads 4 --seq 64 --batch 16]
 
 Builds each mode's step with ``amp_jax.demo._modes.build_step`` (exactly the
 demo's step) and times it three ways, medians in one process:

@@ -1,6 +1,8 @@
-"""Where an fp8 dense layer's time goes, beside bf16: GEMMs alone, quantization alone, whole layer.
+"""Frozen study; its results: benchmarks/GPU_STUDIES.md, "Float8 speed" (2026-11-24).
 
-    python benchmarks/float8_breakdown.py [--m 16384 --k 2048 --n 8192]
+Where an fp8 dense layer's time goes, beside bf16: GEMMs alone, quantization alone, whole layer.
+
+    python -m benchmarks.studies.float8_breakdown [--m 16384 --k 2048 --n 8192]
 
 Each row one jitted function, median device time of 20 calls, and its compile
 time: the bf16 GEMM and the fp8 GEMM on ready operands, the dynamic-scale

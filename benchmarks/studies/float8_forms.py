@@ -1,6 +1,8 @@
-"""The two ways amp can write an fp8 product, compiled side by side on this backend.
+"""Frozen study; its results: benchmarks/GPU_STUDIES.md, "Float8: the dequantize-then-dot form ran in bf16" (2026-11-24).
 
-    python benchmarks/float8_forms.py [--hlo-dir DIR]
+The two ways amp can write an fp8 product, compiled side by side on this backend.
+
+    python -m benchmarks.studies.float8_forms [--hlo-dir DIR]
 
 ``native``: a dot of the fp8 operands, scales applied to the result (amp's
 form on GPUs with fp8 matmuls). ``emulated``: fp8 round trip, then a bf16 dot

@@ -1,6 +1,8 @@
-"""Why is a train step on pure-bf16 parameters slow on GPU? Variants side by side.
+"""Frozen study; its results: benchmarks/GPU_STUDIES.md, "Pure-bf16 train steps" (2026-11-22).
 
-    python benchmarks/pure_bf16.py [--d-model 512 --layers 6 --seq 256 --batch 32]
+Why is a train step on pure-bf16 parameters slow on GPU? Variants side by side.
+
+    python -m benchmarks.studies.pure_bf16 [--d-model 512 --layers 6 --seq 256 --batch 32]
 
 The demo's model (``amp_jax.demo._model``), one jitted step
 ``params -> (loss, new params)`` per variant, medians in one process. The

@@ -1,6 +1,8 @@
-"""How far quantized Adam moments drift from float32 Adam's on the same gradients.
+"""Frozen study; its results: benchmarks/QUANTIZED_STATES.md, the drift table under "Rounded to the nearest code".
 
-    python benchmarks/quantized_drift.py [--steps 300]
+How far quantized Adam moments drift from float32 Adam's on the same gradients.
+
+    python -m benchmarks.studies.quantized_drift [--steps 300]
 
 Trains the demo model (``amp_jax.demo`` defaults, seed 0) with float32 AdamW
 and, at every step, also feeds the same gradient to AdamW with quantized
