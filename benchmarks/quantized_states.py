@@ -112,7 +112,9 @@ def main(argv=None) -> str:
         help="only print the update-timing table (no training)",
     )
     p.add_argument(
-        "--smoke", action="store_true", help="2 variants, 2 steps, no timings (CI; give --out)"
+        "--smoke",
+        action="store_true",
+        help="2 variants, a tiny model, 2 steps, no timings (CI; give --out)",
     )
     args = p.parse_args(argv)
     if args.timing_only:
@@ -123,6 +125,7 @@ def main(argv=None) -> str:
     chosen = variants()
     if args.smoke:
         args.steps, args.no_timing, chosen = 2, True, chosen[:2]
+        cfg = _model.Config(d_model=64, layers=1, seq=32, batch=4)
     if args.only:  # in the order given
         by_name = dict(chosen)
         chosen = [(n, by_name[n]) for n in args.only.split(",")]

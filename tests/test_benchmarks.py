@@ -51,6 +51,10 @@ def first_column(table: list[list[str]]) -> list[str]:
     return [row[0] for row in table[1:]]
 
 
+def run_plain(name: str) -> str:
+    return importlib.import_module(f"benchmarks.{name}").main([])
+
+
 heavy = pytest.mark.heavy
 
 
@@ -124,7 +128,7 @@ def test_quantized_states(tmp_path):
 
 
 def test_optim_bytes():  # no sizes to shrink: the table of docs/optim.md, from eval_shape
-    text = importlib.import_module("benchmarks.optim_bytes").main([])
+    text = run_plain("optim_bytes")
     assert "float32 AdamW" in first_column(table_with(text, "scheme", "weights", "gradients"))
 
 
