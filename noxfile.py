@@ -16,6 +16,10 @@ Each leg is one Python with one JAX, installed by uv into a fresh virtualenv:
   0.10.2 again; optax, numpy, Flax, Equinox, orbax, Haiku, Keras, pytest...
   at their lower bounds), so that those bounds stay true.
 
+Only the newest-JAX leg (3.13) runs the tests marked ``heavy`` (the
+benchmarks' smoke runs, tests/test_benchmarks.py); the others pass
+``-m "not heavy"``.
+
 The four take about 40 minutes on an idle 2-core CPU (README), within CI's 90.
 
 Pythons are found on PATH; a pyenv install's versions are added to it, since
@@ -37,6 +41,8 @@ nox.options.error_on_missing_interpreters = True
 #: Python of each leg -> the JAX it runs (None: the newest the registry serves).
 LEGS = {"3.11": "0.10.2", "3.12": "0.11.2", "3.13": None}
 PYTEST = ("python", "-m", "pytest", "-q", "-n", "2")
+#: What the legs other than the newest-JAX one deselect (the ``heavy`` marker, pyproject.toml).
+NOT_HEAVY = ("-m", "not heavy")
 JUNIT = pathlib.Path("build", "junit")
 
 
@@ -67,13 +73,20 @@ def _print_versions(session: nox.Session) -> None:
     )
 
 
-def _run_suite(session: nox.Session, env: dict[str, str] | None = None) -> None:
+def _run_suite(session: nox.Session, *pytest_args: str, env: dict[str, str] | None = None) -> None:
     """pytest on this leg, then the leg's row for docs/accelerators.md from its junit."""
     _print_versions(session)
     JUNIT.mkdir(parents=True, exist_ok=True)
     junit = JUNIT / f"{session.name}.xml"
     # pytest's 1 (tests failed) still gets its row printed; version_row.py then fails the leg
-    session.run(*PYTEST, f"--junitxml={junit}", *session.posargs, success_codes=[0, 1], env=env)
+    session.run(
+        *PYTEST,
+        f"--junitxml={junit}",
+        *pytest_args,
+        *session.posargs,
+        success_codes=[0, 1],
+        env=env,
+    )
     session.run("python", "tests/version_row.py", str(junit))
 
 
@@ -83,12 +96,17 @@ def tests(session: nox.Session) -> None:
     jax_version = LEGS[session.python]
     pins = [f"jax=={jax_version}", f"jaxlib=={jax_version}"] if jax_version else ["--upgrade"]
     session.install("-e", ".[test,integrations]", *pins)
-    # the packaging check (build, twine check, install in a fresh venv) on the newest leg only
-    _run_suite(session, env={"AMP_JAX_PACKAGING": "1"} if jax_version is None else None)
+    # heavy tests and the packaging check (build, twine check, install in a fresh venv)
+    # on the newest leg only
+    _run_suite(
+        session,
+        *(NOT_HEAVY if jax_version else ()),
+        env=None if jax_version else {"AMP_JAX_PACKAGING": "1"},
+    )
 
 
 @nox.session(python=["3.11"])
 def lowest(session: nox.Session) -> None:
     """The suite with every direct dependency at the lowest version pyproject admits."""
     session.install("--resolution", "lowest-direct", "-e", ".[test,integrations]")
-    _run_suite(session)
+    _run_suite(session, *NOT_HEAVY)

@@ -6,8 +6,9 @@ argument + output + temp bytes minus aliased bytes (params and optimizer state
 are donated in every variant). Prints a table and writes
 benchmarks/EAGER_MEMORY.md.
 
-    PYTHONPATH=. python benchmarks/eager_memory.py [--layers 12] [--width 512]
-    PYTHONPATH=. python benchmarks/eager_memory.py --fsdp   # per device, 8 host devices
+    python -m benchmarks.eager_memory [--layers 12] [--width 512]
+    python -m benchmarks.eager_memory --fsdp   # per device, 8 host devices
+    python -m benchmarks.eager_memory --smoke  # 2 blocks of width 64, no write (CI)
 
 ``--fsdp`` forces 8 host CPU devices, shards every block weight's last dim
 over them (FSDP) and writes benchmarks/EAGER_MEMORY_FSDP.md: per-device peaks
@@ -189,9 +190,10 @@ def rows_f16(name, inner, width, layers, seq, reps):
 
 def fsdp_table(width, layers, seq):
     """Per-device peaks with every block weight's last dim sharded over 8 devices."""
-    from hlo import loop_scalar_all_reduces
     from jax.sharding import AxisType, NamedSharding
     from jax.sharding import PartitionSpec as P
+
+    from workloads.hlo import loop_scalar_all_reduces
 
     mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
 
@@ -266,22 +268,27 @@ def fsdp_table(width, layers, seq):
     return "\n".join(lines) + "\n"
 
 
-def main():
-    ap = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> str:
+    """Runs the benchmark; returns the Markdown report (written unless ``--smoke``)."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--width", type=int, default=512)
     ap.add_argument("--seq", type=int, default=1)
     ap.add_argument("--reps", type=int, default=20, help="timed steps (f16 table)")
     ap.add_argument("--out", default=None, help="default: benchmarks/EAGER_MEMORY[_FSDP].md")
     ap.add_argument("--fsdp", action="store_true", help="per-device table on 8 host devices")
-    a = ap.parse_args()
+    ap.add_argument("--smoke", action="store_true", help="2 blocks of width 64, no write (CI)")
+    a = ap.parse_args(argv)
+    if a.smoke:
+        a.layers, a.width, a.reps = 2, 64, 1
     here = os.path.dirname(__file__)
     if a.fsdp:
         text = fsdp_table(a.width, a.layers, a.seq)
         print(text)
-        with open(a.out or os.path.join(here, "EAGER_MEMORY_FSDP.md"), "w") as f:
-            f.write(text)
-        return
+        if not a.smoke:
+            with open(a.out or os.path.join(here, "EAGER_MEMORY_FSDP.md"), "w") as f:
+                f.write(text)
+        return text
     a.out = a.out or os.path.join(here, "EAGER_MEMORY.md")
     rows = []
     rows += rows_for("sgd(momentum=0.9)", optax.sgd(1e-2, momentum=0.9), a.width, a.layers, a.seq)
@@ -365,8 +372,10 @@ def main():
         )
     text = "\n".join(lines) + "\n"
     print(text)
-    with open(a.out, "w") as f:
-        f.write(text)
+    if not a.smoke:
+        with open(a.out, "w") as f:
+            f.write(text)
+    return text
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ out="${1:-${OUT:-float8_gpu_out}}"
 mkdir -p "$out"
 python -c "import jax; d = jax.devices()[0]; print(jax.__version__, d, getattr(d, 'compute_capability', None))" | tee "$out/device.txt"
 python -m pytest -q -p no:cacheprovider -rs tests/test_float8.py 2>&1 | tee "$out/test_float8.txt"
-python benchmarks/run.py --models gpt_fp8 --no-extras --out "$out/RESULTS_GPU_FP8.md" 2>&1 | tee "$out/bench.txt"
+python -m benchmarks.run --models gpt_fp8 --no-extras --out "$out/RESULTS_GPU_FP8.md" 2>&1 | tee "$out/bench.txt"
 python -m amp_jax.demo --modes amp-bf16,amp-fp8 --steps 1000 --no-progress --out "$out/demo" 2>&1 | tee "$out/demo.txt"
 python - "$out/demo/results.json" <<'PY' | tee "$out/demo_check.txt"
 import json, sys

@@ -1,6 +1,7 @@
 """Float8 vs bfloat16 vs float32: loss and gradient errors on small models (CPU-quick).
 
-    python benchmarks/float8_numerics.py
+    python -m benchmarks.float8_numerics            # prints the table (FLOAT8_NUMERICS.md)
+    python -m benchmarks.float8_numerics --smoke    # the MLP only (CI)
 
 Relative errors against the float32 model (``||g - g32|| / ||g32||`` over all
 parameter gradients) for ``amp`` with the ``bfloat16``, ``float8`` and
@@ -11,17 +12,15 @@ are emulated exactly (fp8 round trip + bf16 dot), so the numbers hold there too.
 
 from __future__ import annotations
 
+import argparse
+import datetime
 import functools
-import os
-import sys
 
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from amp_jax import amp  # noqa: E402
-from amp_jax.demo import _model  # noqa: E402
+from amp_jax import amp
+from amp_jax.demo import _model
 
 POLICIES = ("bfloat16", "float8", "float8_rowwise")
 
@@ -53,17 +52,26 @@ def gpt_case():
     return "demo GPT d=256, 2 layers, seq 64, batch 16", loss, (params, toks[:, :-1], toks[:, 1:])
 
 
-def main() -> None:
-    print(f"JAX {jax.__version__} on {jax.default_backend()}")
-    print("| model | policy | loss rel err | grad rel err |")
-    print("|---|---|---:|---:|")
-    for name, loss, args in (mlp_case(), gpt_case()):
-        l32, g32 = jax.jit(jax.value_and_grad(loss))(*args)
+def main(argv: list[str] | None = None) -> str:
+    """Prints the table and returns it as Markdown."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--smoke", action="store_true", help="the MLP only (CI)")
+    args = p.parse_args(argv)
+    lines = [
+        f"JAX {jax.__version__} on {jax.default_backend()}, {datetime.date.today()}",
+        "",
+        "| model | policy | loss rel err | grad rel err |",
+        "|---|---|---:|---:|",
+    ]
+    print("\n".join(lines), flush=True)
+    for name, loss, fargs in (mlp_case(),) if args.smoke else (mlp_case(), gpt_case()):
+        l32, g32 = jax.jit(jax.value_and_grad(loss))(*fargs)
         for policy in POLICIES:
-            l, g = jax.jit(jax.value_and_grad(amp(loss, policy=policy)))(*args)
-            print(
-                f"| {name} | {policy} | {abs(float(l - l32) / float(l32)):.2e} | {_rel(g, g32):.4f} |"
-            )
+            l, g = jax.jit(jax.value_and_grad(amp(loss, policy=policy)))(*fargs)
+            rel_l = abs(float(l - l32) / float(l32))
+            lines.append(f"| {name} | {policy} | {rel_l:.2e} | {_rel(g, g32):.4f} |")
+            print(lines[-1], flush=True)
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

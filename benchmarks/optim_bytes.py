@@ -3,12 +3,14 @@
 Measured with ``amp_jax.optim.state_bytes`` on the real state pytrees built by
 each optimizer's ``init`` (abstractly, via ``jax.eval_shape``). Run::
 
-    python benchmarks/optim_bytes.py
+    python -m benchmarks.optim_bytes
 
 and paste the printed table into ``docs/optim.md`` (a test checks they match).
 """
 
 from __future__ import annotations
+
+import argparse
 
 import jax
 import jax.numpy as jnp
@@ -109,5 +111,13 @@ def markdown_table(n_params: int = N_PARAMS) -> str:
     return "\n".join(lines)
 
 
+def main(argv: list[str] | None = None) -> str:
+    """Prints the table (docs/optim.md's) and returns it."""
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args(argv)
+    text = markdown_table()
+    print(text)
+    return text
+
+
 if __name__ == "__main__":
-    print(markdown_table())
+    main()

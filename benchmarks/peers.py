@@ -2,9 +2,10 @@
 
 Usage (in an environment with the peers installed; see benchmarks/RESULTS.md)::
 
-    python benchmarks/peers.py                      # all models, prints Markdown tables
-    python benchmarks/peers.py --models eqx_relu,oi --rounds 5
-    python benchmarks/peers.py --out /tmp/peers.md
+    python -m benchmarks.peers                      # all models, prints Markdown tables
+    python -m benchmarks.peers --models eqx_relu,oi --rounds 5
+    python -m benchmarks.peers --out /tmp/peers.md
+    python -m benchmarks.peers --smoke              # eqx_relu, f32/amp/hand, 1 round (CI)
 
 For each model the train step ``jax.jit(jax.value_and_grad(loss))`` (MPX: its
 own ``filter_value_and_grad`` with dynamic loss scaling) is built for every
@@ -34,21 +35,17 @@ import functools
 import os
 import re
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from amp_jax import amp  # noqa: E402
+from amp_jax import amp
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 
@@ -436,7 +433,7 @@ def _versions() -> str:
 
 def machine() -> list[str]:
     """benchmarks/run.py's machine lines (cpu, bf16 flags, load), with the peers' versions."""
-    import run
+    from benchmarks import run
 
     m = run.machine()
     return [
@@ -468,14 +465,18 @@ def table(res: dict[str, dict]) -> list[str]:
     return lines
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> str:
+    """Runs the benchmark; returns the Markdown report (written to ``--out`` if given)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default=",".join(MODELS))
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--rounds", type=int, default=9)
     p.add_argument("--steps", type=int, default=10, help="SGD steps before the loss column")
     p.add_argument("--out", default=None, help="also write the Markdown here")
+    p.add_argument("--smoke", action="store_true", help="eqx_relu, 3 variants, 1 round (CI)")
     args = p.parse_args(argv)
+    if args.smoke:
+        args.models, args.variants, args.rounds, args.steps = "eqx_relu", "f32,amp,hand", 1, 1
     which = tuple(args.variants.split(","))
     out = ["## Machine", ""] + machine() + [""]
     for name in args.models.split(","):
@@ -495,6 +496,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.out:
         with open(args.out, "w") as fh:
             fh.write(text + "\n")
+    return text
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """8-bit, float8 and 4-bit AdamW states on the demo model: loss curves and step time.
 
-    python benchmarks/quantized_states.py [--steps 1000 --seeds 0] [--out benchmarks]
+    python -m benchmarks.quantized_states [--steps 1000 --seeds 0] [--out benchmarks]
+    python -m benchmarks.quantized_states --smoke --out /tmp/q   # 2 variants, 2 steps (CI)
 
 Trains the demo's model (``amp_jax.demo``, default size, float32 parameters
 and compute) from the same initialisation on the same batches with float32
@@ -21,18 +22,15 @@ import argparse
 import json
 import os
 import platform
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-
-from amp_jax import optim  # noqa: E402
-from amp_jax.demo import _data, _model, _modes  # noqa: E402
+from amp_jax import optim
+from amp_jax.demo import _data, _model, _modes
 
 EMBEDDINGS = ("embed", "pos")
 
@@ -49,7 +47,7 @@ def not_embeddings(params):
 def variants():
     """(name, tx factory taking the learning-rate schedule)."""
     q = lambda fmt, rounding="stochastic": (
-        lambda lr: optim.adamw(  # noqa: E731
+        lambda lr: optim.adamw(
             lr,
             weight_decay=0.0,
             state_format=fmt,
@@ -98,7 +96,9 @@ def update_times(params, reps=30):
     return out
 
 
-def main(argv=None):
+def main(argv=None) -> str:
+    """Trains and writes QUANTIZED_STATES.md, its curves and plot into ``--out``;
+    returns the table."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--lr", type=float, default=1e-3)
@@ -111,12 +111,21 @@ def main(argv=None):
         action="store_true",
         help="only print the update-timing table (no training)",
     )
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="2 variants, a tiny model, 2 steps, no timings (CI; give --out)",
+    )
     args = p.parse_args(argv)
     if args.timing_only:
-        print("\n".join(timing_table(timings(_model.Config()))))
-        return
+        text = "\n".join(timing_table(timings(_model.Config())))
+        print(text)
+        return text
     cfg = _model.Config()
     chosen = variants()
+    if args.smoke:
+        args.steps, args.no_timing, chosen = 2, True, chosen[:2]
+        cfg = _model.Config(d_model=64, layers=1, seq=32, batch=4)
     if args.only:  # in the order given
         by_name = dict(chosen)
         chosen = [(n, by_name[n]) for n in args.only.split(",")]
@@ -142,7 +151,7 @@ def main(argv=None):
                 flush=True,
             )
             write(args, cfg, runs, {})  # after every run: a long run keeps what it has
-    write(args, cfg, runs, {} if args.no_timing else timings(cfg))
+    return write(args, cfg, runs, {} if args.no_timing else timings(cfg))
 
 
 def timings(cfg):
@@ -202,7 +211,7 @@ def seed_summary(runs, base):
 
 
 def write(args, cfg, runs, times):
-    """Writes the table, the curves and the plot for the runs so far."""
+    """Writes the table, the curves and the plot for the runs so far; returns the table."""
     n_params = sum(x.size for x in jax.tree.leaves(_model.init_params(jax.random.PRNGKey(0), cfg)))
 
     base = {s: r.final_val_loss for s, n, r in runs if n == "float32 AdamW"}
@@ -230,7 +239,7 @@ def write(args, cfg, runs, times):
     print("\n" + table)
     with open(os.path.join(args.out, "QUANTIZED_STATES.md"), "w") as f:
         f.write("# Quantized AdamW states: convergence and step time\n\n")
-        f.write("Written by `python benchmarks/quantized_states.py`.\n\n" + table + "\n")
+        f.write("Written by `python -m benchmarks.quantized_states`.\n\n" + table + "\n")
     curves = [
         {
             "seed": seed,
@@ -250,7 +259,7 @@ def write(args, cfg, runs, times):
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return
+        return table
     fig, ax = plt.subplots(figsize=(7, 4))
     for c in curves:
         ax.plot(c["val_steps"], c["val_loss"], label=f"{c['states']} (seed {c['seed']})")
@@ -261,10 +270,12 @@ def write(args, cfg, runs, times):
     ax.set_title("demo model: AdamW with quantized states")
     fig.tight_layout()
     fig.savefig(os.path.join(args.out, "quantized_states.png"), dpi=100)
-    # the copy the docs show (docs/optim.md)
+    # the copy the docs show (docs/optim.md); never from a smoke run
     docs = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "images")
-    if os.path.isdir(docs):
+    if os.path.isdir(docs) and not args.smoke:
         fig.savefig(os.path.join(docs, "quantized_states.png"), dpi=100)
+    plt.close(fig)
+    return table
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The GPT of ``models.gpt`` in PyTorch, for a side-by-side step time on a GPU.
 
-Same architecture, sizes and initial scales as ``benchmarks/models.py::gpt``:
+Same architecture, sizes and initial scales as ``workloads/models.py::gpt``:
 pre-LN decoder, fused qkv projection, causal attention, gelu MLP, tied
 embedding, float32 parameters. The train step is forward + ``backward()``
 under ``torch.autocast(dtype=torch.bfloat16)`` -- what a PyTorch user writes

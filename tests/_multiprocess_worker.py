@@ -1,8 +1,8 @@
 """One process of the multi-process test (tests/test_multiprocess.py).
 
-    python tests/_multiprocess_worker.py OUT.npz NUM_PROCESSES PROCESS_ID PORT
+    PYTHONPATH=. python tests/_multiprocess_worker.py OUT.npz NUM_PROCESSES PROCESS_ID PORT
 
-trains the transformer block of benchmarks/sharded_model.py data parallel over
+from the repository root (which holds ``workloads``) trains the transformer block of workloads/sharded.py data parallel over
 all 8 devices (8 forced host CPU devices in 1 process, or 4 in each of 2
 processes joined by ``jax.distributed`` on 127.0.0.1) twice:
 
@@ -27,7 +27,6 @@ import sys
 out_path, nproc, pid, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={8 // nproc}"
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax  # noqa: E402
 
@@ -44,14 +43,12 @@ if nproc > 1:
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from _util import benchmark_module  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-sm = benchmark_module("sharded_model")
-
 import amp_jax  # noqa: E402
 from amp_jax import optim  # noqa: E402
+from workloads import sharded as sm  # noqa: E402
 
 STEPS, OVERFLOW_STEP, BATCH = 16, 5, 16
 assert jax.device_count() == 8 and jax.process_count() == nproc

@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
-import sys
-
 import jax
 import numpy as np
 from jax.extend import core as jex_core
@@ -148,22 +144,6 @@ def carries_are_computed_in_their_dtype(jaxpr) -> list[str]:
         elif e.primitive.name == "while":
             bad += _computed_from_low(e.params["body_jaxpr"], range(len(e.outvars)))
     return bad
-
-
-BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
-
-
-def benchmark_module(name: str):
-    """``benchmarks/<name>.py`` (its models, its HLO counters), loaded once.
-    Tests read the benchmarks so that both count the same things; nothing in
-    benchmarks/ imports from tests/."""
-    key = f"bench_{name}"
-    if key not in sys.modules:
-        spec = importlib.util.spec_from_file_location(key, BENCHMARKS / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[key] = module  # (dataclasses look their module up)
-        spec.loader.exec_module(module)
-    return sys.modules[key]
 
 
 #: primitives that add values together (a sum over an axis, a window, the

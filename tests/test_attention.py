@@ -15,7 +15,7 @@ import jax.extend.core as jex_core
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _util import BF16, benchmark_module, eqns
+from _util import BF16, eqns
 
 from amp_jax import Policy, amp, full_precision
 from amp_jax._src import decision
@@ -403,7 +403,8 @@ def test_real_layers_are_recognised():
     import flax.linen as nn
     from flax import nnx
 
-    M = benchmark_module("models")
+    from workloads import models as M
+
     x = jax.random.normal(KX, (B, T, 32))
     linen = nn.MultiHeadDotProductAttention(num_heads=4)
     variables = linen.init(jax.random.PRNGKey(0), x)

@@ -13,15 +13,15 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
-from _util import BF16, benchmark_module, prim_dtypes
+from _util import BF16, prim_dtypes
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import amp_jax
 from amp_jax import optim
+from workloads import hlo as HLO
+from workloads import sharded as sm
 
-HLO = benchmark_module("hlo")
-sm = benchmark_module("sharded_model")
 MODES = {"auto": AxisType.Auto, "explicit": AxisType.Explicit}
 
 # The meshes are 8 devices of the default backend: CPU CI forces 8 host devices

@@ -1,6 +1,6 @@
 """Structure behind amp's speed (never timings; those live in benchmarks/run.py).
 
-Uses the benchmark models (``benchmarks/models.py``) at small sizes:
+Uses the benchmark models (``workloads/models.py``) at small sizes:
 
 * backward dots are never mixed-dtype, and non-batched ones take bf16 operands
   in the layouts XLA:CPU runs fast;
@@ -20,13 +20,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _util import BF16, F32, _open, allow_out_dtype, benchmark_module, check_dots_low, eqns, rel
+from _util import BF16, F32, _open, allow_out_dtype, check_dots_low, eqns, rel
 from jax.extend import core as jex_core
 
 from amp_jax import amp
 from amp_jax._src.rules import materialized_transpose
-
-M = benchmark_module("models")
+from workloads import models as M
 
 SMALL = {"mlp": M.mlp(small=True), "gpt": M.gpt(small=True)}
 

@@ -116,8 +116,14 @@ def gpt(
     layers: int = 4,
     heads: int = 8,
     vocab: int = 1024,
+    unrolled: bool = False,
 ) -> Model:
-    """Pre-LN decoder: causal attention + gelu MLP per layer, ``lax.scan`` over layers."""
+    """Pre-LN decoder: causal attention + gelu MLP per layer, ``lax.scan`` over layers.
+
+    ``unrolled``: the blocks are a list of parameter dicts and a Python loop
+    runs them, so every block has its own equations (a program that grows with
+    the depth: benchmarks/trace_cost.py).
+    """
     if small:
         batch, seq, d, layers, heads, vocab = 2, 16, 32, 2, 4, 64
     hd = d // heads
@@ -137,6 +143,8 @@ def gpt(
             "w2": jax.random.normal(k[3], (layers, 4 * d, d), F32) * (s / 2),
             "b2": jnp.zeros((layers, d), F32),
         }
+        if unrolled:
+            blocks = [jax.tree.map(lambda a, i=i: a[i], blocks) for i in range(layers)]
         return {
             "embed": jax.random.normal(k[4], (vocab, d), F32) * 0.02,
             "pos": jax.random.normal(k[5], (seq, d), F32) * 0.02,
@@ -177,14 +185,19 @@ def gpt(
             x = x + _dense(h, w["w2"], acc) + w["b2"]
             return x, None
 
-        x, _ = lax.scan(block, x, p["blocks"])
+        if unrolled:
+            for w in p["blocks"]:
+                x, _ = block(x, w)
+        else:
+            x, _ = lax.scan(block, x, p["blocks"])
         x = _layer_norm(x, p["lnf_s"], p["lnf_b"])
         logits = _dense(x, p["embed"].T, acc)
         return _xent(logits, targets)
 
     return Model(
         "gpt",
-        f"GPT decoder, pre-LN, {layers} layers (lax.scan), d={d}, {heads} heads, "
+        f"GPT decoder, pre-LN, {layers} layers ({'unrolled' if unrolled else 'lax.scan'}), "
+        f"d={d}, {heads} heads, "
         f"seq {seq}, batch {batch}, vocab {vocab}, tied embedding",
         init,
         make_batch,
@@ -355,7 +368,7 @@ def gpt_fp8(small: bool = False, **sizes: Any) -> Model:
 
 MODELS: dict[str, Callable[..., Model]] = {"mlp": mlp, "gpt": gpt, "cnn": cnn, "gpt_fp8": gpt_fp8}
 
-#: GPU-scale sizes (``benchmarks/run.py --scale gpu``, the default on a GPU).
+#: GPU-scale sizes (``python -m benchmarks.run --scale gpu``, the default on a GPU).
 GPU_SIZES: dict[str, dict[str, Any]] = {
     "mlp": dict(batch=8192, width=4096, depth=7),
     "gpt": dict(batch=8, seq=1024, d=1024, layers=12, heads=16, vocab=8192),

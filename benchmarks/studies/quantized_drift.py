@@ -1,6 +1,8 @@
-"""How far quantized Adam moments drift from float32 Adam's on the same gradients.
+"""Frozen study; its results: benchmarks/QUANTIZED_STATES.md, the drift table under "Rounded to the nearest code".
 
-    python benchmarks/quantized_drift.py [--steps 300]
+How far quantized Adam moments drift from float32 Adam's on the same gradients.
+
+    python -m benchmarks.studies.quantized_drift [--steps 300]
 
 Trains the demo model (``amp_jax.demo`` defaults, seed 0) with float32 AdamW
 and, at every step, also feeds the same gradient to AdamW with quantized
@@ -17,20 +19,16 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from quantized_states import not_embeddings  # noqa: E402
-
-from amp_jax import optim  # noqa: E402
-from amp_jax.demo import _data, _model  # noqa: E402
-from amp_jax.optim import _quantized  # noqa: E402
+from amp_jax import optim
+from amp_jax.demo import _data, _model
+from amp_jax.optim import _quantized
+from benchmarks.quantized_states import not_embeddings
 
 FORMATS = ("8bit", "float8", "4bit")
 
@@ -75,7 +73,7 @@ def main(argv=None):
         params = optax.apply_updates(params, us["float32"])  # float32 AdamW's trajectory
 
     def inner(s):
-        is_adam = lambda x: hasattr(x, "nu") and hasattr(x, "mu")  # noqa: E731
+        is_adam = lambda x: hasattr(x, "nu") and hasattr(x, "mu")
         return next(x for x in jax.tree.leaves(s, is_leaf=is_adam) if is_adam(x))
 
     ref_nu = jax.tree.leaves(inner(states["float32"]).nu)
@@ -92,7 +90,7 @@ def main(argv=None):
         r = np.asarray(r)
         means = [r[a:b].mean() for a, b in zip(edges[:-1], edges[1:]) if b <= args.steps]
         codec = _quantized._codecs(fmt)[1]
-        is_q = lambda x: isinstance(x, _quantized.QuantizedArray)  # noqa: E731
+        is_q = lambda x: isinstance(x, _quantized.QuantizedArray)
         qs = jax.tree.leaves(inner(states[(fmt, rounding)]).nu, is_leaf=is_q)
         rel = [
             np.sqrt(np.asarray(_quantized.dequantize(q, codec, v.shape)) / np.asarray(v)).ravel()

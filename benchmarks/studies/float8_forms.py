@@ -1,6 +1,8 @@
-"""The two ways amp can write an fp8 product, compiled side by side on this backend.
+"""Frozen study; its results: benchmarks/GPU_STUDIES.md, "Float8: the dequantize-then-dot form ran in bf16" (2026-11-24).
 
-    python benchmarks/float8_forms.py [--hlo-dir DIR]
+The two ways amp can write an fp8 product, compiled side by side on this backend.
+
+    python -m benchmarks.studies.float8_forms [--hlo-dir DIR]
 
 ``native``: a dot of the fp8 operands, scales applied to the result (amp's
 form on GPUs with fp8 matmuls). ``emulated``: fp8 round trip, then a bf16 dot
@@ -16,15 +18,12 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax
+import jax.numpy as jnp
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-
-from amp_jax import amp  # noqa: E402
-from amp_jax._src import float8  # noqa: E402
+from amp_jax import amp
+from amp_jax._src import float8
 
 _F8_DOT = re.compile(r"\bdot\(f8e[45]m[23]\w*\[[^)]*f8e[45]m[23]\w*\[")
 _BF16_DOT = re.compile(r"\bdot\(bf16\[")

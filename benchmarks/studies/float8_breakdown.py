@@ -1,6 +1,8 @@
-"""Where an fp8 dense layer's time goes, beside bf16: GEMMs alone, quantization alone, whole layer.
+"""Frozen study; its results: benchmarks/GPU_STUDIES.md, "Float8 speed" (2026-11-24).
 
-    python benchmarks/float8_breakdown.py [--m 16384 --k 2048 --n 8192]
+Where an fp8 dense layer's time goes, beside bf16: GEMMs alone, quantization alone, whole layer.
+
+    python -m benchmarks.studies.float8_breakdown [--m 16384 --k 2048 --n 8192]
 
 Each row one jitted function, median device time of 20 calls, and its compile
 time: the bf16 GEMM and the fp8 GEMM on ready operands, the dynamic-scale
@@ -11,19 +13,15 @@ a dense layer's forward + backward under amp's bfloat16 and float8 policies.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax
+import jax.numpy as jnp
+from jax import lax
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from jax import lax  # noqa: E402
-
-from amp_jax import amp  # noqa: E402
-from amp_jax._src import float8  # noqa: E402
+from amp_jax import amp
+from amp_jax._src import float8
 
 BF16, F32, E4M3 = jnp.bfloat16, jnp.float32, jnp.float8_e4m3fn
 DIMS = (((1,), (0,)), ((), ()))

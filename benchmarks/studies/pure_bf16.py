@@ -1,6 +1,8 @@
-"""Why is a train step on pure-bf16 parameters slow on GPU? Variants side by side.
+"""Frozen study; its results: benchmarks/GPU_STUDIES.md, "Pure-bf16 train steps" (2026-11-22).
 
-    python benchmarks/pure_bf16.py [--d-model 512 --layers 6 --seq 256 --batch 32]
+Why is a train step on pure-bf16 parameters slow on GPU? Variants side by side.
+
+    python -m benchmarks.studies.pure_bf16 [--d-model 512 --layers 6 --seq 256 --batch 32]
 
 The demo's model (``amp_jax.demo._model``), one jitted step
 ``params -> (loss, new params)`` per variant, medians in one process. The
@@ -19,18 +21,16 @@ import functools
 import os
 import re
 import statistics
-import sys
 import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import optax  # noqa: E402
+import jax
+import jax.numpy as jnp
+import optax
 
-from amp_jax import amp, optim  # noqa: E402
-from amp_jax.demo import _model  # noqa: E402
+from amp_jax import amp, optim
+from amp_jax.demo import _model
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 
@@ -92,7 +92,7 @@ def main(argv=None):
     rows = []
     for name, (params, lfn, tx, donate) in variants.items():
         step = step_fn(lfn, tx, donate)
-        copy = lambda t: jax.tree.map(jnp.copy, t)  # noqa: E731
+        copy = lambda t: jax.tree.map(jnp.copy, t)
         p, s = copy(params), tx.init(params)
         hlo = step.lower(p, s, tokens, targets).compile().as_text()
         scatters = sorted(set(re.findall(r"(\w+)\[[\d,]*\]\S* scatter\(", hlo)))

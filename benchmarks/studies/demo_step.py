@@ -1,7 +1,9 @@
-"""The demo's train steps, mode by mode, timed the way the demo times them and apart.
+"""Frozen study; its results: benchmarks/GPU_STUDIES.md, "The demo's pure-bf16 step" (2026-11-24).
 
-    python benchmarks/demo_step.py [--modes amp-bf16,bf16-kahan] [--hlo-dir DIR]
-                                   [--d-model 256 --layers 2 --heads 4 --seq 64 --batch 16]
+The demo's train steps, mode by mode, timed the way the demo times them and apart.
+
+    python -m benchmarks.studies.demo_step [--modes amp-bf16,bf16-kahan] [--hlo-dir DIR]
+                                          [--d-model 256 --layers 2 --heads 4 --seq 64 --batch 16]
 
 Builds each mode's step with ``amp_jax.demo._modes.build_step`` (exactly the
 demo's step) and times it three ways, medians in one process:
@@ -23,15 +25,12 @@ import collections
 import os
 import re
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax
 
-import jax  # noqa: E402
-
-from amp_jax.demo import _data, _model, _modes  # noqa: E402
-from amp_jax.demo.__main__ import DEFAULTS  # noqa: E402
+from amp_jax.demo import _data, _model, _modes
+from amp_jax.demo.__main__ import DEFAULTS
 
 _OPS = ("fusion", "custom-call", "scatter", "while", "convert", "all-reduce", "copy")
 

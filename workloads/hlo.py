@@ -1,5 +1,4 @@
-"""Counters over compiled HLO text, shared by the benchmarks and the tests
-(the tests read them from here; nothing in benchmarks/ imports from tests/)."""
+"""Counters over compiled HLO text, shared by the benchmarks and the tests."""
 
 from __future__ import annotations
 

@@ -1,0 +1,1 @@
+"""One-off studies, frozen: each names the results file that holds what it found."""
