@@ -1,7 +1,10 @@
 """optax's shared optimizer checks, in our words, over every amp_jax.optim
 transformation and every adamw state format: convergence on small problems,
 dtype preservation, state stability under jit and lax.cond, composition with
-optax's wrappers, complex64 and float64 (x64) parameters."""
+optax's wrappers, complex64 and float64 (x64) parameters.
+
+Marked ``heavy`` (a few minutes on 2 cores): the newest-JAX leg runs it; the
+regression tests of each item run on every leg (tests/test_optim_*.py)."""
 
 import jax
 import jax.numpy as jnp
@@ -10,6 +13,8 @@ import optax
 import pytest
 
 from amp_jax import optim
+
+pytestmark = pytest.mark.heavy
 
 _Q = {"min_quantized_size": 1, "block_size": 4}
 

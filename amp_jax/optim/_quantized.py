@@ -490,7 +490,7 @@ def scale_by_quantized_adam(
     (4-bit) below float32 Adam's on the same gradients, and the update's norm
     over steps 151-300 8%, 25% and 53% larger; with ``nu`` rounded
     stochastically (unbiased), 0.3%, 2.2% and 8% larger
-    (``benchmarks/quantized_drift.py``). Over 1000 steps and 3 seeds the
+    (``benchmarks/studies/quantized_drift.py``). Over 1000 steps and 3 seeds the
     final loss then ends within 1% of float32 AdamW's in every format
     (nearest: 1.2-4.4% lower, from the larger steps). The first moment
     moves by ``1 - b1 = 10%`` a step, more than a gap, and is rounded to the

@@ -90,7 +90,7 @@ def benchmark_results() -> str:
     if not parts:
         return (
             '!!! note "No results yet"\n    `benchmarks/RESULTS.md` has not been generated in this checkout. '
-            "Run `python benchmarks/run.py` to produce it."
+            "Run `python -m benchmarks.run` to produce it."
         )
     return "\n\n".join(parts)
 

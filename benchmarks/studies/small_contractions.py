@@ -1,4 +1,6 @@
-"""Many small tensor-product-like contractions: amp's step time against float32.
+"""Frozen study; its results: benchmarks/README.md, "Studies", small_contractions (2026-11-25).
+
+Many small tensor-product-like contractions: amp's step time against float32.
 
 A stand-in for an e3nn-jax message-passing network (e3nn-jax is not installed
 here): node features as irreps blocks (multiplicity ``MUL`` of l = 0, 1, 2,
@@ -12,7 +14,7 @@ Prints, in one process and on one machine, the jitted train step
 (``value_and_grad``) of float32 and of ``amp`` (bfloat16), as medians, and
 their ratio, with the count of contractions amp lowered and kept.
 
-    python benchmarks/small_contractions.py
+    python -m benchmarks.studies.small_contractions
 """
 
 from __future__ import annotations
