@@ -11,13 +11,19 @@ the public NNX API (``nnx.state`` / ``nnx.update``), as ``nnx.jit`` does. A
 change it cannot reproduce (a plain container or attribute written) is
 refused with the construct and the fix, never dropped.
 
-Flax is never imported here: NNX objects exist only if the caller imported it.
+Haiku keeps parameters, state and random keys in the frame of its transform,
+outside the arguments: :func:`haiku_guard` refuses a function that touches
+them while amp traces it inside a transform (the fix: ``amp(model.apply)``).
+
+Flax and Haiku are never imported here: their objects exist only if the
+caller imported them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -152,3 +158,57 @@ def write_back(dest: Any, src: Any, changed: set[int]) -> None:
         state = nnx.state(s, written)
         if jax.tree.leaves(state):
             nnx.update(d, state)
+
+
+_HAIKU_FIX = (
+    "amp traces the function on its own, so Haiku's parameters, state and random keys "
+    "would be baked into its cached trace or leak out of it as tracers. Apply amp to the "
+    "transformed function instead: `amp(model.apply)(params, state, rng, x)`, or amp on a "
+    "loss function that calls model.apply."
+)
+
+
+@contextlib.contextmanager
+def haiku_guard(fn_name: str) -> Iterator[None]:
+    """Refuses, while amp traces ``fn`` inside a Haiku transform, any use of
+    the transform's parameters, state or random keys."""
+    hk = sys.modules.get("haiku")
+    try:
+        rng = hk.maybe_get_rng_sequence_state() if hk is not None else None
+    except ValueError:  # (not inside a Haiku transform)
+        hk = None
+    if hk is None:
+        yield
+        return
+
+    def refuse(what: str, context: Any) -> None:
+        raise TypeError(
+            f"amp({fn_name}): the function uses the Haiku {what} `{context.full_name}` "
+            f"inside a Haiku transform. {_HAIKU_FIX}"
+        )
+
+    def creator(next_creator, shape, dtype, init, context):
+        refuse("parameter or state", context)
+
+    def getter(next_getter, value, context):
+        refuse("parameter or state", context)
+
+    def setter(next_setter, value, context):
+        refuse("state", context)
+
+    with (
+        hk.custom_creator(creator, state=True),
+        hk.custom_getter(getter, state=True),
+        hk.custom_setter(setter),
+    ):
+        yield
+    if not _same_leaves(hk.maybe_get_rng_sequence_state(), rng):
+        raise TypeError(
+            f"amp({fn_name}): the function draws Haiku random keys (hk.next_rng_key) "
+            f"inside a Haiku transform. {_HAIKU_FIX}"
+        )
+
+
+def _same_leaves(a: Any, b: Any) -> bool:
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    return len(la) == len(lb) and all(x is y for x, y in zip(la, lb))

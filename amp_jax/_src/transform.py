@@ -355,7 +355,8 @@ class AmpFunction:
         def traced_fn(*args, **kwargs):
             tree = _unwrap_statics((args, kwargs))
             snap = mutation.Snapshot(tree)
-            out = target(*tree[0], **tree[1])
+            with mutation.haiku_guard(_fn_name(self.fn)):
+                out = target(*tree[0], **tree[1])
             self._check_no_leak(tree[0], tree[1], names, target)
             try:
                 writes = mutation.collect(snap, tree, lambda p: _path_name(names, p))
