@@ -227,6 +227,10 @@ def has_subjaxprs(eqn: Any) -> bool:
     )
 
 
+def _is_jaxpr(x: Any) -> bool:
+    return is_closed_jaxpr(x) or is_open_jaxpr(x)
+
+
 def map_subjaxprs(
     eqn: Any,
     rewrite_closed: Callable[[Any], Any],
@@ -256,9 +260,12 @@ def map_subjaxprs(
             if v.constvars:
                 return v  # not expected in params; leave untouched
             return closed_to_open_no_consts(rewrite_closed(close(v, [])), name)
-        if isinstance(v, tuple) and v and any(is_closed_jaxpr(x) or is_open_jaxpr(x) for x in v):
+        if isinstance(v, tuple) and v and all(x is None or _is_jaxpr(x) for x in v):
             new = [one(x) for x in v]  # keep NamedTuples (custom_linear_solve's jaxprs)
             return type(v)(*new) if hasattr(v, "_fields") else tuple(new)
+        # (a jaxpr among other values is data of the primitive -- an Equinox
+        # filter primitive's flattened operands, a closure-converted function
+        # whose arguments are checked by identity: left as it is)
         return v
 
     params = {k: one(v) for k, v in eqn.params.items()}
