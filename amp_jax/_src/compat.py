@@ -396,7 +396,10 @@ def shard_map_of(eqn: Any, body: Callable[..., list[Any]]) -> Callable[..., list
     axes = p.get("newly_manual_axes", p.get("manual_axes"))
     if axes is not None and frozenset(axes) != frozenset(p["mesh"].axis_names):
         kwargs["axis_names"] = set(axes)
-    fn = jax.shard_map(lambda *a: tuple(body(*a)), **kwargs)
+    # Under jit, as the shard_map was: amp inlines a jit around it, and JAX
+    # 0.10 refuses an eager shard_map with some axes left automatic on an
+    # Explicit mesh ("out_specs refers to 'b'").
+    fn = jax.jit(jax.shard_map(lambda *a: tuple(body(*a)), **kwargs))
     return lambda *invals: list(fn(*invals))
 
 
