@@ -79,7 +79,7 @@ def test_nnx_optimizer_step_keeps_batch_stats_and_rng_counts(grad):
     ref = _train(lambda f: f, grad)
     assert np.abs(np.asarray(ref.bn.mean[...])).max() > 1e-3  # (the statistics moved)
     assert int(ref.do.rngs.count[...]) == 3
-    exact = _train(lambda f: amp(f, policy="float32"), grad)
+    exact = _train(lambda f: amp(f, policy="float32"), grad)  # (the function itself)
     jax.tree.map(np.testing.assert_array_equal, _state(exact), _state(ref))
     jax.tree.map(np.testing.assert_array_equal, _state(exact, ...), _state(ref, ...))
     low = _train(amp, grad)
@@ -89,15 +89,17 @@ def test_nnx_optimizer_step_keeps_batch_stats_and_rng_counts(grad):
 
 def test_amp_of_module_called_directly():
     ref, m = _Net(nnx.Rngs(0, dropout=1)), _Net(nnx.Rngs(0, dropout=1))
-    f = amp(m, policy="float32")
+    f = amp(m)
     for _ in range(2):
         ref(X)
         f(X)
-    jax.tree.map(np.testing.assert_array_equal, _state(m), _state(ref))
+    _close(_state(m), _state(ref), rtol=0.05, atol=2e-3)
+    assert int(m.do.rngs.count[...]) == 2
     step = nnx.jit(lambda m, x: m(x))
-    step(amp(m, policy="float32"), X)
+    step(amp(m), X)
     step(ref, X)
-    jax.tree.map(np.testing.assert_array_equal, _state(m), _state(ref))
+    _close(_state(m), _state(ref), rtol=0.05, atol=2e-3)
+    assert int(m.do.rngs.count[...]) == 3
 
 
 def test_rngs_argument_counts():
@@ -141,7 +143,7 @@ def test_nnx_intermediates(how):
                 return nnx.jit(captured)(m, X)[1]
             return captured(m, X)[1]
 
-    ref, got = run(lambda f: f), run(lambda f: amp(f, policy="float32"))
+    ref, got = run(lambda f: f), run(amp)  # (nothing lowered on the sown path: bitwise)
     assert len(jax.tree.leaves(ref)) == (2 if how == "sow" else 1)
     jax.tree.map(np.testing.assert_array_equal, nnx.to_pure_dict(got), nnx.to_pure_dict(ref))
 
@@ -173,9 +175,9 @@ def test_nnx_scan_and_vmap_carry_state():
         forward(blocks, X)
         return nnx.state(blocks, nnx.BatchStat)
 
-    ref, got = run(lambda f: f), run(lambda f: amp(f, policy="float32"))
+    ref, got = run(lambda f: f), run(amp)
     assert np.abs(np.asarray(ref["bn"]["mean"][...])).max() > 1e-3
-    jax.tree.map(np.testing.assert_array_equal, nnx.to_pure_dict(got), nnx.to_pure_dict(ref))
+    _close(nnx.to_pure_dict(got), nnx.to_pure_dict(ref), rtol=0.05, atol=2e-3)
 
 
 # -- refusals -------------------------------------------------------------------
@@ -300,3 +302,24 @@ def test_haiku_parameters_and_keys_inside_a_transform_are_refused():
     # (amp inside a transform on a function that leaves Haiku alone is fine)
     plain = hk.transform(lambda x: hk.Linear(4)(amp(jnp.tanh)(x)))
     plain.apply(plain.init(jax.random.key(0), X), None, X)
+
+
+# -- the float32 policy is the function itself ---------------------------------
+
+
+def test_float32_policy_runs_the_function_itself():
+    """Bitwise the function's results, gradients and writes, eagerly too:
+    amp(f, policy="float32") calls ``f`` rather than evaluating its jaxpr."""
+
+    def f(w, x, seen):
+        seen["h"] = jnp.tanh(x @ w)
+        return jnp.mean(jax.nn.log_softmax(seen["h"] @ w.T)), 3
+
+    w = jax.random.normal(jax.random.key(1), (16, 16)) / 4
+    g = amp(f, policy="float32")
+    ref_seen, seen = {}, {}
+    ref = jax.value_and_grad(f, has_aux=True)(w, X, ref_seen)
+    got = jax.value_and_grad(g, has_aux=True)(w, X, seen)
+    jax.tree.map(np.testing.assert_array_equal, got, ref)
+    assert isinstance(got[0][1], jax.Array)  # (a Python output comes back as an array, like jit)
+    assert set(seen) == {"h"} and g.trace_count == 0

@@ -383,6 +383,11 @@ class AmpFunction:
         return _Traced(plan(ctx, closed), out_tree, ctx, writes)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.policy.is_identity:
+            # float32 changes nothing: run the function itself, so that results,
+            # gradients and state writes are bitwise its own, eagerly too
+            # (evaluating its jaxpr op by op can round differently eagerly)
+            return jax.tree.map(_as_output, self.fn(*args, **kwargs))
         if _is_tree(self.fn):  # amp(model): the model's arrays are arguments
             target, args = _apply, (self.fn, *args)
             names = ["self", *_param_names(self.fn)]
