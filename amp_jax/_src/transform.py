@@ -509,7 +509,8 @@ def amp(fn=None, *extra, policy="bfloat16", strict=None, cache_size=_CACHE_SIZE)
         the result is then a pytree over it, and its arrays are traced.
       policy: a :class:`Policy`, a preset name (``"bfloat16"``,
         ``"float16"``, ``"float32"``) or a dtype. ``"float32"`` is the
-        identity: bitwise the same results and gradients as ``fn``.
+        identity: amp calls ``fn``, so results, gradients and state writes
+        are bitwise its own, eagerly and under ``jit``.
       strict: if true, a primitive that is in no class of the policy raises
         ``NotImplementedError`` naming it (default: treat it as ``follow``).
         Overrides ``policy.strict`` when given.
