@@ -434,7 +434,7 @@ def test_eager_amp_of_a_jitted_shard_map_with_one_manual_axis(mode):
     assert dots and all(ins == (BF16, BF16) for ins, _, _ in dots), dots
 
 
-@pytest.mark.parametrize("x_spec", [P("a"), P("b"), P()])
+@pytest.mark.parametrize("x_spec", [P("a"), P("a", "b"), P("b"), P()])
 @pytest.mark.parametrize("out_spec", [P("a"), P()])
 def test_eager_amp_of_a_jitted_partial_shard_map_on_an_explicit_mesh(x_spec, out_spec):
     """The same on a (2, 2) Explicit mesh, eagerly with no mesh set, and its
@@ -451,7 +451,11 @@ def test_eager_amp_of_a_jitted_partial_shard_map_on_an_explicit_mesh(x_spec, out
         )
     )
     x = jax.device_put(jax.random.normal(jax.random.key(1), (16, 64)), NamedSharding(mesh, x_spec))
-    ref, got = f(x), amp_jax.amp(f)(x)
+    try:
+        ref = f(x)
+    except ValueError as e:  # (JAX 0.12 itself refuses inputs not sharded as in_specs)
+        pytest.skip(f"jax.shard_map refuses this input: {str(e)[:60]}")
+    got = amp_jax.amp(f)(x)
     np.testing.assert_array_equal(amp_jax.amp(f, policy="float32")(x), ref)
     assert 0 < float(jnp.max(jnp.abs(got - ref))) < 5e-2
     if x_spec != P("a"):
