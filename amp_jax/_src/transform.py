@@ -341,7 +341,7 @@ class AmpFunction:
                 "a Flax NNX Module whose Variables amp writes back)."
             )
 
-    def _trace(self, treedef, leaves, dyn_mask, names, target: Any = None) -> _Traced:
+    def _trace(self, treedef, leaves, dyn_mask, target: Any = None, names=()) -> _Traced:
         # Trace a function with the user's name, source line and signature
         # (through __wrapped__), so that JAX's errors name them and the
         # arguments as jax.jit does; static leaves travel as childless pytree
@@ -428,7 +428,7 @@ class AmpFunction:
             if target is not _apply:
                 self._check_fn()
             self._check_static(args, kwargs, leaves, dyn_mask, names)
-            traced = self._trace(treedef, leaves, dyn_mask, names, target)
+            traced = self._trace(treedef, leaves, dyn_mask, target, names=names)
             # A jaxpr that captured tracers of an enclosing transformation is
             # only valid inside that transformation: don't cache it.
             if key is not None and not any(
