@@ -15,7 +15,7 @@ import pytest
 from _util import BF16, eqns
 from flax import nnx
 
-from amp_jax import amp, optim
+from amp_jax import amp, dtype_report, optim
 
 STEPS = 5
 
@@ -239,3 +239,61 @@ def test_apply_if_finite_inside_static_loss_scale_with_float16_parameters():
     new, state, updates = step(params, state)
     assert updates.dtype == jnp.float16 and new.dtype == jnp.float16
     assert float(new[0]) < 1.0
+
+
+# -- implicit differentiation: optimistix and lineax ------------------------------
+
+
+def _solver_losses():
+    import lineax as lx
+    import optimistix as optx
+
+    k1, k2, k3 = jax.random.split(jax.random.key(3), 3)
+    w = jax.random.normal(k1, (32, 32)) / 8
+    a = jnp.eye(32) * 4 + jax.random.normal(k2, (32, 32)) / 8
+    u = jax.random.normal(k3, (32, 32)) / 8
+    solver = optx.FixedPointIteration(rtol=1e-5, atol=1e-5)
+
+    def fixed_point(x):  # the fixed point's gradient is a lineax solve (closure-converted)
+        sol = optx.fixed_point(lambda z, a: jnp.tanh(0.5 * z + a), solver, x, args=x)
+        return jnp.sum(sol.value)
+
+    def deq(x):  # a matmul inside the solved function, and around it
+        sol = optx.fixed_point(lambda z, a: jnp.tanh(0.1 * z + a), solver, x, args=x @ w)
+        return jnp.sum((sol.value @ u) ** 2)
+
+    def newton(x):
+        root = optx.root_find(
+            lambda z, a: z**3 + z - a, optx.Newton(rtol=1e-6, atol=1e-6), x, args=x @ w
+        )
+        return jnp.sum(root.value**2)
+
+    def matrix_solve(x):
+        op = lx.MatrixLinearOperator(a + jnp.outer(x, x) / 64)
+        return jnp.sum(lx.linear_solve(op, jnp.tanh(x @ w)).value @ u)
+
+    def function_solve(x):  # an operator from a closure: lineax closure-converts it
+        op = lx.FunctionLinearOperator(lambda v: a @ v + 0.1 * x * v, jax.eval_shape(lambda: x))
+        return jnp.sum(lx.linear_solve(op, x @ w, lx.AutoLinearSolver(well_posed=True)).value)
+
+    return {f.__name__: f for f in (fixed_point, deq, newton, matrix_solve, function_solve)}
+
+
+@pytest.mark.parametrize("name", sorted(_solver_losses()))
+def test_implicit_differentiation_through_solvers(name):
+    loss = _solver_losses()[name]
+    x = jnp.linspace(-1, 1, 32)
+    v32, g32 = jax.jit(jax.value_and_grad(loss))(x)
+    v, g = jax.jit(jax.value_and_grad(amp(loss, policy="float32")))(x)
+    np.testing.assert_array_equal(v, v32)
+    np.testing.assert_array_equal(g, g32)
+    v, g = jax.value_and_grad(amp(loss))(x)  # eager, as well as under jit
+    assert g.dtype == jnp.float32
+    np.testing.assert_allclose(v, v32, rtol=3e-2, atol=1e-2)
+    np.testing.assert_allclose(g, g32, rtol=5e-2, atol=3e-2 * float(jnp.max(jnp.abs(g32))))
+    vj, gj = jax.jit(jax.value_and_grad(amp(loss)))(x)
+    np.testing.assert_allclose(gj, g32, rtol=5e-2, atol=3e-2 * float(jnp.max(jnp.abs(g32))))
+    dots = [r for r in dtype_report(jax.grad(amp(loss)), x) if r[0] == "dot_general"]
+    assert name == "fixed_point" or any(r[1] == "bfloat16,bfloat16" for r in dots), dots
+    # (the solver primitive's own jaxprs run as written: float32)
+    assert not any(r[3] == "linear_solve" and "bfloat16" in r[1] for r in dots), dots

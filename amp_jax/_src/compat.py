@@ -227,6 +227,10 @@ def has_subjaxprs(eqn: Any) -> bool:
     )
 
 
+def _is_jaxpr(x: Any) -> bool:
+    return is_closed_jaxpr(x) or is_open_jaxpr(x)
+
+
 def map_subjaxprs(
     eqn: Any,
     rewrite_closed: Callable[[Any], Any],
@@ -256,9 +260,12 @@ def map_subjaxprs(
             if v.constvars:
                 return v  # not expected in params; leave untouched
             return closed_to_open_no_consts(rewrite_closed(close(v, [])), name)
-        if isinstance(v, tuple) and v and any(is_closed_jaxpr(x) or is_open_jaxpr(x) for x in v):
+        if isinstance(v, tuple) and v and all(x is None or _is_jaxpr(x) for x in v):
             new = [one(x) for x in v]  # keep NamedTuples (custom_linear_solve's jaxprs)
             return type(v)(*new) if hasattr(v, "_fields") else tuple(new)
+        # (a jaxpr among other values is data of the primitive -- an Equinox
+        # filter primitive's flattened operands, a closure-converted function
+        # whose arguments are checked by identity: left as it is)
         return v
 
     params = {k: one(v) for k, v in eqn.params.items()}
@@ -389,7 +396,10 @@ def shard_map_of(eqn: Any, body: Callable[..., list[Any]]) -> Callable[..., list
     axes = p.get("newly_manual_axes", p.get("manual_axes"))
     if axes is not None and frozenset(axes) != frozenset(p["mesh"].axis_names):
         kwargs["axis_names"] = set(axes)
-    fn = jax.shard_map(lambda *a: tuple(body(*a)), **kwargs)
+    # Under jit, as the shard_map was: amp inlines a jit around it, and JAX
+    # 0.10 refuses an eager shard_map with some axes left automatic on an
+    # Explicit mesh ("out_specs refers to 'b'").
+    fn = jax.jit(jax.shard_map(lambda *a: tuple(body(*a)), **kwargs))
     return lambda *invals: list(fn(*invals))
 
 

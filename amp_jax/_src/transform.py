@@ -13,7 +13,7 @@ from typing import Any, TypeVar, overload
 import jax
 import numpy as np
 
-from amp_jax._src import compat
+from amp_jax._src import compat, mutation
 from amp_jax._src.interpreter import Interpreter, evaluate
 from amp_jax._src.planning import plan
 from amp_jax._src.policy import FULL_PRECISION_SCOPE, Policy, get_policy, scope_in
@@ -115,6 +115,15 @@ def _arg_name(names: list[str], path: tuple[Any, ...]) -> str:
     return f"args[{keys[1]}]{rest}"
 
 
+def _path_name(names: list[str], path: tuple[Any, ...]) -> str:
+    """``path`` (a key path into ``(args, kwargs)``) as the user would write it."""
+    if len(path) < 2:
+        return "?"
+    top = path[:2]
+    rest = jax.tree_util.keystr(tuple(path[2:]))
+    return f"{_arg_name(names, top)}{rest}"
+
+
 def _fn_name(fn: Any) -> str:
     return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
 
@@ -183,12 +192,15 @@ def _as_output(x: Any) -> Any:
 
 
 class _Traced:
-    """The plan of the traced jaxpr of one input signature, and its context."""
+    """The plan of the traced jaxpr of one input signature, its context, and
+    what the function writes into its arguments (their values are the
+    jaxpr's last outputs)."""
 
-    __slots__ = ("plan", "out_tree", "ctx")
+    __slots__ = ("plan", "out_tree", "ctx", "writes")
 
-    def __init__(self, plan, out_tree, ctx):
+    def __init__(self, plan, out_tree, ctx, writes=None):
         self.plan, self.out_tree, self.ctx = plan, out_tree, ctx
+        self.writes: mutation.Writes | None = writes
 
 
 class _Shared:
@@ -277,9 +289,8 @@ class AmpFunction:
                 "(jax.jit refuses this argument too.)"
             )
 
-    def _check_fn(self) -> None:
-        """Refuses a callable that is not a pytree but holds arrays (a bound
-        method of a plain object, a callable class instance)."""
+    def _held_by_fn(self) -> str | None:
+        """The path (under ``fn``) of an array that the callable ``fn`` holds, or None."""
         fn = self.fn
         if isinstance(fn, functools.partial):
             # (arrays bound in a partial are fixed, like a closure's: constants
@@ -290,7 +301,12 @@ class AmpFunction:
         else:
             parts = [("", fn)]
         found = [(w, h) for w, a in parts if (h := _held_array(a)) is not None]
-        held = f"{found[0][0]}{found[0][1]}" if found else None
+        return f"{found[0][0]}{found[0][1]}" if found else None
+
+    def _check_fn(self) -> None:
+        """Refuses a callable that is not a pytree but holds arrays (a bound
+        method of a plain object, a callable class instance)."""
+        held = self._held_by_fn()
         if held is not None:
             kind = type(self.fn).__name__
             raise TypeError(
@@ -301,7 +317,29 @@ class AmpFunction:
                 "pass the arrays as arguments."
             )
 
-    def _trace(self, treedef, leaves, dyn_mask, target: Any = None) -> _Traced:
+    def _check_no_leak(self, args, kwargs, names, target) -> None:
+        """Refuses an array that the function assigned, while amp traced it, to
+        a plain object (not a pytree) among its arguments or its ``self``: the
+        object would keep a tracer of amp's trace and the caller would never
+        see the value."""
+        where = None
+        for path, leaf in jax.tree_util.tree_flatten_with_path((args, kwargs))[0]:
+            if not _is_dynamic(leaf) and (held := _held_array(leaf)) is not None:
+                where, kind = f"{_arg_name(names, path)}{held}", type(leaf).__name__
+                break
+        if where is None and target is not _apply and (held := self._held_by_fn()) is not None:
+            where, kind = f"fn{held}", type(self.fn).__name__
+        if where is not None:
+            raise TypeError(
+                f"amp({_fn_name(self.fn)}): the function assigned an array to `{where}`, "
+                f"inside a {kind} that is not a pytree. amp runs the function in a trace, so "
+                "the object would keep a tracer that is invalid once the trace ends, and the "
+                f"caller would never see the value. Return the value from the function, or "
+                f"make {kind} a pytree (jax.tree_util.register_dataclass, an equinox.Module, "
+                "a Flax NNX Module whose Variables amp writes back)."
+            )
+
+    def _trace(self, treedef, leaves, dyn_mask, target: Any = None, names=()) -> _Traced:
         # Trace a function with the user's name, source line and signature
         # (through __wrapped__), so that JAX's errors name them and the
         # arguments as jax.jit does; static leaves travel as childless pytree
@@ -310,9 +348,20 @@ class AmpFunction:
         abstract = [compat.abstractify(x) if d else _Static(x) for x, d in zip(leaves, dyn_mask)]
         t_args, t_kwargs = jax.tree.unflatten(treedef, abstract)
 
+        found: list[mutation.Writes | None] = []
+
         def traced_fn(*args, **kwargs):
-            args, kwargs = _unwrap_statics((args, kwargs))
-            return target(*args, **kwargs)
+            tree = _unwrap_statics((args, kwargs))
+            snap = mutation.Snapshot(tree)
+            with mutation.haiku_guard(_fn_name(self.fn)):
+                out = target(*tree[0], **tree[1])
+            self._check_no_leak(tree[0], tree[1], names, target)
+            try:
+                writes = mutation.collect(snap, tree, lambda p: _path_name(names, p))
+            except TypeError as e:
+                raise TypeError(f"amp({_fn_name(self.fn)}): the function {e}") from None
+            found.append(writes)
+            return out if writes is None else (out, writes.outputs)
 
         _name_like(traced_fn, self.fn)
         if target is _apply:  # the model is the first argument: call it `self`
@@ -326,11 +375,18 @@ class AmpFunction:
         if len(compat.in_avals(closed)) != sum(dyn_mask):  # pragma: no cover
             raise AssertionError("amp_jax: traced arguments do not match; please report this.")
         self._shared.trace_count += 1
-        out_tree = jax.tree.structure(out_shape)
+        writes = found[0]
+        out_tree = jax.tree.structure(out_shape if writes is None else out_shape[0])
         ctx = Interpreter(self.policy, jax.default_backend())
-        return _Traced(plan(ctx, closed), out_tree, ctx)
+        return _Traced(plan(ctx, closed), out_tree, ctx, writes)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.policy.is_identity:
+            # float32 changes nothing: run the function itself, so that results,
+            # gradients and state writes are bitwise its own, eagerly too, and
+            # JAX sees its jitted helpers (a re-evaluated jaxpr sums cotangents
+            # in another order on JAX 0.12)
+            return jax.tree.map(_as_output, self.fn(*args, **kwargs))
         if _is_tree(self.fn):  # amp(model): the model's arrays are arguments
             target, args = _apply, (self.fn, *args)
             names = ["self", *_param_names(self.fn)]
@@ -338,13 +394,6 @@ class AmpFunction:
         else:
             target, names = self.fn, _param_names(self.fn)
             fn_key = self.fn
-        if self.policy.is_identity:
-            # The float32 policy changes nothing: ``fn`` runs as it is, so that
-            # JAX sees the program it would see without amp (its jitted
-            # helpers, and the order in which it sums cotangents, which a
-            # re-evaluated jaxpr would not keep on every JAX version).
-            out = target(*args, **kwargs)
-            return jax.tree.map(_as_output, out)
         leaves, treedef = jax.tree.flatten((args, kwargs))
         dyn_mask = tuple(_is_dynamic(x) for x in leaves)
         key = None
@@ -378,7 +427,7 @@ class AmpFunction:
             if target is not _apply:
                 self._check_fn()
             self._check_static(args, kwargs, leaves, dyn_mask, names)
-            traced = self._trace(treedef, leaves, dyn_mask, target)
+            traced = self._trace(treedef, leaves, dyn_mask, target, names=names)
             # A jaxpr that captured tracers of an enclosing transformation is
             # only valid inside that transformation: don't cache it.
             if key is not None and not any(
@@ -390,7 +439,11 @@ class AmpFunction:
                         shared.cache.popitem(last=False)
         dyn = [x for x, d in zip(leaves, dyn_mask) if d]
         outs = evaluate(traced.ctx, traced.plan, dyn)
-        return jax.tree.unflatten(traced.out_tree, [_as_output(o) for o in outs])
+        n = traced.out_tree.num_leaves
+        if traced.writes is not None:  # carry the function's writes to the arguments
+            after = traced.writes.after(leaves, outs[n:])
+            mutation.write_back((args, kwargs), after, traced.writes.changed(after))
+        return jax.tree.unflatten(traced.out_tree, [_as_output(o) for o in outs[:n]])
 
 
 def _is_tree(fn: Any) -> bool:
@@ -521,7 +574,8 @@ def amp(
         the result is then a pytree over it, and its arrays are traced.
       policy: a [`Policy`][amp_jax.Policy], a preset name (``"bfloat16"``,
         ``"float16"``, ``"float32"``) or a dtype. ``"float32"`` is the
-        identity: bitwise the same results and gradients as ``fn``.
+        identity: amp calls ``fn``, so results, gradients and state writes
+        are bitwise its own, eagerly and under ``jit``.
       strict: if true, a primitive that is in no class of the policy raises
         ``NotImplementedError`` naming it (default: treat it as ``follow``).
         Overrides ``policy.strict`` when given.
