@@ -161,6 +161,7 @@ def _deep(w, x):
 
 def test_the_default_text_fits_120_columns_and_verbose_shows_everything():
     ex = amp_jax.explain(_deep, jnp.ones((64, 64)), jnp.ones((8, 64)), grad=True)
+    assert {r.dtype for r in ex.rows if r.primitive == "dot_general"} == {"bfloat16"}
     lines = str(ex).splitlines()
     assert str(ex) == ex.format()
     table = lines[: lines.index("")]
@@ -179,7 +180,7 @@ def test_the_default_text_fits_120_columns_and_verbose_shows_everything():
 
 def test_format_max_rows_and_min_flops():
     ex = amp_jax.explain(_deep, jnp.ones((64, 64)), jnp.ones((8, 64)), grad=True)
-    assert len(ex.rows) > 3
+    assert len(ex.rows) > 3 and ex.summary.low_matmul_flop_share == 1.0
     text = ex.format(max_rows=2).splitlines()
     assert text[3] == f"... {len(ex.rows) - 2} more rows (format(max_rows=None) shows all)"
     big = ex.format(max_rows=None, min_flops=1).splitlines()

@@ -106,6 +106,9 @@ def test_grad_through_forward_mode_uses_the_transpose():
         return jax.jvp(lambda x: f(x, w), (x,), (v,))[1]
 
     g = jax.grad(hvp_like, argnums=1)(T, T)
+    dots = _dots(jax.make_jaxpr(jax.grad(hvp_like, argnums=1))(T, T))
+    low = [e for e in dots if [v.aval.dtype for v in e.invars] == [BF16, BF16]]
+    assert len(low) >= 2, dots  # the forward product and its transpose, both bf16
     ref = jax.grad(lambda v: jax.jvp(lambda x: jnp.sum(jnp.tanh(x @ w)), (T,), (v,))[1])(T)
     assert g.dtype == F32
     np.testing.assert_allclose(g, ref, rtol=5e-2, atol=5e-2)

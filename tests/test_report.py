@@ -65,6 +65,7 @@ def test_grad_reports_the_backward_pass_and_any_function_as_it_is():
 
 def test_format_aligns_every_column_under_its_header():
     rows = dtype_report(_scanned, X, W, policy=POLICY)
+    assert ("dot_general", "bfloat16,bfloat16") in {r[:2] for r in rows}
     lines = format_dtype_report(rows).splitlines()
     assert len(lines) == len(rows) + 1
     header = lines[0]
