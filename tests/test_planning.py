@@ -171,21 +171,3 @@ def test_explain_says_what_ran_for_a_batched_dot_on_cpu():
     g = lambda a, b: jnp.sum(a[0] @ b[0])  # noqa: E731
     (row,) = [r for r in amp_jax.explain(g, a, b).rows if r.primitive == "dot_general"]
     assert row.dtype == "bfloat16" and row.reason.startswith("allow class")
-
-
-@pytest.mark.parametrize("why", sorted(decision.KEPT, key=lambda w: w.value))
-def test_a_kept_reason_travels_through_its_scope_and_back(why):
-    d = Decision(Kind.OP, OpClass.NEVER, Color.ORIG, Reason.kept(why))
-    (scope,) = decision.scopes(d)
-    stack = f"transpose(jvp({scope}))"  # as the backward ops of grad carry it
-    assert decision.from_stack(stack, "cpu") == Reason.kept(why)
-
-
-def test_attention_paths_travel_through_their_scope_and_back():
-    for path in (
-        decision.AttentionPath("cudnn", "cuDNN flash attention"),
-        decision.AttentionPath("xla", "fused"),
-        decision.AttentionPath(None, "head dim 12: cuDNN needs [a multiple of 8]/at most 128"),
-    ):
-        back = decision.attention_from_stack(f"layer/{decision.attention_scope(path)}/x")
-        assert back.impl == path.impl and back.text == path.text

@@ -314,17 +314,6 @@ def test_pytrees_kwargs_and_static_leaves():
     assert f.__name__ == "f"
 
 
-def test_output_dtypes_preserved():
-    def f(x):
-        return x.astype(jnp.bfloat16) @ x.astype(jnp.bfloat16).T, x @ x.T, x.astype(jnp.float16)
-
-    outs = amp(f)(X8)
-    refs = f(X8)
-    assert [o.dtype for o in outs] == [r.dtype for r in refs]
-    dots = prim_dtypes(jax.make_jaxpr(amp(f))(X8), "dot_general")
-    assert [i for i, _, _ in dots] == [(BF16, BF16)] * 2  # (x @ x.T lowered too)
-
-
 def test_decorator_forms():
     @amp(policy="float16")
     def f(a, b):

@@ -1,5 +1,8 @@
-"""Issue 25, items 2, 3, 4, 8, 9, 10: amp never reuses a trace it should not,
-never rounds loop state, and keeps the policy in recomputing backward rules."""
+"""What a trace of an amp function depends on, and what it keeps: the trace
+cache is keyed by the trace context (vmap axes, config contexts,
+``full_precision``) and by the state a callable object holds; scope names
+match whole; loop-carried floats keep their dtype; the reason for a kept dot
+reaches explain and dtype_report."""
 
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ def _dot_operand_dtypes(fn, *args):
     return {d[0][0] for d in prim_dtypes(jax.make_jaxpr(fn)(*args), "dot_general")}
 
 
-# -- item 2: the trace cache is keyed by the trace context --------------------
+# -- the trace cache is keyed by the trace context --------------------
 
 
 @pytest.mark.parametrize("policy", ["bfloat16", "float32"])
@@ -65,7 +68,7 @@ def test_config_contexts_are_honoured_after_the_first_trace():
     assert f(x, y).shape == (2, 3)
 
 
-# -- item 10: scopes are whole names ------------------------------------------------
+# -- scopes are whole names ------------------------------------------------
 
 
 def test_full_precision_scopes_match_whole_names():
@@ -88,7 +91,7 @@ def test_full_precision_scopes_match_whole_names():
     assert BF16 in {d[0][0] for d in prim_dtypes(jax.make_jaxpr(grad)(x, w), "dot_general")}
 
 
-# -- item 3: loop-carried floats keep their dtype --------------------------------------
+# -- loop-carried floats keep their dtype --------------------------------------
 
 
 def _ema_problem(steps=2000):
@@ -162,7 +165,7 @@ def test_while_and_fori_carries_stay_float32(loop):
     assert BF16 in {d[0][0] for d in prim_dtypes(jaxpr, "dot_general")}
 
 
-# -- item 8: callables and plain objects that hold state --------------------------------
+# -- callables and plain objects that hold state --------------------------------
 
 
 def test_amp_of_an_equinox_model_is_a_pytree_of_its_weights():
@@ -278,7 +281,7 @@ def test_a_bound_method_of_an_object_holding_arrays_is_refused():
         amp(Model().apply)(jnp.ones((2, 3)))
 
 
-# -- item 10: the reason is recorded where the decision is made ---------------------------
+# -- the reason is recorded where the decision is made ---------------------------
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's batched dots")
@@ -293,10 +296,10 @@ def test_explain_and_dtype_report_say_why_a_cpu_batched_dot_ran_in_float32():
     by_dtype = {r[1]: r[5] for r in rows}
     assert by_dtype["float32,float32"] == (
         "no low-precision kernel for it on this backend: runs in float32"
-    )  # (was empty)
+    )
     assert "bfloat16,bfloat16" in by_dtype  # the unbatched dot went low
     reasons = {
         r.dtype: r.reason for r in amp_jax.explain(f, *args).rows if r.primitive == "dot_general"
     }
-    assert reasons["float32"].endswith("runs in float32")  # (was "allow class: runs in bfloat16")
+    assert reasons["float32"].endswith("runs in float32")
     assert reasons["bfloat16"].startswith("allow class")

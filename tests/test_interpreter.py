@@ -1,0 +1,107 @@
+"""The evaluation of a plan (``amp_jax._src.interpreter``): what it writes into
+the rewritten jaxpr, seen through ``jax.make_jaxpr`` of an amp function.
+
+Each (value, dtype) cast is made once, an operand broadcast by a low op is
+broadcast before its cast, outputs keep the original program's dtypes.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from _util import BF16, F16, F32, prim_dtypes
+
+import amp_jax
+from amp_jax import amp
+
+# toy shapes: every matmul lowered; float32 matmul results on every backend
+POLICY = amp_jax.Policy(min_low_contraction=0, min_low_flops=0, allow_outputs="float32")
+X, W, W2 = jnp.ones((4, 8)), jnp.full((8, 8), 0.1), jnp.full((8, 8), 0.2)
+X8 = jax.random.normal(jax.random.PRNGKey(2), (4, 8))
+
+
+def _converts_of(jaxpr, var):
+    return [e for e in jaxpr.eqns if e.primitive.name == "convert_element_type" and var in e.invars]
+
+
+def test_a_value_read_low_twice_is_cast_once():
+    def f(x, w, w2):
+        h = x @ w  # written in float32 (allow_outputs), read low by the mul, twice
+        return (h * h) @ w2
+
+    jaxpr = jax.make_jaxpr(amp(f, policy=POLICY))(X, W, W2).jaxpr
+    (mul,) = [e for e in jaxpr.eqns if e.primitive.name == "mul"]
+    assert [v.aval.dtype for v in mul.invars] == [BF16, BF16]
+    (h,) = [v for v in jaxpr.eqns[0].outvars]  # the first dot's result
+    assert h.aval.dtype == F32
+    casts = _converts_of(jaxpr, h)
+    assert len(casts) == 1, casts  # one bf16 copy of h, read by both operands
+    assert mul.invars[0] is mul.invars[1] is casts[0].outvars[0]
+
+
+def test_a_cast_is_shared_by_every_reader():
+    def f(x, w, w2):
+        h = x @ w
+        return (h + 1.0) @ w2, (h - 1.0) @ w2
+
+    jaxpr = jax.make_jaxpr(amp(f, policy=POLICY))(X, W, W2).jaxpr
+    (h,) = jaxpr.eqns[0].outvars
+    assert len(_converts_of(jaxpr, h)) == 1
+
+
+def test_an_implicitly_broadcast_operand_is_broadcast_before_its_cast():
+    # the bias [8] added to a low [4, 8]: broadcast in float32, then cast, so
+    # that the transpose of the broadcast (a sum over the batch) runs in float32
+    def f(x, w, b, w2):
+        return jnp.tanh(x @ w + b) @ w2
+
+    jaxpr = jax.make_jaxpr(amp(f, policy=POLICY))(X, W, jnp.ones(8), W2).jaxpr
+    (add,) = [e for e in jaxpr.eqns if e.primitive.name == "add"]
+    assert [v.aval.dtype for v in add.invars] == [BF16, BF16]
+    producer = {v: e for e in jaxpr.eqns for v in e.outvars}
+    cast = producer[add.invars[1]]
+    assert cast.primitive.name == "convert_element_type"
+    full = cast.invars[0]  # what was cast: the bias at the add's full shape, in float32
+    assert full.aval.shape == (4, 8) and full.aval.dtype == F32
+    assert producer[full].primitive.name == "broadcast_in_dim"
+    grad = jax.make_jaxpr(jax.grad(lambda b: jnp.sum(amp(f, policy=POLICY)(X, W, b, W2))))
+    sums = [e for e in grad(jnp.ones(8)).jaxpr.eqns if e.primitive.name == "reduce_sum"]
+    assert sums and all(e.invars[0].aval.dtype == F32 for e in sums), sums
+
+
+def test_outputs_keep_their_dtypes():
+    def f(x, w):
+        h = x @ w  # written in bf16 (allow_outputs="compute"), returned as float32
+        return h, h.astype(jnp.bfloat16), x.astype(jnp.float16)
+
+    policy = amp_jax.Policy(min_low_contraction=0, min_low_flops=0, allow_outputs="compute")
+    jaxpr = jax.make_jaxpr(amp(f, policy=policy))(X, W).jaxpr
+    assert [v.aval.dtype for v in jaxpr.outvars] == [F32, BF16, F16]
+    producer = {v: e for e in jaxpr.eqns for v in e.outvars}
+    back = producer[jaxpr.outvars[0]]  # the low result, cast back to its own dtype
+    assert back.primitive.name == "convert_element_type"
+    assert back.invars[0].aval.dtype == BF16
+    outs = amp(f, policy=policy)(X, W)
+    assert [o.dtype for o in outs] == [r.dtype for r in f(X, W)]
+
+
+def test_output_dtypes_preserved():
+    def f(x):
+        return x.astype(jnp.bfloat16) @ x.astype(jnp.bfloat16).T, x @ x.T, x.astype(jnp.float16)
+
+    outs = amp(f)(X8)
+    refs = f(X8)
+    assert [o.dtype for o in outs] == [r.dtype for r in refs]
+    dots = prim_dtypes(jax.make_jaxpr(amp(f))(X8), "dot_general")
+    assert [i for i, _, _ in dots] == [(BF16, BF16)] * 2  # (x @ x.T lowered too)
+
+
+def test_literal_operands_are_cast_as_constants():
+    def f(x, w, w2):
+        return ((x @ w) * 3.0) @ w2
+
+    jaxpr = jax.make_jaxpr(amp(f, policy=POLICY))(X, W, W2).jaxpr
+    (mul,) = [e for e in jaxpr.eqns if e.primitive.name == "mul"]
+    assert [v.aval.dtype for v in mul.invars] == [BF16, BF16]
+    np.testing.assert_allclose(amp(f, policy=POLICY)(X, W, W2), f(X, W, W2), rtol=2e-2)
