@@ -24,7 +24,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 CORE_TESTS = [
     "tests/test_transform.py",
-    "tests/test_speed_structure.py",
+    "tests/test_performance_structure.py",
     "tests/test_policy.py",
     "tests/test_compat.py",
     "tests/test_optim_kahan_sr.py",
