@@ -32,11 +32,12 @@ import jax
 import numpy as np
 
 from amp_jax._src import compat, jaxprs
+from amp_jax._src.calling import is_dynamic
 from amp_jax._src.decision import Color, Decision, Kind, attention_from_stack
 from amp_jax._src.jaxprs import iter_eqns
 from amp_jax._src.planning import Context, plan
 from amp_jax._src.policy import Policy, get_policy, is_managed_float
-from amp_jax._src.transform import AmpFunction, _is_dynamic
+from amp_jax._src.transform import AmpFunction
 
 #: primitives that move data without arithmetic (0 FLOPs).
 _NO_FLOPS = frozenset(
@@ -232,7 +233,7 @@ def _flat_call(fn: Callable[..., Any], args: tuple, kwargs: dict, grad: Any):
     """``(flat function of the dynamic leaves, those leaves)``; with ``grad``, the
     function returns the gradient w.r.t. the floating leaves of ``args[grad...]``."""
     leaves, treedef = jax.tree.flatten((args, kwargs))
-    dyn_mask = [_is_dynamic(x) for x in leaves]
+    dyn_mask = [is_dynamic(x) for x in leaves]
     static = [x for x, d in zip(leaves, dyn_mask) if not d]
     dyn = [x for x, d in zip(leaves, dyn_mask) if d]
 
@@ -330,10 +331,7 @@ def _loss_of(fn: Callable[..., Any], has_aux: Any, caller: str, grad: bool) -> C
 
 
 def _trace_decisions(base: Callable[..., Any], pol: Policy, args: tuple, kwargs: dict) -> dict:
-    af = AmpFunction(base, pol)
-    leaves, treedef = jax.tree.flatten((args, kwargs))
-    dyn_mask = tuple(_is_dynamic(x) for x in leaves)
-    traced = af._trace(treedef, leaves, dyn_mask)
+    traced = AmpFunction(base, pol).trace_for_inspection(*args, **kwargs)
     out: dict = collections.defaultdict(lambda: collections.defaultdict(collections.Counter))
     _decide(traced.ctx, traced.plan.jaxpr, traced.plan.decisions, out, None)
     return out
