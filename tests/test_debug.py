@@ -273,6 +273,17 @@ def test_explain_equinox_module():
     assert ex.summary.casts_inserted > 0
 
 
+@pytest.mark.parametrize("wrap", [False, True], ids=["module", "amp_module"])
+def test_explain_an_equinox_module_as_the_function(wrap):
+    # the module is the function: its arrays are arguments, as amp(model) traces them
+    eqx = pytest.importorskip("equinox")
+    model = eqx.nn.Linear(64, 64, key=jax.random.PRNGKey(0))
+    ex = amp_jax.explain(amp(model) if wrap else model, jnp.ones((64,)))
+    dots = {(r.dtype, r.reason) for r in ex.rows if r.primitive == "dot_general"}
+    assert [d for d, _ in dots] == ["bfloat16"], dots
+    assert "no amp decision" not in next(iter(dots))[1]
+
+
 # -- the demo's extras guard --------------------------------------------------------
 
 
@@ -300,7 +311,11 @@ def test_doctests_of_explain_and_debug():
     import doctest
     import importlib
 
-    for mod in ("amp_jax._src.explain", "amp_jax._src.debug"):
+    for mod in (
+        "amp_jax._src.diagnostics.explain",
+        "amp_jax._src.diagnostics.report",
+        "amp_jax._src.diagnostics.debug",
+    ):
         result = doctest.testmod(importlib.import_module(mod), optionflags=doctest.ELLIPSIS)
         assert result.attempted > 0 and result.failed == 0, mod
 
