@@ -1,4 +1,11 @@
-"""``amp`` and ``full_precision``: the user-facing transformations."""
+"""``amp`` and ``full_precision``: the user-facing transformations.
+
+`AmpFunction` is what ``amp`` returns. A call takes its arguments apart
+(calling.py's `Call`), finds the plan of their signature in its `TraceCache`
+(else traces ``fn`` and plans the jaxpr), and evaluates the plan under the
+caller's trace; what ``fn`` wrote into its arguments is carried back
+(mutation.py).
+"""
 
 from __future__ import annotations
 
