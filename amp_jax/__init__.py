@@ -11,17 +11,23 @@ backward pass of scanned models so the full gradient never exists.
 from amp_jax import debug as debug
 from amp_jax import eager as eager
 from amp_jax import optim as optim
-from amp_jax._src.explain import (
+from amp_jax._src.diagnostics.explain import (
     ExplainRow as ExplainRow,
 )
-from amp_jax._src.explain import (
+from amp_jax._src.diagnostics.explain import (
     ExplainSummary as ExplainSummary,
 )
-from amp_jax._src.explain import (
+from amp_jax._src.diagnostics.explain import (
     Explanation as Explanation,
 )
-from amp_jax._src.explain import (
+from amp_jax._src.diagnostics.explain import (
     explain as explain,
+)
+from amp_jax._src.diagnostics.report import (
+    dtype_report as dtype_report,
+)
+from amp_jax._src.diagnostics.report import (
+    format_dtype_report as format_dtype_report,
 )
 from amp_jax._src.policy import (
     BACKEND_LOW_OUTPUTS as BACKEND_LOW_OUTPUTS,
@@ -49,12 +55,6 @@ from amp_jax._src.policy import (
 )
 from amp_jax._src.policy import (
     get_policy as get_policy,
-)
-from amp_jax._src.report import (
-    dtype_report as dtype_report,
-)
-from amp_jax._src.report import (
-    format_dtype_report as format_dtype_report,
 )
 from amp_jax._src.rules import register_rule as register_rule
 from amp_jax._src.transform import amp as amp

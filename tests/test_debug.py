@@ -156,7 +156,11 @@ def test_doctests_of_explain_and_debug():
     import doctest
     import importlib
 
-    for mod in ("amp_jax._src.explain", "amp_jax._src.debug"):
+    for mod in (
+        "amp_jax._src.diagnostics.explain",
+        "amp_jax._src.diagnostics.report",
+        "amp_jax._src.diagnostics.debug",
+    ):
         result = doctest.testmod(importlib.import_module(mod), optionflags=doctest.ELLIPSIS)
         assert result.attempted > 0 and result.failed == 0, mod
 

@@ -79,3 +79,14 @@ def test_explain_rows_fit_120_columns_with_short_paths():
     full = ex.format(verbose=True).splitlines()
     assert any("site-packages" in l for l in full) and max(map(len, full)) > 120
     assert len(ex.format(width=None).splitlines()[0]) <= max(map(len, full))
+
+
+@pytest.mark.parametrize("wrap", [False, True], ids=["module", "amp_module"])
+def test_explain_an_equinox_module_as_the_function(wrap):
+    # the module is the function: its arrays are arguments, as amp(model) traces them
+    eqx = pytest.importorskip("equinox")
+    model = eqx.nn.Linear(64, 64, key=jax.random.PRNGKey(0))
+    ex = amp_jax.explain(amp(model) if wrap else model, jnp.ones((64,)))
+    dots = {(r.dtype, r.reason) for r in ex.rows if r.primitive == "dot_general"}
+    assert [d for d, _ in dots] == ["bfloat16"], dots
+    assert "no amp decision" not in next(iter(dots))[1]

@@ -1,19 +1,35 @@
-"""``amp`` and ``full_precision``: the user-facing transformations."""
+"""``amp`` and ``full_precision``: the user-facing transformations.
+
+`AmpFunction` is what ``amp`` returns. A call takes its arguments apart
+(calling.py's `Call`), finds the plan of their signature in its `TraceCache`
+(else traces ``fn`` and plans the jaxpr), and evaluates the plan under the
+caller's trace; what ``fn`` wrote into its arguments is carried back
+(mutation.py).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import inspect
-import threading
-import types
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar, overload
 
 import jax
-import numpy as np
 
 from amp_jax._src import compat, mutation
+from amp_jax._src.calling import (
+    Call,
+    CallKey,
+    TraceCache,
+    as_output,
+    check_arguments,
+    check_no_leak,
+    fn_name,
+    is_tree,
+    name_like,
+    unwrap_statics,
+)
 from amp_jax._src.interpreter import Interpreter, evaluate
 from amp_jax._src.planning import plan
 from amp_jax._src.policy import FULL_PRECISION_SCOPE, Policy, get_policy, scope_in
@@ -21,202 +37,28 @@ from amp_jax._src.policy import FULL_PRECISION_SCOPE, Policy, get_policy, scope_
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def _is_dynamic(leaf: Any) -> bool:
-    return isinstance(leaf, (jax.Array, np.ndarray, np.generic, compat.Tracer))
+@dataclasses.dataclass(frozen=True)
+class Traced:
+    """What tracing one `Call` gives: the plan amp evaluates on every call.
 
-
-def _static_key(leaf: Any, depth: int = 4) -> Any:
-    # (repr tells 0.0 from -0.0 and one NaN from another, which compare equal
-    # or unequal the wrong way for a cache)
-    if isinstance(leaf, (float, complex)):
-        return (type(leaf), repr(leaf))
-    if isinstance(leaf, types.MethodType):  # a bound method: its object's state too
-        return (types.MethodType, leaf.__func__, _static_key(leaf.__self__, depth))
-    if _compares_by_identity(leaf):
-        # A plain object (``self`` of a method, a config object) hashes by
-        # identity: key it by its attributes too, so that ``net.training =
-        # False`` makes a new trace rather than reusing the old one.
-        if depth == 0:
-            raise TypeError("too deep to key")  # (trace every call)
-        attrs = _attrs(leaf)
-        return (type(leaf), leaf, tuple((k, _static_key(v, depth - 1)) for k, v in attrs.items()))
-    return (type(leaf), leaf)
-
-
-def _compares_by_identity(obj: Any) -> bool:
-    t = type(obj)
-    return (
-        t.__hash__ is object.__hash__
-        and t.__eq__ is object.__eq__
-        and not isinstance(obj, (type, types.ModuleType, types.FunctionType))
-        and (hasattr(obj, "__dict__") or bool(getattr(t, "__slots__", ())))
-    )
-
-
-def _attrs(obj: Any) -> dict[str, Any]:
-    """The instance attributes of ``obj`` (``__dict__`` and ``__slots__``)."""
-    attrs: dict[str, Any] = {}
-    try:
-        attrs.update(vars(obj))
-    except TypeError:
-        pass
-    for name in getattr(type(obj), "__slots__", ()):
-        if hasattr(obj, name):
-            attrs[name] = getattr(obj, name)
-    return attrs
-
-
-_VALUE_TYPES = (str, bytes, int, float, complex, bool, type(None), type, np.dtype, range, slice)
-
-
-def _held_array(obj: Any, seen: set[int] | None = None) -> str | None:
-    """The attribute path of a jax/NumPy array held by the plain object ``obj``, or None.
-
-    Followed to any depth, through attributes, ``functools.partial`` and bound
-    methods, and every container (lists, dicts, sets, ``collections.deque``).
+    Attributes:
+      plan: the plan of the traced jaxpr (one decision per equation).
+      out_tree: the structure of ``fn``'s output.
+      ctx: the interpreter the plan was made in (it holds the sub-jaxprs' plans).
+      writes: what ``fn`` writes into its arguments (their values are the
+        jaxpr's last outputs), or None.
     """
-    seen = set() if seen is None else seen
-    if isinstance(obj, _VALUE_TYPES) or isinstance(obj, types.ModuleType) or id(obj) in seen:
-        return None
-    if isinstance(obj, (types.FunctionType, types.BuiltinFunctionType, type)):
-        return None
-    seen.add(id(obj))
-    if _is_dynamic(obj):  # (a NumPy array of objects, e.g. a Mesh's devices, is no array)
-        return None if isinstance(obj, np.ndarray) and obj.dtype.kind == "O" else ""
-    if isinstance(obj, types.MethodType):
-        inner = _held_array(obj.__self__, seen)
-        return None if inner is None else f".__self__{inner}"
-    if isinstance(obj, functools.partial):
-        items = [(f".args[{i}]", a) for i, a in enumerate(obj.args)]
-        items += [(f".keywords[{k!r}]", a) for k, a in obj.keywords.items()]
-    elif isinstance(obj, Mapping):
-        items = [(f"[{k!r}]", v) for k, v in obj.items()]
-    elif isinstance(obj, Collection) and not isinstance(obj, np.ndarray):
-        items = [(f"[{i}]", v) for i, v in enumerate(obj)]
-    else:
-        items = [(f".{k}", v) for k, v in _attrs(obj).items()]
-    for where, value in items:
-        if (inner := _held_array(value, seen)) is not None:
-            return f"{where}{inner}"
-    return None
 
+    plan: Any
+    out_tree: Any
+    ctx: Interpreter
+    writes: mutation.Writes | None = None
 
-def _arg_name(names: list[str], path: tuple[Any, ...]) -> str:
-    """``path`` (into ``(args, kwargs)``) as the user wrote the argument;
-    ``names`` are the positional parameters' names."""
-    keys = [getattr(k, "idx", getattr(k, "key", k)) for k in path]
-    if not keys:
-        return "?"
-    rest = "".join(f"[{k!r}]" for k in keys[2:])
-    if keys[0] == 1:
-        return f"{keys[1]}{rest}"
-    if keys[1] < len(names):
-        return f"{names[keys[1]]}{rest}"
-    return f"args[{keys[1]}]{rest}"
-
-
-def _path_name(names: list[str], path: tuple[Any, ...]) -> str:
-    """``path`` (a key path into ``(args, kwargs)``) as the user would write it."""
-    if len(path) < 2:
-        return "?"
-    top = path[:2]
-    rest = jax.tree_util.keystr(tuple(path[2:]))
-    return f"{_arg_name(names, top)}{rest}"
-
-
-def _fn_name(fn: Any) -> str:
-    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
-
-
-@jax.tree_util.register_pytree_node_class
-class _Static:
-    """A static leaf inside the argument tree given to the tracer: no children."""
-
-    __slots__ = ("value",)
-
-    def __init__(self, value: Any):
-        self.value = value
-
-    def tree_flatten(self):
-        return (), _Aux(self.value)
-
-    @classmethod
-    def tree_unflatten(cls, aux, children):
-        return cls(aux.value)
-
-
-class _Aux:
-    """Aux data that compares by identity of its value (statics may be unhashable)."""
-
-    __slots__ = ("value",)
-
-    def __init__(self, value: Any):
-        self.value = value
-
-    def __eq__(self, other):
-        return isinstance(other, _Aux) and other.value is self.value
-
-    def __hash__(self):
-        return id(self.value)
-
-
-def _unwrap_statics(tree: Any) -> Any:
-    return jax.tree.map(
-        lambda x: x.value if isinstance(x, _Static) else x,
-        tree,
-        is_leaf=lambda x: isinstance(x, _Static),
-    )
-
-
-def _name_like(wrapper: Any, fn: Any) -> None:
-    """Gives ``wrapper`` the name, source line and signature of ``fn`` (JAX's
-    errors read them through ``__wrapped__``)."""
-    target = fn
-    while isinstance(target, functools.partial):
-        target = target.func
-    for attr in ("__name__", "__qualname__", "__module__"):
-        value = getattr(target, attr, None)
-        if isinstance(value, str):
-            setattr(wrapper, attr, value)
-    wrapper.__wrapped__ = fn
-
-
-def _as_output(x: Any) -> Any:
-    """A returned constant (a Python ``3``, a NumPy array) as a jax Array, like jit."""
-    if isinstance(x, (jax.Array, compat.Tracer)):
-        return x
-    for t in (bool, int, float, complex):  # weakly typed, as jit returns them
-        if isinstance(x, t):
-            return jax.numpy.asarray(t(x))
-    return jax.numpy.asarray(x, dtype=getattr(x, "dtype", None))
-
-
-class _Traced:
-    """The plan of the traced jaxpr of one input signature, its context, and
-    what the function writes into its arguments (their values are the
-    jaxpr's last outputs)."""
-
-    __slots__ = ("plan", "out_tree", "ctx", "writes")
-
-    def __init__(self, plan, out_tree, ctx, writes=None):
-        self.plan, self.out_tree, self.ctx = plan, out_tree, ctx
-        self.writes: mutation.Writes | None = writes
-
-
-class _Shared:
-    """The trace cache of an amp function, shared by the copies JAX makes of it
-    (as a pytree, ``amp(model)`` is rebuilt by ``jax.tree.map``, Equinox and NNX)."""
-
-    __slots__ = ("cache", "lock", "trace_count")
-
-    def __init__(self):
-        self.cache: OrderedDict[Any, _Traced] = OrderedDict()
-        self.lock = threading.Lock()
-        self.trace_count = 0
-
-
-def _apply(fn: Any, *args: Any, **kwargs: Any) -> Any:
-    return fn(*args, **kwargs)
+    @property
+    def reusable(self) -> bool:
+        """False when the jaxpr captured tracers of an enclosing transformation:
+        it is only valid inside that transformation."""
+        return not any(isinstance(c, compat.Tracer) for c in compat.consts_of(self.plan.closed))
 
 
 @jax.tree_util.register_pytree_with_keys_class
@@ -233,10 +75,10 @@ class AmpFunction:
         self.fn = fn
         self.policy = policy
         self.cache_size = cache_size
-        self._shared = _Shared()
+        self._shared: TraceCache[Traced] = TraceCache()
         self._scopes = (FULL_PRECISION_SCOPE, *policy.full_precision_scopes)
         # (a pytree fn's __dict__ holds its arrays: not copied, they would go stale)
-        functools.update_wrapper(self, fn, updated=() if _is_tree(fn) else ("__dict__",))
+        functools.update_wrapper(self, fn, updated=() if is_tree(fn) else ("__dict__",))
 
     def tree_flatten_with_keys(self):
         return ((jax.tree_util.GetAttrKey("fn"), self.fn),), (
@@ -255,8 +97,8 @@ class AmpFunction:
         return new
 
     @property
-    def _cache(self) -> OrderedDict[Any, _Traced]:
-        return self._shared.cache
+    def _cache(self) -> OrderedDict[CallKey, Traced]:
+        return self._shared.entries
 
     @property
     def trace_count(self) -> int:
@@ -269,198 +111,74 @@ class AmpFunction:
     def __get__(self, obj, objtype=None):  # behave like a function as a method
         return self if obj is None else functools.partial(self, obj)
 
-    def _check_static(self, args, kwargs, leaves, dyn_mask, names) -> None:
-        """Refuses plain (non-pytree) objects that hold arrays: amp would bake
-        the arrays into its cached trace, as constants."""
-        for (path, leaf), dyn in zip(
-            jax.tree_util.tree_flatten_with_path((args, kwargs))[0], dyn_mask
-        ):
-            held = None if dyn else _held_array(leaf)
-            if held is None:
-                continue
-            name = _arg_name(names, path)
-            kind = type(leaf).__name__
-            raise TypeError(
-                f"amp({_fn_name(self.fn)}): argument `{name}` is a {kind} that holds arrays "
-                f"(`{name}{held}`) but is not a pytree, so amp would bake them into its cached "
-                f"trace and return stale results once they change. Make {kind} a pytree "
-                "(jax.tree_util.register_dataclass or register_pytree_node_class, an "
-                "equinox.Module, a flax.struct.dataclass), or pass the arrays as arguments. "
-                "(jax.jit refuses this argument too.)"
-            )
-
-    def _held_by_fn(self) -> str | None:
-        """The path (under ``fn``) of an array that the callable ``fn`` holds, or None."""
-        fn = self.fn
-        if isinstance(fn, functools.partial):
-            # (arrays bound in a partial are fixed, like a closure's: constants
-            # of the trace, as with jax.jit; objects bound in it are checked)
-            parts = [(f".args[{i}]", a) for i, a in enumerate(fn.args)]
-            parts += [(f".keywords[{k!r}]", a) for k, a in fn.keywords.items()]
-            parts = [(w, a) for w, a in parts if not _is_dynamic(a)]
-        else:
-            parts = [("", fn)]
-        found = [(w, h) for w, a in parts if (h := _held_array(a)) is not None]
-        return f"{found[0][0]}{found[0][1]}" if found else None
-
-    def _check_fn(self) -> None:
-        """Refuses a callable that is not a pytree but holds arrays (a bound
-        method of a plain object, a callable class instance)."""
-        held = self._held_by_fn()
-        if held is not None:
-            kind = type(self.fn).__name__
-            raise TypeError(
-                f"amp({_fn_name(self.fn)}): the function is a {kind} that holds arrays "
-                f"(`fn{held}`) but is not a pytree, so amp would bake them into its cached "
-                "trace and return stale results once they change. Pass a pytree (an "
-                "equinox.Module or Flax NNX Module as amp(model), a registered class), or "
-                "pass the arrays as arguments."
-            )
-
-    def _check_no_leak(self, args, kwargs, names, target) -> None:
-        """Refuses an array that the function assigned, while amp traced it, to
-        a plain object (not a pytree) among its arguments or its ``self``: the
-        object would keep a tracer of amp's trace and the caller would never
-        see the value."""
-        where = None
-        for path, leaf in jax.tree_util.tree_flatten_with_path((args, kwargs))[0]:
-            if not _is_dynamic(leaf) and (held := _held_array(leaf)) is not None:
-                where, kind = f"{_arg_name(names, path)}{held}", type(leaf).__name__
-                break
-        if where is None and target is not _apply and (held := self._held_by_fn()) is not None:
-            where, kind = f"fn{held}", type(self.fn).__name__
-        if where is not None:
-            raise TypeError(
-                f"amp({_fn_name(self.fn)}): the function assigned an array to `{where}`, "
-                f"inside a {kind} that is not a pytree. amp runs the function in a trace, so "
-                "the object would keep a tracer that is invalid once the trace ends, and the "
-                f"caller would never see the value. Return the value from the function, or "
-                f"make {kind} a pytree (jax.tree_util.register_dataclass, an equinox.Module, "
-                "a Flax NNX Module whose Variables amp writes back)."
-            )
-
-    def _trace(self, treedef, leaves, dyn_mask, target: Any = None, names=()) -> _Traced:
-        # Trace a function with the user's name, source line and signature
-        # (through __wrapped__), so that JAX's errors name them and the
-        # arguments as jax.jit does; static leaves travel as childless pytree
-        # nodes, so the jaxpr's invars are the dynamic leaves, in order.
-        target = self.fn if target is None else target
-        abstract = [compat.abstractify(x) if d else _Static(x) for x, d in zip(leaves, dyn_mask)]
-        t_args, t_kwargs = jax.tree.unflatten(treedef, abstract)
-
-        found: list[mutation.Writes | None] = []
-
-        def traced_fn(*args, **kwargs):
-            tree = _unwrap_statics((args, kwargs))
-            snap = mutation.Snapshot(tree)
-            with mutation.haiku_guard(_fn_name(self.fn)):
-                out = target(*tree[0], **tree[1])
-            self._check_no_leak(tree[0], tree[1], names, target)
-            try:
-                writes = mutation.collect(snap, tree, lambda p: _path_name(names, p))
-            except TypeError as e:
-                raise TypeError(f"amp({_fn_name(self.fn)}): the function {e}") from None
-            found.append(writes)
-            return out if writes is None else (out, writes.outputs)
-
-        _name_like(traced_fn, self.fn)
-        if target is _apply:  # the model is the first argument: call it `self`
-            sig = _signature(self.fn)
-            if sig is not None:
-                self_param = inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY)
-                traced_fn.__signature__ = sig.replace(
-                    parameters=[self_param, *sig.parameters.values()]
-                )
-        closed, out_shape = compat.trace_with_shape_kw(traced_fn, t_args, t_kwargs)
-        if len(compat.in_avals(closed)) != sum(dyn_mask):  # pragma: no cover
-            raise AssertionError("amp_jax: traced arguments do not match; please report this.")
-        self._shared.trace_count += 1
-        writes = found[0]
-        out_tree = jax.tree.structure(out_shape if writes is None else out_shape[0])
-        ctx = Interpreter(self.policy, jax.default_backend())
-        return _Traced(plan(ctx, closed), out_tree, ctx, writes)
-
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.policy.is_identity:
             # float32 changes nothing: run the function itself, so that results,
             # gradients and state writes are bitwise its own, eagerly too, and
             # JAX sees its jitted helpers (a re-evaluated jaxpr sums cotangents
             # in another order on JAX 0.12)
-            return jax.tree.map(_as_output, self.fn(*args, **kwargs))
-        if _is_tree(self.fn):  # amp(model): the model's arrays are arguments
-            target, args = _apply, (self.fn, *args)
-            names = ["self", *_param_names(self.fn)]
-            fn_key = None
-        else:
-            target, names = self.fn, _param_names(self.fn)
-            fn_key = self.fn
-        leaves, treedef = jax.tree.flatten((args, kwargs))
-        dyn_mask = tuple(_is_dynamic(x) for x in leaves)
-        key = None
-        try:
-            key = (
-                _static_key(fn_key),  # (a callable object's attributes: a training flag)
-                treedef,
-                dyn_mask,
-                tuple(
-                    compat.abstract_key(x) if d else _static_key(x)
-                    for x, d in zip(leaves, dyn_mask)
-                ),
-                jax.default_backend(),
-                # (what makes jax.jit retrace: config contexts, named axes and
-                # their sizes, the mesh; and whether the caller is in a
-                # full_precision scope)
-                compat.trace_context(),
-                scope_in(compat.current_name_stack_str(), self._scopes) is not None,
-            )
-            hash(key)
-        except TypeError:  # an unhashable static leaf: trace every call
-            key = None
-        shared = self._shared
-        traced = None
-        if key is not None:
-            with shared.lock:
-                traced = shared.cache.get(key)
-                if traced is not None:
-                    shared.cache.move_to_end(key)
+            return jax.tree.map(as_output, self.fn(*args, **kwargs))
+        call = Call.of(self.fn, args, kwargs)
+        traced = self._cached_trace(call)
+        outs = evaluate(traced.ctx, traced.plan, call.dynamic)
+        return self._outputs(call, traced, outs)
+
+    def trace_for_inspection(self, *args: Any, **kwargs: Any) -> Traced:
+        """The plan a call with these arguments evaluates, traced afresh (not
+        cached): what [`explain`][amp_jax.explain] and the debug tools read."""
+        call = Call.of(self.fn, args, kwargs)
+        check_arguments(self.fn, call)
+        return self._trace(call)
+
+    def _cached_trace(self, call: Call) -> Traced:
+        """The trace of ``call``'s signature: from the cache, else traced and kept."""
+        in_scope = scope_in(compat.current_name_stack_str(), self._scopes) is not None
+        key = call.key(full_precision=in_scope)
+        traced = self._shared.get(key)
         if traced is None:
-            if target is not _apply:
-                self._check_fn()
-            self._check_static(args, kwargs, leaves, dyn_mask, names)
-            traced = self._trace(treedef, leaves, dyn_mask, target, names=names)
-            # A jaxpr that captured tracers of an enclosing transformation is
-            # only valid inside that transformation: don't cache it.
-            if key is not None and not any(
-                isinstance(c, compat.Tracer) for c in compat.consts_of(traced.plan.closed)
-            ):
-                with shared.lock:
-                    shared.cache[key] = traced
-                    while len(shared.cache) > self.cache_size:
-                        shared.cache.popitem(last=False)
-        dyn = [x for x, d in zip(leaves, dyn_mask) if d]
-        outs = evaluate(traced.ctx, traced.plan, dyn)
+            check_arguments(self.fn, call)
+            traced = self._trace(call)
+            if traced.reusable:
+                self._shared.put(key, traced, self.cache_size)
+        return traced
+
+    def _trace(self, call: Call) -> Traced:
+        """Traces ``call`` with the user's name, source line and signature (through
+        ``__wrapped__``), so that JAX's errors name them and the arguments as
+        jax.jit does, and plans the jaxpr."""
+        found: list[mutation.Writes | None] = []
+
+        def traced_fn(*args, **kwargs):
+            tree = unwrap_statics((args, kwargs))
+            snap = mutation.Snapshot(tree)
+            with mutation.haiku_guard(fn_name(self.fn)):
+                out = call.target(*tree[0], **tree[1])
+            check_no_leak(self.fn, call, tree[0], tree[1])
+            try:
+                writes = mutation.collect(snap, tree, call.path_name)
+            except TypeError as e:
+                raise TypeError(f"amp({fn_name(self.fn)}): the function {e}") from None
+            found.append(writes)
+            return out if writes is None else (out, writes.outputs)
+
+        name_like(traced_fn, self.fn, self_first=call.fn_is_argument)
+        t_args, t_kwargs = call.abstract()
+        closed, out_shape = compat.trace_with_shape_kw(traced_fn, t_args, t_kwargs)
+        if len(compat.in_avals(closed)) != sum(call.dynamic_mask):  # pragma: no cover
+            raise AssertionError("amp_jax: traced arguments do not match; please report this.")
+        self._shared.trace_count += 1
+        writes = found[0]
+        out_tree = jax.tree.structure(out_shape if writes is None else out_shape[0])
+        ctx = Interpreter(self.policy, jax.default_backend())
+        return Traced(plan(ctx, closed), out_tree, ctx, writes)
+
+    def _outputs(self, call: Call, traced: Traced, outs: list[Any]) -> Any:
+        """``fn``'s output from the evaluated jaxpr's; its writes carried to the arguments."""
         n = traced.out_tree.num_leaves
-        if traced.writes is not None:  # carry the function's writes to the arguments
-            after = traced.writes.after(leaves, outs[n:])
-            mutation.write_back((args, kwargs), after, traced.writes.changed(after))
-        return jax.tree.unflatten(traced.out_tree, [_as_output(o) for o in outs[:n]])
-
-
-def _is_tree(fn: Any) -> bool:
-    """Whether ``fn`` is a pytree with children (an Equinox or NNX module), not a leaf."""
-    return not jax.tree_util.treedef_is_leaf(jax.tree.structure(fn))
-
-
-def _signature(fn: Any) -> inspect.Signature | None:
-    try:
-        return inspect.signature(fn)
-    except (TypeError, ValueError):
-        return None
-
-
-def _param_names(fn: Any) -> list[str]:
-    sig = _signature(fn)
-    return [] if sig is None else list(sig.parameters)
+        if traced.writes is not None:
+            after = traced.writes.after(call.leaves, outs[n:])
+            mutation.write_back((call.args, call.kwargs), after, traced.writes.changed(after))
+        return jax.tree.unflatten(traced.out_tree, [as_output(o) for o in outs[:n]])
 
 
 @overload

@@ -24,18 +24,15 @@ import numpy as np
 from jax.extend import core as jex_core
 
 from amp_jax._src import compat, jaxprs
-from amp_jax._src.explain import (
-    _check_grad,
-    _flat_call,
-    _full_stack,
-    _is_backward,
-    _loss_of,
-    _row_reason,
-    _scope,
-    _split_fn,
-    _trace_decisions,
+from amp_jax._src.diagnostics.reasons import (
+    decisions_of,
+    full_stack,
+    is_backward,
     ran_in,
+    row_reason,
+    scope_of,
 )
+from amp_jax._src.diagnostics.tracing import check_grad, loss_of, programs, split_fn
 from amp_jax._src.policy import is_managed_float
 from amp_jax._src.transform import AmpFunction
 
@@ -124,7 +121,7 @@ def _eval(
         outs = _eval_eqn(eqn, invals, inner, probe)
         if outs is None:
             outs = compat.bind_eqn(eqn, invals)
-            probe.check(eqn, _full_stack(eqn, stack), invals, outs)
+            probe.check(eqn, full_stack(eqn, stack), invals, outs)
         for o in outs:
             probe.producer.setdefault(id(o), (o, eqn))
         return outs
@@ -331,15 +328,10 @@ def first_nonfinite(
       >>> debug.first_nonfinite(f, x / 100, w, policy=f16) is None
       True
     """
-    base, pol = _split_fn(
-        fn, "float16" if policy is None and not isinstance(fn, AmpFunction) else policy
-    )
-    g = _check_grad(grad)
-    base = _loss_of(base, has_aux, "first_nonfinite", g is not None)
-    run, dyn = _flat_call(AmpFunction(base, pol), args, kwargs, g)
-    orig, _ = _flat_call(base, args, kwargs, g)
-    new = jax.make_jaxpr(run)(*dyn)
-    old = jax.make_jaxpr(orig)(*dyn)
+    base, pol = split_fn(fn, policy, default="float16")
+    g = check_grad(grad)
+    base = loss_of(base, has_aux, "first_nonfinite", g is not None)
+    new, old, dyn = programs(base, pol, args, kwargs, g)
     probe = _Probe(stop_at_first=True)
     try:
         _run_closed(new, dyn, (), probe)
@@ -350,7 +342,7 @@ def first_nonfinite(
     ref = _Probe(stop_at_first=False)
     _run_closed(old, dyn, (), ref)
     # the plan's decision for the op (a cast's: the op whose result it casts)
-    decisions = _trace_decisions(base, pol, args, kwargs)
+    decisions = decisions_of(base, pol, args, kwargs)
     return _found(probe.first, ref, decisions)
 
 
@@ -375,10 +367,10 @@ def _found(hit: _Hit, ref: _Probe, decisions: Any) -> FirstNonfinite:
         where, cast_of = key[0], f"{src.primitive.name} at {key[0]}"
     f32_max, f32_finite = _float32_range(ref, key)
     dtype_max = float(jnp.finfo(hit.out_dtype).max)
-    backward = _is_backward(stack)
+    backward = is_backward(stack)
     dtype = ran_in(eqn)
     empty = collections.Counter()
-    decided = _row_reason(decisions, eqn if src is None else src, stack, empty, empty)
+    decided = row_reason(decisions, eqn if src is None else src, stack, empty, empty)
     if src is not None:
         low = dtype.split("->")[-1]
         decided = (
@@ -386,7 +378,7 @@ def _found(hit: _Hit, ref: _Probe, decisions: Any) -> FirstNonfinite:
         )
     return FirstNonfinite(
         where=where,
-        scope=_scope(stack),
+        scope=scope_of(stack),
         backward=backward,
         primitive=prim,
         cast_of=cast_of,
@@ -551,7 +543,7 @@ def underflow_report(
         raise ValueError(
             f"loss_scale must be a finite number > 0, got {loss_scale!r}; e.g. 2.0**12."
         )
-    base, pol = _split_fn(loss_fn, policy)
+    base, pol = split_fn(loss_fn, policy)
     low = pol.compute_dtype
     g32 = jax.grad(lambda p: jnp.asarray(base(p, *args, **kwargs), jnp.float32))(params)
     amp_loss = AmpFunction(base, pol)

@@ -9,7 +9,7 @@ from typing import Any
 import jax
 
 from amp_jax._src import compat, decision
-from amp_jax._src.explain import _check_grad, _flat_call, _loss_of, _split_fn
+from amp_jax._src.diagnostics.tracing import check_grad, flat_call, loss_of, split_fn
 from amp_jax._src.jaxprs import iter_eqns
 from amp_jax._src.transform import AmpFunction
 
@@ -77,15 +77,15 @@ def dtype_report(
       >>> rows == dtype_report(amp(lambda a, b: a @ b), a, b)
       True
     """
-    g = _check_grad(grad)
+    g = check_grad(grad)
     if policy is not None or isinstance(fn, AmpFunction):
-        base, pol = _split_fn(fn, policy)
-        fn = AmpFunction(_loss_of(base, has_aux, "dtype_report", g is not None), pol)
+        base, pol = split_fn(fn, policy)
+        fn = AmpFunction(loss_of(base, has_aux, "dtype_report", g is not None), pol)
     else:
-        fn = _loss_of(fn, has_aux, "dtype_report", g is not None)
+        fn = loss_of(fn, has_aux, "dtype_report", g is not None)
     # Array leaves are traced; the others (a mode string, a callable) are
     # passed as they are, as amp passes them.
-    run, dyn = _flat_call(fn, args, kwargs, g)
+    run, dyn = flat_call(fn, args, kwargs, g)
     closed = jax.make_jaxpr(run)(*dyn)
     counts: collections.Counter = collections.Counter()
     _walk(compat.jaxpr_of(closed), counts, "")

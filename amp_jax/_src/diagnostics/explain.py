@@ -12,31 +12,38 @@ Two views of one call are joined:
   bytes it moved; the same walk of the original program gives the casts amp
   inserted and the bytes it saved.
 
-Ops are matched between the two by their user source line and primitive (the
-rewritten program keeps the source info of the op it replaces; the backward
-ops of ``jax.grad`` carry the line of their forward op).
+Ops are matched between the two by their user source line and primitive
+(reasons.py: the rewritten program keeps the source info of the op it
+replaces; the backward ops of ``jax.grad`` carry the line of their forward op).
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import html
 import math
 import re
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
-import jax
 import numpy as np
 
 from amp_jax._src import compat, jaxprs
-from amp_jax._src.decision import Color, Decision, Kind, attention_from_stack
+from amp_jax._src.diagnostics.reasons import (
+    Decisions,
+    decisions_of,
+    float_dtypes,
+    full_stack,
+    is_backward,
+    is_float_cast,
+    ran_in,
+    row_reason,
+    scope_of,
+)
+from amp_jax._src.diagnostics.tracing import check_grad, loss_of, programs, split_fn
 from amp_jax._src.jaxprs import iter_eqns
-from amp_jax._src.planning import Context, plan
-from amp_jax._src.policy import Policy, get_policy, is_managed_float
-from amp_jax._src.transform import AmpFunction, _is_dynamic
+from amp_jax._src.policy import DEFAULT_ALLOW, Policy, is_managed_float
 
 #: primitives that move data without arithmetic (0 FLOPs).
 _NO_FLOPS = frozenset(
@@ -86,7 +93,8 @@ _REDUCTIONS = frozenset(
         "reduce_or",
     }
 )
-MATMULS = frozenset({"dot_general", "conv_general_dilated", "ragged_dot", "ragged_dot_general"})
+#: the matmuls and convolutions, whose FLOPs the summary also counts apart.
+MATMULS = DEFAULT_ALLOW
 
 
 # -- per-eqn measures -----------------------------------------------------------------
@@ -119,224 +127,8 @@ def eqn_flops(eqn: Any) -> int:
     return _size(out)
 
 
-def _float_dtypes(atoms: Sequence[Any]) -> list[str]:
-    seen: list[str] = []
-    for a in atoms:
-        d = getattr(a.aval, "dtype", None)
-        if is_managed_float(d) and str(np.dtype(d)) not in seen:
-            seen.append(str(np.dtype(d)))
-    return seen
-
-
-def ran_in(eqn: Any) -> str:
-    """The dtype an eqn computed in: its floating operands' (``a->b`` for a cast)."""
-    ins, outs = _float_dtypes(eqn.invars), _float_dtypes(eqn.outvars)
-    if eqn.primitive.name == "convert_element_type" and ins and outs and ins != outs:
-        return f"{ins[0]}->{outs[0]}"
-    return ",".join(ins or outs) or "-"
-
-
-def _is_float_cast(eqn: Any) -> bool:
-    return (
-        eqn.primitive.name == "convert_element_type"
-        and bool(_float_dtypes(eqn.invars))
-        and bool(_float_dtypes(eqn.outvars))
-        and _float_dtypes(eqn.invars) != _float_dtypes(eqn.outvars)
-    )
-
-
 def _touches_float(eqn: Any) -> bool:
-    return bool(_float_dtypes(eqn.invars) or _float_dtypes(eqn.outvars))
-
-
-def _full_stack(eqn: Any, outer: tuple[str, ...]) -> str:
-    return "/".join(s for s in (*outer, str(eqn.source_info.name_stack)) if s)
-
-
-def _scope(stack: str) -> str:
-    """The user's ``named_scope`` path of a name stack, without JAX's transform names."""
-    parts = []
-    for part in stack.split("/"):
-        # transform names wrap scopes: "transpose(jvp(attn))" -> "attn"
-        while "(" in part and part.endswith(")"):
-            part = part[part.index("(") + 1 : -1]
-        if part:
-            parts.append(part)
-    return "/".join(parts) or "-"
-
-
-def _is_backward(stack: str) -> bool:
-    return "transpose(" in stack
-
-
-# -- decisions --------------------------------------------------------------------------
-
-
-def _decide(
-    ctx: Context,
-    jaxpr: Any,
-    decisions: Sequence[Decision],
-    out: dict,
-    inherited: str | None,
-    outer: tuple[str, ...] = (),
-) -> None:
-    """Fills ``out[(source line, primitive)][named_scope path]`` with a Counter
-    of the reasons of the plan's decisions (the sub-jaxprs' plans included).
-
-    The scope tells apart the ops of one source line called under different
-    ``named_scope`` s (a library layer used twice: one Dense in a
-    ``full_precision_scopes`` head, one outside). ``outer`` is the enclosing
-    eqns' name stacks, as `jaxprs.iter_eqns` gives them for the rows.
-    An eqn bound as written, or a function painted low, gives its own reason
-    to everything it holds (``inherited``).
-    """
-    for eqn, d in zip(jaxpr.eqns, decisions):
-        reason = inherited or d.reason.text
-        where = (compat.source_line(eqn), eqn.primitive.name)
-        out[where][_scope(_full_stack(eqn, outer))][reason] += 1
-        if not compat.has_subjaxprs(eqn):
-            continue
-        inner = (*outer, str(eqn.source_info.name_stack))
-        for sub in jaxprs.closed_subjaxprs(eqn):
-            if d.kind is Kind.AS_WRITTEN or inherited is not None:
-                body = compat.jaxpr_of(sub)
-                _decide(ctx, body, [d] * len(body.eqns), out, reason, inner)
-            elif d.color is Color.LOW:  # a transparent custom_jvp function: all of it low
-                body = compat.jaxpr_of(ctx.prepare(sub))
-                _decide(ctx, body, [d] * len(body.eqns), out, reason, inner)
-            else:
-                sub_plan = plan(ctx, sub)
-                _decide(ctx, sub_plan.jaxpr, sub_plan.decisions, out, None, inner)
-
-
-def _decision_at(by_scope: dict[str, collections.Counter], scope: str) -> collections.Counter:
-    """The reasons decided for the ops of one source line at ``scope``: those of
-    the innermost decided scope that encloses ``scope`` (amp's own scopes, such
-    as ``amp_float8.tensorwise``, nest inside the user's), else all of them."""
-    parts = [] if scope == "-" else scope.split("/")
-
-    def encloses(s: str) -> bool:
-        d = [] if s == "-" else s.split("/")
-        return parts[: len(d)] == d
-
-    inside = [s for s in by_scope if encloses(s)]
-    if inside:
-        return by_scope[max(inside, key=lambda s: 0 if s == "-" else s.count("/") + 1)]
-    return sum(by_scope.values(), collections.Counter())
-
-
-# -- tracing ---------------------------------------------------------------------------------
-
-
-def _flat_call(fn: Callable[..., Any], args: tuple, kwargs: dict, grad: Any):
-    """``(flat function of the dynamic leaves, those leaves)``; with ``grad``, the
-    function returns the gradient w.r.t. the floating leaves of ``args[grad...]``."""
-    leaves, treedef = jax.tree.flatten((args, kwargs))
-    dyn_mask = [_is_dynamic(x) for x in leaves]
-    static = [x for x, d in zip(leaves, dyn_mask) if not d]
-    dyn = [x for x, d in zip(leaves, dyn_mask) if d]
-
-    def rebuild(dyn_vals):
-        it_dyn, it_static = iter(dyn_vals), iter(static)
-        full = [next(it_dyn) if d else next(it_static) for d in dyn_mask]
-        return jax.tree.unflatten(treedef, full)
-
-    def call(*dyn_vals):
-        a, k = rebuild(dyn_vals)
-        return fn(*a, **k)
-
-    if grad is None:
-        return call, dyn
-    argnums = (grad,) if isinstance(grad, int) else tuple(grad)
-    # which dynamic leaves belong to the differentiated positional arguments
-    owner = []
-    for i, a in enumerate(args):
-        owner += [i] * len(jax.tree.leaves(a))
-    owner += [-1] * (len(leaves) - len(owner))
-    dyn_owner = [o for o, d in zip(owner, dyn_mask) if d]
-    wrt = [
-        j
-        for j, (o, x) in enumerate(zip(dyn_owner, dyn))
-        if o in argnums and jax.numpy.issubdtype(x.dtype, jax.numpy.floating)
-    ]
-    if not wrt:
-        raise ValueError(
-            f"grad={grad!r}: positional argument(s) {argnums} hold no floating "
-            "array to differentiate; pass grad=None or the index of the parameters."
-        )
-
-    def grad_call(*dyn_vals):
-        def of(diff):
-            vals = list(dyn_vals)
-            for j, v in zip(wrt, diff):
-                vals[j] = v
-            out = jax.numpy.asarray(call(*vals))
-            return out.astype(jax.numpy.float32) if out.ndim == 0 else jax.numpy.sum(out)
-
-        return jax.value_and_grad(of)([dyn_vals[j] for j in wrt])
-
-    return grad_call, dyn
-
-
-def _check_grad(grad: Any) -> Any:
-    if grad is False or grad is None:
-        return None
-    if grad is True:
-        return 0
-    if isinstance(grad, int) or (isinstance(grad, tuple) and all(isinstance(g, int) for g in grad)):
-        return grad
-    raise TypeError(
-        f"grad must be a bool, an int or a tuple of ints (argnums), got {grad!r}; "
-        "e.g. grad=True differentiates the first argument."
-    )
-
-
-def _split_fn(fn: Callable[..., Any], policy: Any) -> tuple[Callable[..., Any], Policy]:
-    if not callable(fn):
-        raise TypeError(f"fn must be callable, got {type(fn).__name__}: {fn!r}.")
-    if isinstance(fn, AmpFunction):
-        return fn.fn, (fn.policy if policy is None else get_policy(policy))
-    return fn, get_policy("bfloat16" if policy is None else policy)
-
-
-def _loss_of(fn: Callable[..., Any], has_aux: Any, caller: str, grad: bool) -> Callable[..., Any]:
-    """``fn`` itself, or with ``has_aux=True`` the function returning only the
-    first element of ``fn``'s ``(loss, aux)`` output (aux is not analysed);
-    differentiating a pair without ``has_aux`` raises an error naming it."""
-    if not isinstance(has_aux, bool):
-        raise TypeError(f"{caller}: `has_aux` must be a bool, got {has_aux!r}.")
-    if not has_aux and not grad:
-        return fn
-
-    @functools.wraps(fn)
-    def loss_only(*args, **kwargs):
-        out = fn(*args, **kwargs)
-        pair = isinstance(out, (tuple, list))
-        if has_aux and not (pair and len(out) == 2):
-            raise TypeError(
-                f"{caller}(has_aux=True): the function must return a pair (loss, aux), "
-                f"got {type(out).__name__}; pass has_aux=False for a function that "
-                "returns the loss alone."
-            )
-        if not has_aux and pair:
-            raise TypeError(
-                f"{caller}(grad=...): the function returned a {type(out).__name__} of "
-                f"{len(out)}, not a loss; if it returns (loss, aux) as for "
-                f"jax.value_and_grad(..., has_aux=True), pass has_aux=True to {caller}."
-            )
-        return out[0] if has_aux else out
-
-    return loss_only
-
-
-def _trace_decisions(base: Callable[..., Any], pol: Policy, args: tuple, kwargs: dict) -> dict:
-    af = AmpFunction(base, pol)
-    leaves, treedef = jax.tree.flatten((args, kwargs))
-    dyn_mask = tuple(_is_dynamic(x) for x in leaves)
-    traced = af._trace(treedef, leaves, dyn_mask)
-    out: dict = collections.defaultdict(lambda: collections.defaultdict(collections.Counter))
-    _decide(traced.ctx, traced.plan.jaxpr, traced.plan.decisions, out, None)
-    return out
+    return bool(float_dtypes(eqn.invars) or float_dtypes(eqn.outvars))
 
 
 # -- results -------------------------------------------------------------------------------
@@ -594,49 +386,90 @@ class Explanation:
         )
 
 
-def _measure(jaxpr: Any) -> tuple[list[tuple[Any, int]], int, int, int]:
-    """(float eqns with their run counts, bytes moved, float casts, float casts run)."""
+class _Measured(NamedTuple):
+    """The floating ops of one program and what they moved."""
+
+    eqns: list[tuple[Any, int, str]]  # (eqn, times it runs, full name stack)
+    nbytes: int  # bytes read and written, all runs together
+    casts: int  # floating casts in the code
+    casts_run: int  # floating casts executed
+
+
+def _measure(jaxpr: Any) -> _Measured:
+    """The floating eqns of ``jaxpr`` with their run counts, bytes moved and casts."""
     eqns, nbytes, casts, casts_run = [], 0, 0, 0
     for eqn, _, times, outer in iter_eqns(jaxpr):
         if not _touches_float(eqn):
             continue
-        eqns.append((eqn, times, _full_stack(eqn, outer)))
+        eqns.append((eqn, times, full_stack(eqn, outer)))
         nbytes += times * sum(_nbytes(v.aval) for v in (*eqn.invars, *eqn.outvars))
-        if _is_float_cast(eqn):
+        if is_float_cast(eqn):
             casts += 1
             casts_run += times
-    return eqns, nbytes, casts, casts_run
+    return _Measured(eqns, nbytes, casts, casts_run)
 
 
-def _row_reason(
-    decisions: dict, eqn: Any, stack: str, orig_keys: collections.Counter, seen: collections.Counter
-) -> str:
-    key = (compat.source_line(eqn), eqn.primitive.name)
-    found = _decision_at(decisions[key], _scope(stack)) if key in decisions else None
-    if _is_float_cast(eqn):
-        seen[key] += 1
-        if seen[key] > orig_keys.get(key, 0):
-            return "cast inserted by amp"
-        return "cast in the original program"
-    path = attention_from_stack(stack)  # the path each attention took (attention.py)
-    attention = path.text if path is not None else None
-    if path is not None and path.impl is not None:  # run fused: amp wrote these ops
-        reason = path.text
-    elif found:
-        reason = found.most_common(1)[0][0]
-    else:
-        line = [c for (w, _), by in decisions.items() if w == key[0] for c in by.values()]
-        merged = sum(line, collections.Counter())
-        reason = (
-            f"derived by JAX from this line's ops ({merged.most_common(1)[0][0]})"
-            if merged
-            else "no amp decision (added by a JAX transformation, or outside the amp function)"
+def _group(new: _Measured, old: _Measured, decisions: Decisions):
+    """``(rows, FLOPs by dtype, matmul FLOPs by dtype)`` of the rewritten program
+    ``new``: its ops grouped by source line, scope, pass, primitive, dtype and
+    reason, most FLOPs first (``old``, the original, tells amp's casts apart)."""
+    orig_cast_keys = collections.Counter(
+        (compat.source_line(e), e.primitive.name) for e, _, _ in old.eqns if is_float_cast(e)
+    )
+    groups: dict[tuple, list[int]] = {}
+    flops_by: collections.Counter = collections.Counter()
+    mm_by: collections.Counter = collections.Counter()
+    seen: collections.Counter = collections.Counter()
+    for eqn, times, stack in new.eqns:
+        dtype = ran_in(eqn)
+        flops = times * eqn_flops(eqn)
+        nbytes = times * sum(_nbytes(v.aval) for v in (*eqn.invars, *eqn.outvars))
+        key = (
+            compat.source_line(eqn),
+            scope_of(stack),
+            is_backward(stack),
+            eqn.primitive.name,
+            dtype,
+            row_reason(decisions, eqn, stack, orig_cast_keys, seen),
         )
-    if attention and reason != attention:  # left as written: the dtype reason, and why
-        reason = f"{reason}; {attention}"
-    if _is_backward(stack) and found:
-        return f"backward of: {reason}"
-    return reason
+        acc = groups.setdefault(key, [0, 0, 0])
+        acc[0] += times
+        acc[1] += flops
+        acc[2] += nbytes
+        if flops:
+            flops_by[dtype] += flops
+            if eqn.primitive.name in MATMULS:
+                mm_by[dtype] += flops
+    rows = [ExplainRow(*k, count=c, flops=f, bytes=b) for k, (c, f, b) in groups.items()]
+    rows.sort(key=lambda r: (-r.flops, -r.bytes, r.where, r.primitive))
+    return rows, flops_by, mm_by
+
+
+def _low_share(by: collections.Counter) -> float:
+    """The share of ``by``'s FLOPs that ran in a dtype narrower than float32."""
+    total = sum(by.values())
+    low = sum(v for k, v in by.items() if np.dtype(k.split(",")[0]).itemsize < 4)
+    return low / total if total else 0.0
+
+
+def _summary(
+    policy: Policy,
+    flops_by: collections.Counter,
+    mm_by: collections.Counter,
+    new: _Measured,
+    old: _Measured,
+) -> ExplainSummary:
+    return ExplainSummary(
+        compute_dtype=policy.compute_dtype.name,
+        flops_by_dtype=dict(flops_by.most_common()),
+        matmul_flops_by_dtype=dict(mm_by.most_common()),
+        low_flop_share=_low_share(flops_by),
+        low_matmul_flop_share=_low_share(mm_by),
+        bytes_moved=new.nbytes,
+        bytes_moved_original=old.nbytes,
+        casts_inserted=new.casts - old.casts,
+        casts_run=new.casts_run - old.casts_run,
+    )
 
 
 def explain(
@@ -665,7 +498,8 @@ def explain(
     Args:
       fn: the float32 function, or an [`amp`][amp_jax.amp]-wrapped one (whose policy is
         used unless ``policy`` is given). Flax ``apply`` functions and
-        Equinox modules (non-array leaves are static) work as arguments.
+        Equinox modules (non-array leaves are static) work as arguments; a
+        module as ``fn`` is traced as ``amp(model)`` traces it.
       *args: its positional arguments (arrays or ``jax.ShapeDtypeStruct``).
       policy: the policy to explain (default: ``fn``'s if it is an amp
         function, else ``"bfloat16"``).
@@ -698,62 +532,12 @@ def explain(
       >>> ex.summary.casts_inserted
       2
     """
-    base, pol = _split_fn(fn, policy)
-    g = _check_grad(grad)
-    base = _loss_of(base, has_aux, "explain", g is not None)
-    decisions = _trace_decisions(base, pol, args, kwargs)
-    amp_fn = AmpFunction(base, pol)
-    run, dyn = _flat_call(amp_fn, args, kwargs, g)
-    orig, _ = _flat_call(base, args, kwargs, g)
-    new_jaxpr = compat.jaxpr_of(jax.make_jaxpr(run)(*dyn))
-    old_jaxpr = compat.jaxpr_of(jax.make_jaxpr(orig)(*dyn))
-    new_eqns, new_bytes, new_casts, new_casts_run = _measure(new_jaxpr)
-    old_eqns, old_bytes, old_casts, old_casts_run = _measure(old_jaxpr)
-    orig_cast_keys = collections.Counter(
-        (compat.source_line(e), e.primitive.name) for e, _, _ in old_eqns if _is_float_cast(e)
-    )
-
-    groups: dict[tuple, list[int]] = {}
-    flops_by: collections.Counter = collections.Counter()
-    mm_by: collections.Counter = collections.Counter()
-    seen: collections.Counter = collections.Counter()
-    for eqn, times, stack in new_eqns:
-        dtype = ran_in(eqn)
-        flops = times * eqn_flops(eqn)
-        nbytes = times * sum(_nbytes(v.aval) for v in (*eqn.invars, *eqn.outvars))
-        key = (
-            compat.source_line(eqn),
-            _scope(stack),
-            _is_backward(stack),
-            eqn.primitive.name,
-            dtype,
-            _row_reason(decisions, eqn, stack, orig_cast_keys, seen),
-        )
-        acc = groups.setdefault(key, [0, 0, 0])
-        acc[0] += times
-        acc[1] += flops
-        acc[2] += nbytes
-        if flops:
-            flops_by[dtype] += flops
-            if eqn.primitive.name in MATMULS:
-                mm_by[dtype] += flops
-    rows = [ExplainRow(*k, count=c, flops=f, bytes=b) for k, (c, f, b) in groups.items()]
-    rows.sort(key=lambda r: (-r.flops, -r.bytes, r.where, r.primitive))
-
-    def low_share(by: collections.Counter) -> float:
-        total = sum(by.values())
-        low = sum(v for k, v in by.items() if np.dtype(k.split(",")[0]).itemsize < 4)
-        return low / total if total else 0.0
-
-    summary = ExplainSummary(
-        compute_dtype=pol.compute_dtype.name,
-        flops_by_dtype=dict(flops_by.most_common()),
-        matmul_flops_by_dtype=dict(mm_by.most_common()),
-        low_flop_share=low_share(flops_by),
-        low_matmul_flop_share=low_share(mm_by),
-        bytes_moved=new_bytes,
-        bytes_moved_original=old_bytes,
-        casts_inserted=new_casts - old_casts,
-        casts_run=new_casts_run - old_casts_run,
-    )
-    return Explanation(rows, summary, pol)
+    base, pol = split_fn(fn, policy)
+    g = check_grad(grad)
+    base = loss_of(base, has_aux, "explain", g is not None)
+    decisions = decisions_of(base, pol, args, kwargs)
+    new_closed, old_closed, _ = programs(base, pol, args, kwargs, g)
+    new = _measure(compat.jaxpr_of(new_closed))
+    old = _measure(compat.jaxpr_of(old_closed))
+    rows, flops_by, mm_by = _group(new, old, decisions)
+    return Explanation(rows, _summary(pol, flops_by, mm_by, new, old), pol)

@@ -1,0 +1,449 @@
+"""Calling an amp function: its arguments, their cache key, and the trace cache.
+
+A `Call` is one call's ``(args, kwargs)`` flattened into leaves: the arrays
+are traced, every other leaf (a string, a callable, ``None``, a Python
+scalar, a plain object) is passed as a static value, as it would be without
+``amp``. `Call.key` is the `CallKey` a `TraceCache` keeps a trace under.
+The checks refuse a plain object (not a pytree) that holds arrays, which a
+cached trace would hold as stale constants.
+
+Why not leave the cache to ``jax.jit`` (as Equinox's ``filter_jit`` does):
+amp evaluates its plan under the caller's trace on every call and stages out
+no jit, so eager calls run op by op and ``grad``/``vmap`` see the rewritten
+ops; and its key holds what jit does not know (the caller's
+``full_precision`` scope) or refuses (unhashable statics, plain objects keyed
+by their attributes, such as a ``training`` flag).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import threading
+import types
+from collections import OrderedDict
+from collections.abc import Callable, Collection, Hashable, Mapping
+from typing import Any, Generic, TypeVar
+
+import jax
+import numpy as np
+
+from amp_jax._src import compat
+
+T = TypeVar("T")
+
+
+def is_dynamic(leaf: Any) -> bool:
+    """Whether an argument leaf is traced (an array) rather than passed as a static value."""
+    return isinstance(leaf, (jax.Array, np.ndarray, np.generic, compat.Tracer))
+
+
+def apply(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)``: what amp traces for ``amp(model)``, the model an argument."""
+    return fn(*args, **kwargs)
+
+
+def is_tree(fn: Any) -> bool:
+    """Whether ``fn`` is a pytree with children (an Equinox or NNX module), not a leaf."""
+    return not jax.tree_util.treedef_is_leaf(jax.tree.structure(fn))
+
+
+def fn_name(fn: Any) -> str:
+    """The name amp gives ``fn`` in its errors."""
+    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
+
+
+def signature(fn: Any) -> inspect.Signature | None:
+    """``inspect.signature(fn)``, or None when it has none."""
+    try:
+        return inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+
+
+def param_names(fn: Any) -> list[str]:
+    """The names of ``fn``'s parameters (none when it has no signature)."""
+    sig = signature(fn)
+    return [] if sig is None else list(sig.parameters)
+
+
+def name_like(wrapper: Any, fn: Any, self_first: bool = False) -> None:
+    """Gives ``wrapper`` the name, source line and signature of ``fn`` (JAX's
+    errors read them through ``__wrapped__``); with ``self_first``, a first
+    parameter ``self`` (the model of ``amp(model)``)."""
+    target = fn
+    while isinstance(target, functools.partial):
+        target = target.func
+    for attr in ("__name__", "__qualname__", "__module__"):
+        value = getattr(target, attr, None)
+        if isinstance(value, str):
+            setattr(wrapper, attr, value)
+    wrapper.__wrapped__ = fn
+    sig = signature(fn) if self_first else None
+    if sig is not None:
+        self_param = inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY)
+        wrapper.__signature__ = sig.replace(parameters=[self_param, *sig.parameters.values()])
+
+
+def as_output(x: Any) -> Any:
+    """A returned constant (a Python ``3``, a NumPy array) as a jax Array, like jit."""
+    if isinstance(x, (jax.Array, compat.Tracer)):
+        return x
+    for t in (bool, int, float, complex):  # weakly typed, as jit returns them
+        if isinstance(x, t):
+            return jax.numpy.asarray(t(x))
+    return jax.numpy.asarray(x, dtype=getattr(x, "dtype", None))
+
+
+# -- static keys ---------------------------------------------------------------------
+
+
+def static_key(leaf: Any, depth: int = 4) -> Any:
+    """A hashable key of a static leaf; ``TypeError`` when there is none (then
+    every call traces). A plain object is keyed by identity and attributes."""
+    # (repr tells 0.0 from -0.0 and one NaN from another, which compare equal
+    # or unequal the wrong way for a cache)
+    if isinstance(leaf, (float, complex)):
+        return (type(leaf), repr(leaf))
+    if isinstance(leaf, types.MethodType):  # a bound method: its object's state too
+        return (types.MethodType, leaf.__func__, static_key(leaf.__self__, depth))
+    if _compares_by_identity(leaf):
+        # A plain object (``self`` of a method, a config object) hashes by
+        # identity: key it by its attributes too, so that ``net.training =
+        # False`` makes a new trace rather than reusing the old one.
+        if depth == 0:
+            raise TypeError("too deep to key")  # (trace every call)
+        attrs = _attrs(leaf)
+        return (type(leaf), leaf, tuple((k, static_key(v, depth - 1)) for k, v in attrs.items()))
+    return (type(leaf), leaf)
+
+
+def _compares_by_identity(obj: Any) -> bool:
+    t = type(obj)
+    return (
+        t.__hash__ is object.__hash__
+        and t.__eq__ is object.__eq__
+        and not isinstance(obj, (type, types.ModuleType, types.FunctionType))
+        and (hasattr(obj, "__dict__") or bool(getattr(t, "__slots__", ())))
+    )
+
+
+def _attrs(obj: Any) -> dict[str, Any]:
+    """The instance attributes of ``obj`` (``__dict__`` and ``__slots__``)."""
+    attrs: dict[str, Any] = {}
+    try:
+        attrs.update(vars(obj))
+    except TypeError:
+        pass
+    for name in getattr(type(obj), "__slots__", ()):
+        if hasattr(obj, name):
+            attrs[name] = getattr(obj, name)
+    return attrs
+
+
+@dataclasses.dataclass(frozen=True)
+class CallKey:
+    """What a trace is cached under: everything that can change what tracing gives.
+
+    Attributes:
+      fn: the static key of the function (a callable object's attributes:
+        a training flag); None for ``amp(model)``, whose model is an argument.
+      treedef: the structure of ``(args, kwargs)``.
+      dynamic_mask: which leaves are traced.
+      leaves: the abstract type of each traced leaf, the static key of the others.
+      backend: ``jax.default_backend()``.
+      trace_context: what makes ``jax.jit`` retrace (config contexts, named
+        axes and their sizes, the mesh).
+      full_precision: whether the caller is inside a ``full_precision`` scope.
+    """
+
+    fn: Hashable
+    treedef: Any
+    dynamic_mask: tuple[bool, ...]
+    leaves: tuple[Hashable, ...]
+    backend: str
+    trace_context: Hashable
+    full_precision: bool
+
+
+# -- one call ------------------------------------------------------------------------
+
+
+@jax.tree_util.register_pytree_node_class
+class _Static:
+    """A static leaf inside the argument tree given to the tracer: no children."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any):
+        self.value = value
+
+    def tree_flatten(self):
+        return (), _Aux(self.value)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(aux.value)
+
+
+class _Aux:
+    """Aux data that compares by identity of its value (statics may be unhashable)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any):
+        self.value = value
+
+    def __eq__(self, other):
+        return isinstance(other, _Aux) and other.value is self.value
+
+    def __hash__(self):
+        return id(self.value)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Call:
+    """One call ``target(*args, **kwargs)`` as amp traces it.
+
+    Attributes:
+      target: the function traced: the user's ``fn``, or `apply` for
+        ``amp(model)`` (the model is then ``args[0]``, so its arrays are traced).
+      args: the positional arguments (with the model first for `apply`).
+      kwargs: the keyword arguments.
+      leaves: the leaves of ``(args, kwargs)``.
+      treedef: their structure.
+      dynamic_mask: which leaves are traced (`is_dynamic`).
+      names: the positional parameters' names, to name an argument in errors.
+    """
+
+    target: Callable[..., Any]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    leaves: list[Any]
+    treedef: Any
+    dynamic_mask: tuple[bool, ...]
+    names: tuple[str, ...]
+
+    @classmethod
+    def of(cls, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Call:
+        """The call ``fn(*args, **kwargs)``; a pytree ``fn`` (an Equinox or NNX
+        module) becomes the first argument ``self`` of `apply`."""
+        if is_tree(fn):
+            target, args, names = apply, (fn, *args), ("self", *param_names(fn))
+        else:
+            target, names = fn, tuple(param_names(fn))
+        leaves, treedef = jax.tree.flatten((args, kwargs))
+        mask = tuple(is_dynamic(x) for x in leaves)
+        return cls(target, args, kwargs, leaves, treedef, mask, names)
+
+    @property
+    def fn_is_argument(self) -> bool:
+        """Whether the function is an argument (``amp(model)``), its arrays traced."""
+        return self.target is apply
+
+    @property
+    def dynamic(self) -> list[Any]:
+        """The traced leaves, in order (the jaxpr's inputs)."""
+        return [x for x, d in zip(self.leaves, self.dynamic_mask) if d]
+
+    def key(self, *, full_precision: bool) -> CallKey | None:
+        """The cache key of this call; None when a static leaf has none (it is
+        unhashable): then every call traces."""
+        try:
+            key = CallKey(
+                fn=None if self.fn_is_argument else static_key(self.target),
+                treedef=self.treedef,
+                dynamic_mask=self.dynamic_mask,
+                leaves=tuple(
+                    compat.abstract_key(x) if d else static_key(x)
+                    for x, d in zip(self.leaves, self.dynamic_mask)
+                ),
+                backend=jax.default_backend(),
+                trace_context=compat.trace_context(),
+                full_precision=full_precision,
+            )
+            hash(key)
+        except TypeError:
+            return None
+        return key
+
+    def abstract(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """``(args, kwargs)`` to trace at: abstract values for the traced leaves,
+        the others as childless pytree nodes (so the jaxpr's invars are the
+        traced leaves, in order); `unwrap_statics` gives the values back."""
+        abstract = [
+            compat.abstractify(x) if d else _Static(x)
+            for x, d in zip(self.leaves, self.dynamic_mask)
+        ]
+        return jax.tree.unflatten(self.treedef, abstract)
+
+    def arg_name(self, path: tuple[Any, ...]) -> str:
+        """``path`` (a key path into ``(args, kwargs)``) as the user wrote the argument."""
+        keys = [getattr(k, "idx", getattr(k, "key", k)) for k in path]
+        if not keys:
+            return "?"
+        rest = "".join(f"[{k!r}]" for k in keys[2:])
+        if keys[0] == 1:
+            return f"{keys[1]}{rest}"
+        if keys[1] < len(self.names):
+            return f"{self.names[keys[1]]}{rest}"
+        return f"args[{keys[1]}]{rest}"
+
+    def path_name(self, path: tuple[Any, ...]) -> str:
+        """``path`` (a key path into ``(args, kwargs)``) as the user would write it."""
+        if len(path) < 2:
+            return "?"
+        return f"{self.arg_name(path[:2])}{jax.tree_util.keystr(tuple(path[2:]))}"
+
+
+def unwrap_statics(tree: Any) -> Any:
+    """``tree`` (from `Call.abstract`, traced) with its static leaves' values."""
+    return jax.tree.map(
+        lambda x: x.value if isinstance(x, _Static) else x,
+        tree,
+        is_leaf=lambda x: isinstance(x, _Static),
+    )
+
+
+# -- the trace cache -----------------------------------------------------------------
+
+
+class TraceCache(Generic[T]):
+    """The traces of an amp function by `CallKey`, least recently used dropped
+    beyond ``size``; shared by the copies JAX makes of the function (as a
+    pytree, ``amp(model)`` is rebuilt by ``jax.tree.map``, Equinox and NNX).
+
+    Attributes:
+      entries: the traces, least recently used first.
+      trace_count: how many times the function was traced.
+    """
+
+    __slots__ = ("entries", "lock", "trace_count")
+
+    def __init__(self):
+        self.entries: OrderedDict[CallKey, T] = OrderedDict()
+        self.lock = threading.Lock()
+        self.trace_count = 0
+
+    def get(self, key: CallKey | None) -> T | None:
+        """The trace kept under ``key`` (now the most recently used), or None."""
+        if key is None:
+            return None
+        with self.lock:
+            found = self.entries.get(key)
+            if found is not None:
+                self.entries.move_to_end(key)
+            return found
+
+    def put(self, key: CallKey | None, value: T, size: int) -> None:
+        """Keeps ``value`` under ``key`` (not when None), at most ``size`` entries."""
+        if key is None:
+            return
+        with self.lock:
+            self.entries[key] = value
+            while len(self.entries) > size:
+                self.entries.popitem(last=False)
+
+
+# -- plain objects that hold arrays --------------------------------------------------
+
+_VALUE_TYPES = (str, bytes, int, float, complex, bool, type(None), type, np.dtype, range, slice)
+
+
+def held_array(obj: Any, seen: set[int] | None = None) -> str | None:
+    """The attribute path of a jax/NumPy array held by the plain object ``obj``, or None.
+
+    Followed to any depth, through attributes, ``functools.partial`` and bound
+    methods, and every container (lists, dicts, sets, ``collections.deque``).
+    """
+    seen = set() if seen is None else seen
+    if isinstance(obj, _VALUE_TYPES) or isinstance(obj, types.ModuleType) or id(obj) in seen:
+        return None
+    if isinstance(obj, (types.FunctionType, types.BuiltinFunctionType, type)):
+        return None
+    seen.add(id(obj))
+    if is_dynamic(obj):  # (a NumPy array of objects, e.g. a Mesh's devices, is no array)
+        return None if isinstance(obj, np.ndarray) and obj.dtype.kind == "O" else ""
+    if isinstance(obj, types.MethodType):
+        inner = held_array(obj.__self__, seen)
+        return None if inner is None else f".__self__{inner}"
+    if isinstance(obj, functools.partial):
+        items = [(f".args[{i}]", a) for i, a in enumerate(obj.args)]
+        items += [(f".keywords[{k!r}]", a) for k, a in obj.keywords.items()]
+    elif isinstance(obj, Mapping):
+        items = [(f"[{k!r}]", v) for k, v in obj.items()]
+    elif isinstance(obj, Collection) and not isinstance(obj, np.ndarray):
+        items = [(f"[{i}]", v) for i, v in enumerate(obj)]
+    else:
+        items = [(f".{k}", v) for k, v in _attrs(obj).items()]
+    for where, value in items:
+        if (inner := held_array(value, seen)) is not None:
+            return f"{where}{inner}"
+    return None
+
+
+def held_by_fn(fn: Any) -> str | None:
+    """The path (under ``fn``) of an array that the callable ``fn`` holds, or None."""
+    if isinstance(fn, functools.partial):
+        # (arrays bound in a partial are fixed, like a closure's: constants
+        # of the trace, as with jax.jit; objects bound in it are checked)
+        parts = [(f".args[{i}]", a) for i, a in enumerate(fn.args)]
+        parts += [(f".keywords[{k!r}]", a) for k, a in fn.keywords.items()]
+        parts = [(w, a) for w, a in parts if not is_dynamic(a)]
+    else:
+        parts = [("", fn)]
+    found = [(w, h) for w, a in parts if (h := held_array(a)) is not None]
+    return f"{found[0][0]}{found[0][1]}" if found else None
+
+
+def check_arguments(fn: Any, call: Call) -> None:
+    """Refuses a callable ``fn`` or a static argument that is a plain (non-pytree)
+    object holding arrays: amp would bake the arrays into its cached trace."""
+    if not call.fn_is_argument and (held := held_by_fn(fn)) is not None:
+        kind = type(fn).__name__
+        raise TypeError(
+            f"amp({fn_name(fn)}): the function is a {kind} that holds arrays "
+            f"(`fn{held}`) but is not a pytree, so amp would bake them into its cached "
+            "trace and return stale results once they change. Pass a pytree (an "
+            "equinox.Module or Flax NNX Module as amp(model), a registered class), or "
+            "pass the arrays as arguments."
+        )
+    paths = jax.tree_util.tree_flatten_with_path((call.args, call.kwargs))[0]
+    for (path, leaf), dyn in zip(paths, call.dynamic_mask):
+        held = None if dyn else held_array(leaf)
+        if held is None:
+            continue
+        name = call.arg_name(path)
+        kind = type(leaf).__name__
+        raise TypeError(
+            f"amp({fn_name(fn)}): argument `{name}` is a {kind} that holds arrays "
+            f"(`{name}{held}`) but is not a pytree, so amp would bake them into its cached "
+            f"trace and return stale results once they change. Make {kind} a pytree "
+            "(jax.tree_util.register_dataclass or register_pytree_node_class, an "
+            "equinox.Module, a flax.struct.dataclass), or pass the arrays as arguments. "
+            "(jax.jit refuses this argument too.)"
+        )
+
+
+def check_no_leak(fn: Any, call: Call, args: tuple, kwargs: dict) -> None:
+    """Refuses an array that ``fn`` assigned, while amp traced it, to a plain
+    object (not a pytree) among its arguments ``(args, kwargs)`` (as traced)
+    or its ``self``: the object would keep a tracer of amp's trace and the
+    caller would never see the value."""
+    where = None
+    for path, leaf in jax.tree_util.tree_flatten_with_path((args, kwargs))[0]:
+        if not is_dynamic(leaf) and (held := held_array(leaf)) is not None:
+            where, kind = f"{call.arg_name(path)}{held}", type(leaf).__name__
+            break
+    if where is None and not call.fn_is_argument and (held := held_by_fn(fn)) is not None:
+        where, kind = f"fn{held}", type(fn).__name__
+    if where is not None:
+        raise TypeError(
+            f"amp({fn_name(fn)}): the function assigned an array to `{where}`, "
+            f"inside a {kind} that is not a pytree. amp runs the function in a trace, so "
+            "the object would keep a tracer that is invalid once the trace ends, and the "
+            f"caller would never see the value. Return the value from the function, or "
+            f"make {kind} a pytree (jax.tree_util.register_dataclass, an equinox.Module, "
+            "a Flax NNX Module whose Variables amp writes back)."
+        )
