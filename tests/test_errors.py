@@ -309,8 +309,8 @@ def test_scaled_value_and_grad_allow_int():
     with pytest.raises(TypeError):
         optim.scaled_value_and_grad(loss, state)(p)
     val, g = optim.scaled_value_and_grad(loss, state, allow_int=True)(p)
-    assert float(val) == 1.0 and g["w"].tolist() == [0.0, 4.0]
-    assert g["n"].dtype == jax.dtypes.float0
+    assert float(val) == 1.0 and g.grads["w"].tolist() == [0.0, 4.0]
+    assert g.grads["n"].dtype == jax.dtypes.float0
 
 
 def test_strict_knows_more_primitives():
