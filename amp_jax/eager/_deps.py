@@ -141,8 +141,9 @@ def refuse_cross_parameter(optimizer: Any, probe_params: Any) -> None:
 
     def fn(grads, params):
         state = tx.init(params)
-        with _loss_scale.caller_scaled():  # a probe: no loss was scaled
-            return tx.update(grads, state, params)
+        if _tree.find_states(state, _loss_scale.StaticLossScaleState):
+            grads = _loss_scale.ScaledGradients(grads)  # as the step passes them
+        return tx.update(grads, state, params)
 
     try:
         closed, (upd_shape, state_shape) = jax.make_jaxpr(fn, return_shape=True)(

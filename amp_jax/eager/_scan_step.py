@@ -333,13 +333,17 @@ class ScanStep:
         h, _ = lax.scan(lambda c, p: (self.block_fn(p, c), None), h, params["blocks"])
         return self.head_loss_fn(params["head"], h, batch)
 
-    def _apply(self, grads, state, params, *, scale=None, finite=None):
-        """Update one part/layer; with dynamic loss scaling (``scale`` given),
-        unscale the gradients first and keep params and state when not ``finite``."""
+    def _apply(self, grads, state, params, *, scale=None, scaled=False, finite=None):
+        """Update one part/layer. With dynamic loss scaling (``scale`` given)
+        unscale the gradients first and keep params and state when not
+        ``finite``; with a static loss scaler in the optimizer (``scaled``) pass
+        them as the ``ScaledGradients`` they are (the backward pass was seeded
+        with its scale)."""
         if scale is not None:
             grads = _loss_scale._unscale(grads, scale)
-        with _loss_scale.caller_scaled():  # the backward pass was seeded with the scale
-            updates, new_state = self._tx.update(grads, state, params)
+        if scaled:
+            grads = _loss_scale.ScaledGradients(grads)
+        updates, new_state = self._tx.update(grads, state, params)
         new_params = optax.apply_updates(params, updates)
         new_params = jax.tree.map(lambda n, o: n.astype(o.dtype), new_params, params)
         new_state = optax.tree_utils.tree_cast_like(new_state, state)
@@ -381,7 +385,10 @@ class ScanStep:
         scale = self._seed_scale(opt_state, dyn)
         fw = self._forward(params, batch, scale)
         finite = None if dyn is None else self._all_finite(fw, params, scale)
-        apply = functools.partial(self._apply, scale=scale if dyn is not None else None)
+        if dyn is not None:
+            apply = functools.partial(self._apply, scale=scale)
+        else:
+            apply = functools.partial(self._apply, scaled=scale is not None)
         new_head, head_state = apply(fw.g_head, opt_state.head, params["head"], finite=finite)
         ct0, new_blocks, blocks_state = self._backward(
             fw, params["blocks"], opt_state.blocks, apply, finite, num_layers

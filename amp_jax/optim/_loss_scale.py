@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -105,20 +102,6 @@ jax.tree_util.register_pytree_with_keys(
 )
 
 
-_CALLER_SCALED = contextvars.ContextVar("amp_jax_caller_scaled", default=False)
-
-
-@contextlib.contextmanager
-def caller_scaled():
-    """Within it, ``update`` trusts that its gradients carry the scale: for code
-    that seeds the backward pass with the scale itself (``eager.scan_step``)."""
-    token = _CALLER_SCALED.set(True)
-    try:
-        yield
-    finally:
-        _CALLER_SCALED.reset(token)
-
-
 def _unwrap_nnx(updates: Any) -> Any:
     """The gradients inside a [`ScaledGradients`][amp_jax.optim.ScaledGradients] that ``flax.nnx.state``
     turned into a mapping ``{_KEY: grads}``, or None."""
@@ -141,7 +124,7 @@ def _take_scaled(updates: Any, check: bool, caller: str) -> Any:
     inner = _unwrap_nnx(updates)
     if inner is not None:
         return inner
-    if not check or _CALLER_SCALED.get():
+    if not check:
         return updates
     raise ValueError(
         f"{caller}.update: `updates` are plain gradients, not the ScaledGradients that "
@@ -211,17 +194,12 @@ class _DynamicRule(NamedTuple):
     axis_name: Any
 
 
-# update_fn of a dynamic_loss_scale -> its rule (weak: no leak per transformation)
-_DYNAMIC_RULES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
 def dynamic_rule(tx: Any) -> _DynamicRule | None:
-    """The rule of ``tx`` if it is (exactly) a [`dynamic_loss_scale`][amp_jax.optim.dynamic_loss_scale], else None."""
-    update = getattr(tx, "update", None)
-    try:
-        return _DYNAMIC_RULES.get(update)
-    except TypeError:  # not weak-referenceable
-        return None
+    """The rule of ``tx`` if it is (exactly) a [`dynamic_loss_scale`][amp_jax.optim.dynamic_loss_scale], else None.
+
+    The rule travels with the transformation: an attribute of its ``update``."""
+    rule = getattr(getattr(tx, "update", None), "dynamic_rule", None)
+    return rule if isinstance(rule, _DynamicRule) else None
 
 
 def _advance(
@@ -400,7 +378,7 @@ def dynamic_loss_scale(
         new_state = _advance(state, finite, new_inner, rule)
         return new_updates, new_state
 
-    _DYNAMIC_RULES[update_fn] = rule
+    update_fn.dynamic_rule = rule  # (what `dynamic_rule` reads: eager.scan_step)
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
