@@ -256,6 +256,7 @@ XS = jax.random.normal(jax.random.PRNGKey(4), (3, 8, 16))
 @settings(max_examples=4, deadline=None, derandomize=True, phases=[Phase.explicit, Phase.generate])
 @given(with_selections)
 @example([("heads", 0)])  # (crashed: a dot batched after amp planned it, on XLA:CPU)
+@example([("tanh", 0), ("bias", 1), ("dot", 2)])  # (the bias gradient summed in bf16)
 def test_random_program_under_an_outer_vmap(program):
     """``vmap`` outside amp, under ``grad``: it runs, float32 is bitwise the
     identity, bf16 is as close as the hand-cast program, and no sum of the
