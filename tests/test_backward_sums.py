@@ -143,3 +143,37 @@ def test_cummax_row_that_holds_the_running_max_sums_its_cotangents_in_float32():
         if e.primitive.name in ("add", "add_any") and np.dtype(e.invars[0].aval.dtype) == BF16
     ]
     assert adds == []
+
+
+# -- a parameter that an outer vmap broadcasts: its batch sum in float32 ------------
+
+PER_EXAMPLE = {
+    "bias": lambda h, p: h + p,
+    "scale": lambda h, p: h * p,
+    "max": lambda h, p: jnp.maximum(h, p),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PER_EXAMPLE))
+def test_parameter_broadcast_by_an_outer_vmap_sums_in_float32(name):
+    """A per-example loss vmapped outside amp: amp sees one example, and the
+    outer ``vmap`` broadcasts the unbatched parameter over the batch, so its
+    gradient is a sum over the batch. The elementwise op reading the float32
+    parameter computes in float32: that sum is float32 too, and the
+    parameter's gradient is within 2x the hand-cast error."""
+    W1, W2, _ = _data()
+    p = jax.random.normal(KS[5], (64,))
+    X = jax.random.normal(KS[4], (512, 64))
+    op = PER_EXAMPLE[name]
+
+    def f(p, x, hand=False):
+        return jnp.sum(_mm(jnp.tanh(op(_mm(x, W1, hand), p)), W2, hand))
+
+    def g(fn):
+        return jax.grad(lambda p, X: jnp.mean(jax.vmap(fn, (None, 0))(p, X)))
+
+    ref = jax.jit(g(f))(p, X)
+    hand = rel(jax.jit(g(lambda p, x: f(p, x, True)))(p, X), ref)
+    got = rel(jax.jit(g(amp(f)))(p, X), ref)
+    assert got <= 2 * hand, (got, hand)
+    assert low_sums(jax.make_jaxpr(g(amp(f)))(p, X)) == []

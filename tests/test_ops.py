@@ -28,7 +28,8 @@ from amp_jax import Policy, amp
 
 # The sweep checks how each op is classified between two dots, on toy shapes:
 # no size thresholds, and no attention fusion (tests/test_attention.py has it).
-SWEEP = Policy(jnp.bfloat16, attention="off", min_low_contraction=0, min_low_flops=0)
+SWEEP_KW = dict(attention="off", min_low_contraction=0, min_low_flops=0)
+SWEEP = Policy(jnp.bfloat16, **SWEEP_KW)
 
 KEY = jax.random.PRNGKey(0)
 k1, k2, k3, k4 = jax.random.split(KEY, 4)
@@ -328,7 +329,6 @@ def _dtype_of(fn, prim):
     [
         ("ew:relu", "max"),
         ("ew:tanh", "tanh"),
-        ("ew:mul", "mul"),
         ("ew:gelu_tanh", "tanh"),
         ("ew:transpose", "transpose"),
         ("ew:custom_jvp", "max"),
@@ -336,6 +336,18 @@ def _dtype_of(fn, prim):
 )
 def test_followers_between_dots_run_bf16(name, prim):
     assert _dtype_of(CASES[name], prim) == {BF16}
+
+
+def test_a_follower_reading_a_float32_value_computes_in_float32_and_writes_bf16():
+    """``h * h`` between two dots, ``h`` a matmul's float32 result (on CPU):
+    the mul computes in float32 (its widest input) and the next dot reads its
+    result in bf16."""
+    fn = amp(CASES["ew:mul"], policy=SWEEP)
+    jaxpr = jax.make_jaxpr(fn)(X, W, W2)
+    assert {i for i, _, _ in prim_dtypes(jaxpr, "mul")} == {(F32, F32)}
+    check_dots_low(jaxpr, min_low=2)
+    low_out = amp(CASES["ew:mul"], policy=Policy(allow_outputs="compute", **SWEEP_KW))
+    assert {o[0] for _, o, _ in prim_dtypes(jax.make_jaxpr(low_out)(X, W, W2), "mul")} == {BF16}
 
 
 @pytest.mark.parametrize(

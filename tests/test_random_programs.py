@@ -22,7 +22,8 @@ gathers with repeated indices, sort, top_k) on an [8, 16] float32 state. For eve
   ``select_and_scatter_add``, ``cumsum``, windowed sums) adds bf16 values.
 
 Under an outer ``vmap`` (around amp, inside ``grad``) every program runs,
-``"float32"`` stays bitwise and bf16 stays as close as the hand-cast program.
+``"float32"`` stays bitwise, bf16 stays as close as the hand-cast program and
+no sum of the backward pass adds bf16 values.
 """
 
 from __future__ import annotations
@@ -255,9 +256,11 @@ XS = jax.random.normal(jax.random.PRNGKey(4), (3, 8, 16))
 @settings(max_examples=4, deadline=None, derandomize=True, phases=[Phase.explicit, Phase.generate])
 @given(with_selections)
 @example([("heads", 0)])  # (crashed: a dot batched after amp planned it, on XLA:CPU)
+@example([("tanh", 0), ("bias", 1), ("dot", 2)])  # (the bias gradient summed in bf16)
 def test_random_program_under_an_outer_vmap(program):
     """``vmap`` outside amp, under ``grad``: it runs, float32 is bitwise the
-    identity, bf16 is as close as the hand-cast program."""
+    identity, bf16 is as close as the hand-cast program, and no sum of the
+    backward pass adds bf16 values."""
     f = make(program)
 
     def vg(g):
@@ -276,3 +279,7 @@ def test_random_program_under_an_outer_vmap(program):
         err = float(jnp.max(jnp.abs(got - want)))
         err_hand = float(jnp.max(jnp.abs(hand - want)))
         assert err <= 2 * err_hand + 0.05 * scale, (program, err, err_hand, scale)
+    # No sum of the backward pass adds compute-dtype values, also those the
+    # outer vmap adds (the transposes of its broadcasts of the parameters).
+    bwd = jax.make_jaxpr(vg(amp(f)))(PARAMS, XS)
+    assert low_sums(bwd) == [], program

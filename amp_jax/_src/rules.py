@@ -64,15 +64,25 @@ class EqnRule:
 
 
 class BroadcastRule(EqnRule):
-    """n-ary elementwise ops that broadcast size-1 dimensions implicitly: a
-    low op reads such an operand (a bias of shape [1, n] added to [b, n])
-    broadcast *before* the cast, so the transpose of the broadcast -- a sum
-    over the batch -- runs in the operand's float32, not the compute dtype."""
+    """n-ary elementwise ops (``add``, ``mul``, ``max``, ``select_n``, ...).
+
+    Painted low, such an op with an operand held in float32 that it would
+    cast down (a parameter, a float32 result) computes in float32 instead,
+    the low operands cast up, and casts its result to the compute dtype (as
+    ``torch.autocast`` promotes mixed elementwise ops to the widest input):
+    whatever broadcast the float32 operand gets, the implicit one of the op or
+    one an outer ``jax.vmap`` adds to an unbatched parameter, its transpose
+    -- a sum over the batch -- runs in float32. With only low operands it
+    reads a size-1-broadcast operand (a bias of shape [1, n] added to
+    [b, n]) broadcast *before* the cast, for the same reason."""
 
     def evaluate(self, ctx: Any, eqn: Any, d: Decision, env: Any) -> list[Any]:
         if d.color is not Color.LOW:
             return super().evaluate(ctx, eqn, d, env)
         cd = ctx.policy.compute_dtype
+        if any(_held_wide(env, v, cd) for v in eqn.invars):
+            outs = compat.bind_eqn(eqn, [env.read(v, casting.dtype_of(v)) for v in eqn.invars])
+            return [casting.lower(o, cd) for o in outs]
         shape = tuple(getattr(eqn.outvars[0].aval, "shape", ()))
         return compat.bind_eqn(
             eqn,
@@ -83,8 +93,21 @@ class BroadcastRule(EqnRule):
         )
 
     def reads_low(self, ctx: Any, eqn: Any, d: Decision, atom: Any) -> bool:
+        # (an operand wider than the compute dtype makes the op compute in it)
         out_shape = tuple(getattr(eqn.outvars[0].aval, "shape", ()))
-        return d.color is Color.LOW and tuple(atom.aval.shape) == out_shape
+        dtype = casting.dtype_of(atom)
+        narrow = casting.target(dtype, Color.LOW, ctx.policy.compute_dtype) in (None, dtype)
+        return d.color is Color.LOW and tuple(atom.aval.shape) == out_shape and narrow
+
+
+def _held_wide(env: Any, atom: Any, compute_dtype: np.dtype) -> bool:
+    """Whether ``env`` holds variable ``atom`` in a float dtype wider than the
+    one a low op reads it in (a float32 value it would cast down)."""
+    if isinstance(atom, compat.Literal):
+        return False
+    low = casting.target(casting.dtype_of(atom), Color.LOW, compute_dtype)
+    held = env.read(atom, None).dtype
+    return low is not None and np.dtype(held).itemsize > np.dtype(low).itemsize
 
 
 class ExpandRule(EqnRule):
