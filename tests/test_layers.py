@@ -1,8 +1,10 @@
 """Real third-party layers (Flax linen and NNX, Equinox) under amp."""
 
 import equinox as eqx
+import flax
 import jax
 import jax.numpy as jnp
+import pytest
 from _util import F32, check_dots_low, prim_dtypes, rel
 from flax import linen as nn
 from flax import nnx
@@ -82,8 +84,18 @@ def test_flax_nnx_layers():
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     x = jax.random.normal(KEY, (4, 8))
 
-    def loss(params, rest, x):
+    def writing_loss(params, rest, x):  # writes batch statistics and RNG counts into `rest`
         m = nnx.merge(graphdef, params, rest)
+        return jnp.mean(m(x) ** 2)
+
+    # Under jax.grad such writes into Variables of an outer trace are refused,
+    # by Flax without amp and by amp's write-back alike: amp behaves as `f` does.
+    for f in (writing_loss, amp(writing_loss, policy=LOW)):
+        with pytest.raises(flax.errors.TraceContextError):
+            jax.grad(f)(params, rest, x)
+
+    def loss(params, rest, x):  # the functional form: the writes land in a copy
+        m = nnx.merge(graphdef, params, jax.tree.map(lambda a: a, rest))
         return jnp.mean(m(x) ** 2)
 
     l, l0 = amp(loss, policy=LOW)(params, rest, x), loss(params, rest, x)
