@@ -17,8 +17,9 @@ Each leg is one Python with one JAX, installed by uv into a fresh virtualenv:
   at their lower bounds), so that those bounds stay true.
 
 Only the newest-JAX leg (3.13) runs the tests marked ``heavy`` (the
-benchmarks' smoke runs, tests/test_benchmarks.py); the others pass
-``-m "not heavy"``.
+benchmarks' smoke runs, tests/test_benchmarks.py; the model libraries of
+tests/test_model_libraries.py, which the ``integrations`` extra installs on
+3.13 only); the others pass ``-m "not heavy"``.
 
 The four take about 40 minutes on an idle 2-core CPU (README), within CI's 90.
 

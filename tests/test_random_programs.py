@@ -283,3 +283,108 @@ def test_random_program_under_an_outer_vmap(program):
     # outer vmap adds (the transposes of its broadcasts of the parameters).
     bwd = jax.make_jaxpr(vg(amp(f)))(PARAMS, XS)
     assert low_sums(bwd) == [], program
+
+
+# -- float16 range: activations of magnitude 10-1000 between matmuls ----------------
+
+#: ops whose result can leave float16's range although their operands are in it
+#: (``a`` has magnitude about ``s``; each result is scaled back to about ``s``)
+RANGE_OPS = {
+    "square": lambda a, s: jnp.square(a) / s,
+    "pow2": lambda a, s: a**2 / s,
+    "pow3": lambda a, s: a**3 / (s * s),
+    "mse": lambda a, s: (a - jnp.roll(a, 1, 0)) ** 2 / s,  # an unreduced squared error
+    "product": lambda a, s: a * jnp.flip(a, 1) / s,
+    "divide": lambda a, s: (s * s) / (jnp.abs(a) + s),
+}
+
+
+def make_range(ops, s, mm=_f32_mm):
+    """Matmuls with ``ops`` between them on activations of magnitude about ``s``."""
+
+    def f(p, x):
+        h = x
+        for k, op in enumerate(ops):
+            a = mm(h, p["w"][k % N_W]) * s
+            h = jnp.tanh(RANGE_OPS[op](a, s) / s)
+        return jnp.mean(jnp.tanh(mm(h, p["w"][-1])))
+
+    return f
+
+
+def _f16_mm(a, b):
+    """A matmul with its operands cast to float16 by hand."""
+    return jnp.matmul(
+        a.astype(jnp.float16), b.astype(jnp.float16), preferred_element_type=jnp.float32
+    )
+
+
+@settings(max_examples=6, deadline=None, derandomize=True, phases=[Phase.explicit, Phase.generate])
+@given(
+    st.lists(st.sampled_from(sorted(RANGE_OPS)), min_size=1, max_size=3),
+    st.sampled_from([10.0, 100.0, 300.0, 1000.0]),
+)
+@example(["square"], 300.0)
+@example(["mse", "pow3"], 1000.0)
+def test_random_float16_range(ops, s):
+    """Under ``policy="float16"``: finite, and as close to float32 as the
+    program with its matmul operands cast to float16 by hand."""
+    f = make_range(ops, s)
+    fns = {"f32": f, "f16": amp(f, policy="float16"), "hand": make_range(ops, s, _f16_mm)}
+    r = jax.jit(lambda p, x: {k: jax.value_and_grad(g)(p, x) for k, g in fns.items()})(PARAMS, X)
+    for got, hand, want in zip(*(jax.tree.leaves(r[k]) for k in ("f16", "hand", "f32"))):
+        assert bool(jnp.all(jnp.isfinite(got))), (ops, s)
+        scale = max(1e-3, float(jnp.max(jnp.abs(want))))
+        err = float(jnp.max(jnp.abs(got - want)))
+        err_hand = float(jnp.max(jnp.abs(hand - want)))
+        assert err <= 2 * err_hand + 0.01 * scale, (ops, s, err, err_hand, scale)
+
+
+# -- solver loops whose exit test reads an error carried from the body ---------------
+
+
+def make_solver(prefix, tol):
+    """A fixed-point iteration ``z <- tanh(z @ W + h)`` after ``prefix``: its
+    relative step size is carried out of the body and read by the exit test."""
+    w = PARAMS["w"][1] * 0.5
+
+    def f(p, x):
+        h = _prefix(prefix, p, x)
+
+        def body(c):
+            z, err, i = c
+            zn = jnp.tanh(z @ w + h)
+            return zn, jnp.max(jnp.abs(zn - z)) / (jnp.max(jnp.abs(zn)) + 1e-8), i + 1
+
+        init = (jnp.zeros_like(h), jnp.float32(1.0), 0)
+        z, _, n = lax.while_loop(lambda c: (c[1] > tol) & (c[2] < 300), body, init)
+        return z, n
+
+    return f
+
+
+def _prefix(program, p, x):
+    h = x @ p["w"][0]
+    saved = h
+    for kind, k in program:
+        h = _step(kind, k, p, h, saved, _f32_mm)
+        saved = h if kind in ("dot", "ln") else saved
+    return jnp.tanh(h)
+
+
+@settings(max_examples=5, deadline=None, derandomize=True, phases=[Phase.explicit, Phase.generate])
+@given(
+    st.lists(st.tuples(st.sampled_from(KINDS), st.integers(0, N_W - 1)), max_size=3),
+    st.sampled_from([1e-4, 1e-5, 1e-6]),
+    st.sampled_from(["bfloat16", "float16"]),
+)
+@example([], 1e-5, "bfloat16")
+def test_random_solver_loop_exits_as_float32(prefix, tol, policy):
+    """The loop stops after as many iterations as in float32 (a bf16 step
+    size never falls below the tolerance) and finds float32's fixed point."""
+    f = make_solver(prefix, tol)
+    (z32, n32), (z, n) = jax.jit(lambda p, x: (f(p, x), amp(f, policy=policy)(p, x)))(PARAMS, X)
+    assert int(n32) < 300
+    assert abs(int(n) - int(n32)) <= 1, (prefix, tol, policy, int(n), int(n32))
+    # (the prefix's matmuls run in the compute dtype: h, and so the fixed point, moves)
+    np.testing.assert_allclose(z, z32, atol={"bfloat16": 3e-2, "float16": 4e-3}[policy])
