@@ -130,8 +130,9 @@ class ExpandRule(EqnRule):
 class AllowRule(EqnRule):
     """An ``allow`` primitive: painted low, it runs ``fn`` (a `Rule`) on
     its operands as stored, or the function of the variant its decision names
-    (its variants are given where the table is built, ``rules.py``); otherwise (kept high, or not in the allow
-    class under this policy) it is bound like any other op."""
+    (``variants``, given where the table is built: ``rules.py``); otherwise
+    (kept high, or not in the allow class under this policy) it is bound like
+    any other op."""
 
     def __init__(
         self, fn: Rule | None = None, variants: dict[Variant, Callable[[Any], Rule]] | None = None
