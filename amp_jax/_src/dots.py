@@ -23,7 +23,15 @@ from jax.extend.core import primitives as P
 from amp_jax._src import casting, compat, lowdot
 from amp_jax._src.backends import Backend, backend_for
 from amp_jax._src.decision import Decision, Variant
-from amp_jax._src.elementwise import AllowRule, EqnRule, Rule, acc_dtype, default_allow_rule
+from amp_jax._src.elementwise import (
+    AllowRule,
+    Env,
+    EqnRule,
+    Rule,
+    RuleContext,
+    acc_dtype,
+    default_allow_rule,
+)
 from amp_jax._src.policy import HIGH_DTYPE, is_managed_float
 
 
@@ -38,7 +46,7 @@ class DotRule(AllowRule):
     weight gradient comes out in the weight's own layout.
     """
 
-    def evaluate(self, ctx: Any, eqn: Any, d: Decision, env: Any) -> list[Any]:
+    def evaluate(self, ctx: RuleContext, eqn: Any, d: Decision, env: Env) -> list[Any]:
         if d.lowered and d.variant is Variant.COMPUTE and env.layouts is not None:
             fn = self.low_fn(ctx, eqn)
             if _is_dot_rule(fn):
@@ -51,7 +59,7 @@ class DotRule(AllowRule):
                 return fn(eqn, invals, cd, d.out_dtype, dims=dims)
         return super().evaluate(ctx, eqn, d, env)
 
-    def low_fn(self, ctx: Any, eqn: Any) -> Rule:
+    def low_fn(self, ctx: RuleContext, eqn: Any) -> Rule:
         if not ctx.vjp_rules:
             return default_allow_rule
         return functools.partial(dot_general_rule, backend=ctx.backend)
@@ -66,7 +74,7 @@ class TransposeRule(EqnRule):
     the dots that read its result (`DotRule`); the transpose of a lowered
     dot's result may be written as the dot with its operands swapped."""
 
-    def evaluate(self, ctx: Any, eqn: Any, d: Decision, env: Any) -> list[Any]:
+    def evaluate(self, ctx: RuleContext, eqn: Any, d: Decision, env: Env) -> list[Any]:
         src = eqn.invars[0]
         if isinstance(src, compat.Literal) or env.layouts is None:
             return super().evaluate(ctx, eqn, d, env)

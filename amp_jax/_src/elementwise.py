@@ -14,25 +14,68 @@ to know.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from amp_jax._src import casting, compat
 from amp_jax._src.backends import Backend
 from amp_jax._src.decision import Color, Decision, Variant
-from amp_jax._src.policy import HIGH_DTYPE, is_managed_float
+from amp_jax._src.policy import HIGH_DTYPE, Policy, is_managed_float
 
 #: ``rule(eqn, invals, compute_dtype, out_dtype) -> list of outputs``: the
 #: low-precision function of an ``allow`` primitive ([`register_rule`][amp_jax.register_rule]).
 Rule = Callable[[Any, Sequence[Any], np.dtype, np.dtype], list[Any]]
 
 
+class RuleContext(Protocol):
+    """What a rule reads of the context it evaluates under (``interpreter.Interpreter``)."""
+
+    policy: Policy
+    #: the platform name planned for, and its record (``backends``)
+    backend: str
+    target: Backend
+    #: whether allow ops use their own rules (off in code JAX will transpose)
+    vjp_rules: bool
+    identity: bool
+
+    @property
+    def linear(self) -> RuleContext: ...
+
+    def cached(self, kind: Any, obj: Any, make: Callable[[], Any]) -> Any: ...
+
+    def prepare(self, closed: Any) -> Any: ...
+
+    def plan(self, closed: Any) -> Any: ...
+
+    def all_low(self, closed: Any) -> Any: ...
+
+    def rewrite(self, closed: Any, in_avals: Sequence[Any] | None = None) -> Any: ...
+
+    def evaluate(self, plan_: Any, args: Sequence[Any], cast_outputs: bool = True) -> list[Any]: ...
+
+    def rule_for(self, eqn: Any, op_class: Any) -> EqnRule: ...
+
+
+class Env(Protocol):
+    """The values of the jaxpr being evaluated (``interpreter._Env``)."""
+
+    vals: dict[Any, Any]
+    #: {(var, dtype): cast} of the casts made so far (each once)
+    casts: dict[tuple[Any, Any], Any]
+    #: the backend's per-evaluation dot layouts (`Backend.layouts`), or None
+    layouts: Any
+
+    def read(self, atom: Any, dtype: Any) -> Any: ...
+
+    def read_broadcast(self, atom: Any, dtype: Any, shape: tuple[int, ...]) -> Any: ...
+
+
 class EqnRule:
     """How amp binds one primitive. The default: bind it with every operand
     cast to the dtype of the eqn's color (`casting.target`)."""
 
-    def evaluate(self, ctx: Any, eqn: Any, d: Decision, env: Any) -> list[Any]:
+    def evaluate(self, ctx: RuleContext, eqn: Any, d: Decision, env: Env) -> list[Any]:
         """The outputs of ``eqn`` as decided by ``d``, under ``ctx`` (policy,
         backend), reading operands from ``env``."""
         cd = ctx.policy.compute_dtype
@@ -40,7 +83,7 @@ class EqnRule:
             eqn, [env.read(v, casting.target(casting.dtype_of(v), d.color, cd)) for v in eqn.invars]
         )
 
-    def reads_low(self, ctx: Any, eqn: Any, d: Decision, atom: Any) -> bool:
+    def reads_low(self, ctx: RuleContext, eqn: Any, d: Decision, atom: Any) -> bool:
         """Whether ``evaluate`` reads operand ``atom`` only in the compute dtype."""
         return d.color is Color.LOW
 
@@ -56,7 +99,7 @@ class BroadcastRule(EqnRule):
     broadcast *before* the cast, so the transpose of the broadcast -- a sum
     over the batch -- runs in the operand's float32, not the compute dtype."""
 
-    def evaluate(self, ctx: Any, eqn: Any, d: Decision, env: Any) -> list[Any]:
+    def evaluate(self, ctx: RuleContext, eqn: Any, d: Decision, env: Env) -> list[Any]:
         if d.color is not Color.LOW:
             return super().evaluate(ctx, eqn, d, env)
         cd = ctx.policy.compute_dtype
@@ -69,7 +112,7 @@ class BroadcastRule(EqnRule):
             ],
         )
 
-    def reads_low(self, ctx: Any, eqn: Any, d: Decision, atom: Any) -> bool:
+    def reads_low(self, ctx: RuleContext, eqn: Any, d: Decision, atom: Any) -> bool:
         out_shape = tuple(getattr(eqn.outvars[0].aval, "shape", ()))
         return d.color is Color.LOW and tuple(atom.aval.shape) == out_shape
 
@@ -107,7 +150,7 @@ class ExpandRule(EqnRule):
         }
     )
 
-    def evaluate(self, ctx: Any, eqn: Any, d: Decision, env: Any) -> list[Any]:
+    def evaluate(self, ctx: RuleContext, eqn: Any, d: Decision, env: Env) -> list[Any]:
         if d.color is not Color.LOW or not self.sums_in_transpose(eqn):
             return super().evaluate(ctx, eqn, d, env)
         cd = ctx.policy.compute_dtype
@@ -123,7 +166,7 @@ class ExpandRule(EqnRule):
         x, out = eqn.invars[0].aval, eqn.outvars[0].aval
         return int(np.prod(out.shape)) > int(np.prod(x.shape))
 
-    def reads_low(self, ctx: Any, eqn: Any, d: Decision, atom: Any) -> bool:
+    def reads_low(self, ctx: RuleContext, eqn: Any, d: Decision, atom: Any) -> bool:
         return d.color is Color.LOW and not self.sums_in_transpose(eqn)
 
 
@@ -141,12 +184,12 @@ class AllowRule(EqnRule):
         #: variant -> ``make(ctx) -> Rule``
         self.variants: dict[Variant, Callable[[Any], Rule]] = dict(variants or {})
 
-    def low_fn(self, ctx: Any, eqn: Any) -> Rule:
+    def low_fn(self, ctx: RuleContext, eqn: Any) -> Rule:
         """The function of a lowered eqn. Inside custom JVP rules (which JAX
         transposes: no custom_vjp may appear) the plain default."""
         return self.fn if self.fn is not None and ctx.vjp_rules else default_allow_rule
 
-    def evaluate(self, ctx: Any, eqn: Any, d: Decision, env: Any) -> list[Any]:
+    def evaluate(self, ctx: RuleContext, eqn: Any, d: Decision, env: Env) -> list[Any]:
         if not d.lowered:
             return super().evaluate(ctx, eqn, d, env)
         invals = [env.read(v, None) for v in eqn.invars]
@@ -156,7 +199,7 @@ class AllowRule(EqnRule):
         fn = make(ctx) if make is not None and ctx.vjp_rules else self.low_fn(ctx, eqn)
         return fn(eqn, invals, ctx.policy.compute_dtype, d.out_dtype)
 
-    def reads_low(self, ctx: Any, eqn: Any, d: Decision, atom: Any) -> bool:
+    def reads_low(self, ctx: RuleContext, eqn: Any, d: Decision, atom: Any) -> bool:
         return d.color is Color.LOW and d.variant is not Variant.FLOAT32
 
 

@@ -30,7 +30,7 @@ from jax import lax
 from amp_jax._src import jaxprs
 from amp_jax._src.backends import backend_for
 from amp_jax._src.decision import Reason, Variant, Why, float8_scope, float8_text
-from amp_jax._src.elementwise import acc_dtype
+from amp_jax._src.elementwise import RuleContext, acc_dtype
 from amp_jax._src.lowdot import dot_transpose
 from amp_jax._src.policy import HIGH_DTYPE, is_managed_float
 
@@ -74,7 +74,7 @@ def skip_reason(policy: Any, eqn: Any) -> str | None:
     return None
 
 
-def applies(ctx: Any, eqn: Any) -> bool:
+def applies(ctx: RuleContext, eqn: Any) -> bool:
     """Whether ``eqn`` (lowered by ``ctx``) runs as an fp8 product."""
     return (
         getattr(ctx.policy, "float8", "off") != "off"
@@ -87,7 +87,7 @@ def applies(ctx: Any, eqn: Any) -> bool:
 # -- the variant of the dot rule ---------------------------------------------------------
 
 
-def reason(ctx: Any, eqn: Any, variant: Variant) -> Reason | None:
+def reason(ctx: RuleContext, eqn: Any, variant: Variant) -> Reason | None:
     """Why a lowered ``allow`` eqn (planned to run ``variant``) runs in fp8 or
     not under a float8 policy. None when the policy has no float8, or when the
     eqn has an operand that is not a managed float."""
@@ -104,7 +104,7 @@ def reason(ctx: Any, eqn: Any, variant: Variant) -> Reason | None:
     return Reason(Why.POLICY_CLASS, f"allow class, the bfloat16 policy's rule; not float8: {why}")
 
 
-def variant_rule(ctx: Any) -> Callable:
+def variant_rule(ctx: RuleContext) -> Callable:
     """The fp8 rule of ``dot_general`` under ``ctx``'s policy and backend (its ``FLOAT8`` variant)."""
     return functools.partial(float8_dot_rule, recipe=ctx.policy.float8, backend=ctx.backend)
 

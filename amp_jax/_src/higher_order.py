@@ -20,7 +20,7 @@ from jax.extend.core import primitives as P
 
 from amp_jax._src import casting, compat
 from amp_jax._src.decision import Color, Decision, Kind
-from amp_jax._src.elementwise import EqnRule
+from amp_jax._src.elementwise import Env, EqnRule, RuleContext
 
 
 class HigherOrderRule(EqnRule):
@@ -29,7 +29,7 @@ class HigherOrderRule(EqnRule):
     full_precision scope, the float32 policy), its operands keep their dtypes
     and its sub-jaxprs are rewritten with the same policy."""
 
-    def evaluate(self, ctx: Any, eqn: Any, d: Decision, env: Any) -> list[Any]:
+    def evaluate(self, ctx: RuleContext, eqn: Any, d: Decision, env: Env) -> list[Any]:
         if d.kind is Kind.AS_WRITTEN or d.color is not Color.ORIG:
             return super().evaluate(ctx, eqn, d, env)
         cd = ctx.policy.compute_dtype
@@ -38,7 +38,7 @@ class HigherOrderRule(EqnRule):
         ]
         return self.bind_rewritten(ctx, eqn, invals)
 
-    def bind_rewritten(self, ctx: Any, eqn: Any, invals: list[Any]) -> list[Any]:
+    def bind_rewritten(self, ctx: RuleContext, eqn: Any, invals: list[Any]) -> list[Any]:
         params = ctx.cached(
             "params",
             eqn,
@@ -51,7 +51,7 @@ class HigherOrderRule(EqnRule):
         )
         return compat.bind_eqn(eqn, invals, params)
 
-    def reads_low(self, ctx: Any, eqn: Any, d: Decision, atom: Any) -> bool:
+    def reads_low(self, ctx: RuleContext, eqn: Any, d: Decision, atom: Any) -> bool:
         return False
 
 
@@ -59,7 +59,7 @@ class ScanRule(HigherOrderRule):
     """``scan``: the casts of scanned-over inputs read only in the compute
     dtype are hoisted out of the loop (`_plan_hoisted_casts`)."""
 
-    def bind_rewritten(self, ctx: Any, eqn: Any, invals: list[Any]) -> list[Any]:
+    def bind_rewritten(self, ctx: RuleContext, eqn: Any, invals: list[Any]) -> list[Any]:
         eqn = ctx.cached("masks", eqn, lambda: _with_constant_masks(eqn, invals))
         hoisted = ctx.cached("hoist", eqn, lambda: _plan_hoisted_casts(ctx, eqn))
         if not hoisted:
@@ -96,7 +96,7 @@ class ShardMapRule(HigherOrderRule):
     """``shard_map``: rebuilt as a public ``jax.shard_map`` whose body is
     evaluated under the policy (collectives need the manual-axes context)."""
 
-    def bind_rewritten(self, ctx: Any, eqn: Any, invals: list[Any]) -> list[Any]:
+    def bind_rewritten(self, ctx: RuleContext, eqn: Any, invals: list[Any]) -> list[Any]:
         return ctx.cached("shard_map", eqn, lambda: _shard_map_fn(ctx, eqn))(*invals)
 
 
@@ -105,7 +105,7 @@ class CustomJvpRule(HigherOrderRule):
     and clear ops) painted low runs its body in the compute dtype and keeps
     the user's JVP rule (`_custom_jvp_low`)."""
 
-    def evaluate(self, ctx: Any, eqn: Any, d: Decision, env: Any) -> list[Any]:
+    def evaluate(self, ctx: RuleContext, eqn: Any, d: Decision, env: Env) -> list[Any]:
         if d.color is not Color.LOW:
             return super().evaluate(ctx, eqn, d, env)
         cd = ctx.policy.compute_dtype
@@ -118,11 +118,11 @@ class CustomJvpRule(HigherOrderRule):
         )
         return compat.bind_eqn(eqn, invals, params)
 
-    def reads_low(self, ctx: Any, eqn: Any, d: Decision, atom: Any) -> bool:
+    def reads_low(self, ctx: RuleContext, eqn: Any, d: Decision, atom: Any) -> bool:
         return d.color is Color.LOW
 
 
-def _custom_jvp_low(ctx: Any, eqn: Any, low_avals: Sequence[Any]) -> dict[str, Any]:
+def _custom_jvp_low(ctx: RuleContext, eqn: Any, low_avals: Sequence[Any]) -> dict[str, Any]:
     """Params to bind a transparent ``custom_jvp_call`` on compute-dtype operands.
 
     The body is evaluated with every op low. The JVP rule is the user's,
@@ -170,7 +170,7 @@ def _custom_jvp_low(ctx: Any, eqn: Any, low_avals: Sequence[Any]) -> dict[str, A
     return compat.custom_jvp_params(eqn, new_call, compat.memoized_fun(jvp_jaxpr, rule_fun))
 
 
-def _run_bwd(ctx: Any, key: Any, bwd: Any, args: Sequence[Any]) -> Any:
+def _run_bwd(ctx: RuleContext, key: Any, bwd: Any, args: Sequence[Any]) -> Any:
     """A ``custom_vjp`` backward rule ``bwd(*args)`` run under ``ctx``'s policy.
 
     A rule that recomputes primal values (diffrax's checkpointed adjoint
@@ -213,13 +213,13 @@ def _run_bwd(ctx: Any, key: Any, bwd: Any, args: Sequence[Any]) -> Any:
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
-def _shard_map_fn(ctx: Any, eqn: Any) -> Any:
+def _shard_map_fn(ctx: RuleContext, eqn: Any) -> Any:
     """The public ``jax.shard_map`` of ``eqn``'s body, evaluated under the policy."""
     plan_ = ctx.plan(compat.shard_map_body(eqn))
     return compat.shard_map_of(eqn, lambda *a: ctx.evaluate(plan_, a))
 
 
-def _plan_hoisted_casts(ctx: Any, eqn: Any) -> tuple[list[int], dict[str, Any]] | None:
+def _plan_hoisted_casts(ctx: RuleContext, eqn: Any) -> tuple[list[int], dict[str, Any]] | None:
     """For a ``scan`` whose scanned-over inputs are read only in the compute
     dtype (stacked per-layer weights): the indices of those inputs, to be cast
     once outside the loop, and the scan's params with the body retyped.
