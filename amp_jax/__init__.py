@@ -11,6 +11,12 @@ backward pass of scanned models so the full gradient never exists.
 from amp_jax import debug as debug
 from amp_jax import eager as eager
 from amp_jax import optim as optim
+from amp_jax._src.backends import (
+    BACKEND_LOW_OUTPUTS as BACKEND_LOW_OUTPUTS,
+)
+from amp_jax._src.backends import (
+    BACKEND_SLOW_IN_LOW_PRECISION as BACKEND_SLOW_IN_LOW_PRECISION,
+)
 from amp_jax._src.diagnostics.explain import (
     ExplainRow as ExplainRow,
 )
@@ -28,12 +34,6 @@ from amp_jax._src.diagnostics.report import (
 )
 from amp_jax._src.diagnostics.report import (
     format_dtype_report as format_dtype_report,
-)
-from amp_jax._src.policy import (
-    BACKEND_LOW_OUTPUTS as BACKEND_LOW_OUTPUTS,
-)
-from amp_jax._src.policy import (
-    BACKEND_SLOW_IN_LOW_PRECISION as BACKEND_SLOW_IN_LOW_PRECISION,
 )
 from amp_jax._src.policy import (
     DEFAULT_ALLOW as DEFAULT_ALLOW,

@@ -270,7 +270,7 @@ def bench_dw(reps: int) -> list[tuple[str, float]]:
     g = jax.random.normal(kg, (512, 1024), F32).astype(BF16)
     tn = (((0,), (0,)), ((), ()))
     nn = (((1,), (0,)), ((), ()))
-    from amp_jax._src.rules import materialized_transpose
+    from amp_jax._src.backends.cpu import materialized_transpose
 
     forms = {
         "float32 x.T @ g (TN)": lambda x, g: lax.dot_general(x.astype(F32), g.astype(F32), tn),

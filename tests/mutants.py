@@ -54,9 +54,9 @@ def _amp_identity():
 
 
 def _hoisting_off():
-    from amp_jax._src import rules
+    from amp_jax._src import higher_order
 
-    rules._plan_hoisted_casts = lambda ctx, eqn: None
+    higher_order._plan_hoisted_casts = lambda ctx, eqn: None
 
 
 def _broadcast_reads_off():
@@ -72,9 +72,14 @@ def _cache_off():
 
 
 def _cpu_layouts_off():
-    from amp_jax._src import rules
+    import dataclasses
 
-    rules._cpu_fast_layouts = lambda *a, **k: False
+    from amp_jax._src import backends
+
+    # XLA:CPU's dots written as they are, with no per-evaluation layouts
+    backends._BACKENDS["cpu"] = dataclasses.replace(
+        backends._BACKENDS["cpu"], dot=backends.plain_dot, layouts=backends._no_layouts
+    )
 
 
 def _painting_off():
@@ -101,11 +106,11 @@ def _custom_jvp_transparency_off():
 
 def _low_backward_off():
     import amp_jax  # noqa: F401  (every module has registered its rules)
-    from amp_jax._src import rules
+    from amp_jax._src import elementwise, rules
 
     # the default allow rule: low forward, JAX's own (mixed, float32) transposes
-    rules.TABLE["dot_general"] = rules.AllowRule()
-    rules.TABLE["conv_general_dilated"] = rules.AllowRule()
+    rules.TABLE["dot_general"] = elementwise.AllowRule()
+    rules.TABLE["conv_general_dilated"] = elementwise.AllowRule()
 
 
 def _explicit_rounding_off():
@@ -181,10 +186,10 @@ def _casting_widens():
 def _backend_from_process():
     import jax
 
-    from amp_jax._src import rules
+    from amp_jax._src import planning
 
-    orig = rules._cpu_batched  # the rules ask the process, not the context
-    rules._cpu_batched = lambda eqn, backend: orig(eqn, jax.default_backend())
+    orig = planning.backend_for  # the context asks the process, not its backend name
+    planning.backend_for = lambda name: orig(jax.default_backend())
 
 
 def _eager_state_carried():

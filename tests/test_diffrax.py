@@ -53,7 +53,7 @@ def _loss(mm, adjoint):
 def test_diffrax_gradients_with_the_default_adjoint(adjoint):
     """(the checkpointed adjoint crashed under jit on XLA:CPU, "Unsupported
     element type for DotThunk": its backward transposes dot results, see
-    test_never_wrong_dots.py::test_a_transposed_dot_result_runs_and_matches_float32)"""
+    test_backend_cpu.py::test_a_transposed_dot_result_runs_and_matches_float32)"""
     adj = {
         "recursive_checkpoint": diffrax.RecursiveCheckpointAdjoint(),  # (the default)
         "direct": diffrax.DirectAdjoint(),

@@ -19,7 +19,8 @@ from _util import BF16, F32, eqns, rel
 
 import amp_jax
 from amp_jax import Policy, amp, get_policy
-from amp_jax._src import compat, decision, float8
+from amp_jax._src import decision, float8
+from amp_jax._src.backends import backend_for
 
 E4M3 = np.dtype(jnp.float8_e4m3fn)
 E5M2 = np.dtype(jnp.float8_e5m2)
@@ -196,7 +197,7 @@ def _mlp(params, x):
     return jnp.mean(x**2)
 
 
-NATIVE = compat.native_float8_matmul(jax.default_backend())
+NATIVE = backend_for(jax.default_backend()).native_float8_matmul()
 
 
 def test_emulation_computes_the_fp8_products_exactly():
@@ -303,8 +304,8 @@ def test_explain_and_dtype_report_say_float8_and_emulated():
 
 
 def test_native_float8_matmul_off_gpu():
-    assert not compat.native_float8_matmul("cpu")
-    assert not compat.native_float8_matmul("tpu")
+    assert not backend_for("cpu").native_float8_matmul()
+    assert not backend_for("tpu").native_float8_matmul()
 
 
 # -- GPU ---------------------------------------------------------------------------------
@@ -374,7 +375,7 @@ def test_native_fp8_products_equal_the_emulated_ones(case, policy, monkeypatch):
 
 
 @pytest.mark.skipif(
-    not compat.native_float8_matmul(jax.default_backend()),
+    not backend_for(jax.default_backend()).native_float8_matmul(),
     reason="needs a GPU with fp8 matmuls (compute capability >= 8.9)",
 )
 def test_gpu_hlo_has_fp8_gemms():
@@ -413,7 +414,7 @@ def test_flax_dense_and_full_precision_scope():
 
 
 @pytest.mark.skipif(
-    not compat.native_float8_matmul(jax.default_backend()),
+    not backend_for(jax.default_backend()).native_float8_matmul(),
     reason="needs a GPU with fp8 matmuls (compute capability >= 8.9)",
 )
 def test_gpu_rowwise_runs_fp8_gemms():

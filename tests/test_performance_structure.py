@@ -24,7 +24,7 @@ from _util import BF16, F32, _open, allow_out_dtype, check_dots_low, eqns, rel
 from jax.extend import core as jex_core
 
 from amp_jax import amp
-from amp_jax._src.rules import materialized_transpose
+from amp_jax._src.backends.cpu import materialized_transpose
 from workloads import models as M
 
 SMALL = {"mlp": M.mlp(small=True), "gpt": M.gpt(small=True)}

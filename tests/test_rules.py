@@ -1,8 +1,8 @@
-"""amp_jax._src.rules: the dot_general cotangents and the materialized transpose.
+"""The dot_general cotangents (``lowdot.dot_transpose``) and the rule table.
 
-``_dot_transpose`` is checked against JAX's own transpose rule (``jax.vjp`` of
+``dot_transpose`` is checked against JAX's own transpose rule (``jax.vjp`` of
 ``lax.dot_general``) for many dimension-number layouts, on both operands, in
-float32 and with bfloat16 operands (where, on CPU, ``rules._dot`` rewrites the
+float32 and with bfloat16 operands (where, on CPU, ``backends.cpu.dot`` rewrites the
 operand layouts with materialized transposes).
 """
 
@@ -13,7 +13,8 @@ import pytest
 from _util import eqns
 from jax import lax
 
-from amp_jax._src import compat, rules
+from amp_jax._src import lowdot
+from amp_jax._src.backends import backend_for
 
 # name: (x shape, y shape, ((xc, yc), (xb, yb)))
 LAYOUTS = {
@@ -45,11 +46,9 @@ def _inputs(xs, ys, dims, dtype):
 def _ours(ct, x, y, dims, acc=jnp.float32):
     """Both cotangents, as the dot rule computes them on this backend."""
     (xc, yc), (xb, yb) = dims
-    layouts = rules._cpu_fast_layouts(jax.default_backend())
-    dx = rules._dot_transpose(ct, y, x.ndim, xc, xb, yc, yb, y.ndim, True, None, acc, None, layouts)
-    dy = rules._dot_transpose(
-        ct, x, y.ndim, yc, yb, xc, xb, x.ndim, False, None, acc, None, layouts
-    )
+    dot = backend_for(jax.default_backend()).dot
+    dx = lowdot.dot_transpose(ct, y, x.ndim, xc, xb, yc, yb, y.ndim, True, None, acc, None, dot)
+    dy = lowdot.dot_transpose(ct, x, y.ndim, yc, yb, xc, xb, x.ndim, False, None, acc, None, dot)
     return dx, dy
 
 
@@ -115,39 +114,3 @@ def test_bfloat16_backward_dots_use_cpu_fast_layouts(name):
         assert tuple(cb) in (tuple(range(k)), tuple(range(nb - k, nb))), e
         assert e.params["preferred_element_type"] == jnp.float32
         assert all(v.aval.dtype == jnp.bfloat16 for v in e.invars)
-
-
-@pytest.mark.parametrize(
-    "shape, perm",
-    [
-        ((4, 6), (1, 0)),
-        ((2, 3, 8), (2, 0, 1)),
-        ((8, 3, 5), (1, 2, 0)),
-        ((3, 5, 7), (2, 1, 0)),
-        ((16, 2, 3, 4), (3, 1, 0, 2)),
-        ((4, 6), (0, 1)),
-    ],
-)
-def test_materialized_transpose_equals_lax_transpose(shape, perm):
-    x = jnp.arange(np.prod(shape), dtype=jnp.float32).reshape(shape)
-    got = rules.materialized_transpose(x, perm)
-    want = lax.transpose(x, perm)
-    assert got.shape == want.shape
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-    got_jit = jax.jit(lambda a: rules.materialized_transpose(a, perm))(x)
-    np.testing.assert_array_equal(np.asarray(got_jit), np.asarray(want))
-
-
-def _prims(fn, x):
-    return [e.primitive.name for e in compat.jaxpr_of(jax.make_jaxpr(fn)(x)).eqns]
-
-
-def test_materialized_transpose_splits_a_dim_into_reshapes():
-    x = jnp.ones((8, 6), jnp.bfloat16)
-    prims = _prims(lambda a: rules.materialized_transpose(a, (1, 0)), x)
-    assert prims.count("reshape") == 2 and prims.count("transpose") == 1, prims
-    # the identity permutation is no op at all
-    assert _prims(lambda a: rules.materialized_transpose(a, (0, 1)), x) == []
-    # no splittable dim (primes with no listed factor, or 1): a plain transpose
-    prims = _prims(lambda a: rules.materialized_transpose(a, (1, 0)), jnp.ones((11, 13)))
-    assert prims == ["transpose"], prims

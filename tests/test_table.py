@@ -13,7 +13,7 @@ import pytest
 from jax import lax
 
 import amp_jax
-from amp_jax._src import compat, planning, rules
+from amp_jax._src import compat, elementwise, planning, rules
 from amp_jax._src.decision import Color, OpClass, Variant
 from amp_jax._src.painting import LOW, ORIG
 
@@ -56,8 +56,8 @@ def test_every_eqn_is_bound_through_the_rule_of_its_primitive():
 
 def test_an_unknown_primitive_in_the_allow_class_gets_the_default_allow_rule():
     (eqn,) = _eqns(jnp.tanh, jnp.ones(3))
-    assert type(rules.rule_for(eqn, ALLOW)) is rules.AllowRule
-    assert type(rules.rule_for(eqn, FOLLOW)) is rules.EqnRule
+    assert type(rules.rule_for(eqn, ALLOW)) is elementwise.AllowRule
+    assert type(rules.rule_for(eqn, FOLLOW)) is elementwise.EqnRule
 
 
 def _ctx(backend="cpu", policy="bfloat16"):
@@ -144,7 +144,7 @@ def test_backend_comes_from_the_context_not_the_process():
         )
 
         def fn(a, b):  # a reader of the operands, as the interpreter's _Env
-            env = types.SimpleNamespace(read=lambda v, _: (a, b)[eqn.invars.index(v)])
+            env = types.SimpleNamespace(read=lambda v, _: (a, b)[eqn.invars.index(v)], layouts=None)
             return rules.TABLE["dot_general"].evaluate(ctx, eqn, d, env)
 
         return str(jax.make_jaxpr(fn)(a, b))  # (with the custom_vjp's inner jaxpr)

@@ -37,6 +37,7 @@ import numpy as np
 from jax import lax
 
 from amp_jax._src import compat, jaxprs
+from amp_jax._src.backends import backend_for, gpu
 from amp_jax._src.decision import AttentionPath
 
 _FILL_MAX = -1e4  # a mask fill at or below this is "masked out"
@@ -947,11 +948,12 @@ def decide(match: Match, mode: str, backend: str, compute_dtype: Any) -> tuple[s
         )
     if mode == "xla":
         return "xla", "fused attention, XLA implementation (Policy(attention='xla'))"
-    if mode == "auto" and backend != "gpu":
+    target = backend_for(backend)
+    if mode == "auto" and not target.fused_attention:
         return None, f"no fused attention kernel on {backend}: left as written"
     h, hv = match.sizes["H"], match.sizes["Hv"]
     d = max(h, hv)  # the smaller one is zero-padded
-    limit = _cudnn_head_dim_limit()
+    limit = gpu.cudnn_head_dim_limit()
     if d % 8 or d > limit:
         return None, f"head dim {d}: cuDNN needs a multiple of 8 and at most {limit}"
     tq, tk = match.sizes["Tq"], match.sizes["Tk"]
@@ -961,8 +963,8 @@ def decide(match: Match, mode: str, backend: str, compute_dtype: Any) -> tuple[s
         return None, (
             f"odd length (Tq={tq}, Tk={tk}) with a mask or bias: cuDNN's backward needs even ones"
         )
-    if not _have_cudnn():
-        if backend == "gpu":  # planned for a GPU on a machine without one
+    if not gpu.have_cudnn():
+        if target.fused_attention:  # planned for a GPU on a machine without one
             return "cudnn", "cuDNN flash attention (planned without a GPU: cuDNN checks not run)"
         return None, f"no cuDNN on {backend}: left as written"
     read = _abstract_read(match, compute_dtype)
@@ -986,13 +988,6 @@ def decide(match: Match, mode: str, backend: str, compute_dtype: Any) -> tuple[s
     return "cudnn", "cuDNN flash attention"
 
 
-def _have_cudnn() -> bool:
-    try:
-        return any(d.platform == "gpu" for d in jax.devices())
-    except Exception:  # noqa: BLE001
-        return False
-
-
 def _abstract_read(match: Match, dtype: Any) -> Callable[[Any, Any], Any]:
     """A ``read`` that gives zeros of each operand's shape (for ``eval_shape``)."""
 
@@ -1001,14 +996,6 @@ def _abstract_read(match: Match, dtype: Any) -> Callable[[Any, Any], Any]:
         return jnp.zeros(aval.shape, want if want is not None else aval.dtype)
 
     return read
-
-
-def _cudnn_head_dim_limit() -> int:
-    try:
-        kind = jax.devices()[0].device_kind
-    except Exception:  # no device info: the conservative (Ampere backward) bound
-        return 128
-    return 256 if any(s in kind for s in ("H100", "H200", "H800", "GH200", "B200", "B100")) else 128
 
 
 __all__: Sequence[str] = ("Match", "NearMiss", "Plan", "decide", "find", "plan")

@@ -17,7 +17,6 @@ Only public API is used: ``jax.extend.core``, ``jax.extend.linear_util``,
 
 from __future__ import annotations
 
-import functools
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -352,20 +351,6 @@ def jaxpr_as_fun(cj: Any) -> Callable[..., list[Any]]:
     return jex_core.jaxpr_as_fun(cj)
 
 
-def partitioned_by_mesh() -> bool:
-    """Whether the caller is traced for a mesh of several devices that jit
-    partitions (``jax.set_mesh`` with an Auto or Explicit axis of size > 1;
-    inside ``shard_map`` the axes are Manual and the arrays local)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return False
-    manual = jax.sharding.AxisType.Manual
-    return any(
-        mesh.shape[name] > 1 and kind != manual
-        for name, kind in zip(mesh.axis_names, mesh.axis_types)
-    )
-
-
 def scan_params_with_body(eqn: Any, body: Any) -> dict[str, Any]:
     """``eqn``'s params with the body jaxpr replaced (its input types may differ)."""
     return dict(eqn.params, jaxpr=body)
@@ -473,28 +458,3 @@ def explicit_sharding_in_order(x: Any, order: Sequence[int]) -> Any:
         return None
     parts = tuple(spec) + (None,) * (len(order) - len(spec))
     return s.update(spec=spec.update(partitions=tuple(parts[o] for o in order)))
-
-
-@functools.cache
-def native_float8_matmul(backend: str) -> bool:
-    """Whether ``backend``'s matmul units take fp8 operands (XLA then emits an fp8 GEMM).
-
-    True for CUDA GPUs of compute capability 8.9 (Ada) and up, read from the
-    public ``Device.compute_capability`` (a ``"9.0"``-style string on CUDA
-    devices; absent elsewhere). False on CPU, TPU, older GPUs and ROCm
-    (whose fp8 formats are the ``fnuz`` variants).
-    """
-    if backend != "gpu":
-        return False
-    try:
-        devices = jax.devices(backend)
-    except RuntimeError:  # no such backend in this process
-        return False
-    cc = getattr(devices[0], "compute_capability", None) if devices else None
-    if not cc:
-        return False
-    try:
-        major, minor = (int(p) for p in str(cc).split(".")[:2])
-    except ValueError:
-        return False
-    return (major, minor) >= (8, 9)

@@ -24,7 +24,7 @@ import enum
 
 import numpy as np
 
-from amp_jax._src import compat
+from amp_jax._src.backends import backend_for
 from amp_jax._src.policy import FULL_PRECISION_SCOPE, scope_in
 
 
@@ -223,10 +223,10 @@ def float8_text(recipe: str, backend: str) -> str:
     how = "per-tensor" if recipe == "tensorwise" else "per-row"
     where = (
         f"native fp8 GEMM on {backend}"
-        if compat.native_float8_matmul(backend)
+        if backend_for(backend).native_float8_matmul()
         else f"emulated on {backend} (no fp8 matmul units): fp8 round trip + bf16 dot"
     )
-    if recipe == "rowwise" and compat.native_float8_matmul(backend):
+    if recipe == "rowwise" and backend_for(backend).native_float8_matmul():
         where = f"native fp8 GEMM on {backend}, per-row scales applied to its result"
     return (
         f"float8 {recipe}: e4m3 operands, e5m2 gradient, {how} dynamic scales, "

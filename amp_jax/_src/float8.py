@@ -27,10 +27,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from amp_jax._src import compat, jaxprs, rules
+from amp_jax._src import jaxprs
+from amp_jax._src.backends import backend_for
 from amp_jax._src.decision import Reason, Variant, Why, float8_scope, float8_text
+from amp_jax._src.elementwise import RuleContext, acc_dtype
+from amp_jax._src.lowdot import dot_transpose
 from amp_jax._src.policy import HIGH_DTYPE, is_managed_float
-from amp_jax._src.rules import _acc_dtype, _dot_transpose
 
 #: ``Policy(float8=...)`` values.
 RECIPES = ("off", "tensorwise", "rowwise")
@@ -72,7 +74,7 @@ def skip_reason(policy: Any, eqn: Any) -> str | None:
     return None
 
 
-def applies(ctx: Any, eqn: Any) -> bool:
+def applies(ctx: RuleContext, eqn: Any) -> bool:
     """Whether ``eqn`` (lowered by ``ctx``) runs as an fp8 product."""
     return (
         getattr(ctx.policy, "float8", "off") != "off"
@@ -85,7 +87,7 @@ def applies(ctx: Any, eqn: Any) -> bool:
 # -- the variant of the dot rule ---------------------------------------------------------
 
 
-def reason(ctx: Any, eqn: Any, variant: Variant) -> Reason | None:
+def reason(ctx: RuleContext, eqn: Any, variant: Variant) -> Reason | None:
     """Why a lowered ``allow`` eqn (planned to run ``variant``) runs in fp8 or
     not under a float8 policy. None when the policy has no float8, or when the
     eqn has an operand that is not a managed float."""
@@ -102,7 +104,8 @@ def reason(ctx: Any, eqn: Any, variant: Variant) -> Reason | None:
     return Reason(Why.POLICY_CLASS, f"allow class, the bfloat16 policy's rule; not float8: {why}")
 
 
-def _variant_rule(ctx: Any) -> Callable:
+def variant_rule(ctx: RuleContext) -> Callable:
+    """The fp8 rule of ``dot_general`` under ``ctx``'s policy and backend (its ``FLOAT8`` variant)."""
     return functools.partial(float8_dot_rule, recipe=ctx.policy.float8, backend=ctx.backend)
 
 
@@ -267,12 +270,12 @@ def _operand_grads(
     """``dx = ct . y`` and ``dy = x . ct``, written in ``acc``."""
     (xc, yc), (xb, yb) = d.dims
     # (like=: an operand of the result's shape, for explicit-sharding outputs)
-    dx = _dot_transpose(
+    dx = dot_transpose(
         ct_for_dx, y_for_dx, ndim=g.nx, contract=xc, batch=xb,
         other_contract=yc, other_batch=yb, other_ndim=g.ny,
         ct_is_lhs_side=True, precision=None, acc=acc, like=x_for_dy,
     )  # fmt: skip
-    dy = _dot_transpose(
+    dy = dot_transpose(
         ct_for_dy, x_for_dy, ndim=g.ny, contract=yc, batch=yb,
         other_contract=xc, other_batch=xb, other_ndim=g.nx,
         ct_is_lhs_side=False, precision=None, acc=acc, like=y_for_dx,
@@ -361,12 +364,14 @@ def float8_dot_rule(
     x, y = invals
     p = eqn.params
     native = (
-        NATIVE_OVERRIDE if NATIVE_OVERRIDE is not None else compat.native_float8_matmul(backend)
+        NATIVE_OVERRIDE
+        if NATIVE_OVERRIDE is not None
+        else backend_for(backend).native_float8_matmul()
     )
     f = _fp8_dot(
         _Dot(
             dims=p["dimension_numbers"],
-            acc=_acc_dtype(eqn, out_dtype),
+            acc=acc_dtype(eqn, out_dtype),
             out_sharding=p.get("out_sharding"),
             recipe=recipe,
             x_dtype=np.dtype(x.dtype),
@@ -391,6 +396,3 @@ FORWARD_MODE_REFUSAL = (
     "policy='bfloat16' for forward-mode code (or wrap this matmul in "
     "amp_jax.full_precision); reverse mode (jax.grad) works."
 )
-
-
-rules.register_variant("dot_general", Variant.FLOAT8, _variant_rule)

@@ -9,14 +9,13 @@ reason (``decision.scopes``). A rule casts its operands (`casting`:
 each (value, dtype) cast is made once and shared) and says which operands it
 reads only in the compute dtype. Higher-order primitives get their
 sub-jaxprs rewritten with the same policy and keep their boundary dtypes:
-their rules (in ``rules.py`` with the others) call back through the
+their rules (``higher_order.py``) call back through the
 `Interpreter` (``ctx.plan``, ``ctx.rewrite``, ``ctx.evaluate``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,7 +23,7 @@ import jax
 import numpy as np
 from jax import lax
 
-from amp_jax._src import casting, compat, decision, jaxprs, rules
+from amp_jax._src import casting, compat, decision, rules
 from amp_jax._src.decision import Color, Fused
 from amp_jax._src.planning import Context, Plan, plan
 
@@ -34,25 +33,11 @@ from amp_jax._src.planning import Context, Plan, plan
 class _Env:
     """Values of a jaxpr being evaluated, and the casts made of them (each once)."""
 
-    def __init__(self, jaxpr: Any):
-        self.jaxpr = jaxpr
+    def __init__(self, layouts: Any = None):
         self.vals: dict[Any, Any] = {}
         self.casts: dict[tuple[Any, Any], Any] = {}
-        #: {var: (operand var, permutation)} of the ``transpose`` eqns evaluated
-        #: (a dot reading one of them can contract the operand directly)
-        self.transposes: dict[Any, tuple[Any, tuple[int, ...]]] = {}
-        #: {var: (eqn, operands, dimension numbers, out dtype)} of the lowered
-        #: dots whose result only a later eqn reads (a ``transpose`` of it can
-        #: be the same dot with its operands swapped)
-        self.dots: dict[Any, tuple[Any, list[Any], Any, Any]] = {}
-
-    @functools.cached_property
-    def single_use(self) -> frozenset[Any]:
-        """The vars of the jaxpr that exactly one eqn reads, and no output
-        (made once, and only when a transpose reads a dot's result)."""
-        _, consumers = jaxprs.def_use(self.jaxpr)
-        outs = {v for v in self.jaxpr.outvars if not isinstance(v, compat.Literal)}
-        return frozenset(v for v, c in consumers.items() if len(c) == 1 and v not in outs)
+        #: the backend's per-evaluation dot layouts (`Backend.layouts`), or None
+        self.layouts = layouts
 
     def write(self, v: Any, val: Any) -> None:
         if type(v).__name__ != "DropVar":
@@ -103,7 +88,7 @@ class _Env:
 
 class Interpreter(Context):
     """A planning `Context` that also evaluates:
-    what the rules of higher-order primitives (``rules.py``) call back to
+    what the rules of higher-order primitives (``higher_order.py``) call back to
     rewrite their sub-jaxprs."""
 
     def rewrite(self, closed: Any, in_avals: Sequence[Any] | None = None) -> Any:
@@ -132,7 +117,7 @@ def evaluate(
     """Evaluates a planned jaxpr on ``args`` under the caller's trace; outputs
     keep their dtypes (unless ``cast_outputs`` is false: then as computed)."""
     jaxpr = plan_.jaxpr
-    env = _Env(jaxpr)
+    env = _Env(ctx.target.layouts(jaxpr))
     for v, c in zip(jaxpr.constvars, compat.consts_of(plan_.closed)):
         env.write(v, c)
     for v, a in zip(jaxpr.invars, args):

@@ -1,7 +1,7 @@
 """The tangent product of a lowered ``dot_general``, with the transpose amp wants.
 
 A lowered dot ``dot(cast(x), cast(y))`` gets a ``jax.custom_jvp`` (in
-``rules``) whose tangent is ``P(tx, yl) + P(ty, xl)``: ``P(t, o)`` is
+``dots.py``) whose tangent is ``P(tx, yl) + P(ty, xl)``: ``P(t, o)`` is
 `linear_dot_p`, the dot of ``cast(t)`` with the already low ``o``,
 linear in ``t`` (and in ``o``). Because a JVP rule is all JAX needs,
 forward mode (``jax.jvp``, ``jacfwd``, ``linearize``, Hessian-vector
@@ -18,6 +18,7 @@ forward-mode code.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -26,9 +27,67 @@ from jax.extend.core import Primitive
 from jax.extend.core.primitives import dot_general_p
 from jax.interpreters import ad, batching, mlir
 
-from amp_jax._src import casting
+from amp_jax._src import casting, compat
+from amp_jax._src.backends import backend_for, plain_dot
 
 linear_dot_p = Primitive("amp_linear_dot")
+
+
+def _perm_to(result_dims: list[int]) -> tuple[int, ...]:
+    """Permutation taking a result whose axes are ``result_dims`` to sorted order."""
+    return tuple(int(i) for i in np.argsort(result_dims))
+
+
+def dot_transpose(
+    ct: Any,
+    other: Any,
+    ndim: int,
+    contract: Sequence[int],
+    batch: Sequence[int],
+    other_contract: Sequence[int],
+    other_batch: Sequence[int],
+    other_ndim: int,
+    ct_is_lhs_side: bool,
+    precision: Any,
+    acc: Any,
+    like: Any = None,
+    dot: Callable[..., Any] = plain_dot,
+) -> Any:
+    """Cotangent of one dot_general operand ``a`` given ``other``.
+
+    ``a`` has ``ndim`` dims, contracting dims ``contract`` (paired with
+    ``other_contract``) and batch dims ``batch``. ``ct`` has dims
+    [batch, lhs kept, rhs kept]; ``ct_is_lhs_side`` says whether ``a`` was the lhs.
+    ``dot`` writes the product (a `Backend.dot`).
+    """
+    nb = len(batch)
+    a_kept = [d for d in range(ndim) if d not in contract and d not in batch]
+    o_kept = [d for d in range(other_ndim) if d not in other_contract and d not in other_batch]
+    n_lhs_kept = len(a_kept) if ct_is_lhs_side else len(o_kept)
+    if ct_is_lhs_side:
+        ct_o_kept = list(range(nb + len(a_kept), nb + len(a_kept) + len(o_kept)))
+    else:
+        ct_o_kept = list(range(nb, nb + n_lhs_kept))
+    ct_batch = list(range(nb))
+    # Contract ct's "other kept" axes with other's kept axes; batch over batch.
+    # The leftover axes of `other` are its contracting dims, which pair with ours.
+    o_left_as_a = [contract[list(other_contract).index(d)] for d in sorted(other_contract)]
+    # Option 1: dot(ct, other) -> [batch, a_kept, other's leftover]
+    dims1 = ((tuple(ct_o_kept), tuple(o_kept)), (tuple(ct_batch), tuple(other_batch)))
+    res1 = list(batch) + a_kept + o_left_as_a
+    # Option 2: dot(other, ct) -> [batch, other's leftover, a_kept]
+    dims2 = ((tuple(o_kept), tuple(ct_o_kept)), (tuple(other_batch), tuple(ct_batch)))
+    res2 = list(batch) + o_left_as_a + a_kept
+    perm1, perm2 = _perm_to(res1), _perm_to(res2)
+    ident = tuple(range(ndim))
+    if perm2 == ident and perm1 != ident:
+        return dot(other, ct, dims2, precision, acc, _explicit_out(like, res2))
+    out = dot(ct, other, dims1, precision, acc, _explicit_out(like, res1))
+    return out if perm1 == ident else jax.lax.transpose(out, perm1)
+
+
+def _explicit_out(like: Any, order: Sequence[int]) -> Any:
+    return None if like is None else compat.explicit_sharding_in_order(like, order)
 
 
 def linear_dot(t: Any, o: Any, *, t_is_lhs: bool, **params: Any) -> Any:
@@ -36,20 +95,18 @@ def linear_dot(t: Any, o: Any, *, t_is_lhs: bool, **params: Any) -> Any:
 
     ``params``: ``dimension_numbers`` (the dot's dimension numbers, lhs first),
     ``precision``, ``acc`` (the result dtype), ``out_sharding`` (the dot's),
-    ``compute_dtype``,
-    ``cpu_layouts`` (see ``rules._dot``).
+    ``compute_dtype``, ``backend`` (the platform name whose `Backend.dot`
+    writes the products).
     """
     return linear_dot_p.bind(t, o, t_is_lhs=t_is_lhs, **params)
 
 
 def _impl(
-    t, o, *, t_is_lhs, dimension_numbers, precision, acc, out_sharding, compute_dtype, cpu_layouts
+    t, o, *, t_is_lhs, dimension_numbers, precision, acc, out_sharding, compute_dtype, backend
 ):
-    from amp_jax._src import rules  # (rules imports this module)
-
     tl = casting.lower(t, compute_dtype)
     a, b = (tl, o) if t_is_lhs else (o, tl)
-    return rules._dot(a, b, dimension_numbers, precision, acc, out_sharding, cpu_layouts)
+    return backend_for(backend).dot(a, b, dimension_numbers, precision, acc, out_sharding)
 
 
 def _abstract_eval(
@@ -84,10 +141,9 @@ def _jvp(primals, tangents, **params):
 
 
 def _transpose(
-    ct, t, o, *, t_is_lhs, dimension_numbers, precision, acc, compute_dtype, cpu_layouts, **_
+    ct, t, o, *, t_is_lhs, dimension_numbers, precision, acc, compute_dtype, backend, **_
 ):
-    from amp_jax._src import rules
-
+    dot = backend_for(backend).dot
     (lc, rc), (lb, rb) = dimension_numbers
     if type(ct) is ad.Zero:
         return [None, None]
@@ -101,37 +157,13 @@ def _transpose(
     lhs_aval, rhs_aval = (t_aval, o_aval) if t_is_lhs else (o_aval, t_aval)
 
     def d_lhs():
-        return rules._dot_transpose(
-            ctl,
-            rhs,
-            lhs_aval.ndim,
-            lc,
-            lb,
-            rc,
-            rb,
-            rhs.ndim,
-            True,
-            precision,
-            acc,
-            lhs_aval,
-            cpu_layouts,
+        return dot_transpose(
+            ctl, rhs, lhs_aval.ndim, lc, lb, rc, rb, rhs.ndim, True, precision, acc, lhs_aval, dot
         )
 
     def d_rhs():
-        return rules._dot_transpose(
-            ctl,
-            lhs,
-            rhs_aval.ndim,
-            rc,
-            rb,
-            lc,
-            lb,
-            lhs.ndim,
-            False,
-            precision,
-            acc,
-            rhs_aval,
-            cpu_layouts,
+        return dot_transpose(
+            ctl, lhs, rhs_aval.ndim, rc, rb, lc, lb, lhs.ndim, False, precision, acc, rhs_aval, dot
         )
 
     if t_is_lhs:

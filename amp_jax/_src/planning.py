@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from amp_jax._src import attention, casting, compat, float8, jaxprs, painting, rules
+from amp_jax._src.backends import backend_for
 from amp_jax._src.decision import (
     AttentionPath,
     Color,
@@ -72,6 +73,8 @@ class Context:
     def __init__(self, policy: Policy, backend: str, vjp_rules: bool = True):
         self.policy = policy
         self.backend = backend
+        #: what amp knows of the backend (``backends/``)
+        self.target = backend_for(backend)
         #: use the custom_vjp rules of allow ops; off in code JAX will transpose
         #: (custom JVP rules), where a custom_vjp cannot appear.
         self.vjp_rules = vjp_rules
@@ -91,6 +94,11 @@ class Context:
         self._exits: dict[int, tuple[Any, frozenset[int]]] = {}
         #: {id(closed loop body): (it, output positions carried to the next iteration)}
         self._carries: dict[int, tuple[Any, frozenset[int]]] = {}
+
+    def rule_for(self, eqn: Any, op_class: OpClass | None) -> Any:
+        """The rule that binds ``eqn`` (``rules.rule_for``; for the rules of
+        higher-order primitives, which the table holds)."""
+        return rules.rule_for(eqn, op_class)
 
     def cached(self, kind: Any, obj: Any, make: Any) -> Any:
         """``make()``, computed once per ``obj`` (by identity) and ``kind``."""
@@ -238,7 +246,7 @@ def _classify(ctx: Context, eqn: Any) -> Classified:
     why = stays_high(eqn, ctx.policy)
     if why is not None:
         return Classified(Kind.OP, OpClass.NEVER, Reason.kept(why))
-    if rules.rule_for(eqn, OpClass.ALLOW).no_low_kernel(eqn, ctx.backend):
+    if rules.rule_for(eqn, OpClass.ALLOW).no_low_kernel(eqn, ctx.target):
         # its rule runs it in float32 on this backend (XLA:CPU's batched dots)
         return Classified(Kind.OP, OpClass.ALLOW, Reason.kept(Why.BACKEND_KERNEL), Variant.FLOAT32)
     if float8.applies(ctx, eqn):

@@ -34,6 +34,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from amp_jax._src.backends import backend_for
+
 OP_CLASSES: tuple[str, ...] = ("allow", "deny", "follow", "clear", "never")
 
 #: Matmuls and convolutions: compute-dtype operands, float32 accumulation.
@@ -681,7 +683,7 @@ class Policy:
             cls == "allow"
             and self.backend_aware
             and name not in dict(self.overrides)
-            and (name, backend) in BACKEND_SLOW_IN_LOW_PRECISION
+            and name in backend_for(backend).slow_in_low_precision
         ):
             return "never"
         return cls
@@ -689,7 +691,7 @@ class Policy:
     def allow_output_dtype(self, backend: str) -> np.dtype:
         """The dtype ``allow`` ops write on ``backend`` (see ``allow_outputs``)."""
         low = self.allow_outputs == "compute" or (
-            self.allow_outputs == "auto" and backend in BACKEND_LOW_OUTPUTS
+            self.allow_outputs == "auto" and backend_for(backend).low_outputs
         )
         return self.compute_dtype if low else HIGH_DTYPE
 
@@ -703,20 +705,6 @@ class Policy:
         rows = {n: self.class_of(n) for n in names}
         return sorted(rows.items(), key=lambda r: (OP_CLASSES.index(r[1]), r[0]))
 
-
-#: (primitive, backend) pairs measured slower in low precision than float32;
-#: with ``backend_aware=True`` these stay float32. See benchmarks/RESULTS.md.
-BACKEND_SLOW_IN_LOW_PRECISION: frozenset[tuple[str, str]] = frozenset(
-    {("conv_general_dilated", "cpu")}
-)
-"""(primitive, backend) pairs measured slower in low precision than in float32; with ``Policy(backend_aware=True)`` they stay float32."""
-
-
-#: Backends where ``allow`` ops write the compute dtype under
-#: ``Policy(allow_outputs="auto")``; elsewhere they write float32.
-#: Measured: benchmarks/RESULTS_GPU.md (H100) and benchmarks/RESULTS.md (CPU).
-BACKEND_LOW_OUTPUTS: frozenset[str] = frozenset({"gpu"})
-"""Backends where ``allow`` ops write the compute dtype (bf16 results, float32 accumulation inside the kernel) under ``Policy(allow_outputs="auto")``."""
 
 _ALLOW_OUTPUTS = ("auto", "float32", "compute")
 _FLOAT8 = ("off", "tensorwise", "rowwise")

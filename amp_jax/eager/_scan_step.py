@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from amp_jax._src import compat
+from amp_jax._src import compat, mesh
 from amp_jax.eager import _deps
 from amp_jax.optim import _check, _loss_scale, _tree
 
@@ -166,7 +166,7 @@ def _update_rows(stacks: Any, update: Callable[[Any], Any], i: Any, after: list[
 
 
 #: whether the step is jitted on a mesh (the layer loop then carries the state slice)
-_partitioned_by_mesh = compat.partitioned_by_mesh
+_partitioned_by_mesh = mesh.partitioned_by_mesh
 
 
 def _abstract(tree: Any) -> Any:

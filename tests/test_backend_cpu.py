@@ -1,5 +1,6 @@
-"""Regression tests of issue 25: what amp does to dots and to the sums of
-their backward pass on code nobody here wrote."""
+"""XLA:CPU (``amp_jax._src.backends.cpu``): its units, and what amp does to dots
+and to the sums of their backward pass on code nobody here wrote (every dot
+layout amp emits runs on XLA:CPU, in bf16)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,11 @@ import numpy as np
 import pytest
 from _util import BF16, F16, eqns, prim_dtypes, rel
 from flax import nnx
+from jax import lax
 
 from amp_jax import amp
+from amp_jax._src import compat
+from amp_jax._src.backends import BACKEND_LOW_OUTPUTS, backend_for, cpu, plain_dot
 
 #: primitives that accumulate many values in the backward pass
 SUMS = ("reduce_sum", "scatter-add", "cumsum")
@@ -160,7 +164,7 @@ def test_issue_reproductions_run_and_match_float32(name):
     """Each crashed on XLA:CPU with "Unsupported element type for
     DotThunk::Execute: BF16 x BF16 = F32" (a transpose folded into the lhs of
     a bf16 dot after XLA chose its kernel, or a layout amp emitted).
-    Without the barriers of ``rules._dot``, "matvec under vmap of the vector"
+    Without the barriers of ``backends.cpu.dot``, "matvec under vmap of the vector"
     and "(x @ w).T through relu, transposed back, under grad" crash again."""
     got = REPRODUCTIONS[name](amp)
     ref = REPRODUCTIONS[name](lambda f: f)
@@ -242,7 +246,7 @@ def test_every_dot_layout_runs_under_jit_grad_and_vmap(spec, policy):
 # -- a transpose of a dot's result (the checkpointed adjoint of diffrax) --------
 # XLA's simplifier rewrites transpose(dot(a, b)) as dot(b, a) after XLA:CPU chose
 # the dot's kernel; with the rhs contracting its leading dims, the swapped dot
-# has no kernel (rules._dot keeps such dots behind a barrier).
+# has no kernel (backends.cpu.dot keeps such dots behind a barrier).
 
 _A = jnp.linspace(-1.0, 1.0, 16 * 32).reshape(16, 32)
 _B = jnp.cos(jnp.arange(32 * 24, dtype=jnp.float32)).reshape(32, 24) / 4
@@ -318,3 +322,140 @@ def test_a_transposed_dot_result_runs_and_matches_float32(name):
         if e.primitive.name == "dot_general"
     ]
     assert BF16 in ins, ins
+
+
+# -- the units of backends/cpu.py ----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "shape, perm",
+    [
+        ((4, 6), (1, 0)),
+        ((2, 3, 8), (2, 0, 1)),
+        ((8, 3, 5), (1, 2, 0)),
+        ((3, 5, 7), (2, 1, 0)),
+        ((16, 2, 3, 4), (3, 1, 0, 2)),
+        ((4, 6), (0, 1)),
+    ],
+)
+def test_materialized_transpose_equals_lax_transpose(shape, perm):
+    x = jnp.arange(np.prod(shape), dtype=jnp.float32).reshape(shape)
+    got = cpu.materialized_transpose(x, perm)
+    want = lax.transpose(x, perm)
+    assert got.shape == want.shape
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    got_jit = jax.jit(lambda a: cpu.materialized_transpose(a, perm))(x)
+    np.testing.assert_array_equal(np.asarray(got_jit), np.asarray(want))
+
+
+def _prims(fn, x):
+    return [e.primitive.name for e in compat.jaxpr_of(jax.make_jaxpr(fn)(x)).eqns]
+
+
+def test_materialized_transpose_splits_a_dim_into_reshapes():
+    x = jnp.ones((8, 6), jnp.bfloat16)
+    prims = _prims(lambda a: cpu.materialized_transpose(a, (1, 0)), x)
+    assert prims.count("reshape") == 2 and prims.count("transpose") == 1, prims
+    # the identity permutation is no op at all
+    assert _prims(lambda a: cpu.materialized_transpose(a, (0, 1)), x) == []
+    # no splittable dim (primes with no listed factor, or 1): a plain transpose
+    prims = _prims(lambda a: cpu.materialized_transpose(a, (1, 0)), jnp.ones((11, 13)))
+    assert prims == ["transpose"], prims
+
+
+def test_backend_records_answer_per_platform():
+    """The backend interface: XLA:CPU writes its own dots and keeps layouts,
+    GPUs write bf16 outputs and fuse attention, other platforms get the plain record."""
+    c, g, t = backend_for("cpu"), backend_for("gpu"), backend_for("tpu")
+    assert c.dot is cpu.dot and g.dot is plain_dot and t.dot is plain_dot
+    assert isinstance(c.layouts(None), cpu.Layouts)
+    assert g.layouts(None) is None and t.layouts(None) is None
+    assert "conv_general_dilated" in c.slow_in_low_precision
+    assert not g.slow_in_low_precision and not t.slow_in_low_precision
+    assert BACKEND_LOW_OUTPUTS == {"gpu"} and g.low_outputs and not c.low_outputs
+    assert g.fused_attention and not c.fused_attention and not t.fused_attention
+    assert not c.native_float8_matmul() and not t.native_float8_matmul()
+
+
+def _dot_eqn(a_shape, b_shape, dims):
+    a, b = jnp.ones(a_shape, BF16), jnp.ones(b_shape, BF16)
+    jaxpr = jax.make_jaxpr(lambda a, b: lax.dot_general(a, b, dims))(a, b)
+    return compat.jaxpr_of(jaxpr).eqns[0]
+
+
+def test_cpu_has_no_bf16_kernel_for_batched_dots():
+    batched = _dot_eqn((2, 3, 4), (2, 4, 5), (((2,), (1,)), ((0,), (0,))))
+    plain = _dot_eqn((3, 4), (4, 5), (((1,), (0,)), ((), ())))
+    assert not cpu.runs_low(batched) and cpu.runs_low(plain)
+    assert backend_for("gpu").runs_low(batched)
+
+
+def _written(a_shape, b_shape, dims, acc=jnp.float32):
+    a, b = jnp.ones(a_shape, BF16), jnp.ones(b_shape, BF16)
+    closed = jax.make_jaxpr(lambda a, b: cpu.dot(a, b, dims, None, acc))(a, b)
+    return [e for e, _ in eqns(closed)]
+
+
+def _names(es):
+    return [e.primitive.name for e in es]
+
+
+def test_cpu_dot_puts_operands_behind_barriers_and_guards_a_leading_rhs():
+    """x @ w (rhs contracting its leading dim): both operands behind their own
+    barrier, and the float32 result behind one (its transpose must not swap it)."""
+    es = _written((8, 16), (16, 4), (((1,), (0,)), ((), ())))
+    assert _names(es).count("optimization_barrier") == 3, _names(es)
+    (dot,) = [e for e in es if e.primitive.name == "dot_general"]
+    assert all(v.aval.dtype == BF16 for v in dot.invars)
+    # a dot writing bf16 has a kernel: no barrier after it
+    es = _written((8, 16), (16, 4), (((1,), (0,)), ((), ())), acc=BF16)
+    assert _names(es).count("optimization_barrier") == 2, _names(es)
+
+
+def test_cpu_dot_transposes_an_lhs_contracting_its_leading_dim():
+    """x.T @ g (the weight gradient): the lhs is copied into the layout the
+    bf16 kernel takes (reshape, transpose, reshape), and nothing else."""
+    es = _written((16, 8), (16, 4), (((0,), (0,)), ((), ())))
+    names = _names(es)
+    assert names.count("transpose") == 1 and names.count("reshape") >= 2, names
+    (dot,) = [e for e in es if e.primitive.name == "dot_general"]
+    (ca, _), _ = dot.params["dimension_numbers"]
+    assert tuple(ca) == (dot.invars[0].aval.ndim - 1,)
+
+
+def test_cpu_dot_merges_several_contracting_dims():
+    """A rhs with two contracting dims (an attention projection's input
+    gradient) is one dot over the merged dim, reshaped back."""
+    es = _written((8, 2, 3), (5, 2, 3), (((1, 2), (1, 2)), ((), ())))
+    (dot,) = [e for e in es if e.primitive.name == "dot_general"]
+    assert dot.invars[0].aval.shape == (8, 6) and dot.invars[1].aval.shape == (5, 6)
+    assert "transpose" not in _names(es)
+
+
+def test_cpu_dot_upcasts_batched_bf16_dots_and_leaves_float32_ones():
+    es = _written((2, 3, 4), (2, 4, 5), (((2,), (1,)), ((0,), (0,))))
+    (dot,) = [e for e in es if e.primitive.name == "dot_general"]
+    assert all(v.aval.dtype == jnp.float32 for v in dot.invars)
+    a, b = jnp.ones((3, 4)), jnp.ones((4, 5))
+    closed = jax.make_jaxpr(lambda a, b: cpu.dot(a, b, (((1,), (0,)), ((), ())), None, None))(a, b)
+    assert _names([e for e, _ in eqns(closed)]) == ["dot_general"]
+
+
+def test_layouts_swap_a_transposed_single_use_dot():
+    """transpose(dot(a, b)) is dot(b, a) where b contracts its trailing dims
+    and the dot's result has no other reader; nothing otherwise."""
+    nt = (((1,), (1,)), ((), ()))
+    closed = jax.make_jaxpr(lambda a, b: lax.dot_general(a, b, nt).T)(
+        jnp.ones((3, 4)), jnp.ones((5, 4))
+    )
+    jaxpr = compat.jaxpr_of(closed)
+    dot, tr = jaxpr.eqns
+    lay = cpu.Layouts(jaxpr)
+    a, b = jnp.ones((3, 4), BF16), jnp.ones((5, 4), BF16)
+    lay.dots[dot.outvars[0]] = (dot, [a, b], None, jnp.float32)
+    got = lay.swapped(dot.outvars[0], (1, 0))
+    assert got is not None
+    _, (x, y), dims, _ = got
+    assert x is b and y is a and dims == (((1,), (1,)), ((), ()))
+    assert lay.swapped(dot.outvars[0], (0, 1)) is None  # not the swap permutation
+    assert lay.swapped(tr.outvars[0], (1, 0)) is None  # not a recorded dot

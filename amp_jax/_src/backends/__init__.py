@@ -1,0 +1,109 @@
+"""What amp asks of a backend, and each backend's answers.
+
+The general rules (``rules.py``, ``dots.py``, planning) never test a backend's
+name: they read its `Backend` record. Which dots it runs in the compute dtype
+(`Backend.runs_low`), how a lowered dot is written for it (`Backend.dot`:
+XLA:CPU's operand layouts, ``cpu.py``), the per-evaluation bookkeeping those
+layouts need (`Backend.layouts`), which dtype ``allow`` ops write and which
+ops stay float32 (the tables below), fp8 matmuls and fused attention
+(``gpu.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from jax import lax
+
+from amp_jax._src.backends import cpu, gpu
+
+
+def plain_dot(a: Any, b: Any, dims: Any, precision: Any, acc: Any, out_sharding: Any = None) -> Any:
+    """A lowered ``dot_general`` as written (backends without layout needs)."""
+    extra = {} if out_sharding is None else {"out_sharding": out_sharding}
+    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=acc, **extra)
+
+
+def _always(eqn: Any) -> bool:
+    return True
+
+
+def _never() -> bool:
+    return False
+
+
+def _no_layouts(jaxpr: Any) -> None:
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """What amp needs to know of one backend (a platform name: ``"cpu"``, ``"gpu"``, ...).
+
+    Attributes:
+      name: the platform name.
+      low_outputs: ``allow`` ops write the compute dtype under
+        ``Policy(allow_outputs="auto")`` (bf16 results, float32 accumulation
+        inside the kernel); else float32.
+      slow_in_low_precision: primitives measured slower in the compute dtype
+        than in float32; with ``Policy(backend_aware=True)`` they stay float32.
+      fused_attention: ``Policy(attention="auto")`` fuses attention here (cuDNN).
+      runs_low: ``runs_low(eqn)``: whether a ``dot_general`` eqn with
+        compute-dtype operands has a kernel; planning keeps it float32 if not.
+      dot: ``dot(a, b, dims, precision, acc, out_sharding)``: a lowered dot
+        written in the layouts the backend runs fast.
+      layouts: ``layouts(jaxpr)``: the per-evaluation state that finds those
+        layouts across eqns (``cpu.Layouts``), or None.
+      native_float8_matmul: ``native_float8_matmul()``: whether the matmul
+        units take fp8 operands.
+    """
+
+    name: str
+    low_outputs: bool = False
+    slow_in_low_precision: frozenset[str] = frozenset()
+    fused_attention: bool = False
+    runs_low: Callable[[Any], bool] = _always
+    dot: Callable[..., Any] = plain_dot
+    layouts: Callable[[Any], Any] = _no_layouts
+    native_float8_matmul: Callable[[], bool] = _never
+
+
+_BACKENDS = {
+    "cpu": Backend(
+        "cpu",
+        slow_in_low_precision=cpu.SLOW_IN_LOW_PRECISION,
+        runs_low=cpu.runs_low,
+        dot=cpu.dot,
+        layouts=cpu.Layouts,
+    ),
+    "gpu": Backend(
+        "gpu",
+        low_outputs=True,
+        fused_attention=True,
+        native_float8_matmul=gpu.native_float8_matmul,
+    ),
+}
+
+
+def backend_for(name: str) -> Backend:
+    """The `Backend` record of platform ``name`` (a plain one for platforms
+    amp has nothing special for, e.g. ``"tpu"``)."""
+    found = _BACKENDS.get(name)
+    return found if found is not None else Backend(name)
+
+
+#: (primitive, backend) pairs measured slower in low precision than float32;
+#: with ``backend_aware=True`` these stay float32. See benchmarks/RESULTS.md.
+BACKEND_SLOW_IN_LOW_PRECISION: frozenset[tuple[str, str]] = frozenset(
+    (p, b.name) for b in _BACKENDS.values() for p in b.slow_in_low_precision
+)
+"""(primitive, backend) pairs measured slower in low precision than in float32; with ``Policy(backend_aware=True)`` they stay float32."""
+
+
+#: Backends where ``allow`` ops write the compute dtype under
+#: ``Policy(allow_outputs="auto")``; elsewhere they write float32.
+#: Measured: benchmarks/RESULTS_GPU.md (H100) and benchmarks/RESULTS.md (CPU).
+BACKEND_LOW_OUTPUTS: frozenset[str] = frozenset(b.name for b in _BACKENDS.values() if b.low_outputs)
+"""Backends where ``allow`` ops write the compute dtype (bf16 results, float32 accumulation inside the kernel) under ``Policy(allow_outputs="auto")``."""

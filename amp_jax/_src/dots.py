@@ -1,0 +1,241 @@
+"""The rules of ``dot_general``, ``transpose`` and ``conv_general_dilated``.
+
+A lowered ``dot_general`` or ``conv_general_dilated`` gets a ``jax.custom_jvp``
+whose tangent products take compute-dtype operands (a dot's are ``lowdot``'s
+linear dot; a conv's write compute-dtype results), so that under ``jax.grad``
+their cotangent products also take compute-dtype operands (JAX's own transpose
+rules would multiply a float32 cotangent with a bf16 operand: a mixed, slow,
+float32 product), and forward mode works. The backend writes each product
+(`Backend.dot`: on XLA:CPU in the operand layouts it runs fast, ``backends/cpu.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.custom_derivatives import SymbolicZero
+from jax.extend.core import primitives as P
+
+from amp_jax._src import casting, compat, lowdot
+from amp_jax._src.backends import Backend, backend_for
+from amp_jax._src.decision import Decision, Variant
+from amp_jax._src.elementwise import (
+    AllowRule,
+    Env,
+    EqnRule,
+    Rule,
+    RuleContext,
+    acc_dtype,
+    default_allow_rule,
+)
+from amp_jax._src.policy import HIGH_DTYPE, is_managed_float
+
+
+class DotRule(AllowRule):
+    """``dot_general``: low-precision forward and backward, written by the
+    backend (`Backend.dot`); dots the backend has no compute-dtype kernel for
+    stay float32 (`Backend.runs_low`); the fp8 products of a float8 policy are
+    its ``FLOAT8`` variant (``float8.py``).
+
+    Where the backend keeps per-evaluation layouts (XLA:CPU: `cpu.Layouts`), a
+    dot contracts the operand of a ``transpose`` that feeds it, so that the
+    weight gradient comes out in the weight's own layout.
+    """
+
+    def evaluate(self, ctx: RuleContext, eqn: Any, d: Decision, env: Env) -> list[Any]:
+        if d.lowered and d.variant is Variant.COMPUTE and env.layouts is not None:
+            fn = self.low_fn(ctx, eqn)
+            if _is_dot_rule(fn):
+                cd = ctx.policy.compute_dtype
+                found = env.layouts.through_transposes(eqn, env, cd)
+                if found is not None and not all(is_managed_float(v.dtype) for v in found[0]):
+                    found = None
+                invals, dims = found or ([env.read(v, None) for v in eqn.invars], None)
+                env.layouts.dots[eqn.outvars[0]] = (eqn, invals, dims, d.out_dtype)
+                return fn(eqn, invals, cd, d.out_dtype, dims=dims)
+        return super().evaluate(ctx, eqn, d, env)
+
+    def low_fn(self, ctx: RuleContext, eqn: Any) -> Rule:
+        if not ctx.vjp_rules:
+            return default_allow_rule
+        return functools.partial(dot_general_rule, backend=ctx.backend)
+
+    def no_low_kernel(self, eqn: Any, backend: Backend) -> bool:
+        floats = all(is_managed_float(casting.dtype_of(v)) for v in eqn.invars)
+        return floats and not backend.runs_low(eqn)
+
+
+class TransposeRule(EqnRule):
+    """``transpose``: bound as written, and noted in the backend's layouts for
+    the dots that read its result (`DotRule`); the transpose of a lowered
+    dot's result may be written as the dot with its operands swapped."""
+
+    def evaluate(self, ctx: RuleContext, eqn: Any, d: Decision, env: Env) -> list[Any]:
+        src = eqn.invars[0]
+        if isinstance(src, compat.Literal) or env.layouts is None:
+            return super().evaluate(ctx, eqn, d, env)
+        perm = tuple(eqn.params["permutation"])
+        swapped = env.layouts.swapped(src, perm)
+        if swapped is not None:
+            dot, operands, dims, out_dtype = swapped
+            cd = ctx.policy.compute_dtype
+            out = dot_general_rule(dot, operands, cd, out_dtype, backend=ctx.backend, dims=dims)[0]
+            want = casting.target(casting.dtype_of(src), d.color, cd)
+            return [out if want is None else casting.cast(out, want)]
+        env.layouts.transposes[eqn.outvars[0]] = (src, perm)
+        return super().evaluate(ctx, eqn, d, env)
+
+
+def _tangent_sum(out: Any, parts: list[Any]) -> Any:
+    """The tangent of a bilinear op: the sum of its products (zeros when no
+    operand has a tangent; JAX skips the rule then, this is for safety)."""
+    return functools.reduce(lambda a, b: a + b, parts) if parts else jax.numpy.zeros_like(out)
+
+
+@functools.cache
+def _amp_dot(
+    dims: Any,
+    precision: Any,
+    acc: Any,
+    out_sharding: Any,
+    compute_dtype: np.dtype,
+    x_dtype: np.dtype,
+    y_dtype: np.dtype,
+    backend: str,
+) -> Callable:
+    dot = backend_for(backend).dot
+
+    def cast(v: Any) -> Any:
+        return casting.lower(v, compute_dtype)
+
+    def primal(x, y):
+        return dot(cast(x), cast(y), dims, precision, acc, out_sharding)
+
+    # A custom JVP (not VJP) rule, so forward mode works too: the tangent
+    # products are lowdot's linear dots, whose transpose rule writes the
+    # cotangent products amp wants (see amp_jax._src.lowdot).
+    f = jax.custom_jvp(primal)
+    lin = dict(
+        dimension_numbers=dims,
+        precision=precision,
+        acc=acc,
+        out_sharding=out_sharding,
+        compute_dtype=compute_dtype,
+        backend=backend,
+    )
+
+    def jvp(primals, tangents):
+        x, y = primals
+        tx, ty = tangents
+        xl, yl = cast(x), cast(y)
+        out = dot(xl, yl, dims, precision, acc, out_sharding)
+        # (symbolic zeros: no product for an operand that is not differentiated)
+        parts = [
+            lowdot.linear_dot(t, o, t_is_lhs=is_lhs, **lin)
+            for t, o, is_lhs in ((tx, yl, True), (ty, xl, False))
+            if not isinstance(t, SymbolicZero)
+        ]
+        return out, _tangent_sum(out, parts)
+
+    f.defjvp(jvp, symbolic_zeros=True)
+    return f
+
+
+def _is_dot_rule(fn: Any) -> bool:
+    return isinstance(fn, functools.partial) and fn.func is dot_general_rule
+
+
+def dot_general_rule(
+    eqn: Any,
+    invals: Sequence[Any],
+    compute_dtype: np.dtype,
+    out_dtype: np.dtype = HIGH_DTYPE,
+    *,
+    backend: str,
+    dims: Any = None,
+) -> list[Any]:
+    """``dims``: dimension numbers that replace ``eqn``'s (for operands read
+    through their transposes, `DotRule`)."""
+    x, y = invals
+    p = eqn.params
+    if dims is not None:
+        p = {**p, "dimension_numbers": dims}
+    if not (is_managed_float(x.dtype) and is_managed_float(y.dtype)):
+        return default_allow_rule(eqn, invals, compute_dtype, out_dtype)
+    f = _amp_dot(
+        p["dimension_numbers"],
+        p.get("precision"),
+        acc_dtype(eqn, out_dtype),
+        p.get("out_sharding"),
+        compute_dtype,
+        np.dtype(x.dtype),
+        np.dtype(y.dtype),
+        backend,
+    )
+    return [f(x, y)]
+
+
+# -- conv_general_dilated ------------------------------------------------------
+
+
+def _freeze(params: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
+    return tuple(sorted(params.items()))
+
+
+@functools.cache
+def _amp_conv(
+    frozen: tuple[tuple[str, Any], ...],
+    acc: Any,
+    compute_dtype: np.dtype,
+) -> Callable:
+    params = dict(frozen)
+    prim = P.conv_general_dilated_p
+
+    def conv(x, w, out_dtype):
+        return prim.bind(x, w, **{**params, "preferred_element_type": out_dtype})
+
+    def primal(x, w):
+        return conv(casting.lower(x, compute_dtype), casting.lower(w, compute_dtype), acc)
+
+    # A custom JVP (so forward mode works): the tangent convolutions take
+    # compute-dtype operands and write compute-dtype results, which JAX's conv
+    # transpose rules turn into compute-dtype cotangent convolutions (the
+    # cotangent rounded to the compute dtype first: the transpose of the cast).
+    f = jax.custom_jvp(primal)
+
+    def jvp(primals, tangents):
+        x, w = primals
+        tx, tw = tangents
+        xl, wl = casting.lower(x, compute_dtype), casting.lower(w, compute_dtype)
+        out = conv(xl, wl, acc)
+        parts = []
+        if not isinstance(tx, SymbolicZero):
+            parts.append(conv(casting.lower(tx, compute_dtype), wl, None).astype(out.dtype))
+        if not isinstance(tw, SymbolicZero):
+            parts.append(conv(xl, casting.lower(tw, compute_dtype), None).astype(out.dtype))
+        return out, _tangent_sum(out, parts)
+
+    f.defjvp(jvp, symbolic_zeros=True)
+    return f
+
+
+def conv_rule(
+    eqn: Any, invals: Sequence[Any], compute_dtype: np.dtype, out_dtype: np.dtype = HIGH_DTYPE
+) -> list[Any]:
+    x, w = invals
+    if not (is_managed_float(x.dtype) and is_managed_float(w.dtype)):
+        return default_allow_rule(eqn, invals, compute_dtype, out_dtype)
+    params = {k: v for k, v in eqn.params.items() if k != "preferred_element_type"}
+    f = _amp_conv(_freeze(params), acc_dtype(eqn, out_dtype), compute_dtype)
+    return [f(x, w)]
+
+
+#: primitive -> rule (the fp8 variant of the dot rule is added where the table is built)
+RULES: dict[Any, EqnRule] = {
+    P.transpose_p: TransposeRule(),
+    P.conv_general_dilated_p: AllowRule(conv_rule),
+}

@@ -1,0 +1,271 @@
+"""The rules of higher-order primitives (``cond``, ``while``, ``scan``, ``jit``,
+``remat``, ``shard_map``, ``custom_jvp_call``, ``custom_vjp_call``, ...).
+
+Their sub-jaxprs are planned and evaluated by the context (``ctx.plan``,
+``ctx.rewrite``, ``ctx.evaluate``: ``interpreter.Interpreter``) with the same
+policy; a ``scan``'s casts of stacked weights are hoisted out of the loop, a
+``shard_map`` is rebuilt as a public one, a transparent ``custom_jvp_call``
+runs its body low and keeps the user's JVP rule.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.extend.core import primitives as P
+
+from amp_jax._src import casting, compat
+from amp_jax._src.decision import Color, Decision, Kind
+from amp_jax._src.elementwise import Env, EqnRule, RuleContext
+
+
+class HigherOrderRule(EqnRule):
+    """A primitive with sub-jaxprs (``cond``, ``while``, ``remat``, ``pjit``,
+    ``custom_vjp_call``, ...): unless the policy keeps it as written (a
+    full_precision scope, the float32 policy), its operands keep their dtypes
+    and its sub-jaxprs are rewritten with the same policy."""
+
+    def evaluate(self, ctx: RuleContext, eqn: Any, d: Decision, env: Env) -> list[Any]:
+        if d.kind is Kind.AS_WRITTEN or d.color is not Color.ORIG:
+            return super().evaluate(ctx, eqn, d, env)
+        cd = ctx.policy.compute_dtype
+        invals = [
+            env.read(v, casting.target(casting.dtype_of(v), Color.ORIG, cd)) for v in eqn.invars
+        ]
+        return self.bind_rewritten(ctx, eqn, invals)
+
+    def bind_rewritten(self, ctx: RuleContext, eqn: Any, invals: list[Any]) -> list[Any]:
+        params = ctx.cached(
+            "params",
+            eqn,
+            lambda: compat.map_subjaxprs(
+                eqn,
+                ctx.rewrite,
+                ctx.linear.rewrite,
+                functools.partial(_run_bwd, ctx),
+            ),
+        )
+        return compat.bind_eqn(eqn, invals, params)
+
+    def reads_low(self, ctx: RuleContext, eqn: Any, d: Decision, atom: Any) -> bool:
+        return False
+
+
+class ScanRule(HigherOrderRule):
+    """``scan``: the casts of scanned-over inputs read only in the compute
+    dtype are hoisted out of the loop (`_plan_hoisted_casts`)."""
+
+    def bind_rewritten(self, ctx: RuleContext, eqn: Any, invals: list[Any]) -> list[Any]:
+        eqn = ctx.cached("masks", eqn, lambda: _with_constant_masks(eqn, invals))
+        hoisted = ctx.cached("hoist", eqn, lambda: _plan_hoisted_casts(ctx, eqn))
+        if not hoisted:
+            return super().bind_rewritten(ctx, eqn, invals)
+        hoist, new_params = hoisted
+        cd = ctx.policy.compute_dtype
+        invals = [casting.cast(x, cd) if i in hoist else x for i, x in enumerate(invals)]
+        return compat.bind_eqn(eqn, invals, new_params)
+
+
+def _with_constant_masks(eqn: Any, invals: list[Any]) -> Any:
+    """``eqn`` (a scan) with its concrete boolean loop constants -- a causal mask
+    closed over by the loop body -- made constants of its body, so that the
+    body's plan sees their values (a constant causal mask becomes cuDNN's
+    ``is_causal``, which skips the masked blocks, instead of a bias it must
+    read). The operands stay; the body no longer reads them."""
+    n_consts, _ = compat.scan_split(eqn.params)
+    known = {
+        i: x
+        for i, x in enumerate(invals[:n_consts])
+        if not isinstance(x, compat.Tracer) and np.dtype(x.dtype) == np.bool_
+    }
+    if not known:
+        return eqn
+    body = eqn.params["jaxpr"]
+    run = compat.jaxpr_as_fun(body)
+    new_body = compat.trace_to_closed_jaxpr(
+        lambda *a: run(*[known.get(i, x) for i, x in enumerate(a)]), compat.in_avals(body)
+    )
+    return eqn.replace(params=compat.scan_params_with_body(eqn, new_body))
+
+
+class ShardMapRule(HigherOrderRule):
+    """``shard_map``: rebuilt as a public ``jax.shard_map`` whose body is
+    evaluated under the policy (collectives need the manual-axes context)."""
+
+    def bind_rewritten(self, ctx: RuleContext, eqn: Any, invals: list[Any]) -> list[Any]:
+        return ctx.cached("shard_map", eqn, lambda: _shard_map_fn(ctx, eqn))(*invals)
+
+
+class CustomJvpRule(HigherOrderRule):
+    """``custom_jvp_call``: a transparent one (``jax.nn.relu``: only follow
+    and clear ops) painted low runs its body in the compute dtype and keeps
+    the user's JVP rule (`_custom_jvp_low`)."""
+
+    def evaluate(self, ctx: RuleContext, eqn: Any, d: Decision, env: Env) -> list[Any]:
+        if d.color is not Color.LOW:
+            return super().evaluate(ctx, eqn, d, env)
+        cd = ctx.policy.compute_dtype
+        invals = [
+            env.read(v, casting.target(casting.dtype_of(v), Color.LOW, cd)) for v in eqn.invars
+        ]
+        avals = tuple(compat.aval_of(x) for x in invals)
+        params = ctx.cached(
+            ("custom_jvp_low", avals), eqn, lambda: _custom_jvp_low(ctx, eqn, avals)
+        )
+        return compat.bind_eqn(eqn, invals, params)
+
+    def reads_low(self, ctx: RuleContext, eqn: Any, d: Decision, atom: Any) -> bool:
+        return d.color is Color.LOW
+
+
+def _custom_jvp_low(ctx: RuleContext, eqn: Any, low_avals: Sequence[Any]) -> dict[str, Any]:
+    """Params to bind a transparent ``custom_jvp_call`` on compute-dtype operands.
+
+    The body is evaluated with every op low. The JVP rule is the user's,
+    evaluated in the original dtypes: primals and tangents are cast up, the
+    output tangents cast back down to the dtypes of the low primal outputs.
+    The primal outputs of the rule are the low body's, so the forward values
+    are the same with and without differentiation.
+    """
+    call_jaxpr, rule_fun, _ = compat.custom_jvp_parts(eqn)
+    low = ctx.all_low(ctx.prepare(call_jaxpr))
+    orig_avals = [v.aval for v in eqn.invars]
+
+    def primal(*xs):
+        return ctx.evaluate(low, xs, cast_outputs=False)
+
+    new_call = compat.trace_to_closed_jaxpr(primal, low_avals)
+
+    def jvp_jaxpr(*zeros):
+        jaxpr, consts, out_zeros = compat.call_thunk(rule_fun, *zeros)
+        rule = compat.close(jaxpr, consts)
+        tan_in = [
+            (lo.to_tangent_aval(), hi.to_tangent_aval())
+            for lo, hi, z in zip(low_avals, orig_avals, zeros)
+            if not z
+        ]
+
+        def jvp(*xs):
+            prims, tans = xs[: len(low_avals)], xs[len(low_avals) :]
+            p_out = primal(*prims)
+            up = [casting.cast(x, hi.dtype) for x, hi in zip(prims, orig_avals)]
+            up += [casting.cast(t, hi.dtype) for t, (_, hi) in zip(tans, tan_in)]
+            t_out = ctx.linear.evaluate(ctx.linear.plan(rule), up)[len(out_zeros) :]
+            nz = [p for p, z in zip(p_out, out_zeros) if not z]
+            return [
+                *p_out,
+                *(
+                    casting.cast(t, compat.aval_of(p).to_tangent_aval().dtype)
+                    for t, p in zip(t_out, nz)
+                ),
+            ]
+
+        new = compat.trace_to_closed_jaxpr(jvp, [*low_avals, *(lo for lo, _ in tan_in)])
+        return compat.jaxpr_of(new), compat.consts_of(new), out_zeros
+
+    return compat.custom_jvp_params(eqn, new_call, compat.memoized_fun(jvp_jaxpr, rule_fun))
+
+
+def _run_bwd(ctx: RuleContext, key: Any, bwd: Any, args: Sequence[Any]) -> Any:
+    """A ``custom_vjp`` backward rule ``bwd(*args)`` run under ``ctx``'s policy.
+
+    A rule that recomputes primal values (diffrax's checkpointed adjoint
+    re-runs the solver's steps) must see the policy its forward ran under,
+    or it recomputes other values -- an adaptive solver accepts other steps
+    -- than the forward did (PyTorch's ``custom_bwd`` does the same for
+    autocast). Symbolic zeros (in and out) pass through as they are.
+    """
+    is_val = [isinstance(a, (jax.Array, compat.Tracer)) for a in args]
+    vals = [a for a, v in zip(args, is_val) if v]
+    others = tuple((i, a) for i, (a, v) in enumerate(zip(args, is_val)) if not v)
+    avals = tuple(compat.aval_of(a) for a in vals)
+
+    def make() -> tuple[Any, dict[int, Any], Any]:
+        # The rule's output is a pytree (the cotangents; from JAX 0.11 the
+        # pair (cotangents, logs)) whose non-array leaves are symbolic zeros.
+        zeros: dict[int, Any] = {}
+        tree: list[Any] = []
+
+        def traced(*xs):
+            it = iter(xs)
+            full = [a if not v else next(it) for a, v in zip(args, is_val)]
+            leaves, treedef = jax.tree_util.tree_flatten(bwd(*full))
+            tree.append(treedef)
+            arrays = []
+            for i, o in enumerate(leaves):
+                if isinstance(o, (jax.Array, compat.Tracer)):
+                    arrays.append(o)
+                else:
+                    zeros[i] = o  # a symbolic zero: no value to compute
+            return arrays
+
+        closed = compat.trace_to_closed_jaxpr(traced, avals)
+        return ctx.plan(closed), zeros, tree[0]
+
+    zkey = tuple((i, type(a).__name__, str(getattr(a, "aval", ""))) for i, a in others)
+    plan_, zeros, treedef = ctx.cached(("bwd", avals, zkey), key, make)
+    outs = iter(ctx.evaluate(plan_, vals))
+    leaves = [zeros[i] if i in zeros else next(outs) for i in range(treedef.num_leaves)]
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def _shard_map_fn(ctx: RuleContext, eqn: Any) -> Any:
+    """The public ``jax.shard_map`` of ``eqn``'s body, evaluated under the policy."""
+    plan_ = ctx.plan(compat.shard_map_body(eqn))
+    return compat.shard_map_of(eqn, lambda *a: ctx.evaluate(plan_, a))
+
+
+def _plan_hoisted_casts(ctx: RuleContext, eqn: Any) -> tuple[list[int], dict[str, Any]] | None:
+    """For a ``scan`` whose scanned-over inputs are read only in the compute
+    dtype (stacked per-layer weights): the indices of those inputs, to be cast
+    once outside the loop, and the scan's params with the body retyped.
+
+    Cast inside the body, each layer's low copy of its weights would be a
+    new value that the backward pass saves: a stacked copy of all weights.
+    Cast outside, the residual is the (already low) input slice. As with
+    hand-cast bf16 models and ``torch.autocast``, each layer's weight
+    gradient then leaves its matmul rounded to the compute dtype before it is
+    cast back to the parameter's dtype. None when nothing can be hoisted
+    (the caller then rewrites the body as for any higher-order primitive).
+    """
+    found = compat.scan_xs(eqn)
+    if found is None or ctx.identity:
+        return None
+    body, xs = found
+    body_plan = ctx.plan(body)
+    bj = body_plan.jaxpr
+    cd = ctx.policy.compute_dtype
+    hoist = []
+    for i in xs:
+        v = bj.invars[i]
+        if (
+            casting.target(casting.dtype_of(v), Color.LOW, cd)
+            in (None, np.dtype(casting.dtype_of(v)))
+            or v in bj.outvars
+        ):
+            continue
+        uses = [
+            (e, d) for e, d in zip(bj.eqns, body_plan.decisions) if any(v is a for a in e.invars)
+        ]
+        if uses and all(ctx.rule_for(e, d.op_class).reads_low(ctx, e, d, v) for e, d in uses):
+            hoist.append(i)
+    if not hoist:
+        return None
+    avals = compat.in_avals(body)
+    avals = [a.update(dtype=cd) if i in hoist else a for i, a in enumerate(avals)]
+    return hoist, compat.scan_params_with_body(eqn, ctx.rewrite(body, avals))
+
+
+#: the rule of higher-order primitives without one of their own
+GENERIC = HigherOrderRule()
+
+#: primitive (or its name, where it is not public) -> rule
+RULES: dict[Any, EqnRule] = {
+    P.scan_p: ScanRule(),
+    P.custom_jvp_call_p: CustomJvpRule(),
+    **dict.fromkeys(compat.SHARD_MAP_NAMES, ShardMapRule()),
+}
