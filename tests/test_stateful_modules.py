@@ -126,6 +126,8 @@ class _Sower(nnx.Module):
 
 @pytest.mark.parametrize("how", ["sow", "capture_outside", "capture_inside", "jit"])
 def test_nnx_intermediates(how):
+    if how != "sow" and not hasattr(nnx, "capture"):
+        pytest.skip("nnx.capture is newer than this Flax")
     call = lambda m, x: m(x)
 
     def run(wrap):
