@@ -329,14 +329,19 @@ def _fsdp_scan_step(tx, policy, layers=3):
     return amp_jax.eager.scan_step(embed, blk, head, tx), m, stack_specs, params
 
 
-def _assert_stacks_match(p, ps, m, stack_specs, **tol):
+def _assert_stacks_match(p, ps, m, stack_specs, rtol, atol, outliers=0.0):
     """The eager step's block stacks keep their FSDP shardings and equal the
-    standard step's within ``tol``."""
+    standard step's within ``rtol``/``atol``, but for at most a fraction
+    ``outliers`` of the elements (an Adam update is about ``lr`` whatever the
+    gradient's size: a tiny gradient whose bf16 rounding differs by one ulp
+    between the two programs can move its element by up to 2 ``lr``)."""
     for k in p["blocks"]:
         assert p["blocks"][k].sharding.is_equivalent_to(
             NamedSharding(m, stack_specs[k]), p["blocks"][k].ndim
         ), k
-        np.testing.assert_allclose(p["blocks"][k], ps["blocks"][k], **tol)
+        a, b = np.asarray(p["blocks"][k]), np.asarray(ps["blocks"][k])
+        off = np.abs(a - b) > atol + rtol * np.abs(b)
+        assert off.mean() <= outliers, (k, int(off.sum()), float(np.abs(a - b).max()))
 
 
 def test_scan_step_with_fsdp_stacks_matches_standard_step():
@@ -358,8 +363,9 @@ def test_scan_step_with_fsdp_stacks_matches_standard_step():
             ps, ss, ls = std(ps, ss, b)
     np.testing.assert_allclose(loss, ls, rtol=1e-6)
     # (bf16 products: XLA may round a few activations one ulp apart in the two
-    # programs, which moves an Adam update by a few 1e-5 on some CPUs)
-    _assert_stacks_match(p, ps, m, stack_specs, rtol=2e-5, atol=1e-4)
+    # programs, which moves some Adam updates on some CPUs; a wrong or missing
+    # update moves most elements)
+    _assert_stacks_match(p, ps, m, stack_specs, rtol=2e-5, atol=2e-6, outliers=1e-2)
 
 
 def test_scan_step_under_set_mesh_adds_no_collectives_to_the_backward_loop():
