@@ -89,11 +89,15 @@ def test_rules_say_which_operands_they_read_low():
     assert rule.reads_low(ctx, bdot, gpu, bdot.invars[0])
     assert not rule.reads_low(ctx, bdot, dataclasses.replace(gpu, color=ORIG), bdot.invars[0])
 
-    (add,) = _eqns(lambda a, b: a + b, jnp.ones((4, 8)), jnp.ones((1, 8)))
+    bf16 = jnp.bfloat16
+    (add,) = _eqns(lambda a, b: a + b, jnp.ones((4, 8), bf16), jnp.ones((1, 8), bf16))
     low = dataclasses.replace(gpu, op_class=FOLLOW, variant=Variant.COMPUTE)
     brule = rules.rule_for(add, FOLLOW)
     assert brule.reads_low(ctx, add, low, add.invars[0])  # same shape as the output
     assert not brule.reads_low(ctx, add, low, add.invars[1])  # broadcast first
+    # a float32 operand makes a low elementwise op compute in float32 (widest input)
+    (add32,) = _eqns(lambda a, b: a + b, jnp.ones((4, 8)), jnp.ones((4, 8)))
+    assert not brule.reads_low(ctx, add32, low, add32.invars[0])
 
     cond = [e for e in _eqns(lambda p, a: lax.cond(p, jnp.sin, jnp.cos, a), True, jnp.ones(3))]
     (c,) = [e for e in cond if e.primitive.name == "cond"]
