@@ -75,13 +75,7 @@ def scale_by_any_precision_adam(
       https://github.com/pytorch/torchdistx/blob/main/src/python/torchdistx/optimizers/anyprecision_optimizer.py.
     """
     caller = "scale_by_any_precision_adam"
-    for name, value, example in (
-        ("b1", b1, "0.9"),
-        ("b2", b2, "0.999"),
-        ("eps", eps, "1e-8"),
-        ("eps_root", eps_root, "0.0"),
-    ):
-        _check.hyperparameter(value, caller, name, example)
+    _check.adam_hyperparameters(caller, b1, b2, eps, eps_root)
     mu_dtype = _check_dtype("mu_dtype", mu_dtype, caller)
     nu_dtype = _check_dtype("nu_dtype", nu_dtype, caller)
 

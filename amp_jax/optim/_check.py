@@ -136,3 +136,14 @@ def warn_if_redundant(params: Any, at_least: Any, what: str) -> None:
             UserWarning,
             stacklevel=3,
         )
+
+
+def adam_hyperparameters(caller: str, b1: Any, b2: Any, eps: Any, eps_root: Any) -> None:
+    """Checks Adam's ``b1``, ``b2``, ``eps`` and ``eps_root`` for ``caller``."""
+    for name, value, example in (
+        ("b1", b1, "0.9"),
+        ("b2", b2, "0.999"),
+        ("eps", eps, "1e-8"),
+        ("eps_root", eps_root, "0.0"),
+    ):
+        hyperparameter(value, caller, name, example)

@@ -549,13 +549,7 @@ def scale_by_quantized_adam(
       https://github.com/pytorch/ao/tree/main/torchao/optim.
     """
     caller = "scale_by_quantized_adam"
-    for name, value, example in (
-        ("b1", b1, "0.9"),
-        ("b2", b2, "0.999"),
-        ("eps", eps, "1e-8"),
-        ("eps_root", eps_root, "0.0"),
-    ):
-        _check.hyperparameter(value, caller, name, example)
+    _check.adam_hyperparameters(caller, b1, b2, eps, eps_root)
     if state_format not in FORMATS:
         raise ValueError(
             f"{caller}: `state_format` must be one of {', '.join(map(repr, FORMATS))}, "
