@@ -4,6 +4,8 @@ layout amp emits runs on XLA:CPU, in bf16)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,7 +16,7 @@ from jax import lax
 
 import amp_jax
 from amp_jax import amp
-from amp_jax._src import compat, planning
+from amp_jax._src import compat, interpreter, planning
 from amp_jax._src.backends import BACKEND_LOW_OUTPUTS, backend_for, cpu, plain_dot
 
 #: primitives that accumulate many values in the backward pass
@@ -498,6 +500,36 @@ def test_plan_keeps_layouts_that_would_change_the_product():
     t = _index(p, "transpose", 1)  # (w.T; x's transpose swaps the kept dims)
     assert [lay.through for lay in p.layouts.values()] == [(None, t)]
     assert _plan(lambda x, w: x @ w.T, xs, w, policy="float32").layouts == {}
+
+
+def test_evaluation_reads_the_plan_layouts():
+    """The dot rule contracts W (256, 128) directly because the plan says so:
+    the same plan without its records reads the transposed (128, 256) copy."""
+    x, w = jnp.ones((64, 128)), jnp.ones((256, 128))
+    ctx = interpreter.Interpreter(amp_jax.get_policy("bfloat16"), "cpu")
+    p = planning.plan(ctx, jax.make_jaxpr(lambda x, w: x @ w.T)(x, w))
+
+    def dot_operands(plan_):
+        run = jax.make_jaxpr(lambda x, w: interpreter.evaluate(ctx, plan_, (x, w)))(x, w)
+        return {
+            tuple(v.aval.shape)
+            for e, _ in eqns(run)
+            if e.primitive.name == "dot_general"
+            for v in e.invars
+        }
+
+    assert dot_operands(p) == {(64, 128), (256, 128)}
+    assert dot_operands(dataclasses.replace(p, layouts={})) == {(64, 128), (128, 256)}
+
+
+def test_sub_plans_get_layouts_but_not_custom_jvp_rules():
+    """A function painted low (a custom_jvp body: `planning.all_low`) gets the
+    records too; code JAX transposes (custom JVP rules, no custom_vjp) none."""
+    x, w = jnp.ones((64, 128)), jnp.ones((256, 128))
+    closed = jax.make_jaxpr(lambda x, w: x @ w.T)(x, w)
+    ctx = planning.Context(amp_jax.get_policy("bfloat16"), "cpu")
+    assert [lay.through for lay in planning.all_low(ctx, closed).layouts.values()] == [(None, 0)]
+    assert planning.plan(ctx.linear, closed).layouts == {}
 
 
 def test_plan_has_no_layouts_for_other_backends():
