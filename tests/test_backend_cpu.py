@@ -532,6 +532,21 @@ def test_sub_plans_get_layouts_but_not_custom_jvp_rules():
     assert planning.plan(ctx.linear, closed).layouts == {}
 
 
+def test_a_transposed_integer_by_float_dot_keeps_its_dims():
+    """A lowered int8 x float32 dot whose result is transposed gets no layout
+    record (its rule binds it as written, with the eqn's own dims: a swap
+    would contract the wrong dims) and computes the product."""
+    tn = (((0,), (1,)), ((), ()))
+    w = jax.random.normal(jax.random.key(0), (128, 256))
+    q = jax.random.randint(jax.random.key(1), (64, 128), -8, 8).astype(jnp.int8)
+
+    def f(w, q):
+        return lax.dot_general(w, q, tn, preferred_element_type=jnp.float32).T
+
+    assert _plan(f, w, q).layouts == {}
+    assert rel(amp(f)(w, q), f(w, q)) < 1e-2
+
+
 def test_plan_has_no_layouts_for_other_backends():
     """GPUs and other platforms write dots as they are: their plans carry no records."""
     x, w = jnp.ones((64, 128)), jnp.ones((256, 128))
