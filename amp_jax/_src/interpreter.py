@@ -23,7 +23,7 @@ import jax
 import numpy as np
 from jax import lax
 
-from amp_jax._src import casting, compat, decision, rules
+from amp_jax._src import casting, compat, decision, jaxprs, rules
 from amp_jax._src.decision import Color, Fused
 from amp_jax._src.planning import Context, Plan, plan
 
@@ -118,27 +118,24 @@ def evaluate(
     keep their dtypes (unless ``cast_outputs`` is false: then as computed)."""
     jaxpr = plan_.jaxpr
     env = _Env(ctx.target.layouts(jaxpr))
-    for v, c in zip(jaxpr.constvars, compat.consts_of(plan_.closed)):
-        env.write(v, c)
-    for v, a in zip(jaxpr.invars, args):
-        env.write(v, a)
-    for idx, (eqn, d) in enumerate(zip(jaxpr.eqns, plan_.decisions)):
+    cd = ctx.policy.compute_dtype
+
+    def by_decision(i: int, eqn: Any, env: _Env) -> Sequence[Any]:
+        d = plan_.decisions[i]
         if d.fused is Fused.INSIDE:
-            continue  # computed by the fused attention
+            return ()  # computed by the fused attention
         with contextlib.ExitStack() as stack:
-            for m in compat.eqn_context(eqn):
-                stack.enter_context(m)
             for scope in decision.scopes(d):  # its reason, for the ops it becomes
                 stack.enter_context(jax.named_scope(scope))
             if d.fused is Fused.HERE:
-                match, impl = plan_.fused[idx]
-                outs = [match.evaluate(env.read, ctx.policy.compute_dtype, impl)]
-            else:
-                outs = rules.rule_for(eqn, d.op_class).evaluate(ctx, eqn, d, env)
-        for v, o in zip(eqn.outvars, outs):
-            env.write(v, o)
-    cd = ctx.policy.compute_dtype
-    return [
-        env.read(v, casting.target(casting.dtype_of(v), Color.ORIG, cd) if cast_outputs else None)
-        for v in jaxpr.outvars
-    ]
+                match, impl = plan_.fused[i]
+                return [match.evaluate(env.read, cd, impl)]
+            return rules.rule_for(eqn, d.op_class).evaluate(ctx, eqn, d, env)
+
+    def output(v: Any) -> Any:
+        return env.read(
+            v, casting.target(casting.dtype_of(v), Color.ORIG, cd) if cast_outputs else None
+        )
+
+    consts = compat.consts_of(plan_.closed)
+    return jaxprs.eval_jaxpr(jaxpr, consts, args, by_decision, env, output)

@@ -23,7 +23,6 @@ named scopes of ``decision.py``) by ``dtype_report``.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -700,18 +699,17 @@ def _has_inlinable_jit(jaxpr: Any) -> bool:
     return any(compat.jit_is_inlinable(e) for e in jaxpr.eqns)
 
 
-def _bind_inlining(eqn: Any, invals: list[Any]) -> Sequence[Any]:
-    with contextlib.ExitStack() as stack:
-        for m in compat.eqn_context(eqn):
-            stack.enter_context(m)
-        if compat.jit_is_inlinable(eqn):
-            return _eval_inlining(compat.jit_jaxpr(eqn), invals)
-        return compat.bind_eqn(eqn, invals)
+def _inlining(i: int, eqn: Any, env: jaxprs.Env) -> Sequence[Any]:
+    """The `jaxprs.Hook` of `inline_jits`: an inlinable ``jit``'s body is
+    evaluated in place (recursively), any other eqn is bound as it is."""
+    if compat.jit_is_inlinable(eqn):
+        return _eval_inlining(compat.jit_jaxpr(eqn), env.operands(eqn))
+    return jaxprs.bind(i, eqn, env)
 
 
 def _eval_inlining(closed: Any, args: Sequence[Any]) -> list[Any]:
     jaxpr, consts = jaxprs.open_jaxpr(closed)
-    return jaxprs.eval_jaxpr(jaxpr, consts, args, _bind_inlining)
+    return jaxprs.eval_jaxpr(jaxpr, consts, args, _inlining)
 
 
 def inline_jits(closed: Any) -> Any:
