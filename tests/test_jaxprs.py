@@ -7,7 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+import amp_jax
 from amp_jax._src import compat, jaxprs
+from amp_jax.eager._deps import dependencies
 
 
 def _f(x, w):
@@ -182,3 +184,24 @@ def test_open_jaxpr_and_closed_subjaxprs():
         assert consts == list(sub.consts) and jaxpr is sub.jaxpr
     jaxpr, consts = jaxprs.open_jaxpr(subs[0].jaxpr)  # an open one: no consts
     assert jaxpr is subs[0].jaxpr and consts == []
+
+
+def test_every_evaluator_in_amp_is_a_hook_on_eval_jaxpr(monkeypatch):
+    # the interpreter, jit inlining, debug's probes and eager's dependency
+    # analysis all walk through jaxprs.eval_jaxpr, each with its own hook
+    hooks = []
+    real = jaxprs.eval_jaxpr
+
+    def spy(jaxpr, consts, args, hook=jaxprs.bind, *rest):
+        hooks.append(hook.__name__)
+        return real(jaxpr, consts, args, hook, *rest)
+
+    monkeypatch.setattr(jaxprs, "eval_jaxpr", spy)
+
+    def f(x, w):
+        return jnp.sum(jax.jit(jnp.tanh)(x @ w))
+
+    amp_jax.amp(f)(X, W)
+    amp_jax.debug.first_nonfinite(f, X, W)
+    dependencies(jax.make_jaxpr(f)(X, W), [frozenset("x"), frozenset("w")])
+    assert {"by_decision", "_inlining", "probing", "_propagate"} <= set(hooks), hooks
