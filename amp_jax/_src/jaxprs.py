@@ -155,7 +155,7 @@ def eval_jaxpr(
     for v, a in zip(jaxpr.invars, args):
         env.write(v, a)
     _run(jaxpr.eqns, env, hook)
-    output = env.read if output is None else output  # type: ignore[attr-defined]
+    output = env.read if output is None else output
     return [output(v) for v in jaxpr.outvars]
 
 
