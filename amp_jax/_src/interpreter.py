@@ -16,7 +16,7 @@ their rules (``higher_order.py``) call back through the
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -33,11 +33,11 @@ from amp_jax._src.planning import Context, Plan, plan
 class _Env:
     """Values of a jaxpr being evaluated, and the casts made of them (each once)."""
 
-    def __init__(self, layouts: Any = None):
+    def __init__(self, layouts: Mapping[Any, Any] | None = None):
         self.vals: dict[Any, Any] = {}
         self.casts: dict[tuple[Any, Any], Any] = {}
-        #: the backend's per-evaluation dot layouts (`Backend.layouts`), or None
-        self.layouts = layouts
+        #: the plan's dot layouts (`Plan.layouts`), by the first output of their eqn
+        self.layouts = layouts or {}
 
     def write(self, v: Any, val: Any) -> None:
         if type(v).__name__ != "DropVar":
@@ -117,7 +117,7 @@ def evaluate(
     """Evaluates a planned jaxpr on ``args`` under the caller's trace; outputs
     keep their dtypes (unless ``cast_outputs`` is false: then as computed)."""
     jaxpr = plan_.jaxpr
-    env = _Env(ctx.target.layouts(jaxpr))
+    env = _Env({jaxpr.eqns[i].outvars[0]: lay for i, lay in plan_.layouts.items()})
     cd = ctx.policy.compute_dtype
 
     def by_decision(i: int, eqn: Any, env: _Env) -> Sequence[Any]:

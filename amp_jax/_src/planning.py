@@ -30,7 +30,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from amp_jax._src import attention, casting, compat, float8, jaxprs, painting, rules
+from amp_jax._src import attention, casting, compat, dots, float8, jaxprs, painting, rules
 from amp_jax._src.backends import backend_for
 from amp_jax._src.decision import (
     AttentionPath,
@@ -325,6 +325,8 @@ class Plan:
     decisions: tuple[Decision, ...]
     #: the fused attentions, by the index of the eqn that computes each one
     fused: dict[int, tuple[attention.Match, str]] = dataclasses.field(default_factory=dict)
+    #: the backend's layouts of lowered dots, by eqn index (XLA:CPU: `cpu.DotLayout`)
+    layouts: dict[int, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def jaxpr(self) -> Any:
@@ -344,7 +346,9 @@ def plan(ctx: Context, closed: Any) -> Plan:
             ctx.exits(closed),
         )
         att = _plan_attention(ctx, flat)
-        return Plan(flat, draft.decisions(ctx, compat.jaxpr_of(flat), att), att.fused)
+        decisions = draft.decisions(ctx, compat.jaxpr_of(flat), att)
+        layouts = dots.plan_layouts(ctx, compat.jaxpr_of(flat), decisions)
+        return Plan(flat, decisions, att.fused, layouts)
 
     return ctx.cached("plan", closed, make)
 
@@ -358,7 +362,8 @@ def all_low(ctx: Context, closed: Any) -> Plan:
     for c in (ctx.classify(e) for e in eqns):
         color = Color.ORIG if c.kind is Kind.NO_FLOAT else Color.LOW
         decisions.append(Decision(c.kind, c.op_class, color, reason))
-    return Plan(closed, tuple(decisions))
+    layouts = dots.plan_layouts(ctx, compat.jaxpr_of(closed), decisions)
+    return Plan(closed, tuple(decisions), layouts=layouts)
 
 
 @dataclasses.dataclass
