@@ -56,7 +56,7 @@ def _amp_identity():
 def _hoisting_off():
     from amp_jax._src import higher_order
 
-    higher_order._plan_hoisted_casts = lambda ctx, eqn: None
+    higher_order._plan_hoisted_casts = lambda ctx, eqn, hints: None
 
 
 def _broadcast_reads_off():

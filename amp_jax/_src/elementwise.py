@@ -20,7 +20,7 @@ import numpy as np
 
 from amp_jax._src import casting, compat
 from amp_jax._src.backends import Backend
-from amp_jax._src.decision import Color, Decision, Variant
+from amp_jax._src.decision import BodyHints, Color, Decision, Variant
 from amp_jax._src.policy import HIGH_DTYPE, Policy, is_managed_float
 
 #: ``rule(eqn, invals, compute_dtype, out_dtype) -> list of outputs``: the
@@ -46,11 +46,13 @@ class RuleContext(Protocol):
 
     def prepare(self, closed: Any) -> Any: ...
 
-    def plan(self, closed: Any) -> Any: ...
+    def plan(self, closed: Any, hints: BodyHints = ...) -> Any: ...
 
     def all_low(self, closed: Any) -> Any: ...
 
-    def rewrite(self, closed: Any, in_avals: Sequence[Any] | None = None) -> Any: ...
+    def rewrite(
+        self, closed: Any, in_avals: Sequence[Any] | None = None, hints: BodyHints = ...
+    ) -> Any: ...
 
     def evaluate(self, plan_: Any, args: Sequence[Any], cast_outputs: bool = True) -> list[Any]: ...
 
@@ -86,11 +88,6 @@ class EqnRule:
     def reads_low(self, ctx: RuleContext, eqn: Any, d: Decision, atom: Any) -> bool:
         """Whether ``evaluate`` reads operand ``atom`` only in the compute dtype."""
         return d.color is Color.LOW
-
-    def no_low_kernel(self, eqn: Any, backend: Backend) -> bool:
-        """Whether ``backend`` has no compute-dtype kernel for ``eqn`` (an allow
-        op): planning then keeps it in float32, with that reason."""
-        return False
 
 
 class BroadcastRule(EqnRule):
