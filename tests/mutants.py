@@ -192,6 +192,14 @@ def _backend_from_process():
     planning.backend_for = lambda name: orig(jax.default_backend())
 
 
+def _body_hints_off():
+    from amp_jax._src import higher_order
+    from amp_jax._src.decision import NO_HINTS
+
+    # sub-jaxprs rewritten without what their parent's plan says of their outputs
+    higher_order.body_hints = lambda eqn, d, sub: NO_HINTS
+
+
 def _eager_state_carried():
     from amp_jax.eager import _scan_step
 
@@ -223,6 +231,7 @@ MUTANTS = {
     "float8_backward_e4m3": _float8_backward_e4m3,
     "casting_widens": _casting_widens,
     "backend_from_process": _backend_from_process,
+    "body_hints_off": _body_hints_off,
     "eager_state_carried": _eager_state_carried,
     "eager_writes_unordered": _eager_writes_unordered,
 }

@@ -47,7 +47,7 @@ def einsum_attention(q, k, v, *, mask=None, fill=-1e9, scale="div", layout="bthd
 
 def _log(fn):
     (traced,) = fn._cache.values()
-    return traced.ctx.attention_log
+    return traced.ctx.memo.attention_log
 
 
 def _fused(jaxpr):
@@ -737,7 +737,7 @@ def test_cudnn_refusal_falls_back_with_a_reason():
 def _fused_kinds(fn):
     """The kinds of the attentions amp fused in every (sub-)jaxpr it planned for ``fn``."""
     (traced,) = fn._cache.values()
-    plans = [p for _, p in traced.ctx._memo.values() if isinstance(p, planning.Plan)]
+    plans = [p for _, p in traced.ctx.memo.table.values() if isinstance(p, planning.Plan)]
     return [m.kind for p in plans for m, _ in p.fused.values()]
 
 

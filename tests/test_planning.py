@@ -32,7 +32,7 @@ from amp_jax._src.decision import (
 
 
 def _ctx(policy="bfloat16", backend="cpu"):
-    return planning.Context(amp_jax.get_policy(policy), backend)
+    return planning.Context(planning.Config(amp_jax.get_policy(policy), backend))
 
 
 def _plan(fn, *args, policy="bfloat16", backend=None):

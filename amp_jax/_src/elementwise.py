@@ -19,7 +19,6 @@ from typing import Any, Protocol
 import numpy as np
 
 from amp_jax._src import casting, compat
-from amp_jax._src.backends import Backend
 from amp_jax._src.decision import BodyHints, Color, Decision, Variant
 from amp_jax._src.policy import HIGH_DTYPE, Policy, is_managed_float
 
@@ -29,22 +28,26 @@ Rule = Callable[[Any, Sequence[Any], np.dtype, np.dtype], list[Any]]
 
 
 class RuleContext(Protocol):
-    """What a rule reads of the context it evaluates under (``interpreter.Interpreter``)."""
-
-    policy: Policy
-    #: the platform name planned for, and its record (``backends``)
-    backend: str
-    target: Backend
-    #: whether allow ops use their own rules (off in code JAX will transpose)
-    vjp_rules: bool
-    identity: bool
+    """What a rule reads of the context it binds under (``interpreter.Interpreter``):
+    the configuration, the trace's memo, and the planning, rewriting and
+    evaluation of sub-jaxprs (for the rules of higher-order primitives)."""
 
     @property
-    def linear(self) -> RuleContext: ...
+    def policy(self) -> Policy: ...
+
+    @property
+    def backend(self) -> str:
+        """The platform name planned for."""
+
+    @property
+    def vjp_rules(self) -> bool:
+        """Whether allow ops use their own rules (off in code JAX will transpose)."""
+
+    @property
+    def linear(self) -> RuleContext:
+        """This context without the custom_vjp rules."""
 
     def cached(self, kind: Any, obj: Any, make: Callable[[], Any]) -> Any: ...
-
-    def prepare(self, closed: Any) -> Any: ...
 
     def plan(self, closed: Any, hints: BodyHints = ...) -> Any: ...
 

@@ -147,7 +147,7 @@ def _custom_jvp_low(ctx: RuleContext, eqn: Any, low_avals: Sequence[Any]) -> dic
     are the same with and without differentiation.
     """
     call_jaxpr, rule_fun, _ = compat.custom_jvp_parts(eqn)
-    low = ctx.all_low(ctx.prepare(call_jaxpr))
+    low = ctx.all_low(call_jaxpr)
     orig_avals = [v.aval for v in eqn.invars]
 
     def primal(*xs):
@@ -251,7 +251,7 @@ def _plan_hoisted_casts(
     ``hints``: the body's, from the scan's decision.
     """
     found = compat.scan_xs(eqn)
-    if found is None or ctx.identity:
+    if found is None or ctx.policy.is_identity:
         return None
     body, xs = found
     body_plan = ctx.plan(body, hints)

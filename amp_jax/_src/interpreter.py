@@ -16,6 +16,7 @@ their rules (``higher_order.py``) call back through the
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -86,10 +87,11 @@ class _Env:
         return self.casts[key]
 
 
+@dataclasses.dataclass(frozen=True)
 class Interpreter(Context):
-    """A planning `Context` that also evaluates:
-    what the rules of higher-order primitives (``higher_order.py``) call back to
-    rewrite their sub-jaxprs."""
+    """A planning `Context` that also rewrites and evaluates: what the rules
+    (``elementwise.RuleContext``) are handed, for the rules of higher-order
+    primitives (``higher_order.py``) to rewrite their sub-jaxprs."""
 
     def rewrite(
         self, closed: Any, in_avals: Sequence[Any] | None = None, hints: BodyHints = NO_HINTS

@@ -1,6 +1,7 @@
 """Planning: one `Decision` for every eqn of a jaxpr.
 
-`plan` runs, once per (context, closed jaxpr):
+`plan` runs, once per (trace, closed jaxpr, hints), under a `Context`: a
+frozen `Config` (policy, backend) and the `Memo` of the trace:
 
 1. *Prepare* (`Context.prepare`): inline ``jit`` eqns that carry no
    shardings, so that the analysis sees through ``jax.nn``/``jnp`` helpers
@@ -18,21 +19,25 @@
 
 Every reason is recorded where its decision is made; the `Plan` is
 then read by the interpreter and its rules, by ``explain`` and (through the
-named scopes of ``decision.py``) by ``dtype_report``.
+named scopes of ``decision.py``) by ``dtype_report``. A higher-order eqn's
+decision carries the `BodyHints` of its sub-jaxprs (which outputs decide a
+loop, which it carries), that their plans take as input: a plan is data,
+printed by `format_plan` without tracing.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterable, Sequence
+import functools
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
 
 from amp_jax._src import attention, casting, compat, float8, jaxprs, painting
-from amp_jax._src.backends import backend_for
+from amp_jax._src.backends import Backend, backend_for
 from amp_jax._src.decision import (
     NO_HINTS,
     AttentionPath,
@@ -69,44 +74,101 @@ class Classified:
     variant: Variant = Variant.COMPUTE
 
 
-class Context:
-    """What planning and evaluation need besides the jaxpr: the policy and backend."""
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """What a plan depends on besides its jaxpr: frozen and hashable.
 
-    def __init__(self, policy: Policy, backend: str, vjp_rules: bool = True):
-        self.policy = policy
-        self.backend = backend
-        #: what amp knows of the backend (``backends/``)
-        self.target = backend_for(backend)
-        #: use the custom_vjp rules of allow ops; off in code JAX will transpose
-        #: (custom JVP rules), where a custom_vjp cannot appear.
-        self.vjp_rules = vjp_rules
-        self._linear: Context | None = None
-        self.identity = policy.is_identity
-        self.scopes = (FULL_PRECISION_SCOPE, *policy.full_precision_scopes)
-        # Everything derived from a jaxpr or an eqn is made once per context
-        # (per trace of the amp function), keyed by (kind, id(object)); the
-        # object is kept with its entry so that the id stays unique.
-        self._memo: dict[tuple[Any, int], tuple[Any, Any]] = {}
+    Attributes:
+      policy: the mixed-precision policy.
+      backend: the platform name planned for (``"cpu"``, ``"gpu"``, ...).
+      vjp_rules: allow ops use their custom_vjp rules; off in code JAX will
+        transpose (custom JVP rules), where a custom_vjp cannot appear.
+    """
+
+    policy: Policy
+    backend: str
+    vjp_rules: bool = True
+
+    @functools.cached_property
+    def target(self) -> Backend:
+        """What amp knows of the backend (``backends/``)."""
+        return backend_for(self.backend)
+
+    @property
+    def identity(self) -> bool:
+        return self.policy.is_identity
+
+    @functools.cached_property
+    def scopes(self) -> tuple[str, ...]:
+        """The full-precision scope names: the user's and the policy's."""
+        return (FULL_PRECISION_SCOPE, *self.policy.full_precision_scopes)
+
+    @property
+    def linear(self) -> Config:
+        """This configuration without the custom_vjp rules (for JVP-rule jaxprs)."""
+        return dataclasses.replace(self, vjp_rules=False) if self.vjp_rules else self
+
+
+class Memo:
+    """What one trace derives from its jaxprs and eqns, each made once.
+
+    Keyed by (key, id(object)); the object is kept with its entry so that the
+    id stays unique while the trace lives.
+    """
+
+    def __init__(self) -> None:
+        self.table: dict[tuple[Any, int], tuple[Any, Any]] = {}
         #: (source line of the scores matmul, implementation or None, reason)
-        #: for every attention recognised while rewriting (see attention.py).
+        #: for every attention recognised while planning (see attention.py).
         self.attention_log: list[tuple[str, str | None, str]] = []
 
-    def cached(self, kind: Any, obj: Any, make: Any) -> Any:
-        """``make()``, computed once per ``obj`` (by identity) and ``kind``."""
-        key = (kind, id(obj))
-        hit = self._memo.get(key)
+    def get(self, key: Any, obj: Any, make: Callable[[], Any]) -> Any:
+        """``make()``, computed once per ``obj`` (by identity) and ``key``."""
+        k = (key, id(obj))
+        hit = self.table.get(k)
         if hit is None or hit[0] is not obj:
-            hit = self._memo[key] = (obj, make())
+            hit = self.table[k] = (obj, make())
         return hit[1]
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+    """A `Config` and the `Memo` of the trace it plans: what planning reads.
+
+    ``linear`` shares the memo; its entries are keyed apart by ``vjp_rules``.
+    """
+
+    config: Config
+    memo: Memo = dataclasses.field(default_factory=Memo, compare=False, repr=False)
+
+    @property
+    def policy(self) -> Policy:
+        return self.config.policy
+
+    @property
+    def backend(self) -> str:
+        return self.config.backend
+
+    @property
+    def target(self) -> Backend:
+        return self.config.target
+
+    @property
+    def vjp_rules(self) -> bool:
+        return self.config.vjp_rules
+
+    @property
+    def identity(self) -> bool:
+        return self.config.identity
 
     @property
     def linear(self) -> Context:
-        """This context without the custom_vjp rules (for JVP-rule jaxprs)."""
-        if not self.vjp_rules:
-            return self
-        if self._linear is None:
-            self._linear = type(self)(self.policy, self.backend, vjp_rules=False)
-        return self._linear
+        """This context without the custom_vjp rules, sharing its memo."""
+        return self if not self.vjp_rules else dataclasses.replace(self, config=self.config.linear)
+
+    def cached(self, kind: Any, obj: Any, make: Callable[[], Any]) -> Any:
+        """``make()``, computed once per ``obj`` (by identity) and ``kind`` in this trace."""
+        return self.memo.get((self.vjp_rules, kind), obj, make)
 
     def prepare(self, closed: Any) -> Any:
         """Inlines sharding-free jits (not under the identity policy, which keeps
@@ -121,8 +183,8 @@ class Context:
         return plan(self, closed, hints)
 
     def all_low(self, closed: Any) -> Plan:
-        """The plan of a transparent function painted low (`all_low`)."""
-        return all_low(self, closed)
+        """The plan of a transparent function painted low (`all_low`), prepared."""
+        return all_low(self, self.prepare(closed))
 
     # -- classification -------------------------------------------------
     def classify(self, eqn: Any) -> Classified:
@@ -154,7 +216,7 @@ class Context:
 
     def scope_of(self, eqn: Any) -> str | None:
         """The full-precision scope (whole name) ``eqn`` is traced in, or None."""
-        return scope_in(compat.name_stack_str(eqn), self.scopes)
+        return scope_in(compat.name_stack_str(eqn), self.config.scopes)
 
 
 def _classify(ctx: Context, eqn: Any) -> Classified:
@@ -685,7 +747,7 @@ def _plan_attention(ctx: Context, closed: Any) -> attention.Plan:
         compute_dtype=ctx.policy.compute_dtype,
         in_full_precision=ctx.in_full_precision,
     )
-    ctx.attention_log.extend(plan_.log)
+    ctx.memo.attention_log.extend(plan_.log)
     return plan_
 
 
@@ -723,8 +785,10 @@ __all__ = (
     "AttentionPath",
     "BodyHints",
     "Classified",
+    "Config",
     "Context",
     "LoopReads",
+    "Memo",
     "Plan",
     "all_low",
     "format_plan",
