@@ -3,8 +3,12 @@
 What keeps an op amp would lower in its original precision (float64, an
 explicit precision, too small, a constant the compute dtype cannot
 represent, no kernel on this backend), the typed records of the plan, and
-that ``explain`` and ``dtype_report`` say what the plan decided.
+that ``explain`` and ``dtype_report`` say what the plan decided; what a
+loop's or cond's plan hands its sub-jaxprs' plans (`BodyHints`), the printed
+plan, and the frozen configuration, all without tracing.
 """
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -287,3 +291,18 @@ def test_a_plan_prints_its_decisions_and_hints():
     dot = str(planning.plan(_ctx(), jax.make_jaxpr(jnp.dot)(x, x)))
     assert dot.split()[:5] == ["0", "dot_general", "allow", "low", "->"], dot
     assert dot.split()[5:7] == ["float32", "policy_class:"], dot
+
+
+def test_the_configuration_is_frozen_data_and_linear_shares_the_trace_memo():
+    ctx = _ctx()
+    assert ctx.config == planning.Config(amp_jax.get_policy("bfloat16"), "cpu")
+    assert {ctx.config: 1}[planning.Config(amp_jax.get_policy("bfloat16"), "cpu")] == 1
+    with pytest.raises(AttributeError):
+        ctx.config.vjp_rules = False
+    linear = ctx.linear
+    assert linear.config == dataclasses.replace(ctx.config, vjp_rules=False)
+    assert linear.memo is ctx.memo and linear.linear is linear
+    closed = jax.make_jaxpr(jnp.dot)(jnp.ones((64, 64)), jnp.ones((64, 64)))
+    p = ctx.plan(closed)
+    assert ctx.plan(closed) is p and linear.plan(closed) is not p  # keyed apart in one memo
+    assert ctx.plan(closed, BodyHints(carries=frozenset({0}))) is not p
