@@ -153,7 +153,7 @@ def _low_outputs_off():
 def _float8_off():
     from amp_jax._src import float8
 
-    float8.applies = lambda ctx, eqn: False  # the plan never picks the fp8 variant
+    float8.applies = lambda policy, vjp_rules, eqn: False  # the plan never picks the fp8 variant
 
 
 def _float8_scales_unguarded():

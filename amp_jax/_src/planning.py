@@ -267,7 +267,7 @@ def _classify(ctx: Context, eqn: Any) -> Classified:
     if floats and not ctx.target.has_low_kernel(eqn):
         # its rule runs it in float32 on this backend (XLA:CPU's batched dots)
         return Classified(Kind.OP, OpClass.ALLOW, Reason.kept(Why.BACKEND_KERNEL), Variant.FLOAT32)
-    if float8.applies(ctx, eqn):
+    if float8.applies(ctx.policy, ctx.vjp_rules, eqn):
         return Classified(Kind.OP, OpClass.ALLOW, variant=Variant.FLOAT8)
     return Classified(Kind.OP, OpClass.ALLOW)
 
@@ -464,7 +464,7 @@ def _reason(ctx: Context, eqn: Any, c: Classified, color: Color) -> Reason:
             f"backend-aware: {name} is slower in {cd} on {ctx.backend}, kept as written",
         )
     if c.op_class is OpClass.ALLOW and base == "allow":
-        fp8 = float8.reason(ctx, eqn, c.variant)
+        fp8 = float8.reason(ctx.policy, ctx.backend, eqn, c.variant)
         if fp8 is not None:
             return fp8
     if color is Color.LOW:
