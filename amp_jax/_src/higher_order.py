@@ -45,7 +45,7 @@ class HigherOrderRule(EqnRule):
         """Binds ``eqn`` on ``invals`` with its sub-jaxprs rewritten, each
         planned with the hints ``d`` gives it (`decision.body_hints`)."""
         params = ctx.cached(
-            "params",
+            ("params", d.hints),  # (a body planned twice, with two hints, has two)
             eqn,
             lambda: compat.map_subjaxprs(
                 eqn,
@@ -74,7 +74,7 @@ class ScanRule(HigherOrderRule):
             d = dataclasses.replace(d, hints=())
         eqn = masked
         hints = body_hints(eqn, d, eqn.params["jaxpr"])
-        hoisted = ctx.cached("hoist", eqn, lambda: _plan_hoisted_casts(ctx, eqn, hints))
+        hoisted = ctx.cached(("hoist", hints), eqn, lambda: _plan_hoisted_casts(ctx, eqn, hints))
         if not hoisted:
             return super().bind_rewritten(ctx, eqn, d, invals)
         hoist, new_params = hoisted
