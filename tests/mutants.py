@@ -56,7 +56,7 @@ def _amp_identity():
 def _hoisting_off():
     from amp_jax._src import higher_order
 
-    higher_order._plan_hoisted_casts = lambda ctx, eqn: None
+    higher_order._plan_hoisted_casts = lambda ctx, eqn, hints: None
 
 
 def _broadcast_reads_off():
@@ -153,7 +153,7 @@ def _low_outputs_off():
 def _float8_off():
     from amp_jax._src import float8
 
-    float8.applies = lambda ctx, eqn: False  # the plan never picks the fp8 variant
+    float8.applies = lambda policy, vjp_rules, eqn: False  # the plan never picks the fp8 variant
 
 
 def _float8_scales_unguarded():
@@ -192,6 +192,14 @@ def _backend_from_process():
     planning.backend_for = lambda name: orig(jax.default_backend())
 
 
+def _body_hints_off():
+    from amp_jax._src import higher_order
+    from amp_jax._src.decision import NO_HINTS
+
+    # sub-jaxprs rewritten without what their parent's plan says of their outputs
+    higher_order.body_hints = lambda eqn, d, sub: NO_HINTS
+
+
 def _eager_state_carried():
     from amp_jax.eager import _scan_step
 
@@ -223,6 +231,7 @@ MUTANTS = {
     "float8_backward_e4m3": _float8_backward_e4m3,
     "casting_widens": _casting_widens,
     "backend_from_process": _backend_from_process,
+    "body_hints_off": _body_hints_off,
     "eager_state_carried": _eager_state_carried,
     "eager_writes_unordered": _eager_writes_unordered,
 }
