@@ -469,6 +469,7 @@ def test_plan_reads_a_transposed_weight_through_its_transpose():
         lay = p.layouts[d]
         assert lay.operands == tuple(p.jaxpr.invars) and lay.out_dtype == jnp.float32
         assert repr(lay) == f"DotLayout(dot {d}, rhs via transpose {t}, dims={_NT})"
+        assert f"layout: DotLayout(dot {d}, rhs via transpose {t}" in str(p)  # (the printed plan)
 
 
 def test_plan_writes_a_transposed_product_as_the_swapped_dot():
