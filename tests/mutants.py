@@ -76,9 +76,9 @@ def _cpu_layouts_off():
 
     from amp_jax._src import backends
 
-    # XLA:CPU's dots written as they are, with no per-evaluation layouts
+    # XLA:CPU's dots written as they are, with no planned layouts
     backends._BACKENDS["cpu"] = dataclasses.replace(
-        backends._BACKENDS["cpu"], dot=backends.plain_dot, layouts=backends._no_layouts
+        backends._BACKENDS["cpu"], dot=backends.plain_dot, plan_layouts=backends._no_layouts
     )
 
 

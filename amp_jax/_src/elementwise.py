@@ -13,7 +13,7 @@ to know.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -63,8 +63,8 @@ class Env(Protocol):
     vals: dict[Any, Any]
     #: {(var, dtype): cast} of the casts made so far (each once)
     casts: dict[tuple[Any, Any], Any]
-    #: the backend's per-evaluation dot layouts (`Backend.layouts`), or None
-    layouts: Any
+    #: the plan's dot layouts (`Plan.layouts`), by the first output of their eqn
+    layouts: Mapping[Any, Any]
 
     def read(self, atom: Any, dtype: Any) -> Any: ...
 

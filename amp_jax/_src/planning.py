@@ -23,7 +23,6 @@ named scopes of ``decision.py``) by ``dtype_report``.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -31,7 +30,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from amp_jax._src import attention, casting, compat, float8, jaxprs, painting, rules
+from amp_jax._src import attention, casting, compat, dots, float8, jaxprs, painting, rules
 from amp_jax._src.backends import backend_for
 from amp_jax._src.decision import (
     AttentionPath,
@@ -326,6 +325,8 @@ class Plan:
     decisions: tuple[Decision, ...]
     #: the fused attentions, by the index of the eqn that computes each one
     fused: dict[int, tuple[attention.Match, str]] = dataclasses.field(default_factory=dict)
+    #: the backend's layouts of lowered dots, by eqn index (XLA:CPU: `cpu.DotLayout`)
+    layouts: dict[int, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def jaxpr(self) -> Any:
@@ -345,7 +346,9 @@ def plan(ctx: Context, closed: Any) -> Plan:
             ctx.exits(closed),
         )
         att = _plan_attention(ctx, flat)
-        return Plan(flat, draft.decisions(ctx, compat.jaxpr_of(flat), att), att.fused)
+        decisions = draft.decisions(ctx, compat.jaxpr_of(flat), att)
+        layouts = dots.plan_layouts(ctx, compat.jaxpr_of(flat), decisions)
+        return Plan(flat, decisions, att.fused, layouts)
 
     return ctx.cached("plan", closed, make)
 
@@ -359,7 +362,8 @@ def all_low(ctx: Context, closed: Any) -> Plan:
     for c in (ctx.classify(e) for e in eqns):
         color = Color.ORIG if c.kind is Kind.NO_FLOAT else Color.LOW
         decisions.append(Decision(c.kind, c.op_class, color, reason))
-    return Plan(closed, tuple(decisions))
+    layouts = dots.plan_layouts(ctx, compat.jaxpr_of(closed), decisions)
+    return Plan(closed, tuple(decisions), layouts=layouts)
 
 
 @dataclasses.dataclass
@@ -700,18 +704,17 @@ def _has_inlinable_jit(jaxpr: Any) -> bool:
     return any(compat.jit_is_inlinable(e) for e in jaxpr.eqns)
 
 
-def _bind_inlining(eqn: Any, invals: list[Any]) -> Sequence[Any]:
-    with contextlib.ExitStack() as stack:
-        for m in compat.eqn_context(eqn):
-            stack.enter_context(m)
-        if compat.jit_is_inlinable(eqn):
-            return _eval_inlining(compat.jit_jaxpr(eqn), invals)
-        return compat.bind_eqn(eqn, invals)
+def _inlining(i: int, eqn: Any, env: jaxprs.Env) -> Sequence[Any]:
+    """The `jaxprs.Hook` of `inline_jits`: an inlinable ``jit``'s body is
+    evaluated in place (recursively), any other eqn is bound as it is."""
+    if compat.jit_is_inlinable(eqn):
+        return _eval_inlining(compat.jit_jaxpr(eqn), env.operands(eqn))
+    return jaxprs.bind(i, eqn, env)
 
 
 def _eval_inlining(closed: Any, args: Sequence[Any]) -> list[Any]:
     jaxpr, consts = jaxprs.open_jaxpr(closed)
-    return jaxprs.eval_jaxpr(jaxpr, consts, args, _bind_inlining)
+    return jaxprs.eval_jaxpr(jaxpr, consts, args, _inlining)
 
 
 def inline_jits(closed: Any) -> Any:
