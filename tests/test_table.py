@@ -61,7 +61,7 @@ def test_an_unknown_primitive_in_the_allow_class_gets_the_default_allow_rule():
 
 
 def _ctx(backend="cpu", policy="bfloat16"):
-    return planning.Context(amp_jax.get_policy(policy), backend)
+    return planning.Context(planning.Config(amp_jax.get_policy(policy), backend))
 
 
 def _decisions(ctx, fn, *args):

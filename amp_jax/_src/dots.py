@@ -21,7 +21,7 @@ from jax.custom_derivatives import SymbolicZero
 from jax.extend.core import primitives as P
 
 from amp_jax._src import casting, lowdot, mesh
-from amp_jax._src.backends import Backend, backend_for
+from amp_jax._src.backends import backend_for
 from amp_jax._src.decision import Decision, Fused, OpClass, Variant
 from amp_jax._src.elementwise import (
     AllowRule,
@@ -38,7 +38,7 @@ from amp_jax._src.policy import HIGH_DTYPE, is_managed_float
 class DotRule(AllowRule):
     """``dot_general``: low-precision forward and backward, written by the
     backend (`Backend.dot`); dots the backend has no compute-dtype kernel for
-    stay float32 (`Backend.runs_low`); the fp8 products of a float8 policy are
+    stay float32 (`Backend.has_low_kernel`); the fp8 products of a float8 policy are
     its ``FLOAT8`` variant (``float8.py``).
 
     A dot the plan gives a layout record (`Plan.layouts`; XLA:CPU's
@@ -56,10 +56,6 @@ class DotRule(AllowRule):
         if not ctx.vjp_rules:
             return default_allow_rule
         return functools.partial(dot_general_rule, backend=ctx.backend)
-
-    def no_low_kernel(self, eqn: Any, backend: Backend) -> bool:
-        floats = all(is_managed_float(casting.dtype_of(v)) for v in eqn.invars)
-        return floats and not backend.runs_low(eqn)
 
 
 class TransposeRule(EqnRule):
@@ -112,7 +108,9 @@ def plan_layouts(ctx: RuleContext, jaxpr: Any, decisions: Sequence[Decision]) ->
             lowered[i] = d.out_dtype
     if not lowered or not ctx.vjp_rules:
         return {}
-    if not isinstance(ctx.rule_for(jaxpr.eqns[min(lowered)], OpClass.ALLOW), DotRule):
+    from amp_jax._src import rules  # (the table is built from this module's rules)
+
+    if not isinstance(rules.rule_for(jaxpr.eqns[min(lowered)], OpClass.ALLOW), DotRule):
         return {}
     return backend_for(ctx.backend).plan_layouts(jaxpr, lowered, skip)
 

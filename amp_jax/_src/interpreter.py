@@ -16,6 +16,7 @@ their rules (``higher_order.py``) call back through the
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -24,7 +25,7 @@ import numpy as np
 from jax import lax
 
 from amp_jax._src import casting, compat, decision, jaxprs, rules
-from amp_jax._src.decision import Color, Fused
+from amp_jax._src.decision import NO_HINTS, BodyHints, Color, Fused, OpClass
 from amp_jax._src.planning import Context, Plan, plan
 
 # -- evaluation -----------------------------------------------------------------
@@ -86,28 +87,41 @@ class _Env:
         return self.casts[key]
 
 
+@dataclasses.dataclass(frozen=True)
 class Interpreter(Context):
-    """A planning `Context` that also evaluates:
-    what the rules of higher-order primitives (``higher_order.py``) call back to
-    rewrite their sub-jaxprs."""
+    """A planning `Context` that also rewrites and evaluates: what the rules
+    (``elementwise.RuleContext``) are handed, for the rules of higher-order
+    primitives (``higher_order.py``) to rewrite their sub-jaxprs."""
 
-    def rewrite(self, closed: Any, in_avals: Sequence[Any] | None = None) -> Any:
-        return rewrite(self, closed, in_avals)
+    def rewrite(
+        self, closed: Any, in_avals: Sequence[Any] | None = None, hints: BodyHints = NO_HINTS
+    ) -> Any:
+        return rewrite(self, closed, in_avals, hints)
 
     def evaluate(self, plan_: Plan, args: Sequence[Any], cast_outputs: bool = True) -> list[Any]:
         return evaluate(self, plan_, args, cast_outputs)
 
+    def rule_for(self, eqn: Any, op_class: OpClass | None) -> Any:
+        """The rule that binds ``eqn`` (`rules.rule_for`)."""
+        return rules.rule_for(eqn, op_class)
 
-def rewrite(ctx: Context, closed: Any, in_avals: Sequence[Any] | None = None) -> Any:
+
+def rewrite(
+    ctx: Context,
+    closed: Any,
+    in_avals: Sequence[Any] | None = None,
+    hints: BodyHints = NO_HINTS,
+) -> Any:
     """``closed`` rewritten under ``ctx``: a closed jaxpr with the same output
-    avals, taking ``in_avals`` (default: ``closed``'s own). Once per context."""
+    avals, taking ``in_avals`` (default: ``closed``'s own), planned with
+    ``hints`` (`planning.plan`). Once per context."""
 
     def make() -> Any:
-        plan_ = plan(ctx, closed)
+        plan_ = plan(ctx, closed, hints)
         avals = compat.in_avals(closed) if in_avals is None else in_avals
         return compat.trace_to_closed_jaxpr(lambda *a: evaluate(ctx, plan_, a), avals)
 
-    key = "rewrite" if in_avals is None else ("rewrite", tuple(in_avals))
+    key = ("rewrite", hints) if in_avals is None else ("rewrite", hints, tuple(in_avals))
     return ctx.cached(key, closed, make)
 
 

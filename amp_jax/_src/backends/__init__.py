@@ -2,7 +2,7 @@
 
 The general rules (``rules.py``, ``dots.py``, planning) never test a backend's
 name: they read its `Backend` record. Which dots it runs in the compute dtype
-(`Backend.runs_low`), how a lowered dot is written for it (`Backend.dot`:
+(`Backend.has_low_kernel`), how a lowered dot is written for it (`Backend.dot`:
 XLA:CPU's operand layouts, ``cpu.py``), the layouts chosen per dot when a
 jaxpr is planned (`Backend.plan_layouts`), which dtype ``allow`` ops write and which
 ops stay float32 (the tables below), fp8 matmuls and fused attention
@@ -69,6 +69,11 @@ class Backend:
     dot: Callable[..., Any] = plain_dot
     plan_layouts: Callable[..., dict[int, Any]] = _no_layouts
     native_float8_matmul: Callable[[], bool] = _never
+
+    def has_low_kernel(self, eqn: Any) -> bool:
+        """Whether ``eqn`` (an ``allow`` op on managed floats) has a kernel here
+        with compute-dtype operands: planning keeps it float32 if not."""
+        return eqn.primitive.name != "dot_general" or self.runs_low(eqn)
 
 
 _BACKENDS = {

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from amp_jax._src import compat, jaxprs
-from amp_jax._src.decision import Color, Decision, Kind, attention_from_stack
+from amp_jax._src.decision import Color, Decision, Kind, attention_from_stack, body_hints
 from amp_jax._src.planning import Context, plan
 from amp_jax._src.policy import Policy, is_managed_float
 from amp_jax._src.transform import AmpFunction, Traced
@@ -166,7 +166,7 @@ def _decide(
                 body = compat.jaxpr_of(ctx.prepare(sub))
                 _decide(ctx, body, [d] * len(body.eqns), out, reason, inner)
             else:
-                sub_plan = plan(ctx, sub)
+                sub_plan = plan(ctx, sub, body_hints(eqn, d, sub))
                 _decide(ctx, sub_plan.jaxpr, sub_plan.decisions, out, None, inner)
 
 
