@@ -237,7 +237,7 @@ def _backend_from_process():
 def _eager_state_carried():
     from amp_jax.eager import _scan_step
 
-    _patch(_scan_step, "_partitioned_by_mesh", lambda: True)  # the pipelined state slice everywhere
+    _patch(_scan_step, "_carries_state", lambda: True)  # the pipelined state slice everywhere
 
 
 def _eager_writes_unordered():
