@@ -93,7 +93,7 @@ def _amp_identity():
 def _hoisting_off():
     from amp_jax._src import higher_order
 
-    _patch(higher_order, "_plan_hoisted_casts", lambda ctx, eqn: None)
+    _patch(higher_order, "_plan_hoisted_casts", lambda ctx, eqn, hints: None)
 
 
 def _broadcast_reads_off():
@@ -115,12 +115,12 @@ def _cpu_layouts_off():
 
     from amp_jax._src import backends
 
-    # XLA:CPU's dots written as they are, with no per-evaluation layouts
+    # XLA:CPU's dots written as they are, with no planned layouts
     cpu = backends._BACKENDS["cpu"]
     _patch_item(
         backends._BACKENDS,
         "cpu",
-        dataclasses.replace(cpu, dot=backends.plain_dot, layouts=backends._no_layouts),
+        dataclasses.replace(cpu, dot=backends.plain_dot, plan_layouts=backends._no_layouts),
     )
 
 
@@ -195,7 +195,8 @@ def _low_outputs_off():
 def _float8_off():
     from amp_jax._src import float8
 
-    _patch(float8, "applies", lambda ctx, eqn: False)  # the plan never picks the fp8 variant
+    # the plan never picks the fp8 variant
+    _patch(float8, "applies", lambda policy, vjp_rules, eqn: False)
 
 
 def _float8_scales_unguarded():
@@ -234,6 +235,14 @@ def _backend_from_process():
     _patch(planning, "backend_for", lambda name: orig(jax.default_backend()))
 
 
+def _body_hints_off():
+    from amp_jax._src import higher_order
+    from amp_jax._src.decision import NO_HINTS
+
+    # sub-jaxprs rewritten without what their parent's plan says of their outputs
+    _patch(higher_order, "body_hints", lambda eqn, d, sub: NO_HINTS)
+
+
 def _eager_state_carried():
     from amp_jax.eager import _scan_step
 
@@ -265,6 +274,7 @@ MUTANTS = {
     "float8_backward_e4m3": _float8_backward_e4m3,
     "casting_widens": _casting_widens,
     "backend_from_process": _backend_from_process,
+    "body_hints_off": _body_hints_off,
     "eager_state_carried": _eager_state_carried,
     "eager_writes_unordered": _eager_writes_unordered,
 }

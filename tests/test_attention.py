@@ -18,7 +18,7 @@ import pytest
 from _util import BF16, eqns
 
 from amp_jax import Policy, amp, full_precision
-from amp_jax._src import decision
+from amp_jax._src import decision, planning
 
 B, T, N, H = 2, 16, 4, 8
 KQ, KK, KV, KX = jax.random.split(jax.random.PRNGKey(0), 4)
@@ -47,7 +47,7 @@ def einsum_attention(q, k, v, *, mask=None, fill=-1e9, scale="div", layout="bthd
 
 def _log(fn):
     (traced,) = fn._cache.values()
-    return traced.ctx.attention_log
+    return traced.ctx.memo.attention_log
 
 
 def _fused(jaxpr):
@@ -737,12 +737,8 @@ def test_cudnn_refusal_falls_back_with_a_reason():
 def _fused_kinds(fn):
     """The kinds of the attentions amp fused in every (sub-)jaxpr it planned for ``fn``."""
     (traced,) = fn._cache.values()
-    return [
-        m.kind
-        for (kind, _), (_, p) in traced.ctx._memo.items()
-        if kind == "plan"
-        for m, _ in p.fused.values()
-    ]
+    plans = [p for _, p in traced.ctx.memo.table.values() if isinstance(p, planning.Plan)]
+    return [m.kind for p in plans for m, _ in p.fused.values()]
 
 
 def test_causal_mask_closed_over_by_a_scanned_layer_becomes_is_causal():

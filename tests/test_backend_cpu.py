@@ -4,6 +4,8 @@ layout amp emits runs on XLA:CPU, in bf16)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,8 +14,9 @@ from _util import BF16, F16, eqns, prim_dtypes, rel
 from flax import nnx
 from jax import lax
 
+import amp_jax
 from amp_jax import amp
-from amp_jax._src import compat
+from amp_jax._src import compat, interpreter, planning
 from amp_jax._src.backends import BACKEND_LOW_OUTPUTS, backend_for, cpu, plain_dot
 
 #: primitives that accumulate many values in the backward pass
@@ -364,12 +367,12 @@ def test_materialized_transpose_splits_a_dim_into_reshapes():
 
 
 def test_backend_records_answer_per_platform():
-    """The backend interface: XLA:CPU writes its own dots and keeps layouts,
+    """The backend interface: XLA:CPU writes its own dots and plans their layouts,
     GPUs write bf16 outputs and fuse attention, other platforms get the plain record."""
     c, g, t = backend_for("cpu"), backend_for("gpu"), backend_for("tpu")
     assert c.dot is cpu.dot and g.dot is plain_dot and t.dot is plain_dot
-    assert isinstance(c.layouts(None), cpu.Layouts)
-    assert g.layouts(None) is None and t.layouts(None) is None
+    assert c.plan_layouts is cpu.plan_layouts
+    assert g.plan_layouts(None, {0: None}) == {} and t.plan_layouts(None, {0: None}) == {}
     assert "conv_general_dilated" in c.slow_in_low_precision
     assert not g.slow_in_low_precision and not t.slow_in_low_precision
     assert BACKEND_LOW_OUTPUTS == {"gpu"} and g.low_outputs and not c.low_outputs
@@ -441,21 +444,112 @@ def test_cpu_dot_upcasts_batched_bf16_dots_and_leaves_float32_ones():
     assert _names([e for e, _ in eqns(closed)]) == ["dot_general"]
 
 
-def test_layouts_swap_a_transposed_single_use_dot():
-    """transpose(dot(a, b)) is dot(b, a) where b contracts its trailing dims
-    and the dot's result has no other reader; nothing otherwise."""
-    nt = (((1,), (1,)), ((), ()))
-    closed = jax.make_jaxpr(lambda a, b: lax.dot_general(a, b, nt).T)(
-        jnp.ones((3, 4)), jnp.ones((5, 4))
-    )
-    jaxpr = compat.jaxpr_of(closed)
-    dot, tr = jaxpr.eqns
-    lay = cpu.Layouts(jaxpr)
-    a, b = jnp.ones((3, 4), BF16), jnp.ones((5, 4), BF16)
-    lay.dots[dot.outvars[0]] = (dot, [a, b], None, jnp.float32)
-    got = lay.swapped(dot.outvars[0], (1, 0))
-    assert got is not None
-    _, (x, y), dims, _ = got
-    assert x is b and y is a and dims == (((1,), (1,)), ((), ()))
-    assert lay.swapped(dot.outvars[0], (0, 1)) is None  # not the swap permutation
-    assert lay.swapped(tr.outvars[0], (1, 0)) is None  # not a recorded dot
+# -- the plan's dot layouts (made when planning, read when evaluating) ------------------------
+
+_NT = (((1,), (1,)), ((), ()))  # both operands contracting their trailing dim
+
+
+def _plan(fn, *args, backend="cpu", policy="bfloat16"):
+    ctx = planning.Context(planning.Config(amp_jax.get_policy(policy), backend))
+    return planning.plan(ctx, jax.make_jaxpr(fn)(*args))
+
+
+def _index(plan, name, n=0):
+    return [i for i, e in enumerate(plan.jaxpr.eqns) if e.primitive.name == name][n]
+
+
+def test_plan_reads_a_transposed_weight_through_its_transpose():
+    """x @ W.T (W stored (out, in)): the dot contracts W's own trailing dim,
+    as does the einsum spelling of the same product."""
+    x, w = jnp.ones((64, 128)), jnp.ones((256, 128))
+    for f in (lambda x, w: x @ w.T, lambda x, w: jnp.einsum("bi,io->bo", x, w.T)):
+        p = _plan(f, x, w)
+        t, d = _index(p, "transpose"), _index(p, "dot_general")
+        assert p.layouts == {d: cpu.DotLayout(d, (None, t), _NT, False, (None, None))}
+        lay = p.layouts[d]
+        assert lay.operands == tuple(p.jaxpr.invars) and lay.out_dtype == jnp.float32
+        assert repr(lay) == f"DotLayout(dot {d}, rhs via transpose {t}, dims={_NT})"
+
+
+def test_plan_writes_a_transposed_product_as_the_swapped_dot():
+    """vmap(lambda v: W @ v): the batched matvec's transpose is the dot with its
+    operands swapped (the product in the layout its readers want)."""
+    w, xs = jnp.ones((256, 128)), jnp.ones((64, 128))
+    p = _plan(lambda w, xs: jax.vmap(lambda v: w @ v)(xs), w, xs)
+    d, t = _index(p, "dot_general"), _index(p, "transpose")
+    assert p.layouts == {t: cpu.DotLayout(d, (None, None), _NT, True, (None, None))}
+    assert p.layouts[t].operands == tuple(p.jaxpr.eqns[d].invars[::-1])
+    assert repr(p.layouts[t]) == f"DotLayout(dot {d} swapped, dims={_NT})"
+
+
+def test_plan_keeps_layouts_that_would_change_the_product():
+    """No swap where the product has another reader or the permutation is not
+    the swap; no transpose read through where it reorders the dot's kept dims;
+    no records for dots kept in float32."""
+    w, xs = jnp.ones((256, 128)), jnp.ones((64, 128))
+    assert _plan(lambda w, xs: lax.dot_general(w, xs, _NT).T, w, xs).layouts  # (the swap)
+
+    def two_readers(w, xs):
+        y = lax.dot_general(w, xs, _NT)
+        return y.T, y
+
+    assert _plan(two_readers, w, xs).layouts == {}
+    x3, wh = jnp.ones((8, 16, 128)), jnp.ones((4, 32, 128))
+    assert _plan(lambda x, w: jnp.einsum("bsd,hkd->bhsk", x, w), x3, wh).layouts == {}
+    p = _plan(lambda x, w: jnp.transpose(x, (1, 0, 2)) @ w.T, x3, w)
+    t = _index(p, "transpose", 1)  # (w.T; x's transpose swaps the kept dims)
+    assert [lay.through for lay in p.layouts.values()] == [(None, t)]
+    assert _plan(lambda x, w: x @ w.T, xs, w, policy="float32").layouts == {}
+
+
+def test_evaluation_reads_the_plan_layouts():
+    """The dot rule contracts W (256, 128) directly because the plan says so:
+    the same plan without its records reads the transposed (128, 256) copy."""
+    x, w = jnp.ones((64, 128)), jnp.ones((256, 128))
+    ctx = interpreter.Interpreter(planning.Config(amp_jax.get_policy("bfloat16"), "cpu"))
+    p = planning.plan(ctx, jax.make_jaxpr(lambda x, w: x @ w.T)(x, w))
+
+    def dot_operands(plan_):
+        run = jax.make_jaxpr(lambda x, w: interpreter.evaluate(ctx, plan_, (x, w)))(x, w)
+        return {
+            tuple(v.aval.shape)
+            for e, _ in eqns(run)
+            if e.primitive.name == "dot_general"
+            for v in e.invars
+        }
+
+    assert dot_operands(p) == {(64, 128), (256, 128)}
+    assert dot_operands(dataclasses.replace(p, layouts={})) == {(64, 128), (128, 256)}
+
+
+def test_sub_plans_get_layouts_but_not_custom_jvp_rules():
+    """A function painted low (a custom_jvp body: `planning.all_low`) gets the
+    records too; code JAX transposes (custom JVP rules, no custom_vjp) none."""
+    x, w = jnp.ones((64, 128)), jnp.ones((256, 128))
+    closed = jax.make_jaxpr(lambda x, w: x @ w.T)(x, w)
+    ctx = planning.Context(planning.Config(amp_jax.get_policy("bfloat16"), "cpu"))
+    assert [lay.through for lay in planning.all_low(ctx, closed).layouts.values()] == [(None, 0)]
+    assert planning.plan(ctx.linear, closed).layouts == {}
+
+
+def test_a_transposed_integer_by_float_dot_keeps_its_dims():
+    """A lowered int8 x float32 dot whose result is transposed gets no layout
+    record (its rule binds it as written, with the eqn's own dims: a swap
+    would contract the wrong dims) and computes the product."""
+    tn = (((0,), (1,)), ((), ()))
+    w = jax.random.normal(jax.random.key(0), (128, 256))
+    q = jax.random.randint(jax.random.key(1), (64, 128), -8, 8).astype(jnp.int8)
+
+    def f(w, q):
+        return lax.dot_general(w, q, tn, preferred_element_type=jnp.float32).T
+
+    assert _plan(f, w, q).layouts == {}
+    assert rel(amp(f)(w, q), f(w, q)) < 1e-2
+
+
+def test_plan_has_no_layouts_for_other_backends():
+    """GPUs and other platforms write dots as they are: their plans carry no records."""
+    x, w = jnp.ones((64, 128)), jnp.ones((256, 128))
+    for backend in ("gpu", "tpu"):
+        assert _plan(lambda x, w: x @ w.T, x, w, backend=backend).layouts == {}
+        assert _plan(lambda x, w: jax.vmap(lambda v: w @ v)(x), x, w, backend=backend).layouts == {}

@@ -7,7 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from amp_jax._src import jaxprs
+import amp_jax
+from amp_jax._src import compat, jaxprs
+from amp_jax.eager._deps import dependencies
 
 
 def _f(x, w):
@@ -67,32 +69,93 @@ def test_contraction_and_flops_of_dots_and_convolutions():
     assert jaxprs.contraction_and_flops(eqns["tanh2"]) is None
 
 
-def test_eval_jaxpr_evaluates_through_the_hook():
+def _recording(seen):
+    """A hook that binds each eqn as it is and records (index, primitive, name stack)."""
+
+    def hook(i, eqn, env):
+        seen.append((i, eqn.primitive.name, compat.current_name_stack_str()))
+        return jaxprs.bind(i, eqn, env)
+
+    return hook
+
+
+def test_eval_jaxpr_calls_the_hook_once_per_eqn_in_order():
     closed = jax.make_jaxpr(_f)(X, W)
     seen = []
-
-    def bind(eqn, args):
-        seen.append(eqn.primitive.name)
-        return (
-            eqn.primitive.bind(*args, **eqn.params)
-            if eqn.primitive.multiple_results
-            else [eqn.primitive.bind(*args, **eqn.params)]
-        )
-
-    out = jaxprs.eval_jaxpr(closed.jaxpr, closed.consts, (X, W), bind)
+    out = jaxprs.eval_jaxpr(closed.jaxpr, closed.consts, (X, W), _recording(seen))
     for got, want in zip(out, _f(X, W)):
         np.testing.assert_allclose(got, want, rtol=1e-6)
-    assert seen == [e.primitive.name for e in closed.jaxpr.eqns]
-    # the default hook binds each eqn as it is
-    out = jaxprs.eval_jaxpr(closed.jaxpr, closed.consts, (X, W))
-    np.testing.assert_allclose(out[1], _f(X, W)[1], rtol=1e-6)
+    assert [(i, name) for i, name, _ in seen] == [
+        (i, e.primitive.name) for i, e in enumerate(closed.jaxpr.eqns)
+    ]
+
+
+def test_eval_jaxpr_results_come_from_the_hook():
+    # a hook that doubles every tanh: the outputs follow it, values are threaded
+    closed = jax.make_jaxpr(_f)(X, W)
+
+    def doubled_tanh(i, eqn, env):
+        outs = jaxprs.bind(i, eqn, env)
+        return [2 * o for o in outs] if eqn.primitive.name == "tanh" else outs
+
+    out, total = jaxprs.eval_jaxpr(closed.jaxpr, closed.consts, (X, W), doubled_tanh)
+    h = X @ W
+    np.testing.assert_allclose(out, 2 * jnp.tanh(h) + h, rtol=1e-6)
+    np.testing.assert_allclose(total, jnp.sum(h), rtol=1e-6)
+
+
+def test_eval_jaxpr_runs_each_eqn_under_its_source_context():
+    def f(x):
+        with jax.named_scope("outer"):
+            y = jnp.sin(x)
+        return jnp.cos(y)
+
+    closed = jax.make_jaxpr(f)(X)
+    seen = []
+    jaxprs.eval_jaxpr(closed.jaxpr, closed.consts, (X,), _recording(seen))
+    assert [(name, stack) for _, name, stack in seen] == [("sin", "outer"), ("cos", "")]
 
 
 def test_eval_jaxpr_reads_constants_and_literals():
     c = np.arange(3.0, dtype=np.float32)
     closed = jax.make_jaxpr(lambda x: x * c + 1.0)(jnp.ones(3))
+    assert closed.jaxpr.constvars and any(
+        isinstance(v, jax.extend.core.Literal) for e in closed.jaxpr.eqns for v in e.invars
+    )
     (out,) = jaxprs.eval_jaxpr(closed.jaxpr, closed.consts, (jnp.ones(3),))
     np.testing.assert_allclose(out, c + 1.0)
+
+
+def test_eval_jaxpr_over_another_value_domain():
+    # label sets instead of arrays: a literal has none, an eqn unites its operands'
+    closed = jax.make_jaxpr(lambda x, y: (jnp.sin(x) * 2.0, x + y))(X, X)
+
+    def union(i, eqn, env):
+        return [frozenset().union(*env.operands(eqn))] * len(eqn.outvars)
+
+    env = jaxprs.Env(literal=lambda _: frozenset())
+    out = jaxprs.eval_jaxpr(closed.jaxpr, [], [{"x"}, {"y"}], union, env)
+    assert out == [{"x"}, {"x", "y"}]
+
+
+def test_eval_jaxpr_keeps_no_dropped_var():
+    closed = jax.make_jaxpr(lambda x: (jnp.sin(x), jnp.cos(x)))(X)
+    sin, cos = closed.jaxpr.eqns
+    drop = jax.extend.core.DropVar(sin.outvars[0].aval)
+    jaxpr = closed.jaxpr.replace(eqns=[sin.replace(outvars=[drop]), cos], outvars=[cos.outvars[0]])
+    env = jaxprs.Env()
+    (out,) = jaxprs.eval_jaxpr(jaxpr, [], (X,), jaxprs.bind, env)
+    np.testing.assert_allclose(out, jnp.cos(X))
+    assert set(env.vals) == {jaxpr.invars[0], cos.outvars[0]}
+
+
+def test_run_eqns_evaluates_a_slice_into_a_dict():
+    closed = jax.make_jaxpr(_f)(X, W)
+    jaxpr = closed.jaxpr
+    env = dict(zip(jaxpr.invars, (X, W)))
+    jaxprs.run_eqns(jaxpr.eqns[:1], env)  # the dot only
+    np.testing.assert_allclose(jaxprs.read(env, jaxpr.eqns[0].outvars[0]), X @ W, rtol=1e-6)
+    assert len(env) == 3
 
 
 def test_iter_eqns_walks_sub_jaxprs_with_run_counts():
@@ -121,3 +184,24 @@ def test_open_jaxpr_and_closed_subjaxprs():
         assert consts == list(sub.consts) and jaxpr is sub.jaxpr
     jaxpr, consts = jaxprs.open_jaxpr(subs[0].jaxpr)  # an open one: no consts
     assert jaxpr is subs[0].jaxpr and consts == []
+
+
+def test_every_evaluator_in_amp_is_a_hook_on_eval_jaxpr(monkeypatch):
+    # the interpreter, jit inlining, debug's probes and eager's dependency
+    # analysis all walk through jaxprs.eval_jaxpr, each with its own hook
+    hooks = []
+    real = jaxprs.eval_jaxpr
+
+    def spy(jaxpr, consts, args, hook=jaxprs.bind, *rest):
+        hooks.append(hook.__name__)
+        return real(jaxpr, consts, args, hook, *rest)
+
+    monkeypatch.setattr(jaxprs, "eval_jaxpr", spy)
+
+    def f(x, w):
+        return jnp.sum(jax.jit(jnp.tanh)(x @ w))
+
+    amp_jax.amp(f)(X, W)
+    amp_jax.debug.first_nonfinite(f, X, W)
+    dependencies(jax.make_jaxpr(f)(X, W), [frozenset("x"), frozenset("w")])
+    assert {"by_decision", "_inlining", "probing", "_propagate"} <= set(hooks), hooks

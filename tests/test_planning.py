@@ -3,8 +3,12 @@
 What keeps an op amp would lower in its original precision (float64, an
 explicit precision, too small, a constant the compute dtype cannot
 represent, no kernel on this backend), the typed records of the plan, and
-that ``explain`` and ``dtype_report`` say what the plan decided.
+that ``explain`` and ``dtype_report`` say what the plan decided; what a
+loop's or cond's plan hands its sub-jaxprs' plans (`BodyHints`), the printed
+plan, and the frozen configuration, all without tracing.
 """
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -15,12 +19,28 @@ from jax import lax
 
 import amp_jax
 from amp_jax import Policy, amp, dtype_report
-from amp_jax._src import decision, planning
-from amp_jax._src.decision import Color, Decision, Fused, Kind, OpClass, Reason, Variant, Why
+from amp_jax._src import compat, decision, planning
+from amp_jax._src.backends import backend_for
+from amp_jax._src.decision import (
+    BodyHints,
+    Color,
+    Decision,
+    Fused,
+    Kind,
+    OpClass,
+    Reason,
+    Variant,
+    Why,
+    body_hints,
+)
+
+
+def _ctx(policy="bfloat16", backend="cpu"):
+    return planning.Context(planning.Config(amp_jax.get_policy(policy), backend))
 
 
 def _plan(fn, *args, policy="bfloat16", backend=None):
-    ctx = planning.Context(amp_jax.get_policy(policy), backend or jax.default_backend())
+    ctx = _ctx(policy, backend or jax.default_backend())
     return planning.plan(ctx, jax.make_jaxpr(fn)(*args))
 
 
@@ -171,3 +191,118 @@ def test_explain_says_what_ran_for_a_batched_dot_on_cpu():
     g = lambda a, b: jnp.sum(a[0] @ b[0])  # noqa: E731
     (row,) = [r for r in amp_jax.explain(g, a, b).rows if r.primitive == "dot_general"]
     assert row.dtype == "bfloat16" and row.reason.startswith("allow class")
+
+
+def test_planning_asks_the_backend_record_which_dots_have_a_kernel():
+    batched = jax.make_jaxpr(lambda a, b: jnp.einsum("bij,bjk->bik", a, b))(
+        jnp.ones((2, 32, 64)), jnp.ones((2, 64, 32))
+    ).eqns[0]
+    plain = jax.make_jaxpr(jnp.dot)(jnp.ones((32, 64)), jnp.ones((64, 32))).eqns[0]
+    tanh = jax.make_jaxpr(jnp.tanh)(jnp.ones(3)).eqns[0]
+    cpu, gpu = backend_for("cpu"), backend_for("gpu")
+    assert not cpu.has_low_kernel(batched) and cpu.has_low_kernel(plain)
+    assert gpu.has_low_kernel(batched) and cpu.has_low_kernel(tanh)
+
+
+# -- what a parent's plan tells the plans of its sub-jaxprs (BodyHints), without tracing -----
+
+
+def _higher_order(p, name, param):
+    """``(eqn, decision, sub-jaxpr at param)`` of the one ``name`` eqn of plan ``p``."""
+    ((eqn, d),) = [(e, d) for e, d in zip(p.jaxpr.eqns, p.decisions) if e.primitive.name == name]
+    sub = eqn.params[param]
+    return eqn, d, sub[0] if isinstance(sub, tuple) else sub
+
+
+def _while_converging(x, w):
+    def cond(c):
+        z, z_prev, i = c
+        return (jnp.max(jnp.abs(z - z_prev)) > 1e-3) & (i < 100)
+
+    def body(c):
+        z, _, i = c
+        return jnp.tanh(z @ w), z, i + 1
+
+    return lax.while_loop(cond, body, (x, x * 2, 0))[0]
+
+
+def test_a_while_loop_tells_its_body_what_decides_its_exit():
+    ctx = _ctx()
+    x = jnp.ones((64, 64))
+    p = planning.plan(ctx, jax.make_jaxpr(_while_converging)(x, x))
+    eqn, d, body = _higher_order(p, "while", "body_jaxpr")
+    # the exit test reads z and z_prev, z_prev is the last z: the whole carry decides it
+    every = frozenset({0, 1, 2})
+    assert dict(d.hints) == {
+        "cond_jaxpr": BodyHints(decides=frozenset({0}), exits=frozenset({0})),
+        "body_jaxpr": BodyHints(decides=every, exits=every, carries=every),
+    }
+    hints = body_hints(eqn, d, body)
+    assert hints == dict(d.hints)["body_jaxpr"]
+    (dot,) = _by_prim(planning.plan(ctx, body, hints), "dot_general")
+    assert (dot.color, dot.reason.why) == (Color.ORIG, Why.DECIDES_EXIT)
+    # the same body planned without its parent's hints would run the matmul low
+    (dot,) = _by_prim(planning.plan(ctx, body), "dot_general")
+    assert (dot.color, dot.reason.why) == (Color.LOW, Why.POLICY_CLASS)
+
+
+def test_a_scan_tells_its_body_what_it_carries():
+    ctx = _ctx(backend="gpu")  # where allow ops write bfloat16
+    h, ws = jnp.ones((64, 64)), jnp.ones((3, 64, 64))
+    step = lambda h, w: (h + jnp.tanh(h @ w), None)  # noqa: E731
+    p = planning.plan(ctx, jax.make_jaxpr(lambda h, ws: lax.scan(step, h, ws)[0])(h, ws))
+    eqn, d, body = _higher_order(p, "scan", "jaxpr")
+    assert dict(d.hints) == {"jaxpr": BodyHints(carries=frozenset({0}))}
+    planned = planning.plan(ctx, body, body_hints(eqn, d, body))
+    (dot,) = _by_prim(planned, "dot_general")
+    assert (dot.color, dot.out_dtype, dot.reason.why) == (Color.LOW, F32, Why.LOOP_CARRY)
+    (dot,) = _by_prim(planning.plan(ctx, body), "dot_general")
+    assert (dot.out_dtype, dot.reason.why) == (BF16, Why.POLICY_CLASS)
+
+
+def test_a_cond_in_a_loop_body_hands_the_carry_to_its_branches():
+    ctx = _ctx(backend="gpu")
+    h, ws = jnp.ones((64, 64)), jnp.ones((3, 64, 64))
+
+    def step(h, w):
+        return lax.cond(jnp.sum(h) > 0, lambda a: a + a @ w, lambda a: a - 1.0, h), None
+
+    p = planning.plan(ctx, jax.make_jaxpr(lambda h, ws: lax.scan(step, h, ws)[0])(h, ws))
+    eqn, d, body = _higher_order(p, "scan", "jaxpr")
+    assert dict(d.hints) == {"jaxpr": BodyHints(decides=frozenset({0}), carries=frozenset({0}))}
+    body_plan = planning.plan(ctx, body, body_hints(eqn, d, body))
+    eqn, d, branch = _higher_order(body_plan, "cond", "branches")
+    carry = BodyHints(carries=frozenset({0}))
+    assert dict(d.hints) == {"branches[0]": carry, "branches[1]": carry}
+    # which branch is which is JAX's business: the one with the matmul keeps it float32
+    branch = next(b for b in eqn.params["branches"] if "dot_general" in str(compat.jaxpr_of(b)))
+    (dot,) = _by_prim(planning.plan(ctx, branch, body_hints(eqn, d, branch)), "dot_general")
+    assert (dot.out_dtype, dot.reason.why) == (F32, Why.LOOP_CARRY)
+
+
+def test_a_plan_prints_its_decisions_and_hints():
+    x = jnp.ones((64, 64))
+    text = str(planning.plan(_ctx(), jax.make_jaxpr(_while_converging)(x, x)))
+    lines = text.splitlines()
+    (line,) = [s for s in lines if " while " in s]
+    assert line.split()[:4] == ["1", "while", "nested", "orig"] and "higher_order:" in line
+    assert "cond_jaxpr: decides={0} exits={0}" in lines[lines.index(line) + 1]
+    assert "body_jaxpr: decides={0, 1, 2} exits={0, 1, 2} carries={0, 1, 2}" in text
+    dot = str(planning.plan(_ctx(), jax.make_jaxpr(jnp.dot)(x, x)))
+    assert dot.split()[:5] == ["0", "dot_general", "allow", "low", "->"], dot
+    assert dot.split()[5:7] == ["float32", "policy_class:"], dot
+
+
+def test_the_configuration_is_frozen_data_and_linear_shares_the_trace_memo():
+    ctx = _ctx()
+    assert ctx.config == planning.Config(amp_jax.get_policy("bfloat16"), "cpu")
+    assert {ctx.config: 1}[planning.Config(amp_jax.get_policy("bfloat16"), "cpu")] == 1
+    with pytest.raises(AttributeError):
+        ctx.config.vjp_rules = False
+    linear = ctx.linear
+    assert linear.config == dataclasses.replace(ctx.config, vjp_rules=False)
+    assert linear.memo is ctx.memo and linear.linear is linear
+    closed = jax.make_jaxpr(jnp.dot)(jnp.ones((64, 64)), jnp.ones((64, 64)))
+    p = ctx.plan(closed)
+    assert ctx.plan(closed) is p and linear.plan(closed) is not p  # keyed apart in one memo
+    assert ctx.plan(closed, BodyHints(carries=frozenset({0}))) is not p

@@ -61,7 +61,7 @@ def test_an_unknown_primitive_in_the_allow_class_gets_the_default_allow_rule():
 
 
 def _ctx(backend="cpu", policy="bfloat16"):
-    return planning.Context(amp_jax.get_policy(policy), backend)
+    return planning.Context(planning.Config(amp_jax.get_policy(policy), backend))
 
 
 def _decisions(ctx, fn, *args):
@@ -148,7 +148,7 @@ def test_backend_comes_from_the_context_not_the_process():
         )
 
         def fn(a, b):  # a reader of the operands, as the interpreter's _Env
-            env = types.SimpleNamespace(read=lambda v, _: (a, b)[eqn.invars.index(v)], layouts=None)
+            env = types.SimpleNamespace(read=lambda v, _: (a, b)[eqn.invars.index(v)], layouts={})
             return rules.TABLE["dot_general"].evaluate(ctx, eqn, d, env)
 
         return str(jax.make_jaxpr(fn)(a, b))  # (with the custom_vjp's inner jaxpr)

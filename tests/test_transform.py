@@ -500,7 +500,7 @@ def test_repeated_calls_reuse_the_rewrite():
             f(ws, X8)
             g(ws, X8)
             (traced,) = f._cache.values()
-            sizes.append(len(traced.ctx._memo) + len(traced.ctx.linear._memo))
+            sizes.append(len(traced.ctx.memo.table))
             counts.append(len(traces))
     finally:
         compat.trace_to_closed_jaxpr = trace

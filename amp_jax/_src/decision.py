@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from typing import Any
 
 import numpy as np
 
+from amp_jax._src import compat
 from amp_jax._src.backends import backend_for
 from amp_jax._src.policy import FULL_PRECISION_SCOPE, scope_in
 
@@ -154,6 +156,42 @@ class AttentionPath:
 
 
 @dataclasses.dataclass(frozen=True)
+class BodyHints:
+    """What the plan of a sub-jaxpr needs from its parent's plan: its output
+    positions that decide control flow (a while predicate, a loop-carried
+    decision), those of them that decide when a while loop stops, and those a
+    loop carries to its next iteration (planning keeps what computes them out
+    of the compute dtype)."""
+
+    decides: frozenset[int] = frozenset()
+    exits: frozenset[int] = frozenset()
+    carries: frozenset[int] = frozenset()
+
+    def __or__(self, other: BodyHints) -> BodyHints:
+        return BodyHints(
+            self.decides | other.decides, self.exits | other.exits, self.carries | other.carries
+        )
+
+    def __bool__(self) -> bool:
+        return bool(self.decides or self.exits or self.carries)
+
+    def __str__(self) -> str:
+        parts = [
+            f"{name}={{{', '.join(map(str, sorted(outs)))}}}"
+            for name, outs in (
+                ("decides", self.decides),
+                ("exits", self.exits),
+                ("carries", self.carries),
+            )
+            if outs
+        ]
+        return " ".join(parts) or "-"
+
+
+NO_HINTS = BodyHints()
+
+
+@dataclasses.dataclass(frozen=True)
 class Decision:
     """What amp does with one eqn, and why.
 
@@ -167,6 +205,9 @@ class Decision:
       variant: the function an ``allow`` op painted low runs.
       attention: the path of the attention the eqn is part of, if any.
       fused: its part in a fused attention.
+      hints: for a higher-order eqn, the `BodyHints` of its sub-jaxprs, as
+        ``(param, hints)`` pairs (``param``: ``"body_jaxpr"``,
+        ``"branches[1]"``, ...); sub-jaxprs not named have none.
     """
 
     kind: Kind
@@ -177,11 +218,29 @@ class Decision:
     variant: Variant = Variant.COMPUTE
     attention: AttentionPath | None = None
     fused: Fused = Fused.NO
+    hints: tuple[tuple[str, BodyHints], ...] = ()
 
     @property
     def lowered(self) -> bool:
         """An ``allow`` op that runs its low-precision function."""
         return self.color is Color.LOW and self.op_class is OpClass.ALLOW
+
+
+def body_hints(eqn: Any, d: Decision, sub: Any) -> BodyHints:
+    """The hints ``d`` (the decision of higher-order ``eqn``) gives its sub-jaxpr
+    ``sub``: a closed jaxpr of ``eqn``'s params, or one closed again."""
+    if not d.hints:
+        return NO_HINTS
+    jaxpr = compat.jaxpr_of(sub)
+    found = NO_HINTS
+    for where, hints in d.hints:
+        name, _, index = where.partition("[")
+        param = eqn.params[name]
+        if index:
+            param = param[int(index[:-1])]
+        if compat.jaxpr_of(param) is jaxpr:
+            found |= hints
+    return found
 
 
 # -- how a reason travels through grad: named scopes -----------------------------------------

@@ -20,9 +20,9 @@ import numpy as np
 from jax.custom_derivatives import SymbolicZero
 from jax.extend.core import primitives as P
 
-from amp_jax._src import casting, compat, lowdot
-from amp_jax._src.backends import Backend, backend_for
-from amp_jax._src.decision import Decision, Variant
+from amp_jax._src import casting, lowdot, mesh
+from amp_jax._src.backends import backend_for
+from amp_jax._src.decision import Decision, Fused, OpClass, Variant
 from amp_jax._src.elementwise import (
     AllowRule,
     Env,
@@ -38,25 +38,18 @@ from amp_jax._src.policy import HIGH_DTYPE, is_managed_float
 class DotRule(AllowRule):
     """``dot_general``: low-precision forward and backward, written by the
     backend (`Backend.dot`); dots the backend has no compute-dtype kernel for
-    stay float32 (`Backend.runs_low`); the fp8 products of a float8 policy are
+    stay float32 (`Backend.has_low_kernel`); the fp8 products of a float8 policy are
     its ``FLOAT8`` variant (``float8.py``).
 
-    Where the backend keeps per-evaluation layouts (XLA:CPU: `cpu.Layouts`), a
-    dot contracts the operand of a ``transpose`` that feeds it, so that the
-    weight gradient comes out in the weight's own layout.
+    A dot the plan gives a layout record (`Plan.layouts`; XLA:CPU's
+    `cpu.DotLayout`) contracts the operand of a ``transpose`` that feeds it,
+    so that the weight gradient comes out in the weight's own layout.
     """
 
     def evaluate(self, ctx: RuleContext, eqn: Any, d: Decision, env: Env) -> list[Any]:
-        if d.lowered and d.variant is Variant.COMPUTE and env.layouts is not None:
-            fn = self.low_fn(ctx, eqn)
-            if _is_dot_rule(fn):
-                cd = ctx.policy.compute_dtype
-                found = env.layouts.through_transposes(eqn, env, cd)
-                if found is not None and not all(is_managed_float(v.dtype) for v in found[0]):
-                    found = None
-                invals, dims = found or ([env.read(v, None) for v in eqn.invars], None)
-                env.layouts.dots[eqn.outvars[0]] = (eqn, invals, dims, d.out_dtype)
-                return fn(eqn, invals, cd, d.out_dtype, dims=dims)
+        lay = _layout(eqn, env)
+        if lay is not None:
+            return _layout_dot(ctx, lay, env)
         return super().evaluate(ctx, eqn, d, env)
 
     def low_fn(self, ctx: RuleContext, eqn: Any) -> Rule:
@@ -64,30 +57,62 @@ class DotRule(AllowRule):
             return default_allow_rule
         return functools.partial(dot_general_rule, backend=ctx.backend)
 
-    def no_low_kernel(self, eqn: Any, backend: Backend) -> bool:
-        floats = all(is_managed_float(casting.dtype_of(v)) for v in eqn.invars)
-        return floats and not backend.runs_low(eqn)
-
 
 class TransposeRule(EqnRule):
-    """``transpose``: bound as written, and noted in the backend's layouts for
-    the dots that read its result (`DotRule`); the transpose of a lowered
-    dot's result may be written as the dot with its operands swapped."""
+    """``transpose``: bound as written, unless the plan writes it as a lowered
+    dot with its operands swapped (`Plan.layouts`: the transpose of the dot's
+    result, on XLA:CPU)."""
 
     def evaluate(self, ctx: RuleContext, eqn: Any, d: Decision, env: Env) -> list[Any]:
-        src = eqn.invars[0]
-        if isinstance(src, compat.Literal) or env.layouts is None:
+        lay = _layout(eqn, env)
+        if lay is None:
             return super().evaluate(ctx, eqn, d, env)
-        perm = tuple(eqn.params["permutation"])
-        swapped = env.layouts.swapped(src, perm)
-        if swapped is not None:
-            dot, operands, dims, out_dtype = swapped
-            cd = ctx.policy.compute_dtype
-            out = dot_general_rule(dot, operands, cd, out_dtype, backend=ctx.backend, dims=dims)[0]
-            want = casting.target(casting.dtype_of(src), d.color, cd)
-            return [out if want is None else casting.cast(out, want)]
-        env.layouts.transposes[eqn.outvars[0]] = (src, perm)
-        return super().evaluate(ctx, eqn, d, env)
+        out = _layout_dot(ctx, lay, env)[0]
+        want = casting.target(casting.dtype_of(eqn.invars[0]), d.color, ctx.policy.compute_dtype)
+        return [out if want is None else casting.cast(out, want)]
+
+
+def _layout(eqn: Any, env: Env) -> Any:
+    """The plan's layout record of ``eqn``, if any, unless the trace is
+    partitioned by a mesh (jit's partitioner then chooses the layouts)."""
+    lay = env.layouts.get(eqn.outvars[0])
+    return None if lay is None or mesh.partitioned_by_mesh() else lay
+
+
+def _layout_dot(ctx: RuleContext, lay: Any, env: Env) -> list[Any]:
+    """The lowered dot of layout record ``lay``: an operand read through a
+    transpose is the transpose's operand, or its compute-dtype cast if one was
+    made (each cast once)."""
+    cd = ctx.policy.compute_dtype
+    invals = []
+    for v, through in zip(lay.operands, lay.through):
+        cast = None if through is None else env.casts.get((v, np.dtype(cd)))
+        invals.append(env.read(v, None) if cast is None else cast)
+    return dot_general_rule(lay.eqn, invals, cd, lay.out_dtype, backend=ctx.backend, dims=lay.dims)
+
+
+def plan_layouts(ctx: RuleContext, jaxpr: Any, decisions: Sequence[Decision]) -> dict[int, Any]:
+    """The backend's layout records of a plan's lowered dots (`Backend.plan_layouts`),
+    by eqn index: for the dots amp's own dot rule lowers to the compute dtype
+    (none in custom JVP rules, or under a dot rule the user registered)."""
+    lowered, skip = {}, set()
+    for i, (eqn, d) in enumerate(zip(jaxpr.eqns, decisions)):
+        if d.fused is not Fused.NO:
+            skip.add(i)
+        elif (
+            eqn.primitive is P.dot_general_p
+            and d.lowered
+            and d.variant is Variant.COMPUTE
+            and all(is_managed_float(casting.dtype_of(v)) for v in eqn.invars)
+        ):
+            lowered[i] = d.out_dtype
+    if not lowered or not ctx.vjp_rules:
+        return {}
+    from amp_jax._src import rules  # (the table is built from this module's rules)
+
+    if not isinstance(rules.rule_for(jaxpr.eqns[min(lowered)], OpClass.ALLOW), DotRule):
+        return {}
+    return backend_for(ctx.backend).plan_layouts(jaxpr, lowered, skip)
 
 
 def _tangent_sum(out: Any, parts: list[Any]) -> Any:
@@ -145,10 +170,6 @@ def _amp_dot(
     return f
 
 
-def _is_dot_rule(fn: Any) -> bool:
-    return isinstance(fn, functools.partial) and fn.func is dot_general_rule
-
-
 def dot_general_rule(
     eqn: Any,
     invals: Sequence[Any],
@@ -159,7 +180,7 @@ def dot_general_rule(
     dims: Any = None,
 ) -> list[Any]:
     """``dims``: dimension numbers that replace ``eqn``'s (for operands read
-    through their transposes, `DotRule`)."""
+    through their transposes, or swapped: `Plan.layouts`)."""
     x, y = invals
     p = eqn.params
     if dims is not None:

@@ -13,14 +13,13 @@ to know.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
 
 from amp_jax._src import casting, compat
-from amp_jax._src.backends import Backend
-from amp_jax._src.decision import Color, Decision, Variant
+from amp_jax._src.decision import BodyHints, Color, Decision, Variant
 from amp_jax._src.policy import HIGH_DTYPE, Policy, is_managed_float
 
 #: ``rule(eqn, invals, compute_dtype, out_dtype) -> list of outputs``: the
@@ -29,28 +28,34 @@ Rule = Callable[[Any, Sequence[Any], np.dtype, np.dtype], list[Any]]
 
 
 class RuleContext(Protocol):
-    """What a rule reads of the context it evaluates under (``interpreter.Interpreter``)."""
-
-    policy: Policy
-    #: the platform name planned for, and its record (``backends``)
-    backend: str
-    target: Backend
-    #: whether allow ops use their own rules (off in code JAX will transpose)
-    vjp_rules: bool
-    identity: bool
+    """What a rule reads of the context it binds under (``interpreter.Interpreter``):
+    the configuration, the trace's memo, and the planning, rewriting and
+    evaluation of sub-jaxprs (for the rules of higher-order primitives)."""
 
     @property
-    def linear(self) -> RuleContext: ...
+    def policy(self) -> Policy: ...
+
+    @property
+    def backend(self) -> str:
+        """The platform name planned for."""
+
+    @property
+    def vjp_rules(self) -> bool:
+        """Whether allow ops use their own rules (off in code JAX will transpose)."""
+
+    @property
+    def linear(self) -> RuleContext:
+        """This context without the custom_vjp rules."""
 
     def cached(self, kind: Any, obj: Any, make: Callable[[], Any]) -> Any: ...
 
-    def prepare(self, closed: Any) -> Any: ...
-
-    def plan(self, closed: Any) -> Any: ...
+    def plan(self, closed: Any, hints: BodyHints = ...) -> Any: ...
 
     def all_low(self, closed: Any) -> Any: ...
 
-    def rewrite(self, closed: Any, in_avals: Sequence[Any] | None = None) -> Any: ...
+    def rewrite(
+        self, closed: Any, in_avals: Sequence[Any] | None = None, hints: BodyHints = ...
+    ) -> Any: ...
 
     def evaluate(self, plan_: Any, args: Sequence[Any], cast_outputs: bool = True) -> list[Any]: ...
 
@@ -63,8 +68,8 @@ class Env(Protocol):
     vals: dict[Any, Any]
     #: {(var, dtype): cast} of the casts made so far (each once)
     casts: dict[tuple[Any, Any], Any]
-    #: the backend's per-evaluation dot layouts (`Backend.layouts`), or None
-    layouts: Any
+    #: the plan's dot layouts (`Plan.layouts`), by the first output of their eqn
+    layouts: Mapping[Any, Any]
 
     def read(self, atom: Any, dtype: Any) -> Any: ...
 
@@ -86,11 +91,6 @@ class EqnRule:
     def reads_low(self, ctx: RuleContext, eqn: Any, d: Decision, atom: Any) -> bool:
         """Whether ``evaluate`` reads operand ``atom`` only in the compute dtype."""
         return d.color is Color.LOW
-
-    def no_low_kernel(self, eqn: Any, backend: Backend) -> bool:
-        """Whether ``backend`` has no compute-dtype kernel for ``eqn`` (an allow
-        op): planning then keeps it in float32, with that reason."""
-        return False
 
 
 class BroadcastRule(EqnRule):

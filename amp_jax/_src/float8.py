@@ -32,7 +32,7 @@ from amp_jax._src.backends import backend_for
 from amp_jax._src.decision import Reason, Variant, Why, float8_scope, float8_text
 from amp_jax._src.elementwise import RuleContext, acc_dtype
 from amp_jax._src.lowdot import dot_transpose
-from amp_jax._src.policy import HIGH_DTYPE, is_managed_float
+from amp_jax._src.policy import HIGH_DTYPE, Policy, is_managed_float
 
 #: ``Policy(float8=...)`` values.
 RECIPES = ("off", "tensorwise", "rowwise")
@@ -54,7 +54,7 @@ _MIN_SCALE = 2.0**-126  # smallest normal float32: 0 / scale stays 0, x / scale 
 # -- which dots --------------------------------------------------------------------------
 
 
-def skip_reason(policy: Any, eqn: Any) -> str | None:
+def skip_reason(policy: Policy, eqn: Any) -> str | None:
     """Why a lowered ``allow`` eqn runs the bfloat16 rule instead of fp8, or None.
 
     Only meaningful when ``policy.float8 != "off"`` and the eqn is lowered.
@@ -74,32 +74,33 @@ def skip_reason(policy: Any, eqn: Any) -> str | None:
     return None
 
 
-def applies(ctx: RuleContext, eqn: Any) -> bool:
-    """Whether ``eqn`` (lowered by ``ctx``) runs as an fp8 product."""
+def applies(policy: Policy, vjp_rules: bool, eqn: Any) -> bool:
+    """Whether ``eqn``, lowered under ``policy``, runs as an fp8 product
+    (``vjp_rules``: outside the custom JVP rules that JAX transposes)."""
     return (
-        getattr(ctx.policy, "float8", "off") != "off"
-        and ctx.vjp_rules
-        and ctx.policy.compute_dtype == _LOW
-        and skip_reason(ctx.policy, eqn) is None
+        getattr(policy, "float8", "off") != "off"
+        and vjp_rules
+        and policy.compute_dtype == _LOW
+        and skip_reason(policy, eqn) is None
     )
 
 
 # -- the variant of the dot rule ---------------------------------------------------------
 
 
-def reason(ctx: RuleContext, eqn: Any, variant: Variant) -> Reason | None:
+def reason(policy: Policy, backend: str, eqn: Any, variant: Variant) -> Reason | None:
     """Why a lowered ``allow`` eqn (planned to run ``variant``) runs in fp8 or
-    not under a float8 policy. None when the policy has no float8, or when the
-    eqn has an operand that is not a managed float."""
-    if getattr(ctx.policy, "float8", "off") == "off":
+    not under a float8 ``policy`` on ``backend``. None when the policy has no
+    float8, or when the eqn has an operand that is not a managed float."""
+    if getattr(policy, "float8", "off") == "off":
         return None
     if not all(is_managed_float(getattr(v.aval, "dtype", None)) for v in eqn.invars):
         return None
     if variant is Variant.FLOAT8:
-        return Reason(Why.FLOAT8, float8_text(ctx.policy.float8, ctx.backend))
-    why = skip_reason(ctx.policy, eqn)
-    if why is None and ctx.policy.compute_dtype != _LOW:
-        why = f"compute dtype {ctx.policy.compute_dtype.name}: float8 needs a bfloat16 policy"
+        return Reason(Why.FLOAT8, float8_text(policy.float8, backend))
+    why = skip_reason(policy, eqn)
+    if why is None and policy.compute_dtype != _LOW:
+        why = f"compute dtype {policy.compute_dtype.name}: float8 needs a bfloat16 policy"
     why = why or "inside a custom JVP rule (JAX transposes it)"
     return Reason(Why.POLICY_CLASS, f"allow class, the bfloat16 policy's rule; not float8: {why}")
 

@@ -10,6 +10,7 @@ runs its body low and keeps the user's JVP rule.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Sequence
 from typing import Any
@@ -19,7 +20,7 @@ import numpy as np
 from jax.extend.core import primitives as P
 
 from amp_jax._src import casting, compat
-from amp_jax._src.decision import Color, Decision, Kind
+from amp_jax._src.decision import BodyHints, Color, Decision, Kind, body_hints
 from amp_jax._src.elementwise import Env, EqnRule, RuleContext
 
 
@@ -36,15 +37,19 @@ class HigherOrderRule(EqnRule):
         invals = [
             env.read(v, casting.target(casting.dtype_of(v), Color.ORIG, cd)) for v in eqn.invars
         ]
-        return self.bind_rewritten(ctx, eqn, invals)
+        return self.bind_rewritten(ctx, eqn, d, invals)
 
-    def bind_rewritten(self, ctx: RuleContext, eqn: Any, invals: list[Any]) -> list[Any]:
+    def bind_rewritten(
+        self, ctx: RuleContext, eqn: Any, d: Decision, invals: list[Any]
+    ) -> list[Any]:
+        """Binds ``eqn`` on ``invals`` with its sub-jaxprs rewritten, each
+        planned with the hints ``d`` gives it (`decision.body_hints`)."""
         params = ctx.cached(
-            "params",
+            ("params", d.hints),  # (a body planned twice, with two hints, has two)
             eqn,
             lambda: compat.map_subjaxprs(
                 eqn,
-                ctx.rewrite,
+                lambda sub: ctx.rewrite(sub, hints=body_hints(eqn, d, sub)),
                 ctx.linear.rewrite,
                 functools.partial(_run_bwd, ctx),
             ),
@@ -59,11 +64,19 @@ class ScanRule(HigherOrderRule):
     """``scan``: the casts of scanned-over inputs read only in the compute
     dtype are hoisted out of the loop (`_plan_hoisted_casts`)."""
 
-    def bind_rewritten(self, ctx: RuleContext, eqn: Any, invals: list[Any]) -> list[Any]:
-        eqn = ctx.cached("masks", eqn, lambda: _with_constant_masks(eqn, invals))
-        hoisted = ctx.cached("hoist", eqn, lambda: _plan_hoisted_casts(ctx, eqn))
+    def bind_rewritten(
+        self, ctx: RuleContext, eqn: Any, d: Decision, invals: list[Any]
+    ) -> list[Any]:
+        masked = ctx.cached("masks", eqn, lambda: _with_constant_masks(eqn, invals))
+        if masked is not eqn:
+            # (its body, retraced with the masks as constants, is planned
+            # without the scan's hints: the loop carry is not kept)
+            d = dataclasses.replace(d, hints=())
+        eqn = masked
+        hints = body_hints(eqn, d, eqn.params["jaxpr"])
+        hoisted = ctx.cached(("hoist", hints), eqn, lambda: _plan_hoisted_casts(ctx, eqn, hints))
         if not hoisted:
-            return super().bind_rewritten(ctx, eqn, invals)
+            return super().bind_rewritten(ctx, eqn, d, invals)
         hoist, new_params = hoisted
         cd = ctx.policy.compute_dtype
         invals = [casting.cast(x, cd) if i in hoist else x for i, x in enumerate(invals)]
@@ -96,7 +109,9 @@ class ShardMapRule(HigherOrderRule):
     """``shard_map``: rebuilt as a public ``jax.shard_map`` whose body is
     evaluated under the policy (collectives need the manual-axes context)."""
 
-    def bind_rewritten(self, ctx: RuleContext, eqn: Any, invals: list[Any]) -> list[Any]:
+    def bind_rewritten(
+        self, ctx: RuleContext, eqn: Any, d: Decision, invals: list[Any]
+    ) -> list[Any]:
         return ctx.cached("shard_map", eqn, lambda: _shard_map_fn(ctx, eqn))(*invals)
 
 
@@ -132,7 +147,7 @@ def _custom_jvp_low(ctx: RuleContext, eqn: Any, low_avals: Sequence[Any]) -> dic
     are the same with and without differentiation.
     """
     call_jaxpr, rule_fun, _ = compat.custom_jvp_parts(eqn)
-    low = ctx.all_low(ctx.prepare(call_jaxpr))
+    low = ctx.all_low(call_jaxpr)
     orig_avals = [v.aval for v in eqn.invars]
 
     def primal(*xs):
@@ -219,7 +234,9 @@ def _shard_map_fn(ctx: RuleContext, eqn: Any) -> Any:
     return compat.shard_map_of(eqn, lambda *a: ctx.evaluate(plan_, a))
 
 
-def _plan_hoisted_casts(ctx: RuleContext, eqn: Any) -> tuple[list[int], dict[str, Any]] | None:
+def _plan_hoisted_casts(
+    ctx: RuleContext, eqn: Any, hints: BodyHints
+) -> tuple[list[int], dict[str, Any]] | None:
     """For a ``scan`` whose scanned-over inputs are read only in the compute
     dtype (stacked per-layer weights): the indices of those inputs, to be cast
     once outside the loop, and the scan's params with the body retyped.
@@ -231,12 +248,13 @@ def _plan_hoisted_casts(ctx: RuleContext, eqn: Any) -> tuple[list[int], dict[str
     gradient then leaves its matmul rounded to the compute dtype before it is
     cast back to the parameter's dtype. None when nothing can be hoisted
     (the caller then rewrites the body as for any higher-order primitive).
+    ``hints``: the body's, from the scan's decision.
     """
     found = compat.scan_xs(eqn)
-    if found is None or ctx.identity:
+    if found is None or ctx.policy.is_identity:
         return None
     body, xs = found
-    body_plan = ctx.plan(body)
+    body_plan = ctx.plan(body, hints)
     bj = body_plan.jaxpr
     cd = ctx.policy.compute_dtype
     hoist = []
@@ -257,7 +275,7 @@ def _plan_hoisted_casts(ctx: RuleContext, eqn: Any) -> tuple[list[int], dict[str
         return None
     avals = compat.in_avals(body)
     avals = [a.update(dtype=cd) if i in hoist else a for i, a in enumerate(avals)]
-    return hoist, compat.scan_params_with_body(eqn, ctx.rewrite(body, avals))
+    return hoist, compat.scan_params_with_body(eqn, ctx.rewrite(body, avals, hints))
 
 
 #: the rule of higher-order primitives without one of their own

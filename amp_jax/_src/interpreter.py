@@ -16,15 +16,16 @@ their rules (``higher_order.py``) call back through the
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 from jax import lax
 
-from amp_jax._src import casting, compat, decision, rules
-from amp_jax._src.decision import Color, Fused
+from amp_jax._src import casting, compat, decision, jaxprs, rules
+from amp_jax._src.decision import NO_HINTS, BodyHints, Color, Fused, OpClass
 from amp_jax._src.planning import Context, Plan, plan
 
 # -- evaluation -----------------------------------------------------------------
@@ -33,11 +34,11 @@ from amp_jax._src.planning import Context, Plan, plan
 class _Env:
     """Values of a jaxpr being evaluated, and the casts made of them (each once)."""
 
-    def __init__(self, layouts: Any = None):
+    def __init__(self, layouts: Mapping[Any, Any] | None = None):
         self.vals: dict[Any, Any] = {}
         self.casts: dict[tuple[Any, Any], Any] = {}
-        #: the backend's per-evaluation dot layouts (`Backend.layouts`), or None
-        self.layouts = layouts
+        #: the plan's dot layouts (`Plan.layouts`), by the first output of their eqn
+        self.layouts = layouts or {}
 
     def write(self, v: Any, val: Any) -> None:
         if type(v).__name__ != "DropVar":
@@ -86,28 +87,41 @@ class _Env:
         return self.casts[key]
 
 
+@dataclasses.dataclass(frozen=True)
 class Interpreter(Context):
-    """A planning `Context` that also evaluates:
-    what the rules of higher-order primitives (``higher_order.py``) call back to
-    rewrite their sub-jaxprs."""
+    """A planning `Context` that also rewrites and evaluates: what the rules
+    (``elementwise.RuleContext``) are handed, for the rules of higher-order
+    primitives (``higher_order.py``) to rewrite their sub-jaxprs."""
 
-    def rewrite(self, closed: Any, in_avals: Sequence[Any] | None = None) -> Any:
-        return rewrite(self, closed, in_avals)
+    def rewrite(
+        self, closed: Any, in_avals: Sequence[Any] | None = None, hints: BodyHints = NO_HINTS
+    ) -> Any:
+        return rewrite(self, closed, in_avals, hints)
 
     def evaluate(self, plan_: Plan, args: Sequence[Any], cast_outputs: bool = True) -> list[Any]:
         return evaluate(self, plan_, args, cast_outputs)
 
+    def rule_for(self, eqn: Any, op_class: OpClass | None) -> Any:
+        """The rule that binds ``eqn`` (`rules.rule_for`)."""
+        return rules.rule_for(eqn, op_class)
 
-def rewrite(ctx: Context, closed: Any, in_avals: Sequence[Any] | None = None) -> Any:
+
+def rewrite(
+    ctx: Context,
+    closed: Any,
+    in_avals: Sequence[Any] | None = None,
+    hints: BodyHints = NO_HINTS,
+) -> Any:
     """``closed`` rewritten under ``ctx``: a closed jaxpr with the same output
-    avals, taking ``in_avals`` (default: ``closed``'s own). Once per context."""
+    avals, taking ``in_avals`` (default: ``closed``'s own), planned with
+    ``hints`` (`planning.plan`). Once per context."""
 
     def make() -> Any:
-        plan_ = plan(ctx, closed)
+        plan_ = plan(ctx, closed, hints)
         avals = compat.in_avals(closed) if in_avals is None else in_avals
         return compat.trace_to_closed_jaxpr(lambda *a: evaluate(ctx, plan_, a), avals)
 
-    key = "rewrite" if in_avals is None else ("rewrite", tuple(in_avals))
+    key = ("rewrite", hints) if in_avals is None else ("rewrite", hints, tuple(in_avals))
     return ctx.cached(key, closed, make)
 
 
@@ -117,28 +131,25 @@ def evaluate(
     """Evaluates a planned jaxpr on ``args`` under the caller's trace; outputs
     keep their dtypes (unless ``cast_outputs`` is false: then as computed)."""
     jaxpr = plan_.jaxpr
-    env = _Env(ctx.target.layouts(jaxpr))
-    for v, c in zip(jaxpr.constvars, compat.consts_of(plan_.closed)):
-        env.write(v, c)
-    for v, a in zip(jaxpr.invars, args):
-        env.write(v, a)
-    for idx, (eqn, d) in enumerate(zip(jaxpr.eqns, plan_.decisions)):
+    env = _Env({jaxpr.eqns[i].outvars[0]: lay for i, lay in plan_.layouts.items()})
+    cd = ctx.policy.compute_dtype
+
+    def by_decision(i: int, eqn: Any, env: _Env) -> Sequence[Any]:
+        d = plan_.decisions[i]
         if d.fused is Fused.INSIDE:
-            continue  # computed by the fused attention
+            return ()  # computed by the fused attention
         with contextlib.ExitStack() as stack:
-            for m in compat.eqn_context(eqn):
-                stack.enter_context(m)
             for scope in decision.scopes(d):  # its reason, for the ops it becomes
                 stack.enter_context(jax.named_scope(scope))
             if d.fused is Fused.HERE:
-                match, impl = plan_.fused[idx]
-                outs = [match.evaluate(env.read, ctx.policy.compute_dtype, impl)]
-            else:
-                outs = rules.rule_for(eqn, d.op_class).evaluate(ctx, eqn, d, env)
-        for v, o in zip(eqn.outvars, outs):
-            env.write(v, o)
-    cd = ctx.policy.compute_dtype
-    return [
-        env.read(v, casting.target(casting.dtype_of(v), Color.ORIG, cd) if cast_outputs else None)
-        for v in jaxpr.outvars
-    ]
+                match, impl = plan_.fused[i]
+                return [match.evaluate(env.read, cd, impl)]
+            return rules.rule_for(eqn, d.op_class).evaluate(ctx, eqn, d, env)
+
+    def output(v: Any) -> Any:
+        return env.read(
+            v, casting.target(casting.dtype_of(v), Color.ORIG, cd) if cast_outputs else None
+        )
+
+    consts = compat.consts_of(plan_.closed)
+    return jaxprs.eval_jaxpr(jaxpr, consts, args, by_decision, env, output)

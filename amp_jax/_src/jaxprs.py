@@ -1,15 +1,17 @@
 """A small jaxpr toolkit: what every walker of a jaxpr in amp needs.
 
 Opening a sub-jaxpr (closed or not), iterating the eqns of a jaxpr and of
-its sub-jaxprs, def-use maps, and the size of a contraction. The
-interpreter, planning, ``attention``, ``explain``, ``dtype_report`` and the
-tests use these instead of their own.
+its sub-jaxprs, def-use maps, the size of a contraction, and the one
+evaluator (`eval_jaxpr`, with a per-eqn hook). The interpreter, planning,
+``attention``, ``explain``, ``dtype_report``, debug, eager and the tests use
+these instead of their own.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 from jax.extend import core as jex_core
@@ -73,32 +75,108 @@ def read(env: dict[Any, Any], atom: Any) -> Any:
     return compat.literal_value(atom) if isinstance(atom, compat.Literal) else env[atom]
 
 
-def run_eqns(
-    eqns: Iterable[Any],
-    env: dict[Any, Any],
-    bind: Callable[[Any, list[Any]], Sequence[Any]] = compat.bind_eqn,
-) -> None:
-    """Evaluates ``eqns`` in order, reading their operands from ``env`` and
-    writing their results there: ``bind(eqn, operands)`` gives the results
-    (the per-eqn hook of every evaluator; default: bind the eqn as it is)."""
-    for eqn in eqns:
-        outs = bind(eqn, [read(env, v) for v in eqn.invars])
+# -- the evaluator ----------------------------------------------------------------
+
+
+class Values(Protocol):
+    """What `eval_jaxpr` needs of an environment: writing a var's value."""
+
+    def write(self, var: Any, value: Any) -> None: ...
+
+
+class Env:
+    """The values of a jaxpr's vars in one evaluation, in some value domain.
+
+    ``literal`` gives a literal's value in the domain: by default its
+    constant; an abstract analysis (a dependency set per var) gives its own.
+    """
+
+    def __init__(
+        self,
+        literal: Callable[[Any], Any] = compat.literal_value,
+        vals: dict[Any, Any] | None = None,
+    ):
+        self.vals: dict[Any, Any] = {} if vals is None else vals
+        self.literal = literal
+
+    def read(self, atom: Any) -> Any:
+        return self.literal(atom) if isinstance(atom, compat.Literal) else self.vals[atom]
+
+    def write(self, var: Any, value: Any) -> None:
+        if type(var).__name__ != "DropVar":
+            self.vals[var] = value
+
+    def operands(self, eqn: Any) -> list[Any]:
+        """The values of ``eqn``'s operands."""
+        return [self.read(v) for v in eqn.invars]
+
+
+#: ``hook(i, eqn, env)``: the results of ``eqn``, the ``i``-th eqn of its jaxpr,
+#: read from ``env`` (the hook decides how: bind it, bind it through a rule,
+#: inline it, probe it, propagate an abstract value)
+Hook = Callable[[int, Any, Any], Sequence[Any]]
+
+
+def bind(i: int, eqn: Any, env: Env) -> list[Any]:
+    """The default `Hook`: binds ``eqn`` as it is, on its operands' values."""
+    del i
+    return compat.bind_eqn(eqn, env.operands(eqn))
+
+
+def _run(eqns: Iterable[Any], env: Values, hook: Hook) -> None:
+    for i, eqn in enumerate(eqns):
+        with contextlib.ExitStack() as stack:
+            for m in compat.eqn_context(eqn):  # its source line, name stack and ctx
+                stack.enter_context(m)
+            outs = hook(i, eqn, env)
         for v, o in zip(eqn.outvars, outs):
-            if type(v).__name__ != "DropVar":
-                env[v] = o
+            env.write(v, o)
 
 
 def eval_jaxpr(
     jaxpr: Any,
     consts: Sequence[Any],
     args: Sequence[Any],
-    bind: Callable[[Any, list[Any]], Sequence[Any]] = compat.bind_eqn,
+    hook: Hook = bind,
+    env: Values | None = None,
+    output: Callable[[Any], Any] | None = None,
 ) -> list[Any]:
-    """``jaxpr`` evaluated on ``args``, every eqn through ``bind`` (see `run_eqns`)."""
-    env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts))
-    env.update(zip(jaxpr.invars, args))
-    run_eqns(jaxpr.eqns, env, bind)
-    return [read(env, v) for v in jaxpr.outvars]
+    """``jaxpr`` evaluated on ``args``: the one walk of a jaxpr in amp.
+
+    Writes ``consts`` and ``args`` into ``env`` (default: a fresh `Env`),
+    gets each eqn's results from ``hook`` under the eqn's source context and
+    writes them (a dropped var is not kept), and reads the outputs with
+    ``output`` (default: ``env.read``). The interpreter, jit inlining, debug's
+    probes and eager's dependency analysis are hooks on it.
+    """
+    env = Env() if env is None else env
+    for v, c in zip(jaxpr.constvars, consts):
+        env.write(v, c)
+    for v, a in zip(jaxpr.invars, args):
+        env.write(v, a)
+    _run(jaxpr.eqns, env, hook)
+    output = env.read if output is None else output
+    return [output(v) for v in jaxpr.outvars]
+
+
+def run_eqns(eqns: Iterable[Any], env: dict[Any, Any], hook: Hook = bind) -> None:
+    """Evaluates ``eqns`` (a slice of a jaxpr) in order as `eval_jaxpr` does,
+    reading their operands from the plain dict ``env`` and writing their
+    results there."""
+    _run(eqns, Env(vals=env), hook)
+
+
+def called_jaxpr(eqn: Any) -> Any | None:
+    """The one sub-jaxpr that ``eqn`` runs once on its operands, giving its
+    results (``jit``, ``checkpoint``, a ``custom_jvp``/``custom_vjp`` call),
+    else None."""
+    subs = list(jex_core.jaxprs_in_params(eqn.params))
+    if len(subs) != 1:
+        return None
+    j = open_jaxpr(subs[0])[0]
+    if len(j.invars) == len(eqn.invars) and len(j.outvars) == len(eqn.outvars):
+        return subs[0]
+    return None
 
 
 def contraction_and_flops(eqn: Any) -> tuple[int, int] | None:

@@ -1,6 +1,7 @@
 """Planning: one `Decision` for every eqn of a jaxpr.
 
-`plan` runs, once per (context, closed jaxpr):
+`plan` runs, once per (trace, closed jaxpr, hints), under a `Context`: a
+frozen `Config` (policy, backend) and the `Memo` of the trace:
 
 1. *Prepare* (`Context.prepare`): inline ``jit`` eqns that carry no
    shardings, so that the analysis sees through ``jax.nn``/``jnp`` helpers
@@ -18,23 +19,28 @@
 
 Every reason is recorded where its decision is made; the `Plan` is
 then read by the interpreter and its rules, by ``explain`` and (through the
-named scopes of ``decision.py``) by ``dtype_report``.
+named scopes of ``decision.py``) by ``dtype_report``. A higher-order eqn's
+decision carries the `BodyHints` of its sub-jaxprs (which outputs decide a
+loop, which it carries), that their plans take as input: a plan is data,
+printed by `format_plan` without tracing.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from collections.abc import Iterable, Sequence
+import functools
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
 
-from amp_jax._src import attention, casting, compat, float8, jaxprs, painting, rules
-from amp_jax._src.backends import backend_for
+from amp_jax._src import attention, casting, compat, dots, float8, jaxprs, painting
+from amp_jax._src.backends import Backend, backend_for
 from amp_jax._src.decision import (
+    NO_HINTS,
     AttentionPath,
+    BodyHints,
     Color,
     Decision,
     Fused,
@@ -67,55 +73,101 @@ class Classified:
     variant: Variant = Variant.COMPUTE
 
 
-class Context:
-    """What planning and evaluation need besides the jaxpr: the policy and backend."""
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """What a plan depends on besides its jaxpr: frozen and hashable.
 
-    def __init__(self, policy: Policy, backend: str, vjp_rules: bool = True):
-        self.policy = policy
-        self.backend = backend
-        #: what amp knows of the backend (``backends/``)
-        self.target = backend_for(backend)
-        #: use the custom_vjp rules of allow ops; off in code JAX will transpose
-        #: (custom JVP rules), where a custom_vjp cannot appear.
-        self.vjp_rules = vjp_rules
-        self._linear: Context | None = None
-        self.identity = policy.is_identity
-        self.scopes = (FULL_PRECISION_SCOPE, *policy.full_precision_scopes)
-        # Everything derived from a jaxpr or an eqn is made once per context
-        # (per trace of the amp function), keyed by (kind, id(object)); the
-        # object is kept with its entry so that the id stays unique.
-        self._memo: dict[tuple[Any, int], tuple[Any, Any]] = {}
+    Attributes:
+      policy: the mixed-precision policy.
+      backend: the platform name planned for (``"cpu"``, ``"gpu"``, ...).
+      vjp_rules: allow ops use their custom_vjp rules; off in code JAX will
+        transpose (custom JVP rules), where a custom_vjp cannot appear.
+    """
+
+    policy: Policy
+    backend: str
+    vjp_rules: bool = True
+
+    @functools.cached_property
+    def target(self) -> Backend:
+        """What amp knows of the backend (``backends/``)."""
+        return backend_for(self.backend)
+
+    @property
+    def identity(self) -> bool:
+        return self.policy.is_identity
+
+    @functools.cached_property
+    def scopes(self) -> tuple[str, ...]:
+        """The full-precision scope names: the user's and the policy's."""
+        return (FULL_PRECISION_SCOPE, *self.policy.full_precision_scopes)
+
+    @property
+    def linear(self) -> Config:
+        """This configuration without the custom_vjp rules (for JVP-rule jaxprs)."""
+        return dataclasses.replace(self, vjp_rules=False) if self.vjp_rules else self
+
+
+class Memo:
+    """What one trace derives from its jaxprs and eqns, each made once.
+
+    Keyed by (key, id(object)); the object is kept with its entry so that the
+    id stays unique while the trace lives.
+    """
+
+    def __init__(self) -> None:
+        self.table: dict[tuple[Any, int], tuple[Any, Any]] = {}
         #: (source line of the scores matmul, implementation or None, reason)
-        #: for every attention recognised while rewriting (see attention.py).
+        #: for every attention recognised while planning (see attention.py).
         self.attention_log: list[tuple[str, str | None, str]] = []
-        #: {id(closed sub-jaxpr): (it, output positions that decide control flow)}
-        self._decides: dict[int, tuple[Any, frozenset[int]]] = {}
-        #: {id(closed sub-jaxpr): (it, output positions that decide when a while loop stops)}
-        self._exits: dict[int, tuple[Any, frozenset[int]]] = {}
-        #: {id(closed loop body): (it, output positions carried to the next iteration)}
-        self._carries: dict[int, tuple[Any, frozenset[int]]] = {}
 
-    def rule_for(self, eqn: Any, op_class: OpClass | None) -> Any:
-        """The rule that binds ``eqn`` (``rules.rule_for``; for the rules of
-        higher-order primitives, which the table holds)."""
-        return rules.rule_for(eqn, op_class)
-
-    def cached(self, kind: Any, obj: Any, make: Any) -> Any:
-        """``make()``, computed once per ``obj`` (by identity) and ``kind``."""
-        key = (kind, id(obj))
-        hit = self._memo.get(key)
+    def get(self, key: Any, obj: Any, make: Callable[[], Any]) -> Any:
+        """``make()``, computed once per ``obj`` (by identity) and ``key``."""
+        k = (key, id(obj))
+        hit = self.table.get(k)
         if hit is None or hit[0] is not obj:
-            hit = self._memo[key] = (obj, make())
+            hit = self.table[k] = (obj, make())
         return hit[1]
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+    """A `Config` and the `Memo` of the trace it plans: what planning reads.
+
+    ``linear`` shares the memo; its entries are keyed apart by ``vjp_rules``.
+    """
+
+    config: Config
+    memo: Memo = dataclasses.field(default_factory=Memo, compare=False, repr=False)
+
+    @property
+    def policy(self) -> Policy:
+        return self.config.policy
+
+    @property
+    def backend(self) -> str:
+        return self.config.backend
+
+    @property
+    def target(self) -> Backend:
+        return self.config.target
+
+    @property
+    def vjp_rules(self) -> bool:
+        return self.config.vjp_rules
+
+    @property
+    def identity(self) -> bool:
+        return self.config.identity
 
     @property
     def linear(self) -> Context:
-        """This context without the custom_vjp rules (for JVP-rule jaxprs)."""
-        if not self.vjp_rules:
-            return self
-        if self._linear is None:
-            self._linear = type(self)(self.policy, self.backend, vjp_rules=False)
-        return self._linear
+        """This context without the custom_vjp rules, sharing its memo."""
+        return self if not self.vjp_rules else dataclasses.replace(self, config=self.config.linear)
+
+    def cached(self, kind: Any, obj: Any, make: Callable[[], Any]) -> Any:
+        """``make()``, computed once per ``obj`` (by identity) and ``kind`` in this trace."""
+        return self.memo.get((self.vjp_rules, kind), obj, make)
 
     def prepare(self, closed: Any) -> Any:
         """Inlines sharding-free jits (not under the identity policy, which keeps
@@ -125,36 +177,13 @@ class Context:
             return closed
         return self.cached("prepare", closed, lambda: inline_jits(closed))
 
-    def decides(self, closed: Any) -> frozenset[int]:
-        """Output positions of sub-jaxpr ``closed`` that decide control flow."""
-        return _marked(self._decides, closed)
-
-    def mark_decides(self, closed: Any, outs: Iterable[int], exit: bool = False) -> None:
-        """Marks outputs of ``closed`` that decide control flow; ``exit``: they
-        decide when a ``while`` loop stops (its predicate reads them)."""
-        outs = frozenset(outs)
-        _mark(self._decides, closed, outs)
-        if exit:
-            _mark(self._exits, closed, outs)
-
-    def exits(self, closed: Any) -> frozenset[int]:
-        """Output positions of sub-jaxpr ``closed`` that decide when a while loop stops."""
-        return _marked(self._exits, closed)
-
-    def carries(self, closed: Any) -> frozenset[int]:
-        """Output positions of loop body ``closed`` that are carried to its next iteration."""
-        return _marked(self._carries, closed)
-
-    def mark_carries(self, closed: Any, outs: Iterable[int]) -> None:
-        _mark(self._carries, closed, frozenset(outs))
-
-    def plan(self, closed: Any) -> Plan:
+    def plan(self, closed: Any, hints: BodyHints = NO_HINTS) -> Plan:
         """The plan of closed jaxpr ``closed`` under this context (`plan`)."""
-        return plan(self, closed)
+        return plan(self, closed, hints)
 
     def all_low(self, closed: Any) -> Plan:
-        """The plan of a transparent function painted low (`all_low`)."""
-        return all_low(self, closed)
+        """The plan of a transparent function painted low (`all_low`), prepared."""
+        return all_low(self, self.prepare(closed))
 
     # -- classification -------------------------------------------------
     def classify(self, eqn: Any) -> Classified:
@@ -186,20 +215,7 @@ class Context:
 
     def scope_of(self, eqn: Any) -> str | None:
         """The full-precision scope (whole name) ``eqn`` is traced in, or None."""
-        return scope_in(compat.name_stack_str(eqn), self.scopes)
-
-
-def _marked(table: dict[int, tuple[Any, frozenset[int]]], closed: Any) -> frozenset[int]:
-    # (keyed by the open jaxpr: the same body closed again -- as explain and
-    # jaxprs_in_params do -- keeps its marks)
-    jaxpr = compat.jaxpr_of(closed)
-    hit = table.get(id(jaxpr))
-    return hit[1] if hit is not None and hit[0] is jaxpr else frozenset()
-
-
-def _mark(table: dict[int, tuple[Any, frozenset[int]]], closed: Any, outs: frozenset[int]) -> None:
-    jaxpr = compat.jaxpr_of(closed)
-    table[id(jaxpr)] = (jaxpr, _marked(table, closed) | outs)
+        return scope_in(compat.name_stack_str(eqn), self.config.scopes)
 
 
 def _classify(ctx: Context, eqn: Any) -> Classified:
@@ -246,10 +262,11 @@ def _classify(ctx: Context, eqn: Any) -> Classified:
     why = stays_high(eqn, ctx.policy)
     if why is not None:
         return Classified(Kind.OP, OpClass.NEVER, Reason.kept(why))
-    if rules.rule_for(eqn, OpClass.ALLOW).no_low_kernel(eqn, ctx.target):
+    floats = all(is_managed_float(casting.dtype_of(v)) for v in eqn.invars)
+    if floats and not ctx.target.has_low_kernel(eqn):
         # its rule runs it in float32 on this backend (XLA:CPU's batched dots)
         return Classified(Kind.OP, OpClass.ALLOW, Reason.kept(Why.BACKEND_KERNEL), Variant.FLOAT32)
-    if float8.applies(ctx, eqn):
+    if float8.applies(ctx.policy, ctx.vjp_rules, eqn):
         return Classified(Kind.OP, OpClass.ALLOW, variant=Variant.FLOAT8)
     return Classified(Kind.OP, OpClass.ALLOW)
 
@@ -326,28 +343,52 @@ class Plan:
     decisions: tuple[Decision, ...]
     #: the fused attentions, by the index of the eqn that computes each one
     fused: dict[int, tuple[attention.Match, str]] = dataclasses.field(default_factory=dict)
+    #: the backend's layouts of lowered dots, by eqn index (XLA:CPU: `cpu.DotLayout`)
+    layouts: dict[int, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def jaxpr(self) -> Any:
         return compat.jaxpr_of(self.closed)
 
+    def __str__(self) -> str:
+        return format_plan(self)
 
-def plan(ctx: Context, closed: Any) -> Plan:
-    """The plan of closed jaxpr ``closed`` (prepared, painted, attention found), once per context."""
+
+def format_plan(p: Plan) -> str:
+    """The plan as text: a line per eqn (index, primitive, class, color, what
+    an allow op writes, variant and fused part where not the default, the
+    reason), under a higher-order eqn the hints of its sub-jaxprs, and under a
+    dot or transpose the backend's layout record."""
+    lines = []
+    for i, (eqn, d) in enumerate(zip(p.jaxpr.eqns, p.decisions)):
+        what = d.op_class.value if d.op_class is not None else d.kind.value
+        out = "" if d.out_dtype is None else f"-> {np.dtype(d.out_dtype).name}"
+        extra = [f"variant={d.variant.value}"] if d.variant is not Variant.COMPUTE else []
+        extra += [f"fused={d.fused.value}"] if d.fused is not Fused.NO else []
+        lines.append(
+            f"{i:>4} {eqn.primitive.name:<22} {what:<10} {d.color.value:<4} {out:<11} "
+            + " ".join([*extra, f"{d.reason.why.value}: {d.reason.text}"])
+        )
+        lines += [f"{'':>9}{where}: {hints}" for where, hints in d.hints]
+        if i in p.layouts:
+            lines.append(f"{'':>9}layout: {p.layouts[i]}")
+    return "\n".join(lines)
+
+
+def plan(ctx: Context, closed: Any, hints: BodyHints = NO_HINTS) -> Plan:
+    """The plan of closed jaxpr ``closed`` (prepared, painted, attention found),
+    once per context and ``hints`` (what its parent's plan says of its outputs,
+    for a sub-jaxpr: `BodyHints`)."""
 
     def make() -> Plan:
         flat = ctx.prepare(closed)
-        draft = _paint(
-            ctx,
-            compat.jaxpr_of(flat),
-            ctx.decides(closed),
-            ctx.carries(closed),
-            ctx.exits(closed),
-        )
+        draft = _paint(ctx, compat.jaxpr_of(flat), hints)
         att = _plan_attention(ctx, flat)
-        return Plan(flat, draft.decisions(ctx, compat.jaxpr_of(flat), att), att.fused)
+        decisions = draft.decisions(ctx, compat.jaxpr_of(flat), att)
+        layouts = dots.plan_layouts(ctx, compat.jaxpr_of(flat), decisions)
+        return Plan(flat, decisions, att.fused, layouts)
 
-    return ctx.cached("plan", closed, make)
+    return ctx.cached(("plan", hints), closed, make)
 
 
 def all_low(ctx: Context, closed: Any) -> Plan:
@@ -359,7 +400,8 @@ def all_low(ctx: Context, closed: Any) -> Plan:
     for c in (ctx.classify(e) for e in eqns):
         color = Color.ORIG if c.kind is Kind.NO_FLOAT else Color.LOW
         decisions.append(Decision(c.kind, c.op_class, color, reason))
-    return Plan(closed, tuple(decisions))
+    layouts = dots.plan_layouts(ctx, compat.jaxpr_of(closed), decisions)
+    return Plan(closed, tuple(decisions), layouts=layouts)
 
 
 @dataclasses.dataclass
@@ -372,6 +414,13 @@ class _Draft:
     kept: dict[int, Reason] = dataclasses.field(default_factory=dict)
     #: low allow eqns whose results decide control flow or a carry: they write float32
     f32_out: set[int] = dataclasses.field(default_factory=set)
+    #: {eqn index: {sub-jaxpr param: its hints}} of the higher-order eqns
+    bodies: dict[int, dict[str, BodyHints]] = dataclasses.field(default_factory=dict)
+
+    def hint(self, i: int, where: str, hints: BodyHints) -> None:
+        """Adds ``hints`` to those of sub-jaxpr ``where`` of eqn ``i``."""
+        at = self.bodies.setdefault(i, {})
+        at[where] = at.get(where, NO_HINTS) | hints
 
     @property
     def classes(self) -> list[OpClass | None]:
@@ -401,6 +450,7 @@ class _Draft:
                 c.variant,
                 att.paths.get(i),
                 fused,
+                tuple(self.bodies.get(i, {}).items()),
             )
             out.append(d)
         return tuple(out)
@@ -421,7 +471,7 @@ def _reason(ctx: Context, eqn: Any, c: Classified, color: Color) -> Reason:
             f"backend-aware: {name} is slower in {cd} on {ctx.backend}, kept as written",
         )
     if c.op_class is OpClass.ALLOW and base == "allow":
-        fp8 = float8.reason(ctx, eqn, c.variant)
+        fp8 = float8.reason(ctx.policy, ctx.backend, eqn, c.variant)
         if fp8 is not None:
             return fp8
     if color is Color.LOW:
@@ -455,18 +505,10 @@ def _low_text(ctx: Context, eqn: Any) -> str:
     return f"painting: {base} op on a path between two {cd} ops"
 
 
-def _paint(
-    ctx: Context,
-    jaxpr: Any,
-    decide_outs: Iterable[int] = (),
-    carry_outs: Iterable[int] = (),
-    exit_outs: Iterable[int] = (),
-) -> _Draft:
-    """Classes and colors of ``jaxpr``'s eqns; ``decide_outs`` are output
-    positions whose values decide control flow (a while predicate, a loop's
-    carried decision), ``exit_outs`` those of them that decide when a while
-    loop stops, ``carry_outs`` those a loop carries to its next iteration
-    (``jaxpr`` is the body)."""
+def _paint(ctx: Context, jaxpr: Any, hints: BodyHints = NO_HINTS) -> _Draft:
+    """Classes and colors of ``jaxpr``'s eqns, and the hints of their
+    sub-jaxprs; ``hints``: what ``jaxpr``'s outputs are to its parent (it is
+    a loop body, a while predicate, a cond branch)."""
     classified, colors = _painted(ctx, jaxpr)
     draft = _Draft(list(classified), list(colors))
     if ctx.identity:
@@ -475,22 +517,26 @@ def _paint(
     # it reads through the carry are computed in float32, matmuls included:
     # compute-dtype operands put a floor of the compute dtype's rounding
     # under the tested difference, and the loop never stops.
-    exits = [jaxpr.outvars[k] for k in exit_outs]
+    exits = [jaxpr.outvars[k] for k in hints.exits]
     _keep_slice(draft, jaxpr, exits, Why.DECIDES_EXIT, keep_matmuls=True)
     # What a factorization or solve reads stays out of the compute dtype back
     # to the matmuls (those next to the solve were kept by _painted).
     _keep_slice(draft, jaxpr, _solve_operands(jaxpr), Why.FEEDS_SOLVE)
-    seeds = painting.decision_seeds(jaxpr, decide_outs, lambda e: _loop_reads(ctx, e))
+    seeds = painting.decision_seeds(jaxpr, hints.decides, lambda e: _loop_reads(ctx, e).operands)
     _keep_slice(draft, jaxpr, seeds, Why.DECIDES_CONTROL)
+    for i, eqn in enumerate(jaxpr.eqns):
+        if eqn.primitive.name in ("while", "scan"):
+            for where, body in _loop_reads(ctx, eqn).bodies:
+                draft.hint(i, where, body)
     # A loop-carried float keeps its dtype through the ops that compute the
     # next carry (an EMA, an Euler step, a residual stream): rounding it in
     # every iteration compounds. The matmuls on the way still read
     # compute-dtype operands but write float32, as for decisions.
     outs = jaxpr.outvars
-    carried = [outs[k] for k in carry_outs if is_managed_float(casting.dtype_of(outs[k]))]
+    carried = [outs[k] for k in hints.carries if is_managed_float(casting.dtype_of(outs[k]))]
     for i, k in _keep_slice(draft, jaxpr, carried, Why.LOOP_CARRY):
-        for sub in _carry_bodies(jaxpr.eqns[i]):  # a cond's branches compute the carry too
-            ctx.mark_carries(sub, [k])
+        for where in _carry_bodies(jaxpr.eqns[i]):  # a cond's branches compute the carry too
+            draft.hint(i, where, BodyHints(carries=frozenset({k})))
     return draft
 
 
@@ -551,13 +597,14 @@ def _keep(draft: _Draft, i: int, why: Why) -> None:
         draft.kept[i] = Reason.kept(why)
 
 
-def _carry_bodies(eqn: Any) -> list[Any]:
-    """The closed sub-jaxprs of ``eqn`` whose outputs are ``eqn``'s outputs
-    (``cond`` branches, a ``jit``'s body); none for loops and custom rules."""
+def _carry_bodies(eqn: Any) -> list[str]:
+    """The params of ``eqn`` holding the closed sub-jaxprs whose outputs are
+    ``eqn``'s outputs (``cond`` branches, a ``jit``'s body); none for loops and
+    custom rules."""
     if eqn.primitive.name == "cond":
-        return list(eqn.params["branches"])
+        return [f"branches[{j}]" for j in range(len(eqn.params["branches"]))]
     if eqn.primitive.name in compat.JIT_NAMES and compat.is_closed_jaxpr(eqn.params["jaxpr"]):
-        return [eqn.params["jaxpr"]]
+        return ["jaxpr"]
     return []
 
 
@@ -573,7 +620,7 @@ def _reached_inputs(ctx: Context, closed: Any, outs: Iterable[int], exit: bool) 
     if exit:
         exits = [jaxpr.outvars[k] for k in outs]
         reached = painting.decision_slice(jaxpr, kinds, classes, colors, exits, None, True)[2]
-    seeds = painting.decision_seeds(jaxpr, outs, lambda e: _loop_reads(ctx, e))
+    seeds = painting.decision_seeds(jaxpr, outs, lambda e: _loop_reads(ctx, e).operands)
     return reached | painting.decision_slice(jaxpr, kinds, classes, colors, seeds)[2]
 
 
@@ -588,43 +635,61 @@ def _solve_operands(jaxpr: Any) -> list[Any]:
     ]
 
 
-def _loop_reads(ctx: Context, eqn: Any) -> list[int]:
-    """Operand positions of a ``while``/``scan`` eqn whose values decide its
-    control flow, through the loop's carry; marks the body's (and a while's
-    predicate's) outputs that decide it, for when they are rewritten."""
+@dataclasses.dataclass(frozen=True)
+class LoopReads:
+    """What decides a ``while``/``scan`` eqn's control flow, through its carry.
 
-    def make() -> list[int]:
+    Attributes:
+      operands: the eqn's operand positions whose values decide it.
+      bodies: ``(param, hints)`` of its sub-jaxprs: the outputs of the body
+        (and of a while's predicate) that decide it, and those the body carries.
+    """
+
+    operands: tuple[int, ...]
+    bodies: tuple[tuple[str, BodyHints], ...]
+
+
+def _loop_reads(ctx: Context, eqn: Any) -> LoopReads:
+    """What decides the control flow of ``while``/``scan`` eqn ``eqn`` (once per eqn)."""
+
+    def make() -> LoopReads:
         p = eqn.params
         is_while = eqn.primitive.name == "while"
         if is_while:
             cn, bn = compat.while_split(p)
-            body, n_body_consts = p["body_jaxpr"], bn
+            body, n_body_consts, where = p["body_jaxpr"], bn, "body_jaxpr"
             first = _reached_inputs(ctx, p["cond_jaxpr"], [0], exit=True)
-            ctx.mark_decides(p["cond_jaxpr"], [0], exit=True)
             carry = {k - cn for k in first if k >= cn}
             reads = [k for k in first if k < cn]
             carry_at = cn + bn  # carry operands follow the cond and body consts
-            n_out = len(eqn.outvars)
+            n_carry = len(eqn.outvars)
         else:  # scan: consts, carry, xs
             n_consts, n_carry = compat.scan_split(p)
-            body, n_body_consts, first, reads = p["jaxpr"], n_consts, set(), []
+            body, n_body_consts, where, reads = p["jaxpr"], n_consts, "jaxpr", []
             carry, carry_at = set(), n_consts
         body_reads: set[int] = set()
         while True:  # loop-carried: a carry read by a decision is one too
             body_reads = _reached_inputs(ctx, body, sorted(carry), exit=is_while)
             new = carry | {k - n_body_consts for k in body_reads if k >= n_body_consts}
-            if eqn.primitive.name == "scan":
+            if not is_while:
                 new = {k for k in new if k < n_carry}
             if new == carry:
                 break
             carry = new
-        if carry:
-            ctx.mark_decides(body, carry, exit=is_while)
-        ctx.mark_carries(body, range(n_carry if eqn.primitive.name == "scan" else n_out))
+        decides = frozenset(carry)
+        bodies = [
+            (
+                where,
+                BodyHints(decides, decides if is_while else frozenset(), frozenset(range(n_carry))),
+            )
+        ]
+        if is_while:
+            bodies.insert(0, ("cond_jaxpr", BodyHints(frozenset({0}), frozenset({0}))))
         consts = [k for k in body_reads if k < n_body_consts]
-        if eqn.primitive.name == "while":
+        if is_while:
             consts = [cn + k for k in consts]
-        return sorted({*reads, *consts, *(carry_at + k for k in carry)})
+        operands = tuple(sorted({*reads, *consts, *(carry_at + k for k in carry)}))
+        return LoopReads(operands, tuple(bodies))
 
     return ctx.cached("loop_reads", eqn, make)
 
@@ -689,7 +754,7 @@ def _plan_attention(ctx: Context, closed: Any) -> attention.Plan:
         compute_dtype=ctx.policy.compute_dtype,
         in_full_precision=ctx.in_full_precision,
     )
-    ctx.attention_log.extend(plan_.log)
+    ctx.memo.attention_log.extend(plan_.log)
     return plan_
 
 
@@ -700,18 +765,17 @@ def _has_inlinable_jit(jaxpr: Any) -> bool:
     return any(compat.jit_is_inlinable(e) for e in jaxpr.eqns)
 
 
-def _bind_inlining(eqn: Any, invals: list[Any]) -> Sequence[Any]:
-    with contextlib.ExitStack() as stack:
-        for m in compat.eqn_context(eqn):
-            stack.enter_context(m)
-        if compat.jit_is_inlinable(eqn):
-            return _eval_inlining(compat.jit_jaxpr(eqn), invals)
-        return compat.bind_eqn(eqn, invals)
+def _inlining(i: int, eqn: Any, env: jaxprs.Env) -> Sequence[Any]:
+    """The `jaxprs.Hook` of `inline_jits`: an inlinable ``jit``'s body is
+    evaluated in place (recursively), any other eqn is bound as it is."""
+    if compat.jit_is_inlinable(eqn):
+        return _eval_inlining(compat.jit_jaxpr(eqn), env.operands(eqn))
+    return jaxprs.bind(i, eqn, env)
 
 
 def _eval_inlining(closed: Any, args: Sequence[Any]) -> list[Any]:
     jaxpr, consts = jaxprs.open_jaxpr(closed)
-    return jaxprs.eval_jaxpr(jaxpr, consts, args, _bind_inlining)
+    return jaxprs.eval_jaxpr(jaxpr, consts, args, _inlining)
 
 
 def inline_jits(closed: Any) -> Any:
@@ -723,4 +787,17 @@ def inline_jits(closed: Any) -> Any:
     )
 
 
-__all__ = ("AttentionPath", "Classified", "Context", "Plan", "all_low", "plan", "stays_high")
+__all__ = (
+    "AttentionPath",
+    "BodyHints",
+    "Classified",
+    "Config",
+    "Context",
+    "LoopReads",
+    "Memo",
+    "Plan",
+    "all_low",
+    "format_plan",
+    "plan",
+    "stays_high",
+)

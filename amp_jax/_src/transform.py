@@ -31,7 +31,7 @@ from amp_jax._src.calling import (
     unwrap_statics,
 )
 from amp_jax._src.interpreter import Interpreter, evaluate
-from amp_jax._src.planning import plan
+from amp_jax._src.planning import Config, plan
 from amp_jax._src.policy import FULL_PRECISION_SCOPE, Policy, get_policy, scope_in
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -124,6 +124,11 @@ class AmpFunction:
         outs = evaluate(traced.ctx, traced.plan, call.dynamic)
         return self._outputs(call, traced, outs)
 
+    def traces(self) -> list[Traced]:
+        """The traces this function keeps, least recently used first: what a
+        diagnostic that has just called it reads instead of tracing again."""
+        return list(self._shared.entries.values())
+
     def trace_for_inspection(self, *args: Any, **kwargs: Any) -> Traced:
         """The plan a call with these arguments evaluates, traced afresh (not
         cached): what [`explain`][amp_jax.explain] and the debug tools read."""
@@ -170,7 +175,7 @@ class AmpFunction:
         self._shared.trace_count += 1
         writes = found[0]
         out_tree = jax.tree.structure(out_shape if writes is None else out_shape[0])
-        ctx = Interpreter(self.policy, jax.default_backend())
+        ctx = Interpreter(Config(self.policy, jax.default_backend()))
         return Traced(plan(ctx, closed), out_tree, ctx, writes)
 
     def _outputs(self, call: Call, traced: Traced, outs: list[Any]) -> Any:

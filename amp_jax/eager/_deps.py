@@ -8,7 +8,6 @@ from typing import Any
 
 import jax
 import optax
-from jax.extend import core as jex_core
 
 from amp_jax._src import compat, jaxprs
 from amp_jax.optim import _loss_scale, _tree
@@ -22,8 +21,19 @@ _CALL_LIKE = compat.CALL_LIKE_NAMES
 _EMPTY: frozenset = frozenset()
 
 
-def _open(j: Any) -> Any:
-    return jaxprs.open_jaxpr(j)[0]
+def _no_labels(_: Any) -> frozenset:
+    return _EMPTY
+
+
+def _propagate(i: int, eqn: Any, env: jaxprs.Env) -> list[frozenset]:
+    """The `jaxprs.Hook` of `dependencies`: a call-like eqn's body is entered,
+    any other eqn's outputs each get the union of its operands' labels."""
+    del i
+    ins = env.operands(eqn)
+    sub = jaxprs.called_jaxpr(eqn) if eqn.primitive.name in _CALL_LIKE else None
+    if sub is not None:
+        return dependencies(sub, ins)
+    return [_EMPTY.union(*ins)] * len(eqn.outvars)
 
 
 def dependencies(jaxpr: Any, in_deps: Sequence[frozenset]) -> list[frozenset]:
@@ -33,32 +43,13 @@ def dependencies(jaxpr: Any, in_deps: Sequence[frozenset]) -> list[frozenset]:
     conservative (it may report a dependence that is not there, never miss one):
     an equation's outputs depend on all of its inputs, except for call-like
     primitives (``jit``, ``checkpoint``, ``custom_jvp/vjp``), which are entered.
+    It is `jaxprs.eval_jaxpr` over label sets (constants and literals have none).
     """
-    jaxpr = _open(jaxpr)
-    env: dict[Any, frozenset] = {}
-
-    def read(v):
-        if isinstance(v, compat.Literal):
-            return _EMPTY
-        return env.get(v, _EMPTY)
-
-    for v, d in zip(jaxpr.invars, in_deps):
-        env[v] = d
-    for eqn in jaxpr.eqns:
-        ins = [read(v) for v in eqn.invars]
-        outs = None
-        if eqn.primitive.name in _CALL_LIKE:
-            subs = list(jex_core.jaxprs_in_params(eqn.params))
-            if len(subs) == 1:
-                sub = _open(subs[0])
-                if len(sub.invars) == len(ins) and len(sub.outvars) == len(eqn.outvars):
-                    outs = dependencies(sub, ins)
-        if outs is None:
-            union = _EMPTY.union(*ins)
-            outs = [union] * len(eqn.outvars)
-        for v, d in zip(eqn.outvars, outs):
-            env[v] = d
-    return [read(v) for v in jaxpr.outvars]
+    jaxpr = jaxprs.open_jaxpr(jaxpr)[0]
+    ins = [*in_deps, *[_EMPTY] * (len(jaxpr.invars) - len(in_deps))]
+    consts = [_EMPTY] * len(jaxpr.constvars)
+    env = jaxprs.Env(literal=_no_labels)
+    return jaxprs.eval_jaxpr(jaxpr, consts, ins, _propagate, env)
 
 
 def residual_depends_on_input(block_fn: Callable, p_layer: Any, h: Any) -> list[bool] | None:

@@ -2,9 +2,9 @@
 
 The general rules (``rules.py``, ``dots.py``, planning) never test a backend's
 name: they read its `Backend` record. Which dots it runs in the compute dtype
-(`Backend.runs_low`), how a lowered dot is written for it (`Backend.dot`:
-XLA:CPU's operand layouts, ``cpu.py``), the per-evaluation bookkeeping those
-layouts need (`Backend.layouts`), which dtype ``allow`` ops write and which
+(`Backend.has_low_kernel`), how a lowered dot is written for it (`Backend.dot`:
+XLA:CPU's operand layouts, ``cpu.py``), the layouts chosen per dot when a
+jaxpr is planned (`Backend.plan_layouts`), which dtype ``allow`` ops write and which
 ops stay float32 (the tables below), fp8 matmuls and fused attention
 (``gpu.py``).
 """
@@ -12,7 +12,7 @@ ops stay float32 (the tables below), fp8 matmuls and fused attention
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from jax import lax
@@ -34,8 +34,8 @@ def _never() -> bool:
     return False
 
 
-def _no_layouts(jaxpr: Any) -> None:
-    return None
+def _no_layouts(jaxpr: Any, lowered: Mapping[int, Any], skip: Collection[int] = ()) -> dict:
+    return {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,8 +54,9 @@ class Backend:
         compute-dtype operands has a kernel; planning keeps it float32 if not.
       dot: ``dot(a, b, dims, precision, acc, out_sharding)``: a lowered dot
         written in the layouts the backend runs fast.
-      layouts: ``layouts(jaxpr)``: the per-evaluation state that finds those
-        layouts across eqns (``cpu.Layouts``), or None.
+      plan_layouts: ``plan_layouts(jaxpr, lowered, skip)``: the layout
+        records of a planned jaxpr's lowered dots, by eqn index (XLA:CPU:
+        ``cpu.DotLayout``), stored in the plan; none elsewhere.
       native_float8_matmul: ``native_float8_matmul()``: whether the matmul
         units take fp8 operands.
     """
@@ -66,8 +67,13 @@ class Backend:
     fused_attention: bool = False
     runs_low: Callable[[Any], bool] = _always
     dot: Callable[..., Any] = plain_dot
-    layouts: Callable[[Any], Any] = _no_layouts
+    plan_layouts: Callable[..., dict[int, Any]] = _no_layouts
     native_float8_matmul: Callable[[], bool] = _never
+
+    def has_low_kernel(self, eqn: Any) -> bool:
+        """Whether ``eqn`` (an ``allow`` op on managed floats) has a kernel here
+        with compute-dtype operands: planning keeps it float32 if not."""
+        return eqn.primitive.name != "dot_general" or self.runs_low(eqn)
 
 
 _BACKENDS = {
@@ -76,7 +82,7 @@ _BACKENDS = {
         slow_in_low_precision=cpu.SLOW_IN_LOW_PRECISION,
         runs_low=cpu.runs_low,
         dot=cpu.dot,
-        layouts=cpu.Layouts,
+        plan_layouts=cpu.plan_layouts,
     ),
     "gpu": Backend(
         "gpu",

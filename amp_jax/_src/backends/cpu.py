@@ -1,5 +1,5 @@
 """XLA:CPU: which dots it runs in bf16, in which operand layouts, and the
-bookkeeping that finds those layouts.
+plan-time choice of those layouts (`plan_layouts`).
 
 XLA:CPU (jaxlib 0.10) runs a bf16 x bf16 -> f32 dot in its fast kernel only
 when the lhs contracts over its trailing dims and the rhs over its leading or
@@ -12,8 +12,8 @@ here keeps amp's lowered dots in the layouts that run, and fast
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -170,80 +170,146 @@ def _merged_dims(a: Any, b: Any, k: int, leading: bool) -> tuple[Any, Any, Any, 
     return a, lax.reshape(b, (m, n)), (a.ndim - 1,), (1,)
 
 
-class Layouts:
-    """The per-evaluation state of XLA:CPU's dot layouts, for one jaxpr.
+@dataclasses.dataclass(frozen=True, repr=False)
+class DotLayout:
+    """How XLA:CPU writes one eqn of a plan as a lowered dot (`plan_layouts`).
+
+    Attributes:
+      dot: the index of the ``dot_general`` eqn whose product this is.
+      through: for the lhs and the rhs, the index of the ``transpose`` eqn
+        whose operand is contracted directly, or None (the operand as written).
+      dims: the dimension numbers that contract the operands read.
+      swapped: the record of a ``transpose`` of the dot's result: the same dot
+        with its lhs and rhs swapped.
+      operands: the vars read as lhs and rhs.
+      out_dtype: the dtype the dot writes.
+      eqn: the dot eqn.
+    """
+
+    dot: int
+    through: tuple[int | None, int | None]
+    dims: Any
+    swapped: bool
+    operands: tuple[Any, Any] = dataclasses.field(compare=False)
+    out_dtype: Any = dataclasses.field(default=None, compare=False)
+    eqn: Any = dataclasses.field(default=None, compare=False)
+
+    def __repr__(self) -> str:
+        via = [
+            f"{s} via transpose {t}" for s, t in zip(("lhs", "rhs"), self.through) if t is not None
+        ]
+        head = f"dot {self.dot}" + (" swapped" if self.swapped else "")
+        return f"DotLayout({', '.join([head, *via])}, dims={self.dims})"
+
+
+def plan_layouts(
+    jaxpr: Any, lowered: Mapping[int, Any], skip: Collection[int] = ()
+) -> dict[int, DotLayout]:
+    """XLA:CPU's layout choices for the lowered dots of ``jaxpr``, by eqn index.
 
     A dot reading a ``transpose`` contracts the transpose's operand directly
     (``x @ W.T`` with ``W`` stored (out, in), ``jnp.einsum`` spellings), so
     that the weight gradient comes out in ``W``'s own layout, not transposed
     back in float32 every step; a ``transpose`` of a lowered dot's result is
-    the same dot with its operands swapped (`swapped`).
+    the same dot with its operands swapped (`_swapped`).
+
+    Args:
+      jaxpr: the planned jaxpr.
+      lowered: ``{index: dtype it writes}`` of the dot eqns amp's dot rule
+        lowers to the compute dtype (operands: floats amp manages).
+      skip: the eqns no rule evaluates (computed by a fused attention).
     """
+    transposes: dict[Any, tuple[int, Any, tuple[int, ...]]] = {}
+    dots: dict[Any, DotLayout] = {}
+    out: dict[int, DotLayout] = {}
+    single_use: frozenset[Any] | None = None
+    for i, eqn in enumerate(jaxpr.eqns):
+        if i in skip:
+            continue
+        if i in lowered:
+            lay = _through_transposes(i, eqn, transposes, lowered[i])
+            dots[eqn.outvars[0]] = lay
+            if lay.through != (None, None):
+                out[i] = lay
+        elif eqn.primitive.name == "transpose" and not isinstance(eqn.invars[0], compat.Literal):
+            src, perm = eqn.invars[0], tuple(eqn.params["permutation"])
+            swapped = None
+            if src in dots:
+                single_use = _single_use(jaxpr) if single_use is None else single_use
+                swapped = _swapped(dots[src], perm) if src in single_use else None
+            if swapped is None:
+                transposes[eqn.outvars[0]] = (i, src, perm)
+            else:
+                out[i] = swapped
+    return out
 
-    def __init__(self, jaxpr: Any):
-        self.jaxpr = jaxpr
-        #: {var: (operand var, permutation)} of the ``transpose`` eqns evaluated
-        self.transposes: dict[Any, tuple[Any, tuple[int, ...]]] = {}
-        #: {var: (eqn, operands, dimension numbers, out dtype)} of the lowered dots
-        self.dots: dict[Any, tuple[Any, list[Any], Any, Any]] = {}
 
-    @functools.cached_property
-    def single_use(self) -> frozenset[Any]:
-        """The vars of the jaxpr that exactly one eqn reads, and no output
-        (made once, and only when a transpose reads a dot's result)."""
-        _, consumers = jaxprs.def_use(self.jaxpr)
-        outs = {v for v in self.jaxpr.outvars if not isinstance(v, compat.Literal)}
-        return frozenset(v for v, c in consumers.items() if len(c) == 1 and v not in outs)
+def _single_use(jaxpr: Any) -> frozenset[Any]:
+    """The vars of ``jaxpr`` that exactly one eqn reads, and no output."""
+    _, consumers = jaxprs.def_use(jaxpr)
+    outs = {v for v in jaxpr.outvars if not isinstance(v, compat.Literal)}
+    return frozenset(v for v, c in consumers.items() if len(c) == 1 and v not in outs)
 
-    def swapped(self, src: Any, perm: tuple[int, ...]) -> tuple[Any, list[Any], Any, Any] | None:
-        """For ``transpose(src, perm)`` of a lowered dot's result that only the
-        transpose reads: ``(eqn, swapped operands, dims, out dtype)`` of the same
-        dot with its operands swapped, when ``perm`` puts the rhs's kept dims
-        before the lhs's (in order). On XLA:CPU the product is then written in
-        the layout its readers want (a per-example matvec ``vmap(lambda v: W @
-        v)``, Equinox's ``Linear``). Only where the swapped operands need no
-        copy: ``b`` contracting its trailing dims, ``a`` its leading or
-        trailing ones. None otherwise."""
-        if src not in self.dots or src not in self.single_use or mesh.partitioned_by_mesh():
-            return None
-        eqn, (a, b), dims, out_dtype = self.dots[src]
-        if eqn.params.get("out_sharding") is not None:
-            return None
-        (ca, cb), (ba, bb) = dims if dims is not None else eqn.params["dimension_numbers"]
-        m, n, k = a.ndim - len(ca), b.ndim - len(cb), len(ca)
-        if ba or bb or not m or not n or perm != (*range(m, m + n), *range(m)):
-            return None
-        if tuple(cb) != tuple(range(n, n + k)) or tuple(ca) not in (
-            tuple(range(k)),
-            tuple(range(m, m + k)),
-        ):
-            return None
-        return eqn, [b, a], ((tuple(cb), tuple(ca)), ((), ())), out_dtype
 
-    def through_transposes(self, eqn: Any, env: Any, compute_dtype: Any) -> Any:
-        """The operands of dot ``eqn`` with the ``transpose`` eqns that produced
-        them undone, and the dimension numbers that contract them the same way;
-        None when no operand is such a transpose (or one reorders kept dims,
-        which would reorder the result)."""
-        (ca, cb), (ba, bb) = eqn.params["dimension_numbers"]
-        if eqn.params.get("out_sharding") is not None or mesh.partitioned_by_mesh():
-            return None
-        out, dims, changed = [], [], False
-        for v, c, b in ((eqn.invars[0], ca, ba), (eqn.invars[1], cb, bb)):
-            hit = None if isinstance(v, compat.Literal) else self.transposes.get(v)
-            if hit is not None:
-                src, perm = hit
-                kept = [perm[d] for d in range(len(perm)) if d not in c and d not in b]
-                if kept == sorted(kept) and src in env.vals:
-                    # the cast the transpose read, if it read one (a cast made once)
-                    cast = env.casts.get((src, np.dtype(compute_dtype)))
-                    out.append(env.read(src, None) if cast is None else cast)
-                    dims.append((tuple(perm[d] for d in c), tuple(perm[d] for d in b)))
-                    changed = True
-                    continue
-            out.append(env.read(v, None))
-            dims.append((tuple(c), tuple(b)))
-        if not changed:
-            return None
-        (nca, nba), (ncb, nbb) = dims
-        return out, ((nca, ncb), (nba, nbb))
+def _swapped(lay: DotLayout, perm: tuple[int, ...]) -> DotLayout | None:
+    """For ``transpose(dot, perm)`` of a lowered dot that only the transpose
+    reads: the same dot with its operands swapped, when ``perm`` puts the
+    rhs's kept dims before the lhs's (in order). On XLA:CPU the product is
+    then written in the layout its readers want (a per-example matvec
+    ``vmap(lambda v: W @ v)``, Equinox's ``Linear``). Only where the swapped
+    operands need no copy: ``b`` contracting its trailing dims, ``a`` its
+    leading or trailing ones. None otherwise."""
+    if lay.eqn.params.get("out_sharding") is not None:
+        return None
+    a, b = (v.aval for v in lay.operands)
+    (ca, cb), (ba, bb) = lay.dims
+    m, n, k = a.ndim - len(ca), b.ndim - len(cb), len(ca)
+    if ba or bb or not m or not n or perm != (*range(m, m + n), *range(m)):
+        return None
+    if tuple(cb) != tuple(range(n, n + k)) or tuple(ca) not in (
+        tuple(range(k)),
+        tuple(range(m, m + k)),
+    ):
+        return None
+    return DotLayout(
+        lay.dot,
+        lay.through[::-1],
+        ((tuple(cb), tuple(ca)), ((), ())),
+        True,
+        lay.operands[::-1],
+        lay.out_dtype,
+        lay.eqn,
+    )
+
+
+def _through_transposes(
+    i: int, eqn: Any, transposes: Mapping[Any, tuple[int, Any, tuple[int, ...]]], out_dtype: Any
+) -> DotLayout:
+    """Dot eqn ``i`` with the ``transpose`` eqns that produced its operands
+    undone, and the dimension numbers that contract them the same way (none
+    undone where one reorders kept dims, which would reorder the result)."""
+    dims = eqn.params["dimension_numbers"]
+    plain = DotLayout(i, (None, None), dims, False, tuple(eqn.invars), out_dtype, eqn)
+    if eqn.params.get("out_sharding") is not None:
+        return plain
+    (ca, cb), (ba, bb) = dims
+    read, through, new = [], [], []
+    for v, c, b in ((eqn.invars[0], ca, ba), (eqn.invars[1], cb, bb)):
+        hit = None if isinstance(v, compat.Literal) else transposes.get(v)
+        if hit is not None:
+            t, src, perm = hit
+            kept = [perm[d] for d in range(len(perm)) if d not in c and d not in b]
+            if kept == sorted(kept):
+                read.append(src)
+                through.append(t)
+                new.append((tuple(perm[d] for d in c), tuple(perm[d] for d in b)))
+                continue
+        read.append(v)
+        through.append(None)
+        new.append((tuple(c), tuple(b)))
+    if through == [None, None]:
+        return plain
+    (nca, nba), (ncb, nbb) = new
+    return DotLayout(
+        i, tuple(through), ((nca, ncb), (nba, nbb)), False, tuple(read), out_dtype, eqn
+    )

@@ -21,7 +21,6 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend import core as jex_core
 
 from amp_jax._src import compat, jaxprs
 from amp_jax._src.diagnostics.reasons import (
@@ -113,12 +112,15 @@ class _Probe:
             raise _Stop
 
 
-def _eval(
-    jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], stack: tuple[str, ...], probe: _Probe
+def _run_closed(
+    closed: Any, args: Sequence[Any], stack: tuple[str, ...], probe: _Probe
 ) -> list[Any]:
-    def bind(eqn: Any, invals: list[Any]) -> Sequence[Any]:
-        inner = (*stack, str(eqn.source_info.name_stack))
-        outs = _eval_eqn(eqn, invals, inner, probe)
+    """``closed`` evaluated eagerly on ``args``, every first-order eqn's outputs
+    checked by ``probe`` (``stack``: the name stacks of the enclosing eqns)."""
+
+    def probing(i: int, eqn: Any, env: jaxprs.Env) -> Sequence[Any]:
+        invals = env.operands(eqn)
+        outs = _unrolled(eqn, invals, (*stack, str(eqn.source_info.name_stack)), probe)
         if outs is None:
             outs = compat.bind_eqn(eqn, invals)
             probe.check(eqn, full_stack(eqn, stack), invals, outs)
@@ -126,25 +128,19 @@ def _eval(
             probe.producer.setdefault(id(o), (o, eqn))
         return outs
 
-    return jaxprs.eval_jaxpr(jaxpr, consts, args, bind)
-
-
-def _run_closed(
-    closed: Any, args: Sequence[Any], stack: tuple[str, ...], probe: _Probe
-) -> list[Any]:
     jaxpr, consts = jaxprs.open_jaxpr(closed)
-    return _eval(jaxpr, consts, args, stack, probe)
+    return jaxprs.eval_jaxpr(jaxpr, consts, args, probing)
 
 
-def _eval_eqn(
+def _unrolled(
     eqn: Any, invals: list[Any], stack: tuple[str, ...], probe: _Probe
 ) -> list[Any] | None:
-    """Evaluates a higher-order eqn by entering its body; None for a first-order one
-    (or one this evaluator does not enter: it is then bound whole)."""
+    """A higher-order eqn evaluated eagerly by running its bodies through
+    `_run_closed` (a loop's body once per iteration, the taken branch of a
+    ``cond``, a call's body), so that the probe sees their first-order eqns;
+    None for a first-order eqn or one not entered (it is then bound whole).
+    ``scan``/``while``/``cond`` would trace their bodies abstractly if bound."""
     name, p = eqn.primitive.name, eqn.params
-    subs = list(jex_core.jaxprs_in_params(p))
-    if not subs:
-        return None
     if name == "scan":
         nc, ncarry = compat.scan_split(p)
         length = int(p["length"])
@@ -169,12 +165,8 @@ def _eval_eqn(
     if name == "cond":
         index = int(invals[0])
         return _run_closed(p["branches"][index], invals[1:], stack, probe)
-    if len(subs) == 1:  # call-like: jit, checkpoint, custom_jvp/vjp calls, closed_call
-        sub = subs[0]
-        j = compat.jaxpr_of(sub) if compat.is_closed_jaxpr(sub) else sub
-        if len(j.invars) == len(invals) and len(j.outvars) == len(eqn.outvars):
-            return _run_closed(sub, invals, stack, probe)
-    return None
+    sub = jaxprs.called_jaxpr(eqn)  # jit, checkpoint, custom_jvp/vjp calls, closed_call
+    return None if sub is None else _run_closed(sub, invals, stack, probe)
 
 
 @dataclasses.dataclass(frozen=True)
