@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 
 from amp_jax import amp, explain
-from benchmarks import run
+from benchmarks import _report, run
 from workloads import models as M
 
 BF16 = jnp.bfloat16
@@ -358,11 +358,7 @@ def main(argv: list[str] | None = None) -> str:
     rows = depth_scaling([int(d) for d in args.depths.split(",") if d])
     costs = [] if args.no_kernel_costs else kernel_costs()
     text = report(all_res, rows, load_start, args.reps, costs)
-    print(text)
-    if not args.no_write:
-        with open(args.out, "w") as fh:
-            fh.write(text)
-    return text
+    return _report.emit(text, None if args.no_write else args.out)
 
 
 if __name__ == "__main__":

@@ -36,30 +36,15 @@ import optax
 
 import amp_jax
 from amp_jax.optim import state_bytes
+from benchmarks import _report
+from workloads import models as M
 
 
 def model(width, layers, seq, dtype=jnp.float32):
-    def embed(p, x):
-        return x @ p["w"]
-
-    def block(p, h):
-        return h + jnp.tanh(h @ p["w1"] + p["b1"]) @ p["w2"]
-
-    def head(p, h, x):
-        return jnp.mean((h @ p["w"] - x) ** 2)
-
-    z = lambda *s: jax.ShapeDtypeStruct(s, dtype)
-    params = {
-        "embed": {"w": z(width, width)},
-        "blocks": {
-            "w1": z(layers, width, width),
-            "b1": z(layers, width),
-            "w2": z(layers, width, width),
-        },
-        "head": {"w": z(width, width)},
-    }
+    """workloads' residual block stack: its functions, parameter shapes and a batch's."""
+    params = jax.eval_shape(lambda: M.stack_params(jax.random.key(0), width, layers, dtype))
     batch = jax.ShapeDtypeStruct((seq, width), jnp.float32)
-    return embed, block, head, params, batch
+    return M.stack_embed, M.stack_block, M.stack_head, params, batch
 
 
 def memory(fn, *args):
@@ -283,13 +268,19 @@ def main(argv: list[str] | None = None) -> str:
         a.layers, a.width, a.reps = 2, 64, 1
     here = os.path.dirname(__file__)
     if a.fsdp:
-        text = fsdp_table(a.width, a.layers, a.seq)
-        print(text)
-        if not a.smoke:
-            with open(a.out or os.path.join(here, "EAGER_MEMORY_FSDP.md"), "w") as f:
-                f.write(text)
-        return text
+        out = a.out or os.path.join(here, "EAGER_MEMORY_FSDP.md")
+        return _report.emit(fsdp_table(a.width, a.layers, a.seq), None if a.smoke else out)
     a.out = a.out or os.path.join(here, "EAGER_MEMORY.md")
+    lines = _memory_table(a, _memory_rows(a)) + _f16_table(a)
+    return _report.emit("\n".join(lines) + "\n", None if a.smoke else a.out)
+
+
+def _mib(b: float) -> str:
+    return f"{b / 2**20:.2f}"
+
+
+def _memory_rows(a: argparse.Namespace) -> list[dict]:
+    """The float32 table's rows: every optimizer, standard, unrolled and eager."""
     rows = []
     rows += rows_for("sgd(momentum=0.9)", optax.sgd(1e-2, momentum=0.9), a.width, a.layers, a.seq)
     rows += rows_for("adam", optax.adam(1e-3), a.width, a.layers, a.seq)
@@ -320,7 +311,10 @@ def main(argv: list[str] | None = None) -> str:
             variants=["standard", "eager"],
         )
     ]
-    mib = lambda b: f"{b / 2**20:.2f}"
+    return rows
+
+
+def _memory_table(a: argparse.Namespace, rows: list[dict]) -> list[str]:
     std = {r["opt"]: r["peak"] for r in rows if r["variant"].startswith("standard")}
     lines = [
         "# Eager updates: compiled peak memory",
@@ -340,16 +334,21 @@ def main(argv: list[str] | None = None) -> str:
     for r in rows:
         bound = r["params"] + r["state"] + r["layer_grad"]
         lines.append(
-            f"| {r['opt']} | {r['variant']} | {mib(r['params'])} | {mib(r['state'])} | "
-            f"{mib(r['temp'])} | {mib(r['peak'])} | {mib(bound)} | {r['peak'] / bound:.3f} | "
+            f"| {r['opt']} | {r['variant']} | {_mib(r['params'])} | {_mib(r['state'])} | "
+            f"{_mib(r['temp'])} | {_mib(r['peak'])} | {_mib(bound)} | {r['peak'] / bound:.3f} | "
             f"{r['peak'] / std[r['opt']]:.3f} |"
         )
+    return lines
+
+
+def _f16_table(a: argparse.Namespace) -> list[str]:
+    """The float16 section: loss scaling, static and dynamic, with step times."""
     f16 = rows_f16(
         "sgd(momentum=0.9)", optax.sgd(1e-2, momentum=0.9), a.width, a.layers, a.seq, a.reps
     )
     f16 += rows_f16("adam", optax.adam(1e-3), a.width, a.layers, a.seq, a.reps)
     std16 = {r["opt"]: r for r in f16 if r["variant"].startswith("standard")}
-    lines += [
+    lines = [
         "",
         "### float16 compute with loss scaling",
         "",
@@ -366,17 +365,8 @@ def main(argv: list[str] | None = None) -> str:
         bound = r["params"] + r["state"] + r["layer_grad"]
         sd = std16[r["opt"]]
         lines.append(
-            f"| {r['opt']} | {r['variant']} | {mib(r['temp'])} | {mib(r['peak'])} | "
-            f"{mib(bound)} | {r['peak'] / bound:.3f} | {r['peak'] / sd['peak']:.3f} | "
+            f"| {r['opt']} | {r['variant']} | {_mib(r['temp'])} | {_mib(r['peak'])} | "
+            f"{_mib(bound)} | {r['peak'] / bound:.3f} | {r['peak'] / sd['peak']:.3f} | "
             f"{r['ms']:.2f} | {r['ms'] / sd['ms']:.2f} |"
         )
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if not a.smoke:
-        with open(a.out, "w") as f:
-            f.write(text)
-    return text
-
-
-if __name__ == "__main__":
-    main()
+    return lines

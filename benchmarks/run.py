@@ -58,6 +58,7 @@ import numpy as np
 from jax import lax
 
 from amp_jax import Policy, amp
+from benchmarks import _report
 from workloads import models as M
 
 BF16 = jnp.bfloat16
@@ -482,6 +483,22 @@ def targets(
 
 
 def report(args, all_res, descs, conv_rows, dw_rows, r50) -> str:
+    """The Markdown report: machine, train-step tables, targets and the CPU studies."""
+    out = _report_header(args) + _train_step_section(all_res, descs)
+    if jax.default_backend() == "gpu":
+        out += _gpu_targets_section(all_res)
+    else:
+        out += ["## Targets (CPU)", ""] + targets(all_res, r50) + [""]
+    if r50:
+        out += _resnet50_section(args, r50)
+    if conv_rows:
+        out += _conv_section(conv_rows)
+    if dw_rows:
+        out += _dw_section(dw_rows)
+    return "\n".join(out)
+
+
+def _report_header(args) -> list[str]:
     mach = machine()
     out = [
         "# amp_jax speed benchmark",
@@ -494,8 +511,11 @@ def report(args, all_res, descs, conv_rows, dw_rows, r50) -> str:
         "## Machine",
         "",
     ]
-    out += [f"- {k}: {v}" for k, v in mach.items()]
-    out += [
+    return out + [f"- {k}: {v}" for k, v in mach.items()]
+
+
+def _train_step_section(all_res, descs) -> list[str]:
+    out = [
         "",
         "## Train step `jax.jit(jax.value_and_grad(loss))`",
         "",
@@ -520,79 +540,154 @@ def report(args, all_res, descs, conv_rows, dw_rows, r50) -> str:
                 ),
                 "",
             ]
-    if jax.default_backend() == "gpu":
-        out += [
-            "## Targets (GPU)",
-            "",
-            f"MFU: matmul/conv FLOPs of the step (from the jaxpr) per second, "
-            f"over {GPU_PEAK_FLOPS / 1e12:.0f} TFLOP/s dense bf16. Rows `torch_*`: the same GPT in "
-            "PyTorch (`benchmarks/torch_peer.py`), autocast bf16, einsum attention or "
-            "`F.scaled_dot_product_attention`, eager or `torch.compile`d (`torch_compile_sdpa`); "
-            "their memory column is the CUDA peak allocation. `amp_bf16_stream`: amp of the "
-            "program with its parameters cast to bf16 at the start (the residual stream between "
-            "blocks in bf16, as in `hand`; on the GPT, of `hand_cudnn`).",
-            "",
-        ]
-        out += gpu_targets(all_res) + [""]
-    else:
-        out += ["## Targets (CPU)", ""] + targets(all_res, r50) + [""]
-    if r50:
-        out += [
-            "## ResNet-50-sized compile time",
-            "",
-            "`jax.jit(jax.grad(f)).lower(...).compile()` wall time (median of "
-            f"{args.r50_reps}, fresh jit and fresh amp trace each time), "
-            f"{M.resnet50().description}:",
-            "",
-            "| variant | compile s | vs f32 |",
-            "|---|---:|---:|",
-        ]
-        for k, v in r50.items():
-            out.append(f"| {k} | {v:.2f} | {v / r50['f32']:.2f} |")
-        out += [
-            "",
-            "`amp` keeps convolutions float32 on CPU (backend-aware default); "
-            "`amp_bf16_convs` forces them through amp's bf16 conv rule "
-            "(`Policy(backend_aware=False)`), the path GPUs/TPUs take.",
-            "",
-        ]
-    if conv_rows:
-        out += [
-            "## Backend-aware: convolutions on this CPU",
-            "",
-            "3x3 conv, NHWC 16x32x32x128 -> 128 (`jax.jit`, median):",
-            "",
-            "| form | forward ms | forward+backward ms |",
-            "|---|---:|---:|",
-        ]
-        out += [f"| {n} | {a * 1e3:.2f} | {b * 1e3:.2f} |" for n, a, b in conv_rows]
-        out += [
-            "",
-            "`Policy(backend_aware=True)` (the default) keeps `conv_general_dilated` in float32 "
-            "on CPU on the strength of this comparison; compare with the `cnn` table above "
-            "(where `hand` runs its convs in bf16).",
-            "",
-        ]
-    if dw_rows:
-        out += [
-            "## Weight-gradient dot layout on this CPU",
-            "",
-            "`dW = x.T @ g` with x, g: [512, 1024] bf16 (`jax.jit`, median). XLA:CPU only runs "
-            "bf16 dots in its fast (YNNPACK) kernel when the lhs contracts over its last "
-            "dimension; a transpose in front of the dot is folded back into the dot, so amp's "
-            "dot rule materialises it with a reshape-transpose-reshape that XLA keeps as a copy.",
-            "",
-            "| form | ms |",
-            "|---|---:|",
-        ]
-        out += [f"| {n} | {t * 1e3:.2f} |" for n, t in dw_rows]
-        out.append("")
-    return "\n".join(out)
+    return out
+
+
+def _gpu_targets_section(all_res) -> list[str]:
+    return [
+        "## Targets (GPU)",
+        "",
+        f"MFU: matmul/conv FLOPs of the step (from the jaxpr) per second, "
+        f"over {GPU_PEAK_FLOPS / 1e12:.0f} TFLOP/s dense bf16. Rows `torch_*`: the same GPT in "
+        "PyTorch (`benchmarks/torch_peer.py`), autocast bf16, einsum attention or "
+        "`F.scaled_dot_product_attention`, eager or `torch.compile`d (`torch_compile_sdpa`); "
+        "their memory column is the CUDA peak allocation. `amp_bf16_stream`: amp of the "
+        "program with its parameters cast to bf16 at the start (the residual stream between "
+        "blocks in bf16, as in `hand`; on the GPT, of `hand_cudnn`).",
+        "",
+        *gpu_targets(all_res),
+        "",
+    ]
+
+
+def _resnet50_section(args, r50) -> list[str]:
+    out = [
+        "## ResNet-50-sized compile time",
+        "",
+        "`jax.jit(jax.grad(f)).lower(...).compile()` wall time (median of "
+        f"{args.r50_reps}, fresh jit and fresh amp trace each time), "
+        f"{M.resnet50().description}:",
+        "",
+        "| variant | compile s | vs f32 |",
+        "|---|---:|---:|",
+    ]
+    for k, v in r50.items():
+        out.append(f"| {k} | {v:.2f} | {v / r50['f32']:.2f} |")
+    out += [
+        "",
+        "`amp` keeps convolutions float32 on CPU (backend-aware default); "
+        "`amp_bf16_convs` forces them through amp's bf16 conv rule "
+        "(`Policy(backend_aware=False)`), the path GPUs/TPUs take.",
+        "",
+    ]
+    return out
+
+
+def _conv_section(conv_rows) -> list[str]:
+    out = [
+        "## Backend-aware: convolutions on this CPU",
+        "",
+        "3x3 conv, NHWC 16x32x32x128 -> 128 (`jax.jit`, median):",
+        "",
+        "| form | forward ms | forward+backward ms |",
+        "|---|---:|---:|",
+    ]
+    out += [f"| {n} | {a * 1e3:.2f} | {b * 1e3:.2f} |" for n, a, b in conv_rows]
+    out += [
+        "",
+        "`Policy(backend_aware=True)` (the default) keeps `conv_general_dilated` in float32 "
+        "on CPU on the strength of this comparison; compare with the `cnn` table above "
+        "(where `hand` runs its convs in bf16).",
+        "",
+    ]
+    return out
+
+
+def _dw_section(dw_rows) -> list[str]:
+    out = [
+        "## Weight-gradient dot layout on this CPU",
+        "",
+        "`dW = x.T @ g` with x, g: [512, 1024] bf16 (`jax.jit`, median). XLA:CPU only runs "
+        "bf16 dots in its fast (YNNPACK) kernel when the lhs contracts over its last "
+        "dimension; a transpose in front of the dot is folded back into the dot, so amp's "
+        "dot rule materialises it with a reshape-transpose-reshape that XLA keeps as a copy.",
+        "",
+        "| form | ms |",
+        "|---|---:|",
+    ]
+    out += [f"| {n} | {t * 1e3:.2f} |" for n, t in dw_rows]
+    out.append("")
+    return out
 
 
 def main(argv: list[str] | None = None) -> str:
     """Runs the benchmark; returns the Markdown report (also printed, and written unless
     ``--no-write``)."""
+    p = _parser()
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.quick = args.no_extras = args.no_write = args.no_torch = True
+        args.variants = args.variants or "f32,amp"
+    explicit_variants = args.variants is not None
+    unknown = sorted(set(args.models.split(",")) - set(M.MODELS))
+    if unknown:
+        p.error(f"--models: unknown {unknown}; valid: {','.join(M.MODELS)}")
+    gpu = jax.default_backend() == "gpu"
+    big = args.scale == "gpu" or (args.scale == "auto" and gpu)
+    here = os.path.dirname(os.path.abspath(__file__))
+    args.out = args.out or os.path.join(here, "RESULTS_GPU.md" if gpu else "RESULTS.md")
+    args.variants = args.variants or (
+        "f32,amp,amp_bf16_stream,hand,hand_cudnn" if gpu else "f32,amp,hand,hand_acc"
+    )
+    args.rounds = 1 if args.smoke else 5 if args.quick else 10
+    warmup = 1 if args.quick else 3
+    args.r50_reps = 2
+    which = tuple(args.variants.split(","))
+    all_res, descs = {}, {}
+    for name in args.models.split(","):
+        sizes = {"small": True} if args.smoke else M.GPU_SIZES[name] if big else {}
+        model = M.MODELS[name](**sizes)
+        t0 = time.perf_counter()
+        model_which = which
+        if name == "gpt_fp8" and not explicit_variants:
+            model_which = ("amp", "amp_fp8")
+        all_res[name] = bench_model(model, model_which, args.rounds, warmup, args.hlo_dir)
+        descs[name] = model.description
+        if name == "gpt" and gpu and not args.no_torch:
+            all_res[name].update(_torch_peer(big, args.rounds, warmup))
+        print(f"# {name} ({time.perf_counter() - t0:.0f} s)", flush=True)
+        print("\n".join(model_table(name, all_res[name])), flush=True)
+    conv_rows = dw_rows = r50 = None
+    if not args.no_extras and not gpu:
+        reps = 5 if args.quick else 11
+        dw_rows = bench_dw(reps)
+        conv_rows = bench_conv(reps)
+        if not args.quick:
+            t0 = time.perf_counter()
+            r50 = bench_resnet50_compile(args.r50_reps)
+            print(f"# resnet50 compile ({time.perf_counter() - t0:.0f} s): {r50}", flush=True)
+    text = report(args, all_res, descs, conv_rows, dw_rows, r50)
+    _report.emit(text + "\n", None if args.no_write else args.out)
+    return text
+
+
+def _torch_peer(big: bool, rounds: int, warmup: int) -> dict:
+    """The PyTorch GPT rows (``torch_*``), or none where PyTorch is missing."""
+    try:
+        from benchmarks import torch_peer
+    except ImportError as e:
+        print(f"# no PyTorch peer: {e}", flush=True)
+        return {}
+    if not torch_peer.available():
+        return {}
+    sizes = {
+        **dict(batch=2, seq=256, d=512, layers=4, heads=8, vocab=1024),
+        **(M.GPU_SIZES["gpt"] if big else {}),
+    }
+    return torch_peer.bench_gpt(**sizes, rounds=rounds, warmup=warmup)
+
+
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -630,70 +725,7 @@ def main(argv: list[str] | None = None) -> str:
         action="store_true",
         help="tiny models, f32 and amp, 1 round, no extras, no write (CI)",
     )
-    args = p.parse_args(argv)
-    if args.smoke:
-        args.quick = args.no_extras = args.no_write = args.no_torch = True
-        args.variants = args.variants or "f32,amp"
-    explicit_variants = args.variants is not None
-    unknown = sorted(set(args.models.split(",")) - set(M.MODELS))
-    if unknown:
-        p.error(f"--models: unknown {unknown}; valid: {','.join(M.MODELS)}")
-    gpu = jax.default_backend() == "gpu"
-    big = args.scale == "gpu" or (args.scale == "auto" and gpu)
-    here = os.path.dirname(os.path.abspath(__file__))
-    args.out = args.out or os.path.join(here, "RESULTS_GPU.md" if gpu else "RESULTS.md")
-    args.variants = args.variants or (
-        "f32,amp,amp_bf16_stream,hand,hand_cudnn" if gpu else "f32,amp,hand,hand_acc"
-    )
-    args.rounds = 1 if args.smoke else 5 if args.quick else 10
-    warmup = 1 if args.quick else 3
-    args.r50_reps = 2
-    which = tuple(args.variants.split(","))
-    all_res, descs = {}, {}
-    for name in args.models.split(","):
-        sizes = {"small": True} if args.smoke else M.GPU_SIZES[name] if big else {}
-        model = M.MODELS[name](**sizes)
-        t0 = time.perf_counter()
-        model_which = which
-        if name == "gpt_fp8" and not explicit_variants:
-            model_which = ("amp", "amp_fp8")
-        all_res[name] = bench_model(model, model_which, args.rounds, warmup, args.hlo_dir)
-        descs[name] = model.description
-        if name == "gpt" and gpu and not args.no_torch:
-            try:
-                from benchmarks import torch_peer
-            except ImportError as e:
-                print(f"# no PyTorch peer: {e}", flush=True)
-            else:
-                if torch_peer.available():
-                    sizes = M.GPU_SIZES["gpt"] if big else {}
-                    all_res[name].update(
-                        torch_peer.bench_gpt(
-                            **{
-                                **dict(batch=2, seq=256, d=512, layers=4, heads=8, vocab=1024),
-                                **sizes,
-                            },
-                            rounds=args.rounds,
-                            warmup=warmup,
-                        )
-                    )
-        print(f"# {name} ({time.perf_counter() - t0:.0f} s)", flush=True)
-        print("\n".join(model_table(name, all_res[name])), flush=True)
-    conv_rows = dw_rows = r50 = None
-    if not args.no_extras and not gpu:
-        reps = 5 if args.quick else 11
-        dw_rows = bench_dw(reps)
-        conv_rows = bench_conv(reps)
-        if not args.quick:
-            t0 = time.perf_counter()
-            r50 = bench_resnet50_compile(args.r50_reps)
-            print(f"# resnet50 compile ({time.perf_counter() - t0:.0f} s): {r50}", flush=True)
-    text = report(args, all_res, descs, conv_rows, dw_rows, r50)
-    print(text)
-    if not args.no_write:
-        with open(args.out, "w") as fh:
-            fh.write(text + "\n")
-    return text
+    return p
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ from collections.abc import Callable
 import jax
 
 from amp_jax import amp, explain
+from benchmarks import _report
 from workloads import models as M
 
 SIZES = dict(batch=2, seq=32, d=256, heads=4, vocab=256)
@@ -170,11 +171,7 @@ def main(argv: list[str] | None = None) -> str:
         rows[depth] = measure(depth, args.reps)
         print(f"# depth {depth}: {rows[depth]}", flush=True)
     text = report(rows, args.reps, load_start)
-    print(text)
-    if not args.no_write:
-        with open(args.out, "w") as fh:
-            fh.write(text)
-    return text
+    return _report.emit(text, None if args.no_write else args.out)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import pathlib
+
 import jax
 import numpy as np
 from jax.extend import core as jex_core
@@ -182,3 +185,28 @@ def low_sums(jaxpr):
         and any(np.dtype(getattr(v.aval, "dtype", np.int32)) in (BF16, F16) for v in e.invars)
         and _summed(e) > 1
     ]
+
+
+def shown_path(file: str) -> str:
+    """How amp's diagnostics (``explain`` rows, ``first_nonfinite``) name ``file``:
+    relative to the working directory when it lies below it."""
+    return os.path.relpath(file) if file.startswith(os.getcwd() + os.sep) else file
+
+
+def marked_line(file: str, marker: str) -> int:
+    """1-based number of the one line of ``file`` that holds ``marker`` (as a
+    comment such as ``# MARK-DOT``; lines that name it in quotes do not count)."""
+    lines = pathlib.Path(file).read_text().splitlines()
+    quoted = (f'"{marker}"', f"'{marker}'")
+    (n,) = [i + 1 for i, t in enumerate(lines) if marker in t and not any(q in t for q in quoted)]
+    return n
+
+
+def hand_bf16_matmul(a, b):
+    """A matmul with its operands cast to bf16 by hand (as Flax ``dtype=`` does),
+    accumulated in float32: the hand-cast oracle amp is compared with."""
+    return jax.numpy.matmul(
+        a.astype(jax.numpy.bfloat16),
+        b.astype(jax.numpy.bfloat16),
+        preferred_element_type=jax.numpy.float32,
+    )

@@ -246,7 +246,7 @@ def _body_hints_off():
 def _eager_state_carried():
     from amp_jax.eager import _scan_step
 
-    _patch(_scan_step, "_partitioned_by_mesh", lambda: True)  # the pipelined state slice everywhere
+    _patch(_scan_step, "_carries_state", lambda: True)  # the pipelined state slice everywhere
 
 
 def _eager_writes_unordered():
@@ -327,7 +327,7 @@ def run_mutants(names: list[str]) -> int:
 def identity_check() -> int:
     """Runs `IDENTITY_TESTS` with amp replaced by the identity; 1 if over 20% pass."""
     _check_targets(["amp_identity"])
-    proc, seconds = _pytest("amp_identity", IDENTITY_TESTS)
+    proc, seconds = _pytest("amp_identity", IDENTITY_TESTS, "-rp")
     counts = dict.fromkeys(("passed", "failed", "error", "errors"), 0)
     for n, word in re.findall(r"(\d+) (passed|failed|errors?)\b", proc.stdout.splitlines()[-1]):
         counts[word] += int(n)

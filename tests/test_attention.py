@@ -443,19 +443,28 @@ def _plan(fn, *args, backend="gpu", mode="auto", dtype=jnp.bfloat16):
 
 
 def _planned_cases():
-    import equinox as eqx
+    """name: (fn, args, implementation, reason fragment, Match.kind or None)."""
     import flax.linen as nn
-    from flax import nnx
 
     t, d = 8, 16
     normal = np.random.default_rng(0).standard_normal  # (no new jax.random compilations)
     x = jnp.asarray(normal((B, t, d)), jnp.float32)
     causal = nn.make_causal_mask(jnp.ones((B, t)))
+    bias = jnp.asarray(normal((1, 2, t, t)), jnp.float32)
+    q12 = jnp.asarray(normal((B, t, 2, 12)), jnp.float32)
+    return {**_layer_cases(x, causal), **_function_cases(x, causal, bias, q12)}
+
+
+def _layer_cases(x, causal):
+    """Attention layers of flax (linen, nnx) and Equinox, as `_planned_cases`."""
+    import equinox as eqx
+    import flax.linen as nn
+    from flax import nnx
+
+    d = x.shape[-1]
     linen = nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=d)
     # abstract parameters (shapes only): tracing is all a plan needs, and it is fast
     variables = jax.eval_shape(linen.init, jax.random.PRNGKey(0), x)
-    qh = x.reshape(B, t, 2, 8)
-    bias = jnp.asarray(normal((1, 2, t, t)), jnp.float32)
 
     def nnx_abstract(**kw):  # (graph, abstract state): a module without initialising it
         return nnx.split(
@@ -477,52 +486,51 @@ def _planned_cases():
         m = eqx.combine(p, eqx_static)
         return jax.vmap(lambda xi: m(xi, xi, xi))(x)
 
-    q12 = jnp.asarray(normal((B, t, 2, 12)), jnp.float32)
-    pad = jnp.arange(7)[None, :] < jnp.array([[7], [3]])
-    q7 = Q[:, :7]
-    # name: (fn, args, implementation, reason fragment, Match.kind or None)
+    flash = ("cudnn", "cuDNN flash attention")
     return {
         "linen MultiHeadDotProductAttention": (
             lambda v, x: linen.apply(v, x, mask=causal),
             (variables, x),
-            "cudnn",
-            "cuDNN flash attention",
+            *flash,
             "causal",
-        ),
-        "linen dot_product_attention bias+mask": (
-            lambda q, b: nn.dot_product_attention(q, q, q, bias=b, mask=causal),
-            (qh, bias),
-            "cudnn",
-            "cuDNN flash attention",
-            "causal+bias",
         ),
         "nnx MultiHeadAttention": (
             lambda st, x: nnx.merge(nnx_graph, st)(x, mask=causal),
             (nnx_state, x),
-            "cudnn",
-            "cuDNN flash attention",
+            *flash,
             "causal",
         ),
-        "equinox qk_size 8, vo_size 16": (
-            eqx_apply,
-            (eqx_params, x),
-            "cudnn",
-            "cuDNN flash attention",
-            "mla",
-        ),
-        "jax.nn gqa": (
-            lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True),
-            (Q, K2, V2),
-            "cudnn",
-            "cuDNN flash attention",
-            "causal+gqa",
-        ),
+        "equinox qk_size 8, vo_size 16": (eqx_apply, (eqx_params, x), *flash, "mla"),
         "nnx dropout": (
             lambda st, x: nnx.merge(drop_graph, st)(x, deterministic=False, rngs=nnx.Rngs(1)),
             (drop_state, x),
             None,
             "dropout on the probabilities",
             None,
+        ),
+    }
+
+
+def _function_cases(x, causal, bias, q12):
+    """Attention functions (flax's, jax.nn's, written out) at the limits, as `_planned_cases`."""
+    import flax.linen as nn
+
+    qh = x.reshape(B, x.shape[1], 2, 8)
+    pad = jnp.arange(7)[None, :] < jnp.array([[7], [3]])
+    q7 = Q[:, :7]
+    flash = ("cudnn", "cuDNN flash attention")
+    return {
+        "linen dot_product_attention bias+mask": (
+            lambda q, b: nn.dot_product_attention(q, q, q, bias=b, mask=causal),
+            (qh, bias),
+            *flash,
+            "causal+bias",
+        ),
+        "jax.nn gqa": (
+            lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True),
+            (Q, K2, V2),
+            *flash,
+            "causal+gqa",
         ),
         "head dim 12": (
             lambda q: jax.nn.dot_product_attention(q, q, q),
@@ -541,8 +549,7 @@ def _planned_cases():
         "odd length causal (no bias needed)": (
             lambda q: jax.nn.dot_product_attention(q, q, q, is_causal=True),
             (q7,),
-            "cudnn",
-            "cuDNN flash attention",
+            *flash,
             "causal",
         ),
     }

@@ -1,6 +1,7 @@
 """debug.first_nonfinite, debug.underflow_report, the demo's extras guard (explain:
 tests/test_explain.py)."""
 
+import functools
 import os
 import pathlib
 import subprocess
@@ -9,6 +10,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import pytest
+from _util import marked_line, shown_path
 
 import amp_jax
 from amp_jax import amp, debug, full_precision
@@ -17,15 +19,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 # (toy shapes: lower every matmul, whatever its size)
 # (and float32 matmul results on every backend: GPUs write bf16/f16 by default)
 F16 = amp_jax.Policy(jnp.float16, min_low_contraction=0, min_low_flops=0, allow_outputs="float32")
-HERE = pathlib.Path(__file__).read_text().splitlines()
-# how first_nonfinite names this file: relative to the working directory
-THIS = os.path.relpath(__file__) if __file__.startswith(os.getcwd() + os.sep) else __file__
-
-
-def _line(marker):
-    """1-based line number of the source line holding ``marker`` in this file."""
-    (n,) = [i + 1 for i, t in enumerate(HERE) if marker in t and "_line(" not in t]
-    return n
+# how explain and first_nonfinite name this file
+THIS = shown_path(__file__)
+_line = functools.partial(marked_line, __file__)
 
 
 def overflowing(x, w):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import pytest
-from _util import BF16, prim_dtypes, rel
+from _util import BF16, hand_bf16_matmul, prim_dtypes, rel
 
 from amp_jax import amp
 
@@ -19,12 +19,6 @@ Y0 = jax.random.normal(jax.random.PRNGKey(2), (16, 32))
 
 def _mm(a, b):
     return a @ b
-
-
-def _bf16_mm(a, b):
-    return jnp.matmul(
-        a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), preferred_element_type=jnp.float32
-    )
 
 
 def _loss(mm, adjoint):
@@ -60,7 +54,7 @@ def test_diffrax_gradients_with_the_default_adjoint(adjoint):
     }[adjoint]
     grad = lambda f: jax.jit(jax.grad(f, (0, 1)))(W1, W2, Y0)  # noqa: E731
     want = grad(_loss(_mm, adj))
-    hand = grad(_loss(_bf16_mm, adj))
+    hand = grad(_loss(hand_bf16_matmul, adj))
     amp_loss = amp(_loss(_mm, adj))
     got = grad(amp_loss)
     for g, h, w in zip(got, hand, want):

@@ -12,34 +12,16 @@ from _util import eqns
 
 import amp_jax
 from amp_jax import optim
+from workloads import models
 
 L, D = 3, 8
 
 
-def embed(p, x):
-    return x @ p["w"]
-
-
-def block(p, h):
-    return h + jnp.tanh(h @ p["w1"] + p["b1"]) @ p["w2"]
-
-
-def head(p, h, x):
-    return jnp.mean((h @ p["w"] - x) ** 2)
+embed, block, head = models.stack_embed, models.stack_block, models.stack_head
 
 
 def make_params(dtype=jnp.float32, layers=L, width=D):
-    k = jax.random.split(jax.random.key(0), 4)
-    n = lambda key, *s: (jax.random.normal(key, s) / 3).astype(dtype)
-    return {
-        "embed": {"w": n(k[0], width, width)},
-        "blocks": {
-            "w1": n(k[1], layers, width, width),
-            "b1": jnp.zeros((layers, width), dtype),
-            "w2": n(k[2], layers, width, width),
-        },
-        "head": {"w": n(k[3], width, width)},
-    }
+    return models.stack_params(jax.random.key(0), width, layers, dtype)
 
 
 def abstract_params(width, layers):

@@ -1,26 +1,20 @@
 """``explain``: the rows and reasons of a program's ops, the summary, the text
 (fitted to 120 columns unless verbose) and HTML views."""
 
-import os
-import pathlib
+import functools
 
 import jax
 import jax.numpy as jnp
 import pytest
+from _util import marked_line, shown_path
 
 import amp_jax
 from amp_jax import amp, full_precision
 
 BF16_F32OUT = amp_jax.Policy(jnp.bfloat16, allow_outputs="float32")
-HERE = pathlib.Path(__file__).read_text().splitlines()
-# how explain names this file: relative to the working directory
-THIS = os.path.relpath(__file__) if __file__.startswith(os.getcwd() + os.sep) else __file__
-
-
-def _line(marker):
-    """1-based line number of the source line holding ``marker`` in this file."""
-    (n,) = [i + 1 for i, t in enumerate(HERE) if marker in t and "_line(" not in t]
-    return n
+# how explain and first_nonfinite name this file
+THIS = shown_path(__file__)
+_line = functools.partial(marked_line, __file__)
 
 
 def small(w, x):

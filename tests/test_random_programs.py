@@ -31,7 +31,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _util import _tiny, carries_are_computed_in_their_dtype, check_dots_low, eqns, low_sums
+from _util import (
+    _tiny,
+    carries_are_computed_in_their_dtype,
+    check_dots_low,
+    eqns,
+    hand_bf16_matmul,
+    low_sums,
+)
 from hypothesis import Phase, example, given, settings
 from hypothesis import strategies as st
 from jax import lax
@@ -54,14 +61,7 @@ def _f32_mm(a, b):
     return a @ b
 
 
-def _bf16_mm(a, b):
-    """A matmul with its operands cast by hand, the way Flax ``dtype=`` does."""
-    return jnp.matmul(
-        a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), preferred_element_type=jnp.float32
-    )
-
-
-def _bf16_mm_out(a, b):
+def hand_bf16_matmul_out(a, b):
     """A matmul with its operands cast by hand and its result rounded to bf16,
     as a GPU matmul writing bf16 does (the oracle for ``allow_outputs="compute"``)."""
     return jnp.matmul(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16)).astype(a.dtype)
@@ -215,8 +215,8 @@ def _check_program(program):
             ("id", amp(f, policy="float32")),
             # (matmuls writing bf16, as on a GPU)
             ("bf16_out", amp(f, policy=Policy(allow_outputs="compute"))),
-            ("hand", make(program, _bf16_mm)),
-            ("hand_out", make(program, _bf16_mm_out)),
+            ("hand", make(program, hand_bf16_matmul)),
+            ("hand_out", make(program, hand_bf16_matmul_out)),
         )
     }
     r = jax.jit(lambda p, x: {k: v(p, x) for k, v in vg.items()})(PARAMS, X)
@@ -270,7 +270,7 @@ def test_random_program_under_an_outer_vmap(program):
         "f32": f,
         "bf16": amp(f),
         "id": amp(f, policy="float32"),
-        "hand": make(program, _bf16_mm),
+        "hand": make(program, hand_bf16_matmul),
     }
     r = jax.jit(lambda p, xs: {k: vg(g)(p, xs) for k, g in fns.items()})(PARAMS, XS)
     jax.tree.map(np.testing.assert_array_equal, r["id"], r["f32"])

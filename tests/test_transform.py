@@ -570,6 +570,24 @@ def test_bias_gradient_is_reduced_in_float32():
     assert prim_dtypes(jaxpr, "tanh")[0][0] == (BF16,)
 
 
+def test_size_one_operand_of_a_low_add_is_broadcast_before_its_cast():
+    # An add between two matmuls runs low; its [1, n] operand (a dot written in
+    # bf16, allow_outputs="compute" as on GPU) is broadcast in float32 and
+    # then cast, so the transpose of the broadcast -- the sum over the batch
+    # -- runs in float32, not in bf16.
+    def f(w, w2, v, x):
+        return jnp.sum(jnp.tanh((x @ w + v @ w2) @ w2.T) ** 2)
+
+    x, v = jnp.ones((8, 16)), jnp.ones((1, 16))
+    w, w2 = jnp.ones((16, 32)) * 0.1, jnp.ones((16, 32)) * 0.1
+    fn = amp(f, policy=Policy(allow_outputs="compute"))
+    adds = [ins for ins, _, _ in prim_dtypes(jax.make_jaxpr(fn)(w, w2, v, x), "add")]
+    assert adds == [(BF16, BF16)], adds
+    jaxpr = jax.make_jaxpr(jax.grad(fn, argnums=1))(w, w2, v, x)
+    sums = [ins for ins, _, _ in prim_dtypes(jaxpr, "reduce_sum")]
+    assert (F32,) in sums and (BF16,) not in sums, sums
+
+
 def test_scanned_weights_are_cast_once_outside_the_loop():
     def f(ws, x):
         return jnp.sum(lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)[0])

@@ -126,32 +126,9 @@ def gpt(
     """
     if small:
         batch, seq, d, layers, heads, vocab = 2, 16, 32, 2, 4, 64
-    hd = d // heads
-
-    def init(key):
-        k = jax.random.split(key, 6)
-        s = 1 / math.sqrt(d)
-        blocks = {
-            "ln1_s": jnp.ones((layers, d), F32),
-            "ln1_b": jnp.zeros((layers, d), F32),
-            "wqkv": jax.random.normal(k[0], (layers, d, 3 * d), F32) * s,
-            "wo": jax.random.normal(k[1], (layers, d, d), F32) * s,
-            "ln2_s": jnp.ones((layers, d), F32),
-            "ln2_b": jnp.zeros((layers, d), F32),
-            "w1": jax.random.normal(k[2], (layers, d, 4 * d), F32) * s,
-            "b1": jnp.zeros((layers, 4 * d), F32),
-            "w2": jax.random.normal(k[3], (layers, 4 * d, d), F32) * (s / 2),
-            "b2": jnp.zeros((layers, d), F32),
-        }
-        if unrolled:
-            blocks = [jax.tree.map(lambda a, i=i: a[i], blocks) for i in range(layers)]
-        return {
-            "embed": jax.random.normal(k[4], (vocab, d), F32) * 0.02,
-            "pos": jax.random.normal(k[5], (seq, d), F32) * 0.02,
-            "blocks": blocks,
-            "lnf_s": jnp.ones((d,), F32),
-            "lnf_b": jnp.zeros((d,), F32),
-        }
+    init = functools.partial(
+        _gpt_params, layers=layers, d=d, seq=seq, vocab=vocab, unrolled=unrolled
+    )
 
     def make_batch(key):
         toks = jax.random.randint(key, (batch, seq + 1), 0, vocab)
@@ -164,27 +141,9 @@ def gpt(
         "cudnn"/"xla" calls ``jax.nn.dot_product_attention`` with that implementation."""
         p = _cast(params, dtype)
         x = p["embed"][tokens] + p["pos"]
-
-        def block(x, w):
-            h = _layer_norm(x, w["ln1_s"], w["ln1_b"])
-            qkv = _dense(h, w["wqkv"], acc).reshape(batch, seq, 3, heads, hd)
-            q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-            if attention is None:
-                logits = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(F32) / math.sqrt(hd)
-                logits = jnp.where(mask, logits, -1e9)
-                probs = jax.nn.softmax(logits, axis=-1).astype(dtype)
-                att = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(batch, seq, d)
-            else:
-                att = jax.nn.dot_product_attention(
-                    q, k, v, is_causal=True, implementation=attention
-                )
-                att = att.reshape(batch, seq, d)
-            x = x + _dense(att, w["wo"], acc)
-            h = _layer_norm(x, w["ln2_s"], w["ln2_b"])
-            h = jax.nn.gelu(_dense(h, w["w1"], acc) + w["b1"])
-            x = x + _dense(h, w["w2"], acc) + w["b2"]
-            return x, None
-
+        block = functools.partial(
+            _decoder_block, heads=heads, mask=mask, dtype=dtype, acc=acc, attention=attention
+        )
         if unrolled:
             for w in p["blocks"]:
                 x, _ = block(x, w)
@@ -203,6 +162,55 @@ def gpt(
         make_batch,
         loss,
     )
+
+
+def _gpt_params(key, *, layers: int, d: int, seq: int, vocab: int, unrolled: bool) -> dict:
+    """The decoder's float32 parameters: blocks stacked along a layer axis, or a list."""
+    k = jax.random.split(key, 6)
+    s = 1 / math.sqrt(d)
+    blocks = {
+        "ln1_s": jnp.ones((layers, d), F32),
+        "ln1_b": jnp.zeros((layers, d), F32),
+        "wqkv": jax.random.normal(k[0], (layers, d, 3 * d), F32) * s,
+        "wo": jax.random.normal(k[1], (layers, d, d), F32) * s,
+        "ln2_s": jnp.ones((layers, d), F32),
+        "ln2_b": jnp.zeros((layers, d), F32),
+        "w1": jax.random.normal(k[2], (layers, d, 4 * d), F32) * s,
+        "b1": jnp.zeros((layers, 4 * d), F32),
+        "w2": jax.random.normal(k[3], (layers, 4 * d, d), F32) * (s / 2),
+        "b2": jnp.zeros((layers, d), F32),
+    }
+    if unrolled:
+        blocks = [jax.tree.map(lambda a, i=i: a[i], blocks) for i in range(layers)]
+    return {
+        "embed": jax.random.normal(k[4], (vocab, d), F32) * 0.02,
+        "pos": jax.random.normal(k[5], (seq, d), F32) * 0.02,
+        "blocks": blocks,
+        "lnf_s": jnp.ones((d,), F32),
+        "lnf_b": jnp.zeros((d,), F32),
+    }
+
+
+def _decoder_block(x, w, *, heads, mask, dtype, acc, attention):
+    """One pre-LN block (causal attention, then the gelu MLP): ``(x, None)``, a scan body."""
+    batch, seq, d = x.shape
+    hd = d // heads
+    h = _layer_norm(x, w["ln1_s"], w["ln1_b"])
+    qkv = _dense(h, w["wqkv"], acc).reshape(batch, seq, 3, heads, hd)
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    if attention is None:
+        logits = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(F32) / math.sqrt(hd)
+        logits = jnp.where(mask, logits, -1e9)
+        probs = jax.nn.softmax(logits, axis=-1).astype(dtype)
+        att = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(batch, seq, d)
+    else:
+        att = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=attention)
+        att = att.reshape(batch, seq, d)
+    x = x + _dense(att, w["wo"], acc)
+    h = _layer_norm(x, w["ln2_s"], w["ln2_b"])
+    h = jax.nn.gelu(_dense(h, w["w1"], acc) + w["b1"])
+    x = x + _dense(h, w["w2"], acc) + w["b2"]
+    return x, None
 
 
 # -- ResNet-style CNN -------------------------------------------------------------------
@@ -242,6 +250,53 @@ def _image_batch(key, *, batch, size, classes):
     )
 
 
+def _residual_params(key, *, n_keys, stem, stages, classes, block) -> dict:
+    """A residual CNN's parameters: a stem conv, stages of blocks, a dense head.
+
+    ``stem`` is the stem's (kernel size, channels); ``stages`` holds per stage
+    ``(number of blocks, *widths)``, the last width a block's output channels;
+    ``block(keys, cin, *widths)`` makes one block's convolutions. A block that
+    changes the channels or strides (the first of a later stage) gets a 1x1
+    projection of its shortcut.
+    """
+    keys = iter(jax.random.split(key, n_keys))
+    k, cin = stem
+    params = {"stem": conv_w(next(keys), k, 3, cin), "stages": []}
+    for s, (n, *widths) in enumerate(stages):
+        stage = []
+        for b in range(n):
+            blk, cout = block(keys, cin, *widths), widths[-1]
+            if cin != cout or (s > 0 and b == 0):
+                blk["proj"] = conv_w(next(keys), 1, cin, cout)
+            stage.append(blk)
+            cin = cout
+        params["stages"].append(stage)
+    params["head"] = jax.random.normal(next(keys), (cin, classes), F32) / math.sqrt(cin)
+    return params
+
+
+def _basic_block_params(keys, cin: int, cout: int) -> dict:
+    """Two 3x3 convolutions, each followed by a normalisation."""
+    return {
+        "w1": conv_w(next(keys), 3, cin, cout),
+        "n1": (jnp.ones(cout), jnp.zeros(cout)),
+        "w2": conv_w(next(keys), 3, cout, cout),
+        "n2": (jnp.ones(cout), jnp.zeros(cout)),
+    }
+
+
+def _bottleneck_params(keys, cin: int, mid: int, cout: int) -> dict:
+    """1x1 down to ``mid``, 3x3, 1x1 up to ``cout``, each followed by a normalisation."""
+    return {
+        "w1": conv_w(next(keys), 1, cin, mid),
+        "n1": (jnp.ones(mid), jnp.zeros(mid)),
+        "w2": conv_w(next(keys), 3, mid, mid),
+        "n2": (jnp.ones(mid), jnp.zeros(mid)),
+        "w3": conv_w(next(keys), 1, mid, cout),
+        "n3": (jnp.ones(cout), jnp.zeros(cout)),
+    }
+
+
 def cnn(
     small: bool = False,
     batch: int = 16,
@@ -254,26 +309,14 @@ def cnn(
     if small:
         batch, size, widths = 2, 8, (8, 16)
 
-    def init(key):
-        keys = iter(jax.random.split(key, 64))
-        params = {"stem": conv_w(next(keys), 3, 3, widths[0]), "stages": []}
-        cin = widths[0]
-        for s, cout in enumerate(widths):
-            stage = []
-            for b in range(blocks_per_stage):
-                blk = {
-                    "w1": conv_w(next(keys), 3, cin, cout),
-                    "n1": (jnp.ones(cout), jnp.zeros(cout)),
-                    "w2": conv_w(next(keys), 3, cout, cout),
-                    "n2": (jnp.ones(cout), jnp.zeros(cout)),
-                }
-                if cin != cout or (s > 0 and b == 0):  # (the strided block needs it too)
-                    blk["proj"] = conv_w(next(keys), 1, cin, cout)
-                stage.append(blk)
-                cin = cout
-            params["stages"].append(stage)
-        params["head"] = jax.random.normal(next(keys), (cin, classes), F32) / math.sqrt(cin)
-        return params
+    init = functools.partial(
+        _residual_params,
+        n_keys=64,
+        stem=(3, widths[0]),
+        stages=[(blocks_per_stage, cout) for cout in widths],
+        classes=classes,
+        block=_basic_block_params,
+    )
 
     make_batch = functools.partial(_image_batch, batch=batch, size=size, classes=classes)
 
@@ -307,28 +350,14 @@ def resnet50(batch: int = 1, size: int = 64, classes: int = 1000) -> Model:
     """ResNet-50 topology: 7x7 stem + bottleneck blocks [3, 4, 6, 3] (53 convs), for compile time."""
     stages = [(3, 64, 256), (4, 128, 512), (6, 256, 1024), (3, 512, 2048)]
 
-    def init(key):
-        keys = iter(jax.random.split(key, 128))
-        params = {"stem": conv_w(next(keys), 7, 3, 64), "stages": []}
-        cin = 64
-        for n, mid, cout in stages:
-            stage = []
-            for b in range(n):
-                blk = {
-                    "w1": conv_w(next(keys), 1, cin, mid),
-                    "n1": (jnp.ones(mid), jnp.zeros(mid)),
-                    "w2": conv_w(next(keys), 3, mid, mid),
-                    "n2": (jnp.ones(mid), jnp.zeros(mid)),
-                    "w3": conv_w(next(keys), 1, mid, cout),
-                    "n3": (jnp.ones(cout), jnp.zeros(cout)),
-                }
-                if b == 0:
-                    blk["proj"] = conv_w(next(keys), 1, cin, cout)
-                stage.append(blk)
-                cin = cout
-            params["stages"].append(stage)
-        params["head"] = jax.random.normal(next(keys), (cin, classes), F32) / math.sqrt(cin)
-        return params
+    init = functools.partial(
+        _residual_params,
+        n_keys=128,
+        stem=(7, 64),
+        stages=stages,
+        classes=classes,
+        block=_bottleneck_params,
+    )
 
     make_batch = functools.partial(_image_batch, batch=batch, size=size, classes=classes)
 
@@ -376,3 +405,37 @@ GPU_SIZES: dict[str, dict[str, Any]] = {
     # issue 17: amp fp8 vs amp bf16, side by side
     "gpt_fp8": dict(batch=8, seq=1024, d=2048, layers=8, heads=16, vocab=8192),
 }
+
+
+# -- residual block stack, in eager.scan_step's form -----------------------------------
+
+
+def stack_embed(p, x):
+    """The stack's embedding: ``x @ w``."""
+    return x @ p["w"]
+
+
+def stack_block(p, h):
+    """One residual block: ``h + tanh(h @ w1 + b1) @ w2``."""
+    return h + jnp.tanh(h @ p["w1"] + p["b1"]) @ p["w2"]
+
+
+def stack_head(p, h, x):
+    """The head and its loss: mean squared error of ``h @ w`` against the input."""
+    return jnp.mean((h @ p["w"] - x) ** 2)
+
+
+def stack_params(key, width: int, layers: int, dtype: Any = F32) -> dict:
+    """``{"embed", "blocks", "head"}`` parameters of the stack (normal / 3, zero
+    biases), the blocks' stacked along a leading layer axis."""
+    k = jax.random.split(key, 4)
+    n = lambda key, *s: (jax.random.normal(key, s) / 3).astype(dtype)  # noqa: E731
+    return {
+        "embed": {"w": n(k[0], width, width)},
+        "blocks": {
+            "w1": n(k[1], layers, width, width),
+            "b1": jnp.zeros((layers, width), dtype),
+            "w2": n(k[2], layers, width, width),
+        },
+        "head": {"w": n(k[3], width, width)},
+    }

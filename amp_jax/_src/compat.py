@@ -1,7 +1,7 @@
 """Every JAX-version difference amp_jax depends on, and nothing else.
 
 Supported: JAX 0.10.2 and up: 0.10, 0.11 and 0.12 (CI runs 0.10.2, 0.11.2 and
-the newest JAX, noxfile.py). What changed, pinned per version by tests/test_compat.py:
+the newest JAX, noxfile.py). What changed between those versions:
 
 - 0.10 -> 0.11: ``ClosedJaxpr`` and ``Jaxpr`` are one class (a closed jaxpr
   is a ``Jaxpr`` with ``consts``; the params that held open jaxprs, ``remat``'s

@@ -6,7 +6,7 @@ A lowered dot ``dot(cast(x), cast(y))`` gets a ``jax.custom_jvp`` (in
 linear in ``t`` (and in ``o``). Because a JVP rule is all JAX needs,
 forward mode (``jax.jvp``, ``jacfwd``, ``linearize``, Hessian-vector
 products) works; because ``P`` has its own transpose rule, the cotangent
-products of ``jax.grad`` are what amp's ``custom_vjp`` used to write: the
+products of ``jax.grad`` are what amp wants in the backward pass: the
 cotangent rounded to the compute dtype, multiplied with the low operand in
 the backend's fast layouts, accumulated in float32. (JAX's own transpose of
 a plain dot would multiply a float32 cotangent with a bf16 operand: a mixed,

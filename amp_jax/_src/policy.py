@@ -44,6 +44,22 @@ DEFAULT_ALLOW: frozenset[str] = frozenset(
 )
 """Matmuls and convolutions: run with compute-dtype operands and float32 accumulation."""
 
+#: Factorizations and solves of lax.linalg: denied, and what they read stays float32.
+_FACTORIZATIONS: frozenset[str] = frozenset(
+    {
+        "cholesky",
+        "triangular_solve",
+        "lu",
+        "qr",
+        "svd",
+        "eigh",
+        "eig",
+        "tridiagonal_solve",
+        "schur",
+        "hessenberg",
+    }
+)
+
 #: Numerically sensitive: always computed in float32.
 DEFAULT_DENY: frozenset[str] = frozenset(
     {
@@ -86,17 +102,8 @@ DEFAULT_DENY: frozenset[str] = frozenset(
         "psum_invariant",
         "psum2",
         # linear algebra that needs the precision
-        "cholesky",
-        "triangular_solve",
-        "lu",
-        "qr",
-        "svd",
-        "eigh",
-        "eig",
+        *_FACTORIZATIONS,
         "householder_product",
-        "tridiagonal_solve",
-        "schur",
-        "hessenberg",
         "fft",
         "tridiagonal",
     }
@@ -268,22 +275,7 @@ DEFAULT_NEVER: frozenset[str] = frozenset(
 """Primitives whose operand dtypes are part of their meaning (casts, bit casts, random bits, custom reductions): never changed."""
 
 #: Factorizations and solves: the contractions whose results they read stay float32.
-SOLVES: frozenset[str] = frozenset(
-    {
-        "cholesky",
-        "triangular_solve",
-        "lu",
-        "qr",
-        "svd",
-        "eigh",
-        "eig",
-        "tridiagonal_solve",
-        "schur",
-        "hessenberg",
-        "custom_linear_solve",
-        "linear_solve",  # lineax
-    }
-)
+SOLVES: frozenset[str] = _FACTORIZATIONS | {"custom_linear_solve", "linear_solve"}  # lineax
 """Factorizations and solves: they amplify their input's rounding by the matrix's condition number, so a contraction whose result one reads stays float32."""
 
 #: Follow ops whose result can leave the range of their operands (a power, a
@@ -571,44 +563,10 @@ class Policy:
         object.__setattr__(self, "compute_dtype", _as_dtype(self.compute_dtype, "compute_dtype"))
         for field in OP_CLASSES:
             object.__setattr__(self, field, _name_set(getattr(self, field), field))
-        overrides = self.overrides
-        if isinstance(overrides, Mapping):
-            overrides = overrides.items()
-        elif overrides and not all(isinstance(o, tuple) and len(o) == 2 for o in overrides):
-            raise TypeError(
-                f"overrides={self.overrides!r} must map primitive names to classes, e.g. "
-                "overrides={'exp': 'follow'}."
-            )
-        pairs = []
-        for name, cls in overrides or ():
-            _check_spelling(str(name), "overrides")
-            if cls not in OP_CLASSES:
-                raise ValueError(
-                    f"overrides[{name!r}]={cls!r} is not an op class; use one of {OP_CLASSES}."
-                )
-            pairs.append((str(name), cls))
-        object.__setattr__(self, "overrides", tuple(sorted(pairs)))
-        for i, a in enumerate(OP_CLASSES):
-            for b in OP_CLASSES[i + 1 :]:
-                both = getattr(self, a) & getattr(self, b)
-                if both:
-                    name = sorted(both)[0]
-                    raise ValueError(
-                        f"Policy: {sorted(both)} are in both `{a}` and `{b}`; a primitive has one "
-                        f"class. To move one, keep the default lists and use "
-                        f"overrides={{{name!r}: {b!r}}} (or remove it from `{a}`)."
-                    )
-        scopes = self.full_precision_scopes
-        if isinstance(scopes, str):
-            scopes = (scopes,)
-        if scopes and (
-            not isinstance(scopes, Iterable) or not all(isinstance(x, str) for x in scopes)
-        ):
-            raise TypeError(
-                f"full_precision_scopes={self.full_precision_scopes!r} must be jax.named_scope names "
-                "(a str or a tuple of str), e.g. full_precision_scopes=('head',)."
-            )
-        object.__setattr__(self, "full_precision_scopes", tuple(sorted(set(scopes or ()))))
+        object.__setattr__(self, "overrides", _checked_overrides(self.overrides))
+        _check_disjoint(self)
+        scopes = _checked_scopes(self.full_precision_scopes)
+        object.__setattr__(self, "full_precision_scopes", scopes)
         if not isinstance(self.strict, bool) or not isinstance(self.backend_aware, bool):
             raise TypeError("strict and backend_aware must be bools.")
         for name in ("min_low_contraction", "min_low_flops", "float8_min_flops"):
@@ -618,28 +576,7 @@ class Policy:
                     f"Policy({name}={value!r}) must be an int >= 0 (0 lowers every allow op)."
                 )
             object.__setattr__(self, name, int(value))
-        if self.attention not in _ATTENTION:
-            raise ValueError(
-                f"Policy(attention={self.attention!r}) is not one of {_ATTENTION}: 'auto' fuses "
-                "attention with cuDNN on GPU, 'off' never rewrites, 'cudnn'/'xla' force one."
-            )
-        if self.float8 not in _FLOAT8:
-            raise ValueError(
-                f"Policy(float8={self.float8!r}) is not one of {_FLOAT8}: 'tensorwise' scales "
-                "each fp8 operand by one dynamic scale, 'rowwise' by one per row, 'off' keeps "
-                "bfloat16 matmuls (or use policy='float8' / 'float8_rowwise')."
-            )
-        if self.float8 != "off" and self.compute_dtype != np.dtype(jnp.bfloat16):
-            raise ValueError(
-                f"Policy(float8={self.float8!r}) needs compute_dtype=jnp.bfloat16 (the dtype of "
-                f"the dequantized fp8 operands and of every other low op), got "
-                f"compute_dtype={self.compute_dtype.name!r}; or set float8='off'."
-            )
-        if self.allow_outputs not in _ALLOW_OUTPUTS:
-            raise ValueError(
-                f"Policy(allow_outputs={self.allow_outputs!r}) is not one of {_ALLOW_OUTPUTS}: "
-                "'auto' picks per backend, 'float32' or 'compute' force the dtype allow ops write."
-            )
+        _check_modes(self)
 
     def __repr__(self) -> str:
         """The compute dtype and only the fields that differ from their defaults."""
@@ -709,6 +646,80 @@ class Policy:
 _ALLOW_OUTPUTS = ("auto", "float32", "compute")
 _FLOAT8 = ("off", "tensorwise", "rowwise")
 _ATTENTION = ("auto", "off", "cudnn", "xla")
+
+
+def _checked_overrides(overrides: Any) -> tuple[tuple[str, str], ...]:
+    """``Policy.overrides`` (a mapping or pairs) as sorted ``(name, class)`` pairs."""
+    given = overrides
+    if isinstance(overrides, Mapping):
+        overrides = overrides.items()
+    elif overrides and not all(isinstance(o, tuple) and len(o) == 2 for o in overrides):
+        raise TypeError(
+            f"overrides={given!r} must map primitive names to classes, e.g. "
+            "overrides={'exp': 'follow'}."
+        )
+    pairs = []
+    for name, cls in overrides or ():
+        _check_spelling(str(name), "overrides")
+        if cls not in OP_CLASSES:
+            raise ValueError(
+                f"overrides[{name!r}]={cls!r} is not an op class; use one of {OP_CLASSES}."
+            )
+        pairs.append((str(name), cls))
+    return tuple(sorted(pairs))
+
+
+def _check_disjoint(policy: Policy) -> None:
+    """Refuses a primitive in two of the policy's class lists."""
+    for i, a in enumerate(OP_CLASSES):
+        for b in OP_CLASSES[i + 1 :]:
+            both = getattr(policy, a) & getattr(policy, b)
+            if both:
+                name = sorted(both)[0]
+                raise ValueError(
+                    f"Policy: {sorted(both)} are in both `{a}` and `{b}`; a primitive has one "
+                    f"class. To move one, keep the default lists and use "
+                    f"overrides={{{name!r}: {b!r}}} (or remove it from `{a}`)."
+                )
+
+
+def _checked_scopes(scopes: Any) -> tuple[str, ...]:
+    """``Policy.full_precision_scopes`` (a name or names) as a sorted tuple."""
+    given = scopes
+    if isinstance(scopes, str):
+        scopes = (scopes,)
+    if scopes and (not isinstance(scopes, Iterable) or not all(isinstance(x, str) for x in scopes)):
+        raise TypeError(
+            f"full_precision_scopes={given!r} must be jax.named_scope names "
+            "(a str or a tuple of str), e.g. full_precision_scopes=('head',)."
+        )
+    return tuple(sorted(set(scopes or ())))
+
+
+def _check_modes(policy: Policy) -> None:
+    """Refuses an unknown ``attention``, ``float8`` or ``allow_outputs`` mode."""
+    if policy.attention not in _ATTENTION:
+        raise ValueError(
+            f"Policy(attention={policy.attention!r}) is not one of {_ATTENTION}: 'auto' fuses "
+            "attention with cuDNN on GPU, 'off' never rewrites, 'cudnn'/'xla' force one."
+        )
+    if policy.float8 not in _FLOAT8:
+        raise ValueError(
+            f"Policy(float8={policy.float8!r}) is not one of {_FLOAT8}: 'tensorwise' scales "
+            "each fp8 operand by one dynamic scale, 'rowwise' by one per row, 'off' keeps "
+            "bfloat16 matmuls (or use policy='float8' / 'float8_rowwise')."
+        )
+    if policy.float8 != "off" and policy.compute_dtype != np.dtype(jnp.bfloat16):
+        raise ValueError(
+            f"Policy(float8={policy.float8!r}) needs compute_dtype=jnp.bfloat16 (the dtype of "
+            f"the dequantized fp8 operands and of every other low op), got "
+            f"compute_dtype={policy.compute_dtype.name!r}; or set float8='off'."
+        )
+    if policy.allow_outputs not in _ALLOW_OUTPUTS:
+        raise ValueError(
+            f"Policy(allow_outputs={policy.allow_outputs!r}) is not one of {_ALLOW_OUTPUTS}: "
+            "'auto' picks per backend, 'float32' or 'compute' force the dtype allow ops write."
+        )
 
 
 def get_policy(policy: Policy | str | Any) -> Policy:

@@ -102,7 +102,8 @@ class AmpFunction:
 
     @property
     def trace_count(self) -> int:
-        """Number of times ``fn`` was traced (cache misses); for tests/inspection."""
+        """How many times ``fn`` has been traced and rewritten: one per new input
+        signature, so a count that keeps growing means the cache keeps missing."""
         return self._shared.trace_count
 
     def __repr__(self) -> str:

@@ -165,8 +165,11 @@ def _update_rows(stacks: Any, update: Callable[[Any], Any], i: Any, after: list[
     return jax.tree.unflatten(treedef, out)
 
 
-#: whether the step is jitted on a mesh (the layer loop then carries the state slice)
-_partitioned_by_mesh = mesh.partitioned_by_mesh
+def _carries_state() -> bool:
+    """Whether the layer loop carries the optimizer state slice: under jit on a
+    mesh (``jax.set_mesh``), where ordering the state writes would cost a
+    collective per state leaf and layer (see `_backward`)."""
+    return mesh.partitioned_by_mesh()
 
 
 def _abstract(tree: Any) -> Any:
@@ -260,18 +263,6 @@ class ScanStep:
         _deps.refuse_cross_parameter(self._inner, probe)
         self._checked.add(key)
 
-    def _init_part(self, fn: Callable, part: Any, what: str) -> Any:
-        try:
-            return fn(part)
-        except (TypeError, ValueError) as e:
-            raise ValueError(
-                f"scan_step: `optimizer.init` failed on {what}: {e}. The optimizer "
-                f"is initialised separately on params['embed'], on one layer of "
-                f"params['blocks'] and on params['head'], so pytree-valued masks or "
-                f"labels (optax.adamw(mask=...), optax.masked, optax.multi_transform) "
-                f"must be callables of the parameters they receive."
-            ) from e
-
     # ---------------------------------------------------------------- API ---
 
     def init(self, params: dict[str, Any]) -> Any:
@@ -295,13 +286,13 @@ class ScanStep:
         """
         num_layers = check_params(params)
         self._check_optimizer(params)
-        embed = self._init_part(self._tx.init, params["embed"], "params['embed']")
-        blocks = self._init_part(
+        embed = _init_part(self._tx.init, params["embed"], "params['embed']")
+        blocks = _init_part(
             jax.vmap(self._tx.init),
             params["blocks"],
             "one layer of params['blocks'] (under jax.vmap)",
         )
-        head = self._init_part(self._tx.init, params["head"], "params['head']")
+        head = _init_part(self._tx.init, params["head"], "params['head']")
         # vmap(init) copies one key to every layer: give every part and layer its
         # own (typed PRNG keys, and raw key data of states that declare
         # `raw_key_fields`, such as stochastic rounding's).
@@ -379,10 +370,10 @@ class ScanStep:
             function returns the wrong shape (the message names the function).
         """
         num_layers = check_params(params)
-        dyn, opt_state = self._unwrap(opt_state)
+        dyn, opt_state = _unwrap(self._rule, opt_state)
         self._check_optimizer(params)
         _deps.refuse_by_state(opt_state)
-        scale = self._seed_scale(opt_state, dyn)
+        scale = _seed_scale(opt_state, dyn)
         fw = self._forward(params, batch, scale)
         finite = None if dyn is None else self._all_finite(fw, params, scale)
         if dyn is not None:
@@ -390,7 +381,7 @@ class ScanStep:
         else:
             apply = functools.partial(self._apply, scaled=scale is not None)
         new_head, head_state = apply(fw.g_head, opt_state.head, params["head"], finite=finite)
-        ct0, new_blocks, blocks_state = self._backward(
+        ct0, new_blocks, blocks_state = _backward(
             fw, params["blocks"], opt_state.blocks, apply, finite, num_layers
         )
         (g_embed,) = fw.embed_vjp(ct0)
@@ -403,55 +394,6 @@ class ScanStep:
 
     # -------------------------------------------------------- the steps ---
 
-    def _unwrap(self, opt_state: Any) -> tuple[Any, ScanStepState]:
-        """``(the DynamicLossScaleState or None, the ScanStepState)``, checked."""
-        if self._rule is None:
-            if not isinstance(opt_state, ScanStepState):
-                raise ValueError(
-                    f"scan_step: `opt_state` must be the ScanStepState returned by "
-                    f"step.init(params) (or a previous step), got "
-                    f"{type(opt_state).__name__}."
-                )
-            return None, opt_state
-        if not isinstance(opt_state, _loss_scale.DynamicLossScaleState) or not isinstance(
-            opt_state.inner_state, ScanStepState
-        ):
-            raise ValueError(
-                f"scan_step: with optimizer=dynamic_loss_scale(...), `opt_state` "
-                f"must be the DynamicLossScaleState(inner_state=ScanStepState(...)) "
-                f"returned by step.init(params) (or a previous step), got "
-                f"{type(opt_state).__name__}."
-            )
-        return opt_state, opt_state.inner_state
-
-    @staticmethod
-    def _seed_scale(opt_state: ScanStepState, dyn: Any) -> Any:
-        """The loss scale the backward pass is seeded with (None: unscaled)."""
-        static = _tree.find_states(opt_state.head, _loss_scale.StaticLossScaleState)
-        scale = _loss_scale.loss_scale(opt_state.head) if static else None
-        if dyn is not None:
-            scale = dyn.scale
-        return scale
-
-    def _check_block_fn(self, p_blocks: Any, h0: Any) -> tuple[Any, Any]:
-        """``(one layer's parameter avals, h's avals)``; refuses a ``block_fn``
-        that changes h's structure, shapes or dtypes."""
-        layer_aval = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(jnp.shape(x)[1:], x.dtype), p_blocks
-        )
-        h_aval = _abstract(h0)
-        out_aval = jax.eval_shape(self.block_fn, layer_aval, h_aval)
-        if jax.tree.structure(out_aval) != jax.tree.structure(h_aval) or any(
-            (a.shape, a.dtype) != (b.shape, b.dtype)
-            for a, b in zip(jax.tree.leaves(out_aval), jax.tree.leaves(h_aval))
-        ):
-            raise ValueError(
-                f"scan_step: `block_fn` must return h with the structure, shape and "
-                f"dtype of its input h ({h_aval}), got {out_aval}. Cast or reshape "
-                f"inside block_fn so that blocks can be scanned."
-            )
-        return layer_aval, h_aval
-
     def _forward(self, params: dict[str, Any], batch: Any, scale: Any) -> _Forward:
         """The forward pass and the head's backward: everything the layer loop reads.
 
@@ -461,7 +403,7 @@ class ScanStep:
         """
         p_blocks = params["blocks"]
         h0, embed_vjp = jax.vjp(lambda p: self.embed_fn(p, batch), params["embed"])
-        layer_aval, h_aval = self._check_block_fn(p_blocks, h0)
+        layer_aval, h_aval = _check_block_fn(self.block_fn, p_blocks, h0)
         mask = None
         if not self.remat:
             mask = _deps.residual_depends_on_input(self.block_fn, layer_aval, h_aval)
@@ -529,78 +471,6 @@ class ScanStep:
             finite = lax.pmin(finite.astype(jnp.int32), self._rule.axis_name).astype(bool)
         return finite
 
-    def _backward(
-        self,
-        fw: _Forward,
-        p_blocks: Any,
-        s_blocks: Any,
-        apply: Callable,
-        finite: Any,
-        num_layers: int,
-    ) -> tuple[Any, Any, Any]:
-        """The eager layer loop: ``(cotangent of h0, new block params, new block state)``.
-
-        A reverse loop over the layers; each layer's gradient is used for its
-        update at once and written back into the carried stacks, in place. The
-        order of reads and writes decides whether XLA can do that without
-        copying a stack (reading and writing every stack in the same
-        iteration, unordered, makes copy insertion copy every stack on every
-        iteration: the update arithmetic fused into one stack's write reads
-        the other stacks):
-
-        - Parameters are software-pipelined: the carry holds layer i's slice,
-          read from the stacks in the previous iteration *after* that
-          iteration's write (the slice is needed anyway, by the layer's vjp).
-        - Optimizer state, on one device or inside shard_map: not carried
-          (that would hold one layer's state besides the stacks). The
-          parameter update reads the state rows from the stacks, and the state
-          writes are ordered after the parameter writes and after each other
-          through data-dependent indices (`_update_rows`), so the fused
-          read-modify-writes run one stack at a time.
-        - Optimizer state under jit on a mesh (``jax.set_mesh``): pipelined
-          like the parameters. There the ordering index would read an element
-          of a sharded row, a scalar all-reduce per state leaf and layer;
-          carrying the state slice costs one layer of state per device instead
-          (docs/eager.md).
-        """
-        carry_state = _partitioned_by_mesh()
-        # the state update of the in-place order: traced once, called once per
-        # state leaf (XLA keeps that leaf's part)
-        update_state = (
-            None if carry_state else jax.jit(lambda g, s, p, f: apply(g, s, p, finite=f)[1])
-        )
-
-        def bwd(carry, xs):
-            ct, blocks, states, p_i, s_i = carry
-            i, saved = xs
-            g_i, ct_prev = fw.layer_vjp(p_i, saved)(ct)
-            nxt = jnp.maximum(i - 1, 0)
-            if carry_state:
-                new_p, new_s = apply(g_i, s_i, p_i, finite=finite)
-                blocks = _set_layer(blocks, new_p, i)
-                states = _set_layer(states, new_s, i)
-                s_i = _layer(states, nxt)
-            else:
-                new_p, _ = apply(g_i, _layer(states, i), p_i, finite=finite)
-                blocks = _set_layer(blocks, new_p, i)
-                states = _update_rows(
-                    states,
-                    lambda s: update_state(g_i, s, p_i, finite),
-                    i,
-                    jax.tree.leaves(blocks),
-                )
-            return (ct_prev, blocks, states, _layer(blocks, nxt), s_i), None
-
-        last = num_layers - 1
-        s_last = _layer(s_blocks, last) if carry_state else ()
-        (ct0, new_blocks, new_states, _, _), _ = lax.scan(
-            bwd,
-            (fw.ct, p_blocks, s_blocks, _layer(p_blocks, last), s_last),
-            (jnp.arange(num_layers), fw.stored),
-            reverse=True,
-        )
-        return ct0, new_blocks, new_states
-
     def __call__(
         self, params: dict[str, Any], opt_state: ScanStepState, batch: Any
     ) -> tuple[dict[str, Any], ScanStepState, jax.Array]:
@@ -610,6 +480,139 @@ class ScanStep:
         after the call.
         """
         return self._jitted(params, opt_state, batch)
+
+
+def _init_part(fn: Callable, part: Any, what: str) -> Any:
+    """``fn(part)``, an optimizer init failure explained per part."""
+    try:
+        return fn(part)
+    except (TypeError, ValueError) as e:
+        raise ValueError(
+            f"scan_step: `optimizer.init` failed on {what}: {e}. The optimizer "
+            f"is initialised separately on params['embed'], on one layer of "
+            f"params['blocks'] and on params['head'], so pytree-valued masks or "
+            f"labels (optax.adamw(mask=...), optax.masked, optax.multi_transform) "
+            f"must be callables of the parameters they receive."
+        ) from e
+
+
+def _unwrap(rule: Any, opt_state: Any) -> tuple[Any, ScanStepState]:
+    """``(the DynamicLossScaleState or None, the ScanStepState)``, checked."""
+    if rule is None:
+        if not isinstance(opt_state, ScanStepState):
+            raise ValueError(
+                f"scan_step: `opt_state` must be the ScanStepState returned by "
+                f"step.init(params) (or a previous step), got "
+                f"{type(opt_state).__name__}."
+            )
+        return None, opt_state
+    if not isinstance(opt_state, _loss_scale.DynamicLossScaleState) or not isinstance(
+        opt_state.inner_state, ScanStepState
+    ):
+        raise ValueError(
+            f"scan_step: with optimizer=dynamic_loss_scale(...), `opt_state` "
+            f"must be the DynamicLossScaleState(inner_state=ScanStepState(...)) "
+            f"returned by step.init(params) (or a previous step), got "
+            f"{type(opt_state).__name__}."
+        )
+    return opt_state, opt_state.inner_state
+
+
+def _seed_scale(opt_state: ScanStepState, dyn: Any) -> Any:
+    """The loss scale the backward pass is seeded with (None: unscaled)."""
+    static = _tree.find_states(opt_state.head, _loss_scale.StaticLossScaleState)
+    scale = _loss_scale.loss_scale(opt_state.head) if static else None
+    if dyn is not None:
+        scale = dyn.scale
+    return scale
+
+
+def _check_block_fn(block_fn: Callable, p_blocks: Any, h0: Any) -> tuple[Any, Any]:
+    """``(one layer's parameter avals, h's avals)``; refuses a ``block_fn``
+    that changes h's structure, shapes or dtypes."""
+    layer_aval = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x)[1:], x.dtype), p_blocks)
+    h_aval = _abstract(h0)
+    out_aval = jax.eval_shape(block_fn, layer_aval, h_aval)
+    if jax.tree.structure(out_aval) != jax.tree.structure(h_aval) or any(
+        (a.shape, a.dtype) != (b.shape, b.dtype)
+        for a, b in zip(jax.tree.leaves(out_aval), jax.tree.leaves(h_aval))
+    ):
+        raise ValueError(
+            f"scan_step: `block_fn` must return h with the structure, shape and "
+            f"dtype of its input h ({h_aval}), got {out_aval}. Cast or reshape "
+            f"inside block_fn so that blocks can be scanned."
+        )
+    return layer_aval, h_aval
+
+
+def _backward(
+    fw: _Forward,
+    p_blocks: Any,
+    s_blocks: Any,
+    apply: Callable,
+    finite: Any,
+    num_layers: int,
+) -> tuple[Any, Any, Any]:
+    """The eager layer loop: ``(cotangent of h0, new block params, new block state)``.
+
+    A reverse loop over the layers; each layer's gradient is used for its
+    update at once and written back into the carried stacks, in place. The
+    order of reads and writes decides whether XLA can do that without
+    copying a stack (reading and writing every stack in the same
+    iteration, unordered, makes copy insertion copy every stack on every
+    iteration: the update arithmetic fused into one stack's write reads
+    the other stacks):
+
+    - Parameters are software-pipelined: the carry holds layer i's slice,
+      read from the stacks in the previous iteration *after* that
+      iteration's write (the slice is needed anyway, by the layer's vjp).
+    - Optimizer state, on one device or inside shard_map: not carried
+      (that would hold one layer's state besides the stacks). The
+      parameter update reads the state rows from the stacks, and the state
+      writes are ordered after the parameter writes and after each other
+      through data-dependent indices (`_update_rows`), so the fused
+      read-modify-writes run one stack at a time.
+    - Optimizer state under jit on a mesh (``jax.set_mesh``): pipelined
+      like the parameters. There the ordering index would read an element
+      of a sharded row, a scalar all-reduce per state leaf and layer;
+      carrying the state slice costs one layer of state per device instead
+      (docs/eager.md).
+    """
+    carry_state = _carries_state()
+    # the state update of the in-place order: traced once, called once per
+    # state leaf (XLA keeps that leaf's part)
+    update_state = None if carry_state else jax.jit(lambda g, s, p, f: apply(g, s, p, finite=f)[1])
+
+    def bwd(carry, xs):
+        ct, blocks, states, p_i, s_i = carry
+        i, saved = xs
+        g_i, ct_prev = fw.layer_vjp(p_i, saved)(ct)
+        nxt = jnp.maximum(i - 1, 0)
+        if carry_state:
+            new_p, new_s = apply(g_i, s_i, p_i, finite=finite)
+            blocks = _set_layer(blocks, new_p, i)
+            states = _set_layer(states, new_s, i)
+            s_i = _layer(states, nxt)
+        else:
+            new_p, _ = apply(g_i, _layer(states, i), p_i, finite=finite)
+            blocks = _set_layer(blocks, new_p, i)
+            states = _update_rows(
+                states,
+                lambda s: update_state(g_i, s, p_i, finite),
+                i,
+                jax.tree.leaves(blocks),
+            )
+        return (ct_prev, blocks, states, _layer(blocks, nxt), s_i), None
+
+    last = num_layers - 1
+    s_last = _layer(s_blocks, last) if carry_state else ()
+    (ct0, new_blocks, new_states, _, _), _ = lax.scan(
+        bwd,
+        (fw.ct, p_blocks, s_blocks, _layer(p_blocks, last), s_last),
+        (jnp.arange(num_layers), fw.stored),
+        reverse=True,
+    )
+    return ct0, new_blocks, new_states
 
 
 def scan_step(

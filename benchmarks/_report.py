@@ -1,0 +1,12 @@
+"""What every benchmark script does with its report."""
+
+from __future__ import annotations
+
+
+def emit(text: str, out: str | None) -> str:
+    """Prints the report ``text`` and writes it to the file ``out`` (``None``: print only)."""
+    print(text)
+    if out is not None:
+        with open(out, "w") as fh:
+            fh.write(text)
+    return text
