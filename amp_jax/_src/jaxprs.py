@@ -3,8 +3,8 @@
 Opening a sub-jaxpr (closed or not), iterating the eqns of a jaxpr and of
 its sub-jaxprs, def-use maps, the size of a contraction, and the one
 evaluator (`eval_jaxpr`, with a per-eqn hook). The interpreter, planning,
-``attention``, ``explain``, ``dtype_report``, debug, eager and the tests use
-these instead of their own.
+``attention``, ``explain``, ``dtype_report``, debug and eager use these
+instead of their own.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """XLA:CPU: which dots it runs in bf16, in which operand layouts, and the
 plan-time choice of those layouts (`plan_layouts`).
 
-XLA:CPU (jaxlib 0.10) runs a bf16 x bf16 -> f32 dot in its fast kernel only
+XLA:CPU (jaxlib 0.10 to 0.12) runs a bf16 x bf16 -> f32 dot in its fast kernel only
 when the lhs contracts over its trailing dims and the rhs over its leading or
 trailing dims; other layouts upcast to f32 in a slower kernel, and some (a
 batched dot, a transposed lhs reaching the dot after its kernel was chosen)
