@@ -2,20 +2,27 @@
 
     python tests/mutants.py                 # every mutant, against the core test files
     python tests/mutants.py hoisting_off    # one mutant
-    python tests/mutants.py --list
+    python tests/mutants.py --list          # the mutants' names
+    python tests/mutants.py --identity      # the identity check
+    python tests/mutants.py --help          # this text
 
 Each mutant replaces one feature by a no-op (monkeypatched at import time
 through ``tests/conftest.py`` when ``AMP_JAX_MUTANT`` is set) and runs the
 core test files with ``-x``: the mutant is *killed* when a test fails,
 *survives* when all pass. The script exits non-zero if any mutant survives.
-A killed mutant stops at its first failing test, so a full run takes a few
-minutes; the last result is recorded in docs/how-amp-works.md.
+A killed mutant stops at its first failing test. A mutant whose target no
+longer exists (the code moved) stops the run before any test, naming it.
+
+The identity check runs `IDENTITY_TESTS` with amp replaced by the identity
+(no ``-x``) and fails when more than `MAX_IDENTITY_SHARE` of them pass.
+The last results are in docs/contributing.md.
 """
 
 from __future__ import annotations
 
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import time
@@ -44,31 +51,63 @@ CORE_TESTS = [
 ]
 
 
+#: the tests of the identity check: with amp replaced by the identity, at most
+#: `MAX_IDENTITY_SHARE` of them may pass (a test that passes without amp tests nothing of it)
+IDENTITY_TESTS = [
+    "tests/test_transform.py",
+    "tests/test_ops.py",
+    "tests/test_layers.py",
+    "tests/test_random_programs.py",
+    "tests/test_performance_structure.py",
+]
+MAX_IDENTITY_SHARE = 0.2
+
+
+def _patch(owner: object, name: str, value: object) -> None:
+    """``setattr(owner, name, value)``, refusing a name ``owner`` does not have.
+
+    A mutant whose target moved would otherwise set a new, unused attribute
+    and survive (or be killed) for no reason; it fails loudly instead.
+    """
+    if not hasattr(owner, name):
+        raise SystemExit(f"mutant target {owner!r}.{name} does not exist: update tests/mutants.py")
+    setattr(owner, name, value)
+
+
+def _patch_item(mapping: dict, key: object, value: object) -> None:
+    """``mapping[key] = value`` for a key ``mapping`` has (see `_patch`)."""
+    if key not in mapping:
+        raise SystemExit(f"mutant target [{key!r}] is not in the table: update tests/mutants.py")
+    mapping[key] = value
+
+
 def _amp_identity():
     from amp_jax._src import transform
 
     def call(self, *args, **kwargs):
         return self.fn(*args, **kwargs)
 
-    transform.AmpFunction.__call__ = call
+    _patch(transform.AmpFunction, "__call__", call)
 
 
 def _hoisting_off():
     from amp_jax._src import higher_order
 
-    higher_order._plan_hoisted_casts = lambda ctx, eqn, hints: None
+    _patch(higher_order, "_plan_hoisted_casts", lambda ctx, eqn, hints: None)
 
 
 def _broadcast_reads_off():
     from amp_jax._src import interpreter
 
-    interpreter._Env.read_broadcast = lambda self, atom, dtype, shape: self.read(atom, dtype)
+    _patch(
+        interpreter._Env, "read_broadcast", lambda self, atom, dtype, shape: self.read(atom, dtype)
+    )
 
 
 def _cache_off():
     from amp_jax._src import planning
 
-    planning.Context.cached = lambda self, kind, obj, make: make()
+    _patch(planning.Context, "cached", lambda self, kind, obj, make: make())
 
 
 def _cpu_layouts_off():
@@ -77,8 +116,11 @@ def _cpu_layouts_off():
     from amp_jax._src import backends
 
     # XLA:CPU's dots written as they are, with no planned layouts
-    backends._BACKENDS["cpu"] = dataclasses.replace(
-        backends._BACKENDS["cpu"], dot=backends.plain_dot, plan_layouts=backends._no_layouts
+    cpu = backends._BACKENDS["cpu"]
+    _patch_item(
+        backends._BACKENDS,
+        "cpu",
+        dataclasses.replace(cpu, dot=backends.plain_dot, plan_layouts=backends._no_layouts),
     )
 
 
@@ -95,13 +137,13 @@ def _painting_off():
             for c, k in zip(colors, classes)
         ]
 
-    painting.paint = paint
+    _patch(painting, "paint", paint)
 
 
 def _custom_jvp_transparency_off():
     from amp_jax._src import planning
 
-    planning.Context.is_transparent = lambda self, eqn: False
+    _patch(planning.Context, "is_transparent", lambda self, eqn: False)
 
 
 def _low_backward_off():
@@ -109,14 +151,14 @@ def _low_backward_off():
     from amp_jax._src import elementwise, rules
 
     # the default allow rule: low forward, JAX's own (mixed, float32) transposes
-    rules.TABLE["dot_general"] = elementwise.AllowRule()
-    rules.TABLE["conv_general_dilated"] = elementwise.AllowRule()
+    _patch_item(rules.TABLE, "dot_general", elementwise.AllowRule())
+    _patch_item(rules.TABLE, "conv_general_dilated", elementwise.AllowRule())
 
 
 def _explicit_rounding_off():
     from amp_jax.optim import _rounding
 
-    _rounding.round_nearest = lambda x, dtype: x.astype(dtype).astype(x.dtype)
+    _patch(_rounding, "round_nearest", lambda x, dtype: x.astype(dtype).astype(x.dtype))
 
 
 def _thresholds_off():
@@ -129,31 +171,32 @@ def _thresholds_off():
         why = orig(eqn, policy)
         return None if why is Why.TOO_SMALL else why
 
-    planning.stays_high = stays_high
+    _patch(planning, "stays_high", stays_high)
 
 
 def _decisions_off():
     from amp_jax._src import painting
 
-    painting.decision_slice = lambda *args, **kwargs: (set(), set(), set())
+    _patch(painting, "decision_slice", lambda *args, **kwargs: (set(), set(), set()))
 
 
 def _attention_off():
     from amp_jax._src import attention
 
-    attention.find = lambda jaxpr, consts, near=None: {}
+    _patch(attention, "find", lambda jaxpr, consts, near=None: {})
 
 
 def _low_outputs_off():
     from amp_jax._src import policy
 
-    policy.Policy.allow_output_dtype = lambda self, backend: policy.HIGH_DTYPE
+    _patch(policy.Policy, "allow_output_dtype", lambda self, backend: policy.HIGH_DTYPE)
 
 
 def _float8_off():
     from amp_jax._src import float8
 
-    float8.applies = lambda policy, vjp_rules, eqn: False  # the plan never picks the fp8 variant
+    # the plan never picks the fp8 variant
+    _patch(float8, "applies", lambda policy, vjp_rules, eqn: False)
 
 
 def _float8_scales_unguarded():
@@ -166,13 +209,13 @@ def _float8_scales_unguarded():
         amax = jnp.max(a) if axes is None else jnp.max(a, axis=axes, keepdims=True)
         return amax / float(jnp.finfo(dtype).max)
 
-    float8.scale_of = scale_of
+    _patch(float8, "scale_of", scale_of)
 
 
 def _float8_backward_e4m3():
     from amp_jax._src import float8
 
-    float8.BWD_DTYPE = float8.FWD_DTYPE
+    _patch(float8, "BWD_DTYPE", float8.FWD_DTYPE)
 
 
 def _casting_widens():
@@ -180,7 +223,7 @@ def _casting_widens():
 
     from amp_jax._src import casting
 
-    casting.narrowed = lambda dtype, compute_dtype: np.dtype(compute_dtype)  # f16 -> bf16 too
+    _patch(casting, "narrowed", lambda dtype, compute_dtype: np.dtype(compute_dtype))  # f16 -> bf16
 
 
 def _backend_from_process():
@@ -189,7 +232,7 @@ def _backend_from_process():
     from amp_jax._src import planning
 
     orig = planning.backend_for  # the context asks the process, not its backend name
-    planning.backend_for = lambda name: orig(jax.default_backend())
+    _patch(planning, "backend_for", lambda name: orig(jax.default_backend()))
 
 
 def _body_hints_off():
@@ -197,19 +240,19 @@ def _body_hints_off():
     from amp_jax._src.decision import NO_HINTS
 
     # sub-jaxprs rewritten without what their parent's plan says of their outputs
-    higher_order.body_hints = lambda eqn, d, sub: NO_HINTS
+    _patch(higher_order, "body_hints", lambda eqn, d, sub: NO_HINTS)
 
 
 def _eager_state_carried():
     from amp_jax.eager import _scan_step
 
-    _scan_step._partitioned_by_mesh = lambda: True  # the pipelined state slice everywhere
+    _patch(_scan_step, "_partitioned_by_mesh", lambda: True)  # the pipelined state slice everywhere
 
 
 def _eager_writes_unordered():
     from amp_jax.eager import _scan_step
 
-    _scan_step._after = lambda i, stacks: i  # state writes not ordered after the others
+    _patch(_scan_step, "_after", lambda i, stacks: i)  # state writes not ordered after the others
 
 
 MUTANTS = {
@@ -244,23 +287,29 @@ def apply(name: str) -> None:
     MUTANTS[name]()
 
 
-def main(argv: list[str]) -> int:
-    if "--list" in argv:
-        print("\n".join(MUTANTS))
-        return 0
-    names = [a for a in argv if not a.startswith("-")] or list(MUTANTS)
+def _pytest(name: str, tests: list[str], *flags: str) -> tuple[subprocess.CompletedProcess, float]:
+    """Runs ``tests`` under mutant ``name``: ``(the finished process, seconds)``."""
+    env = {**os.environ, "AMP_JAX_MUTANT": name}
+    t0 = time.perf_counter()
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *flags, *tests]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    return proc, time.perf_counter() - t0
+
+
+def _check_targets(names: list[str]) -> None:
+    """Applies every mutant in ``names`` here, once, so a stale target fails before any run."""
+    sys.path.insert(0, str(ROOT))
+    for name in names:
+        apply(name)
+
+
+def run_mutants(names: list[str]) -> int:
+    """Runs each mutant against `CORE_TESTS` with ``-x``; 1 if one survives."""
+    _check_targets(names)
     survived = []
     print("| mutant | result | first failing test | seconds |\n|---|---|---|---:|", flush=True)
     for name in names:
-        env = {**os.environ, "AMP_JAX_MUTANT": name}
-        t0 = time.perf_counter()
-        proc = subprocess.run(
-            [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *CORE_TESTS],
-            cwd=ROOT,
-            env=env,
-            capture_output=True,
-            text=True,
-        )
+        proc, seconds = _pytest(name, CORE_TESTS, "-x")
         failed = [
             line.split()[1]
             for line in proc.stdout.splitlines()
@@ -270,12 +319,41 @@ def main(argv: list[str]) -> int:
         if not killed:
             survived.append(name)
         first = failed[0] if failed else ("-" if not killed else f"(exit {proc.returncode})")
-        print(
-            f"| {name} | {'killed' if killed else 'SURVIVED'} | {first} | "
-            f"{time.perf_counter() - t0:.0f} |",
-            flush=True,
-        )
+        result = "killed" if killed else "SURVIVED"
+        print(f"| {name} | {result} | {first} | {seconds:.0f} |", flush=True)
     return 1 if survived else 0
+
+
+def identity_check() -> int:
+    """Runs `IDENTITY_TESTS` with amp replaced by the identity; 1 if over 20% pass."""
+    _check_targets(["amp_identity"])
+    proc, seconds = _pytest("amp_identity", IDENTITY_TESTS)
+    counts = dict.fromkeys(("passed", "failed", "error", "errors"), 0)
+    for n, word in re.findall(r"(\d+) (passed|failed|errors?)\b", proc.stdout.splitlines()[-1]):
+        counts[word] += int(n)
+    passed = counts["passed"]
+    total = passed + counts["failed"] + counts["error"] + counts["errors"]
+    share = passed / max(total, 1)
+    print(
+        f"amp replaced by the identity: {passed} of {total} tests pass ({share:.0%}; {seconds:.0f} s)"
+    )
+    print("\n".join(line for line in proc.stdout.splitlines() if line.startswith("PASSED")))
+    return 1 if total == 0 or share > MAX_IDENTITY_SHARE else 0
+
+
+def main(argv: list[str]) -> int:
+    options = [a for a in argv if a.startswith("-")]
+    names = [a for a in argv if not a.startswith("-")]
+    unknown = sorted(set(options) - {"--help", "-h", "--list", "--identity"})
+    if unknown or {"--help", "-h"} & set(options):
+        print(__doc__)
+        return 2 if unknown else 0
+    if "--list" in options:
+        print("\n".join(MUTANTS))
+        return 0
+    if "--identity" in options:
+        return identity_check()
+    return run_mutants(names or list(MUTANTS))
 
 
 if __name__ == "__main__":

@@ -187,3 +187,20 @@ def test_format_max_rows_and_min_flops():
     assert len(big[: big.index("")]) == 1 + sum(r.flops >= 1 for r in ex.rows)
     assert [r.flops for r in ex.rows] == sorted((r.flops for r in ex.rows), reverse=True)
     assert repr(ex).startswith(f"Explanation({len(ex.rows)} rows, policy='bfloat16'")
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_explain_traces_the_function_once_for_amp(grad):
+    """The reasons come from the plan amp made while tracing the program it
+    explains: ``fn`` runs twice (amp's program and the original), not a third
+    time for a plan of its own -- the same rows as that plan gives."""
+    calls = []
+
+    def f(w, x):
+        calls.append(1)
+        return small(w, x)
+
+    w, x = jnp.ones((8, 8)), jnp.ones((4, 8))
+    ex = amp_jax.explain(f, w, x, policy=BF16_F32OUT, grad=grad)
+    assert len(calls) == 2
+    assert ex.rows == amp_jax.explain(small, w, x, policy=BF16_F32OUT, grad=grad).rows

@@ -844,9 +844,33 @@ def _ancestors(atoms, eqns, producer) -> set:
 
 def _mask_depends_on_values(pred, operands, eqns, producer) -> bool:
     """Whether ``pred`` is computed from a float value that q, k or v are also
-    computed from (a mask derived from the activations, not a given mask)."""
-    shared = _ancestors([pred], eqns, producer) & _ancestors(operands, eqns, producer)
-    return any(jnp.issubdtype(getattr(a.aval, "dtype", np.bool_), jnp.inexact) for a in shared)
+    computed from (a mask derived from the activations, not a given mask).
+
+    The mask's float ancestors are found first: a given mask has none, and
+    then q, k and v are not walked back (through every layer before this
+    one: a walk per attention would make planning quadratic in the depth)."""
+    floats = {
+        a
+        for a in _ancestors([pred], eqns, producer)
+        if jnp.issubdtype(getattr(a.aval, "dtype", np.bool_), jnp.inexact)
+    }
+    return bool(floats) and _reaches(operands, floats, eqns, producer)
+
+
+def _reaches(atoms, targets: set, eqns, producer) -> bool:
+    """Whether any of ``targets`` is among ``atoms`` or their ancestors (stops at the first)."""
+    seen, todo = set(), list(atoms)
+    while todo:
+        a = todo.pop()
+        if isinstance(a, compat.Literal) or a in seen:
+            continue
+        if a in targets:
+            return True
+        seen.add(a)
+        j = producer.get(a)
+        if j is not None:
+            todo.extend(eqns[j].invars)
+    return False
 
 
 def _is_causal_constant(atom, roles, eqns, producer, consts, jaxpr) -> bool:

@@ -142,13 +142,15 @@ def decision_slice(
     included) and the slice goes on through their operands: what a
     convergence test reads must not carry the compute dtype's rounding.
     """
+    todo = collections.deque(v for v in seeds if not isinstance(v, compat.Literal))
+    if not todo:  # (most jaxprs decide nothing: no def-use map of a whole program for that)
+        return set(), set(), set()
     producer, _ = jaxprs.def_use(jaxpr)
     position = {v: k for k, v in enumerate(jaxpr.invars)}
     kept: set[int] = set()
     f32_out: set[int] = set()
     reached: set[int] = set()
     seen: set[Any] = set()
-    todo = collections.deque(v for v in seeds if not isinstance(v, compat.Literal))
     while todo:
         v = todo.popleft()
         if v in seen:
@@ -175,6 +177,9 @@ def matmuls_around(
 ) -> set[int]:
     """The ``allow`` eqns nearest to eqns ``starts`` through other ops, both
     ways: those whose results reach them, and those that read their results."""
+    starts = list(starts)
+    if not starts:
+        return set()
     preds, succs = _graph(jaxpr)
     through = {
         i

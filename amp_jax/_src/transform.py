@@ -123,6 +123,11 @@ class AmpFunction:
         outs = evaluate(traced.ctx, traced.plan, call.dynamic)
         return self._outputs(call, traced, outs)
 
+    def traces(self) -> list[Traced]:
+        """The traces this function keeps, least recently used first: what a
+        diagnostic that has just called it reads instead of tracing again."""
+        return list(self._shared.entries.values())
+
     def trace_for_inspection(self, *args: Any, **kwargs: Any) -> Traced:
         """The plan a call with these arguments evaluates, traced afresh (not
         cached): what [`explain`][amp_jax.explain] and the debug tools read."""

@@ -4,8 +4,8 @@ several precision modes and compare speed, memory and loss.
 Same model, same data, same seed in every mode: float32 (f32), amp with
 bfloat16 (amp-bf16), amp with float16 and dynamic loss scaling (amp-f16)
 and pure bfloat16 parameters with Kahan-compensated AdamW (bf16-kahan);
-opt-in, amp with float8 matmuls (amp-fp8; e.g. --modes amp-bf16,amp-fp8
---steps 1000 on an H100). Writes results.json and loss_curves.png to --out.
+opt-in, amp with float8 matmuls (amp-fp8, e.g. --modes amp-bf16,amp-fp8 on a
+GPU with float8 matmuls). Writes results.json and loss_curves.png to --out.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import pathlib
 import platform
 import sys
 import time
+from typing import Any
 
 from amp_jax.demo import _data, _model
 from amp_jax.demo._modes import DEFAULT_MODES, MODES, RunResult, train
@@ -61,6 +62,17 @@ def _positive_float(text):
     return value
 
 
+#: the positive integer options: (flag, help; the default is appended)
+_SIZES = (
+    ("--steps", "training steps per mode"),
+    ("--d-model", "model width, a multiple of --heads"),
+    ("--layers", "transformer blocks"),
+    ("--heads", "attention heads"),
+    ("--seq", "context length in bytes"),
+    ("--batch", "sequences per step"),
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     d = DEFAULTS
     p = argparse.ArgumentParser(
@@ -68,60 +80,29 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument(
-        "--steps",
-        type=_positive("--steps"),
-        default=d["steps"],
-        help=f"training steps per mode (default {d['steps']})",
-    )
+
+    def positive(flag: str, what: str) -> None:
+        default = d[flag[2:].replace("-", "_")]
+        p.add_argument(
+            flag, type=_positive(flag), default=default, help=f"{what} (default {default})"
+        )
+
+    positive(*_SIZES[0])
     p.add_argument(
         "--modes",
         default=",".join(DEFAULT_MODES),
         help=f"comma-separated modes to run (default: {','.join(DEFAULT_MODES)}; "
         f"all: {','.join(MODES)})",
     )
-    p.add_argument(
-        "--d-model",
-        type=_positive("--d-model"),
-        default=d["d_model"],
-        help=f"model width, a multiple of --heads (default {d['d_model']})",
-    )
-    p.add_argument(
-        "--layers",
-        type=_positive("--layers"),
-        default=d["layers"],
-        help=f"transformer blocks (default {d['layers']})",
-    )
-    p.add_argument(
-        "--heads",
-        type=_positive("--heads"),
-        default=d["heads"],
-        help=f"attention heads (default {d['heads']})",
-    )
-    p.add_argument(
-        "--seq",
-        type=_positive("--seq"),
-        default=d["seq"],
-        help=f"context length in bytes (default {d['seq']})",
-    )
-    p.add_argument(
-        "--batch",
-        type=_positive("--batch"),
-        default=d["batch"],
-        help=f"sequences per step (default {d['batch']})",
-    )
+    for flag, what in _SIZES[1:]:
+        positive(flag, what)
     p.add_argument(
         "--lr",
         type=_positive_float,
         default=d["lr"],
         help=f"peak learning rate, warmup + cosine (default {d['lr']})",
     )
-    p.add_argument(
-        "--val-batches",
-        type=_positive("--val-batches"),
-        default=d["val_batches"],
-        help=f"validation batches per evaluation (default {d['val_batches']})",
-    )
+    positive("--val-batches", "validation batches per evaluation")
     p.add_argument(
         "--seed",
         type=int,
@@ -218,11 +199,11 @@ def check_extras(progress: bool = True) -> None:
 
 
 def plot(results: list[RunResult], path: pathlib.Path, title: str) -> None:
+    """Draws the train and validation loss (and any loss scale) of every mode to ``path``."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import numpy as np
 
     scaled = [(i, r) for i, r in enumerate(results) if r.loss_scale]
     if scaled:
@@ -230,6 +211,19 @@ def plot(results: list[RunResult], path: pathlib.Path, title: str) -> None:
         ax_v.sharey(ax_t)
     else:
         fig, (ax_t, ax_v) = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+    _plot_losses(ax_t, ax_v, results)
+    for i, r in scaled:
+        _plot_loss_scale(ax_s, i, r)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _plot_losses(ax_t: Any, ax_v: Any, results: list[RunResult]) -> None:
+    """Train loss (per step and its moving average) and validation loss, one line per mode."""
+    import numpy as np
+
     for i, r in enumerate(results):
         color = f"C{i}"
         loss = np.asarray(r.train_loss)
@@ -268,30 +262,29 @@ def plot(results: list[RunResult], path: pathlib.Path, title: str) -> None:
     # small differences at the end in one panel
     ax_t.set_yscale("log")
     ax_t.set_xlim(0, max(max(r.train_steps) for r in results))
-    for i, r in scaled:
-        ax_s.step(
-            r.train_steps, r.loss_scale, where="post", color=f"C{i}", label=f"{r.mode} loss scale"
+
+
+def _plot_loss_scale(ax_s: Any, i: int, r: RunResult) -> None:
+    """The dynamic loss scale of mode ``r`` over the steps, its skipped steps marked."""
+    ax_s.step(
+        r.train_steps, r.loss_scale, where="post", color=f"C{i}", label=f"{r.mode} loss scale"
+    )
+    if r.skipped_at:
+        ys = [r.loss_scale[s - 1] for s in r.skipped_at]
+        ax_s.plot(
+            r.skipped_at,
+            ys,
+            "x",
+            color="red",
+            ms=7,
+            label=f"skipped steps ({len(r.skipped_at)})",
         )
-        if r.skipped_at:
-            ys = [r.loss_scale[s - 1] for s in r.skipped_at]
-            ax_s.plot(
-                r.skipped_at,
-                ys,
-                "x",
-                color="red",
-                ms=7,
-                label=f"skipped steps ({len(r.skipped_at)})",
-            )
-        ax_s.set_yscale("log", base=2)
-        ax_s.set_title("dynamic loss scale (x: skipped, non-finite step)", fontsize=10)
-        ax_s.set_xlabel("step")
-        ax_s.set_ylabel("loss scale")
-        ax_s.grid(alpha=0.3)
-        ax_s.legend()
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    ax_s.set_yscale("log", base=2)
+    ax_s.set_title("dynamic loss scale (x: skipped, non-finite step)", fontsize=10)
+    ax_s.set_xlabel("step")
+    ax_s.set_ylabel("loss scale")
+    ax_s.grid(alpha=0.3)
+    ax_s.legend()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -312,6 +305,33 @@ def main(argv: list[str] | None = None) -> int:
             jax.eval_shape(lambda: _model.init_params(jax.random.PRNGKey(0), cfg))
         )
     )
+    _print_setup(args, cfg, corpus, n_params)
+    eval_every = max(1, args.steps // 10)
+    results = [_train_mode(name, args, cfg, corpus, eval_every) for name in args.modes]
+    _print_results(results)
+    title = (
+        f"amp_jax demo: {n_params:,}-parameter byte-level transformer on the Python stdlib, "
+        f"{args.steps} steps, JAX {jax.__version__} on {jax.default_backend()}"
+    )
+    plot(results, out / "loss_curves.png", title)
+    payload = _payload(args, corpus, results, n_params=n_params, eval_every=eval_every)
+    payload["wall_time_s"] = time.perf_counter() - t_start
+    (out / "results.json").write_text(json.dumps(payload, indent=1))
+    if jax.default_backend() == "cpu" and "amp-f16" in args.modes:
+        print(
+            "\nOn a CPU amp-f16 is slower than amp-bf16: the CPU's fast low-precision matmul "
+            "instructions (AVX512-BF16, AMX) take bfloat16, and dynamic loss scaling checks "
+            "every gradient each step. On a GPU both run on the same tensor cores."
+        )
+    print(f"\ntotal {payload['wall_time_s']:.0f} s; wrote results.json and loss_curves.png to")
+    print(out)
+    return 0
+
+
+def _print_setup(args: argparse.Namespace, cfg: _model.Config, corpus: Any, n_params: int) -> None:
+    """The model, the data and the machine, before training."""
+    import jax
+
     print(
         f"amp_jax demo: byte-level transformer, {n_params:,} parameters "
         f"(d_model={cfg.d_model}, layers={cfg.layers}, heads={cfg.heads}, seq={cfg.seq}, batch={cfg.batch}), "
@@ -325,32 +345,36 @@ def main(argv: list[str] | None = None) -> int:
         f"JAX {jax.__version__} on {jax.default_backend()} ({jax.devices()[0].device_kind}), "
         f"{os.cpu_count()} CPU cores visible"
     )
-    eval_every = max(1, args.steps // 10)
-    results = []
-    for name in args.modes:
-        bar = None
-        if not args.no_progress:
-            from tqdm.auto import tqdm
 
-            def bar(it, name=name):
-                return tqdm(it, desc=f"{name:>10}", unit="step", dynamic_ncols=True, leave=True)
 
-        results.append(
-            train(
-                MODES[name],
-                cfg,
-                corpus,
-                steps=args.steps,
-                lr=args.lr,
-                seed=args.seed,
-                eval_every=eval_every,
-                val_batches=args.val_batches,
-                progress=bar,
-            )
-        )
-    table = format_table(results)
+def _train_mode(
+    name: str, args: argparse.Namespace, cfg: _model.Config, corpus: Any, eval_every: int
+) -> RunResult:
+    """Trains mode ``name`` (with a progress bar unless ``--no-progress``)."""
+    bar = None
+    if not args.no_progress:
+        from tqdm.auto import tqdm
+
+        def bar(it):
+            return tqdm(it, desc=f"{name:>10}", unit="step", dynamic_ncols=True, leave=True)
+
+    return train(
+        MODES[name],
+        cfg,
+        corpus,
+        steps=args.steps,
+        lr=args.lr,
+        seed=args.seed,
+        eval_every=eval_every,
+        val_batches=args.val_batches,
+        progress=bar,
+    )
+
+
+def _print_results(results: list[RunResult]) -> None:
+    """The comparison table, what its columns mean and each mode's extra numbers."""
     print()
-    print(table)
+    print(format_table(results))
     print(
         "\nstep ms: median wall time of one compiled train step; step mem: temp + argument bytes of the "
         "compiled step (XLA memory_analysis); opt state: amp_jax.optim.state_bytes; train loss: mean of "
@@ -359,12 +383,20 @@ def main(argv: list[str] | None = None) -> int:
     for r in results:
         if r.extra:
             print(f"{r.mode}: " + ", ".join(f"{k}={v:g}" for k, v in r.extra.items()))
-    title = (
-        f"amp_jax demo: {n_params:,}-parameter byte-level transformer on the Python stdlib, "
-        f"{args.steps} steps, JAX {jax.__version__} on {jax.default_backend()}"
-    )
-    plot(results, out / "loss_curves.png", title)
-    payload = {
+
+
+def _payload(
+    args: argparse.Namespace,
+    corpus: Any,
+    results: list[RunResult],
+    *,
+    n_params: int,
+    eval_every: int,
+) -> dict[str, Any]:
+    """What results.json holds: the configuration, the machine, the data and every mode's curves."""
+    import jax
+
+    return {
         "config": {
             **{k: v for k, v in vars(args).items() if k != "no_progress"},
             "n_params": n_params,
@@ -384,34 +416,23 @@ def main(argv: list[str] | None = None) -> int:
             "train_bytes": int(len(corpus.train)),
             "val_bytes": int(len(corpus.val)),
         },
-        "modes": {
-            r.mode: {
-                "description": r.description,
-                **r.summary(),
-                **r.extra,
-                "train_steps": r.train_steps,
-                "train_loss": r.train_loss,
-                "val_steps": r.val_steps,
-                "val_loss": r.val_loss,
-                **(
-                    {"loss_scale": r.loss_scale, "skipped_at": r.skipped_at} if r.loss_scale else {}
-                ),
-                "step_times_s": r.step_times_s,
-            }
-            for r in results
-        },
-        "wall_time_s": time.perf_counter() - t_start,
+        "modes": {r.mode: _mode_record(r) for r in results},
     }
-    (out / "results.json").write_text(json.dumps(payload, indent=1))
-    if jax.default_backend() == "cpu" and "amp-f16" in args.modes:
-        print(
-            "\nOn a CPU amp-f16 is slower than amp-bf16: the CPU's fast low-precision matmul "
-            "instructions (AVX512-BF16, AMX) take bfloat16, and dynamic loss scaling checks "
-            "every gradient each step. On a GPU both run on the same tensor cores."
-        )
-    print(f"\ntotal {payload['wall_time_s']:.0f} s; wrote results.json and loss_curves.png to")
-    print(out)
-    return 0
+
+
+def _mode_record(r: RunResult) -> dict[str, Any]:
+    """One mode's summary and curves, as results.json stores them."""
+    return {
+        "description": r.description,
+        **r.summary(),
+        **r.extra,
+        "train_steps": r.train_steps,
+        "train_loss": r.train_loss,
+        "val_steps": r.val_steps,
+        "val_loss": r.val_loss,
+        **({"loss_scale": r.loss_scale, "skipped_at": r.skipped_at} if r.loss_scale else {}),
+        "step_times_s": r.step_times_s,
+    }
 
 
 if __name__ == "__main__":

@@ -316,33 +316,11 @@ def dynamic_loss_scale(
     """
     inner = _check.transformation(inner, "dynamic_loss_scale")
     check_scaled = _check.boolean(check_scaled, "dynamic_loss_scale", "check_scaled")
-    init_scale = _check_positive("init_scale", init_scale)
-    min_scale = _check_positive("min_scale", min_scale)
-    max_scale = _check_positive("max_scale", max_scale)
-    if min_scale > max_scale:
-        raise ValueError(
-            f"`min_scale` ({min_scale}) must be <= `max_scale` "
-            f"({max_scale}); swap them or widen the range."
+    init_scale, min_scale, max_scale, growth_interval, growth_factor, backoff_factor = (
+        _checked_scale_schedule(
+            init_scale, min_scale, max_scale, growth_interval, growth_factor, backoff_factor
         )
-    if not min_scale <= init_scale <= max_scale:
-        raise ValueError(
-            f"`init_scale` ({init_scale}) must lie in [min_scale, "
-            f"max_scale] = [{min_scale}, {max_scale}]."
-        )
-    growth_interval = _check.integer(
-        growth_interval, "dynamic_loss_scale", "growth_interval", 1, "2000"
     )
-    growth_factor = _check.real(growth_factor, "dynamic_loss_scale", "growth_factor", "2.0")
-    backoff_factor = _check.real(backoff_factor, "dynamic_loss_scale", "backoff_factor", "0.5")
-    if not float(growth_factor) > 1.0:
-        raise ValueError(
-            f"`growth_factor` must be > 1, got {growth_factor!r}; "
-            "use e.g. 2.0 (for a fixed scale use static_loss_scale)."
-        )
-    if not 0.0 < float(backoff_factor) < 1.0:
-        raise ValueError(
-            f"`backoff_factor` must be in (0, 1), got {backoff_factor!r}; use e.g. 0.5."
-        )
     inner = optax.with_extra_args_support(inner)
     rule = _DynamicRule(
         inner, growth_interval, growth_factor, backoff_factor, min_scale, max_scale, axis_name
@@ -380,6 +358,45 @@ def dynamic_loss_scale(
 
     update_fn.dynamic_rule = rule  # (what `dynamic_rule` reads: eager.scan_step)
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _checked_scale_schedule(
+    init_scale: Any,
+    min_scale: Any,
+    max_scale: Any,
+    growth_interval: Any,
+    growth_factor: Any,
+    backoff_factor: Any,
+) -> tuple[Any, ...]:
+    """Checks `dynamic_loss_scale`'s scale arguments; returns them in that order."""
+    init_scale = _check_positive("init_scale", init_scale)
+    min_scale = _check_positive("min_scale", min_scale)
+    max_scale = _check_positive("max_scale", max_scale)
+    if min_scale > max_scale:
+        raise ValueError(
+            f"`min_scale` ({min_scale}) must be <= `max_scale` "
+            f"({max_scale}); swap them or widen the range."
+        )
+    if not min_scale <= init_scale <= max_scale:
+        raise ValueError(
+            f"`init_scale` ({init_scale}) must lie in [min_scale, "
+            f"max_scale] = [{min_scale}, {max_scale}]."
+        )
+    growth_interval = _check.integer(
+        growth_interval, "dynamic_loss_scale", "growth_interval", 1, "2000"
+    )
+    growth_factor = _check.real(growth_factor, "dynamic_loss_scale", "growth_factor", "2.0")
+    backoff_factor = _check.real(backoff_factor, "dynamic_loss_scale", "backoff_factor", "0.5")
+    if not float(growth_factor) > 1.0:
+        raise ValueError(
+            f"`growth_factor` must be > 1, got {growth_factor!r}; "
+            "use e.g. 2.0 (for a fixed scale use static_loss_scale)."
+        )
+    if not 0.0 < float(backoff_factor) < 1.0:
+        raise ValueError(
+            f"`backoff_factor` must be in (0, 1), got {backoff_factor!r}; use e.g. 0.5."
+        )
+    return init_scale, min_scale, max_scale, growth_interval, growth_factor, backoff_factor
 
 
 def static_loss_scale(

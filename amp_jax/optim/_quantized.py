@@ -12,8 +12,8 @@ or the bits of ``float8_e4m3fn`` numbers (float8). Every format stores
 ``uint8`` arrays: a rounding no compiler pass may drop (unlike a float32 ->
 bfloat16 -> float32 convert pair under excess precision), and one that loops
 write in place (XLA:CPU widens a float8 array to float32 around every
-dynamic-update-slice: a float8 state stack written layer by layer in
-``amp_jax.eager.scan_step`` made its step 10x slower than the standard one).
+dynamic-update-slice, so a float8 state stack written layer by layer would be
+converted whole per layer).
 """
 
 from __future__ import annotations
@@ -474,30 +474,14 @@ def scale_by_quantized_adam(
       448 (stored as their bits, ``uint8``), blocks of 256: 1.016 bytes per
       moment value.
 
-    In every format the second moment is stored as ``sqrt(nu)`` (the
-    denominator's own scale), which halves the dynamic range a block must
-    hold. Stored directly, a gradient 3000x below its block's largest one has
-    ``nu`` below the 8-bit map's smallest non-zero code: it decodes to 0 and
-    the next step is ``m / eps`` (in a test, 18% of the elements did).
-
-    The second moment is rounded to its codes stochastically by default
-    (``state_rounding``): it moves by a fraction ``1 - b2 = 0.001`` of itself
-    per step, far less than the gap between two codes (0.7-7% of the value in
-    the 8-bit map's top decade, 6-12% in float8), so rounded to the nearest
-    code it stays where it is relative to its block's largest value and lags
-    behind a rising ``nu``. On the demo model, with the nearest code the
-    median ``sqrt(nu)`` after 300 steps was 5.5% (8-bit), 19% (float8) and 21%
-    (4-bit) below float32 Adam's on the same gradients, and the update's norm
-    over steps 151-300 8%, 25% and 53% larger; with ``nu`` rounded
-    stochastically (unbiased), 0.3%, 2.2% and 8% larger
-    (``benchmarks/studies/quantized_drift.py``). Over 1000 steps and 3 seeds the
-    final loss then ends within 1% of float32 AdamW's in every format
-    (nearest: 1.2-4.4% lower, from the larger steps). The first moment
-    moves by ``1 - b1 = 10%`` a step, more than a gap, and is rounded to the
-    nearest code (stochastic rounding would only add noise: with both moments
-    rounded stochastically the parameters strayed further from float32 Adam's
-    in a 200-step test); every moment with a decay above 0.95 is rounded
-    stochastically.
+    In every format the second moment is stored as ``sqrt(nu)``, which halves
+    the dynamic range a block must hold (stored directly, the ``nu`` of a small
+    gradient decodes to 0 and the next step is ``m / eps``). Moments with a
+    decay above 0.95 (``nu`` with the default ``b2``) move by less than a code's
+    gap per step: rounded to the nearest code they would stall and lag behind
+    float32 Adam's, so ``state_rounding="stochastic"`` rounds them
+    stochastically (unbiased); ``mu`` is rounded to the nearest code.
+    docs/optim.md has the layout, the maps and the measured drift.
 
     Parameters with fewer than ``min_quantized_size`` elements, non-floating
     parameters and those ``quantize_mask`` deselects (embeddings, as the
@@ -548,6 +532,41 @@ def scale_by_quantized_adam(
       torchao low-bit optimizers (AdamW8bit, AdamW4bit, AdamWFp8),
       https://github.com/pytorch/ao/tree/main/torchao/optim.
     """
+    block_size, min_quantized_size = _checked_options(
+        b1, b2, eps, eps_root, state_format, block_size, min_quantized_size, state_rounding
+    )
+    codecs = _codecs(state_format)
+
+    def init_fn(params):
+        return _init_state(params, codecs, block_size, min_quantized_size, quantize_mask)
+
+    def update_fn(updates, state, params=None):
+        del params
+        count_inc, bc1, bc2 = _tree.adam_counts(state.count, b1, b2)
+        adam = functools.partial(_adam, b1=b1, b2=b2, eps=eps, eps_root=eps_root, bc1=bc1, bc2=bc2)
+        keys = _rounding_keys(count_inc, b1, b2, state_rounding)
+        one = functools.partial(
+            _update_moments, adam=adam, codecs=codecs, keys=keys, block_size=block_size
+        )
+        new_updates, mu, nu = _tree.map_unzip(
+            one, 3, updates, state.mu, state.nu, is_leaf=lambda x: x is None
+        )
+        return new_updates, ScaleByQuantizedAdamState(count_inc, mu, nu)
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _checked_options(
+    b1: Any,
+    b2: Any,
+    eps: Any,
+    eps_root: Any,
+    state_format: Any,
+    block_size: Any,
+    min_quantized_size: Any,
+    state_rounding: Any,
+) -> tuple[int, int]:
+    """Checks `scale_by_quantized_adam`'s arguments: ``(block_size, min_quantized_size)``."""
     caller = "scale_by_quantized_adam"
     _check.adam_hyperparameters(caller, b1, b2, eps, eps_root)
     if state_format not in FORMATS:
@@ -571,77 +590,83 @@ def scale_by_quantized_adam(
             f"{caller}: `state_rounding` must be one of {', '.join(map(repr, ROUNDINGS))}, "
             f"got {state_rounding!r}."
         )
-    mu_codec, nu_codec = _codecs(state_format)
+    return block_size, min_quantized_size
 
-    def init_fn(params):
-        leaves, treedef = jax.tree.flatten(params)
-        chosen = _selection(quantize_mask, params)
-        mu, nu = [], []
-        for p, q in zip(leaves, chosen):
-            # zeros_like: the moments take the parameter's sharding; one buffer
-            # each (a shared one could not be donated twice). Complex
-            # parameters keep complex moments (nu's imaginary part stays 0).
-            full = jnp.promote_types(p.dtype, jnp.complex64) if jnp.iscomplexobj(p) else jnp.float32
-            zero = lambda: jnp.zeros_like(p, dtype=full)  # noqa: E731
-            if q and _tree.is_float(p) and p.size >= min_quantized_size:
-                mu.append(quantized_zeros(p, mu_codec, block_size))
-                nu.append(quantized_zeros(p, nu_codec, block_size))
-            else:
-                mu.append(zero())
-                nu.append(zero())
-        return ScaleByQuantizedAdamState(
-            jnp.zeros([], jnp.int32), treedef.unflatten(mu), treedef.unflatten(nu)
-        )
 
-    def update_fn(updates, state, params=None):
-        del params
-        count_inc, bc1, bc2 = _tree.adam_counts(state.count, b1, b2)
+def _init_state(
+    params: Any,
+    codecs: tuple[_Codec, _Codec],
+    block_size: int,
+    min_quantized_size: int,
+    quantize_mask: Any,
+) -> ScaleByQuantizedAdamState:
+    """Zero moments: quantized for the chosen float parameters, full precision otherwise."""
+    mu_codec, nu_codec = codecs
+    leaves, treedef = jax.tree.flatten(params)
+    chosen = _selection(quantize_mask, params)
+    mu, nu = [], []
+    for p, q in zip(leaves, chosen):
+        # zeros_like: the moments take the parameter's sharding; one buffer
+        # each (a shared one could not be donated twice). Complex
+        # parameters keep complex moments (nu's imaginary part stays 0).
+        full = jnp.promote_types(p.dtype, jnp.complex64) if jnp.iscomplexobj(p) else jnp.float32
+        zero = lambda: jnp.zeros_like(p, dtype=full)  # noqa: E731
+        if q and _tree.is_float(p) and p.size >= min_quantized_size:
+            mu.append(quantized_zeros(p, mu_codec, block_size))
+            nu.append(quantized_zeros(p, nu_codec, block_size))
+        else:
+            mu.append(zero())
+            nu.append(zero())
+    return ScaleByQuantizedAdamState(
+        jnp.zeros([], jnp.int32), treedef.unflatten(mu), treedef.unflatten(nu)
+    )
 
-        def adam(g32, m32, v32):
-            m_new = (1 - b1) * g32 + b1 * m32
-            v_new = (1 - b2) * _tree.abs_sq(g32) + b2 * v32
-            u = (m_new / bc1.astype(m_new.dtype)) / (
-                jnp.sqrt(v_new / bc2.astype(v_new.dtype) + eps_root) + eps
-            )
-            return u, m_new, v_new
 
-        keys = (None, None)
-        if state_rounding == "stochastic":  # the slow moments (see the docstring)
-            keys = tuple(
-                k if _slow(b, slow) else None
-                for k, b, slow in zip(_step_keys(count_inc), (b1, b2), (False, True))
-            )
+def _adam(g32, m32, v32, *, b1, b2, eps, eps_root, bc1, bc2):
+    """Adam's step on full-precision moments: ``(update, new mu, new nu)``."""
+    m_new = (1 - b1) * g32 + b1 * m32
+    v_new = (1 - b2) * _tree.abs_sq(g32) + b2 * v32
+    u = (m_new / bc1.astype(m_new.dtype)) / (
+        jnp.sqrt(v_new / bc2.astype(v_new.dtype) + eps_root) + eps
+    )
+    return u, m_new, v_new
 
-        def one(g, m, v):
-            if g is None:
-                return None, m, v
-            if not isinstance(m, QuantizedArray):
-                g32 = g.astype(_tree.work_dtype(g.dtype))
-                u, m_new, v_new = adam(g32, m, v)
-                return u.astype(g.dtype), m_new.astype(m.dtype), v_new.astype(v.dtype)
-            # The arithmetic runs in the codes' block layout: one shape in every
-            # fused loop (mixing it with the parameter's shape costs index
-            # arithmetic per element), the new moments quantized in place.
-            # float32 arithmetic, whatever the parameter's dtype (float64 under
-            # x64 included): the codes hold far less than float32's precision
-            g32 = g.astype(jnp.float32)
-            block, n_blocks = block_layout(g.shape, block_size, mu_codec.bits)
-            u, m_new, v_new = adam(
-                _to_blocks(g32, block, n_blocks),
-                mu_codec.dequantize(m.codes, m.absmax),
-                nu_codec.dequantize(v.codes, v.absmax),
-            )
-            n = g.shape[-1] if g.shape else 1
-            if n_blocks * block > n:  # the padding quantizes zeros, as in `quantize`
-                real = _to_blocks(jnp.ones(n, bool), block, n_blocks)
-                m_new, v_new = jnp.where(real, m_new, 0.0), jnp.where(real, v_new, 0.0)
-            m_q, v_q = mu_codec.quantize(m_new, keys[0]), nu_codec.quantize(v_new, keys[1])
-            u = _from_blocks(u, g.shape).astype(g.dtype)  # (the gradients' dtype, as optax)
-            return u, QuantizedArray(*m_q), QuantizedArray(*v_q)
 
-        new_updates, mu, nu = _tree.map_unzip(
-            one, 3, updates, state.mu, state.nu, is_leaf=lambda x: x is None
-        )
-        return new_updates, ScaleByQuantizedAdamState(count_inc, mu, nu)
+def _rounding_keys(count: jax.Array, b1: Any, b2: Any, state_rounding: str) -> tuple:
+    """Per moment (mu, nu): the step's key when it is rounded stochastically, else None."""
+    if state_rounding != "stochastic":
+        return (None, None)
+    return tuple(
+        k if _slow(b, slow) else None
+        for k, b, slow in zip(_step_keys(count), (b1, b2), (False, True))
+    )
 
-    return optax.GradientTransformation(init_fn, update_fn)
+
+def _update_moments(g, m, v, *, adam, codecs, keys, block_size):
+    """``(update, new m, new v)`` of one parameter leaf, its moments quantized or not."""
+    if g is None:
+        return None, m, v
+    if not isinstance(m, QuantizedArray):
+        g32 = g.astype(_tree.work_dtype(g.dtype))
+        u, m_new, v_new = adam(g32, m, v)
+        return u.astype(g.dtype), m_new.astype(m.dtype), v_new.astype(v.dtype)
+    # The arithmetic runs in the codes' block layout: one shape in every
+    # fused loop (mixing it with the parameter's shape costs index
+    # arithmetic per element), the new moments quantized in place.
+    # float32 arithmetic, whatever the parameter's dtype (float64 under
+    # x64 included): the codes hold far less than float32's precision
+    mu_codec, nu_codec = codecs
+    g32 = g.astype(jnp.float32)
+    block, n_blocks = block_layout(g.shape, block_size, mu_codec.bits)
+    u, m_new, v_new = adam(
+        _to_blocks(g32, block, n_blocks),
+        mu_codec.dequantize(m.codes, m.absmax),
+        nu_codec.dequantize(v.codes, v.absmax),
+    )
+    n = g.shape[-1] if g.shape else 1
+    if n_blocks * block > n:  # the padding quantizes zeros, as in `quantize`
+        real = _to_blocks(jnp.ones(n, bool), block, n_blocks)
+        m_new, v_new = jnp.where(real, m_new, 0.0), jnp.where(real, v_new, 0.0)
+    m_q, v_q = mu_codec.quantize(m_new, keys[0]), nu_codec.quantize(v_new, keys[1])
+    u = _from_blocks(u, g.shape).astype(g.dtype)  # (the gradients' dtype, as optax)
+    return u, QuantizedArray(*m_q), QuantizedArray(*v_q)

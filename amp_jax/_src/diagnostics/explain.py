@@ -32,6 +32,7 @@ import numpy as np
 from amp_jax._src import compat, jaxprs
 from amp_jax._src.diagnostics.reasons import (
     Decisions,
+    SourceLines,
     decisions_of,
     float_dtypes,
     full_stack,
@@ -44,6 +45,7 @@ from amp_jax._src.diagnostics.reasons import (
 from amp_jax._src.diagnostics.tracing import check_grad, loss_of, programs, split_fn
 from amp_jax._src.jaxprs import iter_eqns
 from amp_jax._src.policy import DEFAULT_ALLOW, Policy, is_managed_float
+from amp_jax._src.transform import AmpFunction
 
 #: primitives that move data without arithmetic (0 FLOPs).
 _NO_FLOPS = frozenset(
@@ -413,24 +415,27 @@ def _group(new: _Measured, old: _Measured, decisions: Decisions):
     """``(rows, FLOPs by dtype, matmul FLOPs by dtype)`` of the rewritten program
     ``new``: its ops grouped by source line, scope, pass, primitive, dtype and
     reason, most FLOPs first (``old``, the original, tells amp's casts apart)."""
+    lines = SourceLines()
     orig_cast_keys = collections.Counter(
-        (compat.source_line(e), e.primitive.name) for e, _, _ in old.eqns if is_float_cast(e)
+        (lines(e), e.primitive.name) for e, _, _ in old.eqns if is_float_cast(e)
     )
     groups: dict[tuple, list[int]] = {}
     flops_by: collections.Counter = collections.Counter()
     mm_by: collections.Counter = collections.Counter()
     seen: collections.Counter = collections.Counter()
+    derived: dict[str, str] = {}
     for eqn, times, stack in new.eqns:
         dtype = ran_in(eqn)
         flops = times * eqn_flops(eqn)
         nbytes = times * sum(_nbytes(v.aval) for v in (*eqn.invars, *eqn.outvars))
+        line = lines(eqn)
         key = (
-            compat.source_line(eqn),
+            line,
             scope_of(stack),
             is_backward(stack),
             eqn.primitive.name,
             dtype,
-            row_reason(decisions, eqn, stack, orig_cast_keys, seen),
+            row_reason(decisions, eqn, stack, orig_cast_keys, seen, line, derived),
         )
         acc = groups.setdefault(key, [0, 0, 0])
         acc[0] += times
@@ -535,8 +540,11 @@ def explain(
     base, pol = split_fn(fn, policy)
     g = check_grad(grad)
     base = loss_of(base, has_aux, "explain", g is not None)
-    decisions = decisions_of(base, pol, args, kwargs)
-    new_closed, old_closed, _ = programs(base, pol, args, kwargs, g)
+    run = AmpFunction(base, pol)
+    new_closed, old_closed, _ = programs(base, pol, args, kwargs, g, run)
+    # (the plan amp made while tracing the program, when it kept it: not traced twice)
+    traces = run.traces()
+    decisions = decisions_of(base, pol, args, kwargs, traces[-1] if len(traces) == 1 else None)
     new = _measure(compat.jaxpr_of(new_closed))
     old = _measure(compat.jaxpr_of(old_closed))
     rows, flops_by, mm_by = _group(new, old, decisions)

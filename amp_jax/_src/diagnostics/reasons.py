@@ -13,6 +13,7 @@ forward op.
 from __future__ import annotations
 
 import collections
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -22,7 +23,7 @@ from amp_jax._src import compat, jaxprs
 from amp_jax._src.decision import Color, Decision, Kind, attention_from_stack, body_hints
 from amp_jax._src.planning import Context, plan
 from amp_jax._src.policy import Policy, is_managed_float
-from amp_jax._src.transform import AmpFunction
+from amp_jax._src.transform import AmpFunction, Traced
 
 #: ``{(source line, primitive): {named_scope path: Counter of reasons}}``
 Decisions = dict[tuple[str, str], dict[str, collections.Counter]]
@@ -35,10 +36,40 @@ def float_dtypes(atoms: Sequence[Any]) -> list[str]:
     """The floating dtypes amp manages among ``atoms``' avals, in order, once each."""
     seen: list[str] = []
     for a in atoms:
-        d = getattr(a.aval, "dtype", None)
-        if is_managed_float(d) and str(np.dtype(d)) not in seen:
-            seen.append(str(np.dtype(d)))
+        name = _managed_name(getattr(a.aval, "dtype", None))
+        if name is not None and name not in seen:
+            seen.append(name)
     return seen
+
+
+_NAMES: dict[Any, str | None] = {}
+
+
+def _managed_name(dtype: Any) -> str | None:
+    """``dtype``'s name if amp manages it, else None (once per dtype: explain
+    asks it of every operand of every eqn of a program)."""
+    try:
+        return _NAMES[dtype]
+    except KeyError:
+        name = _NAMES[dtype] = str(np.dtype(dtype)) if is_managed_float(dtype) else None
+        return name
+    except TypeError:  # (an unhashable dtype-like)
+        return str(np.dtype(dtype)) if is_managed_float(dtype) else None
+
+
+class SourceLines:
+    """`compat.source_line` of eqns, once per traceback (the forward and
+    backward ops of one source line share it)."""
+
+    def __init__(self):
+        self._memo: dict[int, tuple[Any, str]] = {}
+
+    def __call__(self, eqn: Any) -> str:
+        tb = eqn.source_info.traceback
+        hit = self._memo.get(id(tb))
+        if hit is None or hit[0] is not tb:
+            hit = self._memo[id(tb)] = (tb, compat.source_line(eqn))
+        return hit[1]
 
 
 def ran_in(eqn: Any) -> str:
@@ -64,6 +95,7 @@ def full_stack(eqn: Any, outer: tuple[str, ...]) -> str:
     return "/".join(s for s in (*outer, str(eqn.source_info.name_stack)) if s)
 
 
+@functools.lru_cache(maxsize=4096)
 def scope_of(stack: str) -> str:
     """The user's ``named_scope`` path of a name stack, without JAX's transform names."""
     parts = []
@@ -84,9 +116,18 @@ def is_backward(stack: str) -> bool:
 # -- the plan's decisions --------------------------------------------------------------
 
 
-def decisions_of(base: Callable[..., Any], policy: Policy, args: tuple, kwargs: dict) -> Decisions:
-    """The reasons of the plan amp makes of ``base(*args, **kwargs)`` under ``policy``."""
-    traced = AmpFunction(base, policy).trace_for_inspection(*args, **kwargs)
+def decisions_of(
+    base: Callable[..., Any],
+    policy: Policy,
+    args: tuple,
+    kwargs: dict,
+    traced: Traced | None = None,
+) -> Decisions:
+    """The reasons of the plan amp makes of ``base(*args, **kwargs)`` under
+    ``policy``: that of ``traced`` (the trace of that call, when the caller
+    has one), else of a fresh trace."""
+    if traced is None:
+        traced = AmpFunction(base, policy).trace_for_inspection(*args, **kwargs)
     out: Decisions = collections.defaultdict(lambda: collections.defaultdict(collections.Counter))
     _decide(traced.ctx, traced.plan.jaxpr, traced.plan.decisions, out, None)
     return out
@@ -154,13 +195,17 @@ def row_reason(
     stack: str,
     orig_keys: collections.Counter,
     seen: collections.Counter,
+    line: str | None = None,
+    derived: dict[str, str] | None = None,
 ) -> str:
     """Why ``eqn`` (of the rewritten program, at name stack ``stack``) ran as it did.
 
     A floating cast is amp's (``seen`` counts the casts of its source line so
     far, ``orig_keys`` those of the original program) or the program's own.
+    ``line``: ``eqn``'s source line, if the caller has it; ``derived``: a memo
+    of `_derived` by line, for a caller that asks of every eqn of a program.
     """
-    key = (compat.source_line(eqn), eqn.primitive.name)
+    key = (compat.source_line(eqn) if line is None else line, eqn.primitive.name)
     found = _decision_at(decisions[key], scope_of(stack)) if key in decisions else None
     if is_float_cast(eqn):
         seen[key] += 1
@@ -173,8 +218,12 @@ def row_reason(
         reason = path.text
     elif found:
         reason = found.most_common(1)[0][0]
-    else:
+    elif derived is None:
         reason = _derived(decisions, key[0])
+    else:
+        if key[0] not in derived:
+            derived[key[0]] = _derived(decisions, key[0])
+        reason = derived[key[0]]
     if attention and reason != attention:  # left as written: the dtype reason, and why
         reason = f"{reason}; {attention}"
     if is_backward(stack) and found:

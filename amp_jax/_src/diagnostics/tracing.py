@@ -127,10 +127,19 @@ def _differentiated(args: tuple, leaves: list, dyn_mask: list, dyn: list, argnum
 
 
 def programs(
-    base: Callable[..., Any], policy: Policy, args: tuple, kwargs: dict, grad: Any
+    base: Callable[..., Any],
+    policy: Policy,
+    args: tuple,
+    kwargs: dict,
+    grad: Any,
+    amp_fn: AmpFunction | None = None,
 ) -> tuple[Any, Any, list[Any]]:
     """``(the closed jaxpr amp runs, the original's, their inputs)`` for
-    ``base(*args, **kwargs)`` (with ``grad``: its ``value_and_grad``)."""
-    run, dyn = flat_call(AmpFunction(base, policy), args, kwargs, grad)
+    ``base(*args, **kwargs)`` (with ``grad``: its ``value_and_grad``);
+    ``amp_fn``: the amp function of ``base`` to run (its trace is then kept in
+    it, for the caller to read its plan), by default a new one."""
+    if amp_fn is None:
+        amp_fn = AmpFunction(base, policy)
+    run, dyn = flat_call(amp_fn, args, kwargs, grad)
     orig, _ = flat_call(base, args, kwargs, grad)
     return jax.make_jaxpr(run)(*dyn), jax.make_jaxpr(orig)(*dyn), dyn
