@@ -16,7 +16,7 @@ from jax import lax
 
 import amp_jax
 from amp_jax import amp
-from amp_jax._src import compat, interpreter, planning
+from amp_jax._src import compat, interpreter, planning, rules
 from amp_jax._src.backends import BACKEND_LOW_OUTPUTS, backend_for, cpu, plain_dot
 
 #: primitives that accumulate many values in the backward pass
@@ -469,6 +469,7 @@ def test_plan_reads_a_transposed_weight_through_its_transpose():
         lay = p.layouts[d]
         assert lay.operands == tuple(p.jaxpr.invars) and lay.out_dtype == jnp.float32
         assert repr(lay) == f"DotLayout(dot {d}, rhs via transpose {t}, dims={_NT})"
+        assert f"layout: DotLayout(dot {d}, rhs via transpose {t}" in str(p)  # (the printed plan)
 
 
 def test_plan_writes_a_transposed_product_as_the_swapped_dot():
@@ -545,6 +546,25 @@ def test_a_transposed_integer_by_float_dot_keeps_its_dims():
 
     assert _plan(f, w, q).layouts == {}
     assert rel(amp(f)(w, q), f(w, q)) < 1e-2
+
+
+def test_a_registered_dot_rule_binds_the_transposed_product(monkeypatch):
+    """Under a dot rule the user registered, the plan's swapped dot is not
+    amp's to write: the transpose is bound as written, the product is the rule's."""
+    calls = []
+
+    def rule(eqn, invals, compute_dtype, out_dtype):
+        calls.append(eqn)
+        a, b = (v.astype(compute_dtype) for v in invals)
+        dims = eqn.params["dimension_numbers"]
+        return [lax.dot_general(a, b, dims, preferred_element_type=out_dtype)]
+
+    monkeypatch.setitem(rules.TABLE, "dot_general", rules.TABLE["dot_general"])
+    amp_jax.register_rule("dot_general", rule)
+    w, xs = jnp.ones((256, 128)), jnp.ones((64, 128))
+    f = amp(lambda w, xs: jax.vmap(lambda v: w @ v)(xs))
+    prims = [e.primitive.name for e, _ in eqns(jax.make_jaxpr(f)(w, xs))]
+    assert "transpose" in prims and len(calls) == 1, prims
 
 
 def test_plan_has_no_layouts_for_other_backends():

@@ -61,12 +61,12 @@ class DotRule(AllowRule):
 class TransposeRule(EqnRule):
     """``transpose``: bound as written, unless the plan writes it as a lowered
     dot with its operands swapped (`Plan.layouts`: the transpose of the dot's
-    result, on XLA:CPU)."""
+    result, on XLA:CPU) and amp's own rule binds that dot."""
 
     def evaluate(self, ctx: RuleContext, eqn: Any, d: Decision, env: Env) -> list[Any]:
         lay = _layout(eqn, env)
-        if lay is None:
-            return super().evaluate(ctx, eqn, d, env)
+        if lay is None or not isinstance(ctx.rule_for(lay.eqn, OpClass.ALLOW), DotRule):
+            return super().evaluate(ctx, eqn, d, env)  # (or the user's own dot rule)
         out = _layout_dot(ctx, lay, env)[0]
         want = casting.target(casting.dtype_of(eqn.invars[0]), d.color, ctx.policy.compute_dtype)
         return [out if want is None else casting.cast(out, want)]
@@ -91,10 +91,13 @@ def _layout_dot(ctx: RuleContext, lay: Any, env: Env) -> list[Any]:
     return dot_general_rule(lay.eqn, invals, cd, lay.out_dtype, backend=ctx.backend, dims=lay.dims)
 
 
-def plan_layouts(ctx: RuleContext, jaxpr: Any, decisions: Sequence[Decision]) -> dict[int, Any]:
+def plan_layouts(
+    jaxpr: Any, decisions: Sequence[Decision], *, backend: str, vjp_rules: bool
+) -> dict[int, Any]:
     """The backend's layout records of a plan's lowered dots (`Backend.plan_layouts`),
-    by eqn index: for the dots amp's own dot rule lowers to the compute dtype
-    (none in custom JVP rules, or under a dot rule the user registered)."""
+    by eqn index: for the dots amp's dot rule lowers to the compute dtype (none
+    in custom JVP rules, whose dots JAX transposes). A dot rule the user
+    registered ignores them."""
     lowered, skip = {}, set()
     for i, (eqn, d) in enumerate(zip(jaxpr.eqns, decisions)):
         if d.fused is not Fused.NO:
@@ -106,13 +109,9 @@ def plan_layouts(ctx: RuleContext, jaxpr: Any, decisions: Sequence[Decision]) ->
             and all(is_managed_float(casting.dtype_of(v)) for v in eqn.invars)
         ):
             lowered[i] = d.out_dtype
-    if not lowered or not ctx.vjp_rules:
+    if not lowered or not vjp_rules:
         return {}
-    from amp_jax._src import rules  # (the table is built from this module's rules)
-
-    if not isinstance(rules.rule_for(jaxpr.eqns[min(lowered)], OpClass.ALLOW), DotRule):
-        return {}
-    return backend_for(ctx.backend).plan_layouts(jaxpr, lowered, skip)
+    return backend_for(backend).plan_layouts(jaxpr, lowered, skip)
 
 
 def _tangent_sum(out: Any, parts: list[Any]) -> Any:

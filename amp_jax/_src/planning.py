@@ -400,7 +400,9 @@ def plan(ctx: Context, closed: Any, hints: BodyHints = NO_HINTS) -> Plan:
         draft = _paint(ctx, compat.jaxpr_of(flat), hints)
         att = _plan_attention(ctx, flat)
         decisions = draft.decisions(ctx, compat.jaxpr_of(flat), att)
-        layouts = dots.plan_layouts(ctx, compat.jaxpr_of(flat), decisions)
+        layouts = dots.plan_layouts(
+            compat.jaxpr_of(flat), decisions, backend=ctx.backend, vjp_rules=ctx.vjp_rules
+        )
         return Plan(flat, decisions, att.fused, layouts, tuple(att.log))
 
     return ctx.cached(("plan", hints), closed, make)
@@ -415,7 +417,9 @@ def all_low(ctx: Context, closed: Any) -> Plan:
     for c in (ctx.classify(e) for e in eqns):
         color = Color.ORIG if c.kind is Kind.NO_FLOAT else Color.LOW
         decisions.append(Decision(c.kind, c.op_class, color, reason))
-    layouts = dots.plan_layouts(ctx, compat.jaxpr_of(closed), decisions)
+    layouts = dots.plan_layouts(
+        compat.jaxpr_of(closed), decisions, backend=ctx.backend, vjp_rules=ctx.vjp_rules
+    )
     return Plan(closed, tuple(decisions), layouts=layouts)
 
 
