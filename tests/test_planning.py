@@ -306,3 +306,21 @@ def test_the_configuration_is_frozen_data_and_linear_shares_the_trace_memo():
     p = ctx.plan(closed)
     assert ctx.plan(closed) is p and linear.plan(closed) is not p  # keyed apart in one memo
     assert ctx.plan(closed, BodyHints(carries=frozenset({0}))) is not p
+    with pytest.raises(TypeError, match=r"Context\(Config\(policy, backend\)\)"):
+        planning.Context(amp_jax.get_policy("bfloat16"), "cpu")
+
+
+def test_a_plan_lists_its_attentions_and_the_trace_log_is_read_from_the_plans():
+    q = jnp.ones((2, 16, 4, 8))
+
+    def attention(q, k, v):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(8)
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+
+    ctx = _ctx(Policy(jnp.bfloat16, attention="xla"))
+    p = planning.plan(ctx, jax.make_jaxpr(attention)(q, q, q))
+    ((line, impl, _),) = p.attentions
+    assert impl == "xla" and "test_planning.py" in line
+    assert f"attention at {line}: xla (" in str(p)
+    assert ctx.memo.attention_log == list(p.attentions)
+    assert planning.plan(_ctx(Policy(jnp.bfloat16, attention="off")), p.closed).attentions == ()

@@ -117,9 +117,11 @@ class Memo:
 
     def __init__(self) -> None:
         self.table: dict[tuple[Any, int], tuple[Any, Any]] = {}
-        #: (source line of the scores matmul, implementation or None, reason)
-        #: for every attention recognised while planning (see attention.py).
-        self.attention_log: list[tuple[str, str | None, str]] = []
+
+    @property
+    def attention_log(self) -> list[tuple[str, str | None, str]]:
+        """`Plan.attentions` of every plan made in this trace, in order."""
+        return [a for _, v in self.table.values() if isinstance(v, Plan) for a in v.attentions]
 
     def get(self, key: Any, obj: Any, make: Callable[[], Any]) -> Any:
         """``make()``, computed once per ``obj`` (by identity) and ``key``."""
@@ -139,6 +141,14 @@ class Context:
 
     config: Config
     memo: Memo = dataclasses.field(default_factory=Memo, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.config, Config) or not isinstance(self.memo, Memo):
+            raise TypeError(
+                f"{type(self).__name__}(config, memo) takes a planning.Config and a Memo, got "
+                f"{type(self.config).__name__} and {type(self.memo).__name__}; build one as "
+                f"{type(self).__name__}(Config(policy, backend))."
+            )
 
     @property
     def policy(self) -> Policy:
@@ -345,6 +355,9 @@ class Plan:
     fused: dict[int, tuple[attention.Match, str]] = dataclasses.field(default_factory=dict)
     #: the backend's layouts of lowered dots, by eqn index (XLA:CPU: `cpu.DotLayout`)
     layouts: dict[int, Any] = dataclasses.field(default_factory=dict)
+    #: (source line of the scores matmul, implementation or None, reason) of
+    #: every attention recognised in the jaxpr (``attention.py``)
+    attentions: tuple[tuple[str, str | None, str], ...] = ()
 
     @property
     def jaxpr(self) -> Any:
@@ -357,8 +370,8 @@ class Plan:
 def format_plan(p: Plan) -> str:
     """The plan as text: a line per eqn (index, primitive, class, color, what
     an allow op writes, variant and fused part where not the default, the
-    reason), under a higher-order eqn the hints of its sub-jaxprs, and under a
-    dot or transpose the backend's layout record."""
+    reason), under a higher-order eqn the hints of its sub-jaxprs, under a
+    dot or transpose the backend's layout record; then the attentions found."""
     lines = []
     for i, (eqn, d) in enumerate(zip(p.jaxpr.eqns, p.decisions)):
         what = d.op_class.value if d.op_class is not None else d.kind.value
@@ -372,6 +385,8 @@ def format_plan(p: Plan) -> str:
         lines += [f"{'':>9}{where}: {hints}" for where, hints in d.hints]
         if i in p.layouts:
             lines.append(f"{'':>9}layout: {p.layouts[i]}")
+    for line, impl, why in p.attentions:
+        lines.append(f"attention at {line}: {impl or 'left as written'} ({why})")
     return "\n".join(lines)
 
 
@@ -388,7 +403,7 @@ def plan(ctx: Context, closed: Any, hints: BodyHints = NO_HINTS) -> Plan:
         layouts = dots.plan_layouts(
             compat.jaxpr_of(flat), decisions, backend=ctx.backend, vjp_rules=ctx.vjp_rules
         )
-        return Plan(flat, decisions, att.fused, layouts)
+        return Plan(flat, decisions, att.fused, layouts, tuple(att.log))
 
     return ctx.cached(("plan", hints), closed, make)
 
@@ -758,7 +773,6 @@ def _plan_attention(ctx: Context, closed: Any) -> attention.Plan:
         compute_dtype=ctx.policy.compute_dtype,
         in_full_precision=ctx.in_full_precision,
     )
-    ctx.memo.attention_log.extend(plan_.log)
     return plan_
 
 
