@@ -198,3 +198,24 @@ def test_explain_traces_the_function_once_for_amp(grad):
     ex = amp_jax.explain(f, w, x, policy=BF16_F32OUT, grad=grad)
     assert len(calls) == 2
     assert ex.rows == amp_jax.explain(small, w, x, policy=BF16_F32OUT, grad=grad).rows
+
+
+def _first_dot(a, b):
+    return jnp.sum(a @ b)
+
+
+def _second_dot(a, b):
+    return jnp.sum(jnp.tanh(a) @ b)
+
+
+def test_explain_names_each_call_site_of_a_dot_traced_once():
+    # amp's dot is traced once per signature and reused at every call site with
+    # the same types (JAX's jit cache): rows still name their own source line
+    a, b = jnp.ones((8, 64)), jnp.ones((64, 64))
+    policy = amp_jax.Policy(allow_outputs="float32")
+    for grad in (False, True):
+        amp_jax.explain(_first_dot, a, b, policy=policy, grad=grad)
+        ex = amp_jax.explain(_second_dot, a, b, policy=policy, grad=grad)
+        dots = [r for r in ex.rows if r.primitive == "dot_general"]
+        assert dots and all("(_second_dot)" in r.where for r in dots), dots
+        assert all("no amp decision" not in r.reason for r in dots), dots

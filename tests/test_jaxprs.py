@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.extend.core import jaxpr_as_fun
 
 import amp_jax
 from amp_jax._src import compat, jaxprs
@@ -167,7 +168,7 @@ def test_iter_eqns_walks_sub_jaxprs_with_run_counts():
         return jnp.exp(c)
 
     jaxpr = jax.make_jaxpr(f)(jnp.ones((3, 3)), jnp.ones((3, 3))).jaxpr
-    rows = [(e.primitive.name, where, times) for e, where, times, _ in jaxprs.iter_eqns(jaxpr)]
+    rows = [(e.primitive.name, where, times) for e, where, times, _, _ in jaxprs.iter_eqns(jaxpr)]
     assert ("dot_general", "scan", 5) in rows
     assert ("tanh", "scan/cond", 5) in rows and ("sin", "scan/cond", 5) in rows
     assert ("exp", "", 1) in rows
@@ -187,8 +188,9 @@ def test_open_jaxpr_and_closed_subjaxprs():
 
 
 def test_every_evaluator_in_amp_is_a_hook_on_eval_jaxpr(monkeypatch):
-    # the interpreter, jit inlining, debug's probes and eager's dependency
-    # analysis all walk through jaxprs.eval_jaxpr, each with its own hook
+    # the interpreter, debug's probes and eager's dependency analysis all walk
+    # through jaxprs.eval_jaxpr, each with its own hook (jit inlining splices:
+    # test_inline_splices_jit_bodies_in_place)
     hooks = []
     real = jaxprs.eval_jaxpr
 
@@ -204,4 +206,54 @@ def test_every_evaluator_in_amp_is_a_hook_on_eval_jaxpr(monkeypatch):
     amp_jax.amp(f)(X, W)
     amp_jax.debug.first_nonfinite(f, X, W)
     dependencies(jax.make_jaxpr(f)(X, W), [frozenset("x"), frozenset("w")])
-    assert {"by_decision", "_inlining", "probing", "_propagate"} <= set(hooks), hooks
+    assert {"by_decision", "probing", "_propagate"} <= set(hooks), hooks
+
+
+def test_inline_splices_jit_bodies_in_place():
+    # nested jits, a body forwarding an input, a literal result, a dropped
+    # result, a body constant and a named scope around the call
+    @jax.jit
+    def inner(a):
+        return jnp.sin(a) * np.arange(4.0, dtype=np.float32), a
+
+    @jax.jit
+    def outer(a, b):
+        s, fwd = inner(a)
+        return s + b, fwd, 2.0
+
+    def f(x, y):
+        with jax.named_scope("block"):
+            s, fwd, two = outer(x, y)
+        _, dropped, _ = outer(y, x)
+        del dropped
+        return jnp.cos(s) * two + fwd
+
+    x, y = jnp.linspace(0.0, 1.0, 4), jnp.linspace(1.0, 2.0, 4)
+    closed = jax.make_jaxpr(f)(x, y)
+    flat = jaxprs.inline(closed, compat.jit_is_inlinable, compat.jit_jaxpr)
+    names = [e.primitive.name for e in flat.jaxpr.eqns]
+    assert not {"jit", "pjit"} & set(names), names
+    assert names.count("sin") == 2 and names.count("cos") == 1
+    # the eqns of ``closed`` itself are the same objects
+    assert [e for e in closed.jaxpr.eqns if e.primitive.name == "cos"][0] in flat.jaxpr.eqns
+    # a spliced eqn gets the name stack of the call in front of its own
+    sin = [e for e in flat.jaxpr.eqns if e.primitive.name == "sin"]
+    assert "block" in str(sin[0].source_info.name_stack)
+    assert "block" not in str(sin[1].source_info.name_stack)
+    np.testing.assert_array_equal(jaxpr_as_fun(flat)(x, y)[0], f(x, y))
+    # nothing to inline: the same closed jaxpr
+    plain = jax.make_jaxpr(jnp.sin)(x)
+    assert jaxprs.inline(plain, compat.jit_is_inlinable, compat.jit_jaxpr) is plain
+
+
+def test_inline_folds_a_constant_as_tracing_in_place_would():
+    # jnp.where's jitted body converts its weak scalar operand: with a literal
+    # operand, tracing the body in place folds the convert into a literal
+    def f(m, s):
+        return jax.jit(lambda m, s, v: jnp.where(m, s, v))(m, s, -1e9)
+
+    m, s = jnp.array([True, False]), jnp.ones(2)
+    flat = jaxprs.inline(jax.make_jaxpr(f)(m, s), compat.jit_is_inlinable, compat.jit_jaxpr)
+    converts = [e for e in flat.jaxpr.eqns if e.primitive.name == "convert_element_type"]
+    assert not converts, flat
+    assert any(isinstance(v, compat.Literal) for e in flat.jaxpr.eqns for v in e.invars)

@@ -216,6 +216,19 @@ def jit_is_inlinable(eqn: Any) -> bool:
     )
 
 
+def jit_inlined_by_jax(eqn: Any) -> bool:
+    """A ``jit`` eqn that JAX inlines itself (``jax.jit(..., inline=True)``):
+    when it stages it (JAX 0.10-0.11) or when it lowers it (``Inline.JAX_LATE``,
+    JAX 0.12, which keeps it in jaxprs)."""
+    inline = eqn.params.get("inline") if eqn.primitive.name in JIT_NAMES else None
+    return inline is True or getattr(inline, "value", None) in ("jax_early", "jax_late")
+
+
+def is_drop_var(v: Any) -> bool:
+    """A result var nothing reads (``_`` in a printed jaxpr)."""
+    return isinstance(v, jex_core.DropVar)
+
+
 def jit_jaxpr(eqn: Any) -> Any:
     return eqn.params["jaxpr"]
 

@@ -136,13 +136,13 @@ def _amp_dot(
     def cast(v: Any) -> Any:
         return casting.lower(v, compute_dtype)
 
-    def primal(x, y):
+    def amp_dot(x, y):
         return dot(cast(x), cast(y), dims, precision, acc, out_sharding)
 
     # A custom JVP (not VJP) rule, so forward mode works too: the tangent
     # products are lowdot's linear dots, whose transpose rule writes the
     # cotangent products amp wants (see amp_jax._src.lowdot).
-    f = jax.custom_jvp(primal)
+    f = jax.custom_jvp(amp_dot)
     lin = dict(
         dimension_numbers=dims,
         precision=precision,
@@ -166,7 +166,7 @@ def _amp_dot(
         return out, _tangent_sum(out, parts)
 
     f.defjvp(jvp, symbolic_zeros=True)
-    return f
+    return jax.jit(f, inline=True)
 
 
 def dot_general_rule(

@@ -41,7 +41,7 @@ class _Env:
         self.layouts = layouts or {}
 
     def write(self, v: Any, val: Any) -> None:
-        if type(v).__name__ != "DropVar":
+        if not compat.is_drop_var(v):
             self.vals[v] = val
 
     def read_broadcast(self, atom: Any, dtype: Any, shape: tuple[int, ...]) -> Any:

@@ -34,26 +34,47 @@ def closed_subjaxprs(eqn: Any) -> list[Any]:
     ]
 
 
+#: primitives that call their sub-jaxpr once, whose jaxpr JAX may have traced
+#: (and cached) at another call site: their eqns' source lines are the call's
+_CALLS = compat.JIT_NAMES | compat.CUSTOM_JVP_NAMES | compat.CUSTOM_VJP_NAMES
+
+
+def line_site(eqn: Any, site: Any = None) -> Any:
+    """The eqn whose source line the eqns of ``eqn``'s sub-jaxprs have
+    (`iter_eqns`): ``site`` (an enclosing call's), else ``eqn`` if it is a
+    call, else None (their own)."""
+    return site if site is not None or eqn.primitive.name not in _CALLS else eqn
+
+
 def iter_eqns(
-    jaxpr: Any, path: str = "", times: int = 1, stack: tuple[str, ...] = ()
-) -> Iterator[tuple[Any, str, int, tuple[str, ...]]]:
+    jaxpr: Any,
+    path: str = "",
+    times: int = 1,
+    stack: tuple[str, ...] = (),
+    site: Any = None,
+) -> Iterator[tuple[Any, str, int, tuple[str, ...], Any]]:
     """``(eqn, enclosing primitives, times it runs, enclosing eqns' name
-    stacks)`` for every first-order eqn of ``jaxpr`` and of its sub-jaxprs (a
-    ``scan`` body runs ``length`` times; a ``while`` body is counted once,
-    every ``cond`` branch once). A sub-jaxpr's name stacks are relative to
-    the eqn that holds it: the full stack is ``(*stack, eqn's own)``."""
+    stacks, the eqn whose source line it has)`` for every first-order eqn of
+    ``jaxpr`` and of its sub-jaxprs (a ``scan`` body runs ``length`` times; a
+    ``while`` body is counted once, every ``cond`` branch once). A
+    sub-jaxpr's name stacks are relative to the eqn that holds it: the full
+    stack is ``(*stack, eqn's own)``. An eqn inside a ``jit`` or custom
+    derivative call has the source line of the outermost such call: JAX
+    reuses a traced body at every call site with the same types (amp's dots),
+    so the body's own tracebacks can name another call."""
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
         subs = list(jex_core.jaxprs_in_params(eqn.params))
         if subs:
             inner = times * int(eqn.params.get("length", 1)) if name == "scan" else times
             inner_stack = (*stack, str(eqn.source_info.name_stack))
+            # (a jit JAX inlines where it stages it -- amp's dots, jnp's helpers -- is no place)
+            here = path if compat.jit_inlined_by_jax(eqn) else f"{path}/{name}" if path else name
+            at = line_site(eqn, site)
             for sub in subs:
-                yield from iter_eqns(
-                    open_jaxpr(sub)[0], f"{path}/{name}" if path else name, inner, inner_stack
-                )
+                yield from iter_eqns(open_jaxpr(sub)[0], here, inner, inner_stack, at)
             continue
-        yield eqn, path, times, stack
+        yield eqn, path, times, stack, (eqn if site is None else site)
 
 
 def def_use(jaxpr: Any) -> tuple[dict[Any, int], dict[Any, list[int]]]:
@@ -103,7 +124,7 @@ class Env:
         return self.literal(atom) if isinstance(atom, compat.Literal) else self.vals[atom]
 
     def write(self, var: Any, value: Any) -> None:
-        if type(var).__name__ != "DropVar":
+        if not compat.is_drop_var(var):
             self.vals[var] = value
 
     def operands(self, eqn: Any) -> list[Any]:
@@ -164,6 +185,92 @@ def run_eqns(eqns: Iterable[Any], env: dict[Any, Any], hook: Hook = bind) -> Non
     reading their operands from the plain dict ``env`` and writing their
     results there."""
     _run(eqns, Env(vals=env), hook)
+
+
+def inline(closed: Any, inlinable: Callable[[Any], bool], body: Callable[[Any], Any]) -> Any:
+    """``closed`` with every eqn that ``inlinable`` accepts replaced by the eqns
+    of its closed jaxpr ``body(eqn)`` (recursively), spliced in place.
+
+    The other eqns are kept as they are (the same objects) unless they read a
+    result that an inlined body forwards from its inputs or writes as a literal.
+    A spliced eqn gets fresh vars, or the inlined eqn's own result vars, and
+    the name stack of the eqn it came from in front of its own, as tracing
+    the body in place under that eqn's context would give it. The bodies'
+    constants become constants of the result.
+    """
+    jaxpr = compat.jaxpr_of(closed)
+    if not any(inlinable(e) for e in jaxpr.eqns):
+        return closed
+    constvars, consts = list(jaxpr.constvars), list(compat.consts_of(closed))
+    eqns: list[Any] = []
+
+    def splice(src: Any, sub: dict[Any, Any], stack: Any) -> None:
+        def atom(a: Any) -> Any:
+            return a if isinstance(a, compat.Literal) else sub.get(a, a)
+
+        def results(e: Any) -> list[Any]:  # its result vars here: own ones at the top
+            if stack is None:
+                return list(e.outvars)
+            for v in e.outvars:
+                if v not in sub and not compat.is_drop_var(v):
+                    sub[v] = jex_core.Var(v.aval)
+            return [sub.get(v, v) for v in e.outvars]
+
+        for e in src:
+            invars = [atom(v) for v in e.invars]
+            if inlinable(e):
+                inner, bconsts = open_jaxpr(body(e))
+                own = dict(zip(inner.invars, invars))
+                for cv, c in zip(inner.constvars, bconsts):
+                    own[cv] = jex_core.Var(cv.aval)
+                    constvars.append(own[cv])
+                    consts.append(c)
+                made = {v for be in inner.eqns for v in be.outvars}
+                outs = results(e)
+                for bo, ov in zip(inner.outvars, outs):  # results keep their vars
+                    lit = isinstance(bo, compat.Literal)
+                    if not lit and bo in made and bo not in own and not compat.is_drop_var(ov):
+                        own[bo] = ov
+                here = (
+                    e.source_info.name_stack if stack is None else stack + e.source_info.name_stack
+                )
+                splice(inner.eqns, own, here)
+                for v, bo, ov in zip(e.outvars, inner.outvars, outs):
+                    if isinstance(bo, compat.Literal):
+                        sub[v] = bo
+                    elif not compat.is_drop_var(ov) and own.get(bo) is not ov:
+                        sub[v] = own[bo]
+                continue
+            if stack is None:  # an eqn of ``closed`` itself
+                eqns.append(e if invars == list(e.invars) else e.replace(invars=invars))
+                continue
+            folded = _folded(e, invars) if invars != list(e.invars) else None
+            if folded is not None:  # as tracing it in place folds it
+                sub.update(zip(e.outvars, folded))
+                continue
+            info = e.source_info.replace(name_stack=stack + e.source_info.name_stack)
+            eqns.append(e.replace(invars=invars, outvars=results(e), source_info=info))
+
+    top: dict[Any, Any] = {}
+    splice(jaxpr.eqns, top, None)
+    outvars = [v if isinstance(v, compat.Literal) else top.get(v, v) for v in jaxpr.outvars]
+    new = jex_core.Jaxpr(constvars, jaxpr.invars, outvars, eqns, jaxpr.effects, jaxpr.debug_info)
+    return compat.close(new, consts)
+
+
+def _folded(eqn: Any, invars: list[Any]) -> list[Any] | None:
+    """The literal results of ``eqn`` on ``invars`` when all are literals and
+    JAX's tracing folds it (a ``convert_element_type`` of a constant), else None."""
+    if not invars or not all(isinstance(v, compat.Literal) for v in invars):
+        return None
+    if eqn.effects or any(True for _ in jex_core.jaxprs_in_params(eqn.params)):
+        return None
+    vals = [compat.literal_value(v) for v in invars]
+    staged = compat.trace_to_closed_jaxpr(lambda: compat.bind_eqn(eqn, vals), [])
+    outs = compat.jaxpr_of(staged).outvars
+    if compat.jaxpr_of(staged).eqns or not all(isinstance(v, compat.Literal) for v in outs):
+        return None
+    return list(outs)
 
 
 def called_jaxpr(eqn: Any) -> Any | None:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax.numpy as jnp
@@ -779,30 +779,10 @@ def _plan_attention(ctx: Context, closed: Any) -> attention.Plan:
 # -- preparing: inlining jits ----------------------------------------------------------
 
 
-def _has_inlinable_jit(jaxpr: Any) -> bool:
-    return any(compat.jit_is_inlinable(e) for e in jaxpr.eqns)
-
-
-def _inlining(i: int, eqn: Any, env: jaxprs.Env) -> Sequence[Any]:
-    """The `jaxprs.Hook` of `inline_jits`: an inlinable ``jit``'s body is
-    evaluated in place (recursively), any other eqn is bound as it is."""
-    if compat.jit_is_inlinable(eqn):
-        return _eval_inlining(compat.jit_jaxpr(eqn), env.operands(eqn))
-    return jaxprs.bind(i, eqn, env)
-
-
-def _eval_inlining(closed: Any, args: Sequence[Any]) -> list[Any]:
-    jaxpr, consts = jaxprs.open_jaxpr(closed)
-    return jaxprs.eval_jaxpr(jaxpr, consts, args, _inlining)
-
-
 def inline_jits(closed: Any) -> Any:
-    """``closed`` with every sharding-free ``jit`` eqn inlined (recursively)."""
-    if not _has_inlinable_jit(compat.jaxpr_of(closed)):
-        return closed
-    return compat.trace_to_closed_jaxpr(
-        lambda *a: _eval_inlining(closed, a), compat.in_avals(closed)
-    )
+    """``closed`` with every sharding-free ``jit`` eqn inlined (recursively),
+    spliced in place (`jaxprs.inline`): no re-trace, the other eqns kept."""
+    return jaxprs.inline(closed, compat.jit_is_inlinable, compat.jit_jaxpr)
 
 
 __all__ = (

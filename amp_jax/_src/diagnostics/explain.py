@@ -391,7 +391,7 @@ class Explanation:
 class _Measured(NamedTuple):
     """The floating ops of one program and what they moved."""
 
-    eqns: list[tuple[Any, int, str]]  # (eqn, times it runs, full name stack)
+    eqns: list[tuple[Any, int, str, Any]]  # (eqn, times it runs, full name stack, its site)
     nbytes: int  # bytes read and written, all runs together
     casts: int  # floating casts in the code
     casts_run: int  # floating casts executed
@@ -400,10 +400,10 @@ class _Measured(NamedTuple):
 def _measure(jaxpr: Any) -> _Measured:
     """The floating eqns of ``jaxpr`` with their run counts, bytes moved and casts."""
     eqns, nbytes, casts, casts_run = [], 0, 0, 0
-    for eqn, _, times, outer in iter_eqns(jaxpr):
+    for eqn, _, times, outer, site in iter_eqns(jaxpr):
         if not _touches_float(eqn):
             continue
-        eqns.append((eqn, times, full_stack(eqn, outer)))
+        eqns.append((eqn, times, full_stack(eqn, outer), site))
         nbytes += times * sum(_nbytes(v.aval) for v in (*eqn.invars, *eqn.outvars))
         if is_float_cast(eqn):
             casts += 1
@@ -417,18 +417,18 @@ def _group(new: _Measured, old: _Measured, decisions: Decisions):
     reason, most FLOPs first (``old``, the original, tells amp's casts apart)."""
     lines = SourceLines()
     orig_cast_keys = collections.Counter(
-        (lines(e), e.primitive.name) for e, _, _ in old.eqns if is_float_cast(e)
+        (lines(site), e.primitive.name) for e, _, _, site in old.eqns if is_float_cast(e)
     )
     groups: dict[tuple, list[int]] = {}
     flops_by: collections.Counter = collections.Counter()
     mm_by: collections.Counter = collections.Counter()
     seen: collections.Counter = collections.Counter()
     derived: dict[str, str] = {}
-    for eqn, times, stack in new.eqns:
+    for eqn, times, stack, site in new.eqns:
         dtype = ran_in(eqn)
         flops = times * eqn_flops(eqn)
         nbytes = times * sum(_nbytes(v.aval) for v in (*eqn.invars, *eqn.outvars))
-        line = lines(eqn)
+        line = lines(site)
         key = (
             line,
             scope_of(stack),

@@ -140,6 +140,7 @@ def _decide(
     out: Decisions,
     inherited: str | None,
     outer: tuple[str, ...] = (),
+    site: Any = None,
 ) -> None:
     """Fills ``out[(source line, primitive)][named_scope path]`` with a Counter
     of the reasons of the plan's decisions (the sub-jaxprs' plans included).
@@ -149,25 +150,27 @@ def _decide(
     ``full_precision_scopes`` head, one outside). ``outer`` is the enclosing
     eqns' name stacks, as `jaxprs.iter_eqns` gives them for the rows.
     An eqn bound as written, or a function painted low, gives its own reason
-    to everything it holds (``inherited``).
+    to everything it holds (``inherited``). ``site``: the call whose source
+    line the eqns have (as `jaxprs.iter_eqns` gives it to the rows).
     """
     for eqn, d in zip(jaxpr.eqns, decisions):
         reason = inherited or d.reason.text
-        where = (compat.source_line(eqn), eqn.primitive.name)
+        where = (compat.source_line(eqn if site is None else site), eqn.primitive.name)
         out[where][scope_of(full_stack(eqn, outer))][reason] += 1
         if not compat.has_subjaxprs(eqn):
             continue
         inner = (*outer, str(eqn.source_info.name_stack))
+        at = jaxprs.line_site(eqn, site)
         for sub in jaxprs.closed_subjaxprs(eqn):
             if d.kind is Kind.AS_WRITTEN or inherited is not None:
                 body = compat.jaxpr_of(sub)
-                _decide(ctx, body, [d] * len(body.eqns), out, reason, inner)
+                _decide(ctx, body, [d] * len(body.eqns), out, reason, inner, at)
             elif d.color is Color.LOW:  # a transparent custom_jvp function: all of it low
                 body = compat.jaxpr_of(ctx.prepare(sub))
-                _decide(ctx, body, [d] * len(body.eqns), out, reason, inner)
+                _decide(ctx, body, [d] * len(body.eqns), out, reason, inner, at)
             else:
                 sub_plan = plan(ctx, sub, body_hints(eqn, d, sub))
-                _decide(ctx, sub_plan.jaxpr, sub_plan.decisions, out, None, inner)
+                _decide(ctx, sub_plan.jaxpr, sub_plan.decisions, out, None, inner, at)
 
 
 def _decision_at(by_scope: dict[str, collections.Counter], scope: str) -> collections.Counter:

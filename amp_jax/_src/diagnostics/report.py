@@ -21,7 +21,7 @@ def _why(eqn: Any) -> str:
 
 
 def _walk(jaxpr: Any, counts: collections.Counter, path: str) -> None:
-    for eqn, where, _, _ in iter_eqns(jaxpr, path):
+    for eqn, where, _, _, _ in iter_eqns(jaxpr, path):
         name = eqn.primitive.name
         ins = ",".join(str(v.aval.dtype) for v in eqn.invars if hasattr(v.aval, "dtype"))
         outs = ",".join(str(v.aval.dtype) for v in eqn.outvars if hasattr(v.aval, "dtype"))
