@@ -166,6 +166,8 @@ def _amp_dot(
         return out, _tangent_sum(out, parts)
 
     f.defjvp(jvp, symbolic_zeros=True)
+    # jitted (and inlined by JAX where it stages it): JAX linearizes, transposes
+    # and lowers it once per signature instead of once per call
     return jax.jit(f, inline=True)
 
 
@@ -218,14 +220,14 @@ def _amp_conv(
     def conv(x, w, out_dtype):
         return prim.bind(x, w, **{**params, "preferred_element_type": out_dtype})
 
-    def primal(x, w):
+    def amp_conv(x, w):
         return conv(casting.lower(x, compute_dtype), casting.lower(w, compute_dtype), acc)
 
     # A custom JVP (so forward mode works): the tangent convolutions take
     # compute-dtype operands and write compute-dtype results, which JAX's conv
     # transpose rules turn into compute-dtype cotangent convolutions (the
     # cotangent rounded to the compute dtype first: the transpose of the cast).
-    f = jax.custom_jvp(primal)
+    f = jax.custom_jvp(amp_conv)
 
     def jvp(primals, tangents):
         x, w = primals
@@ -240,7 +242,7 @@ def _amp_conv(
         return out, _tangent_sum(out, parts)
 
     f.defjvp(jvp, symbolic_zeros=True)
-    return f
+    return jax.jit(f, inline=True)  # (as _amp_dot)
 
 
 def conv_rule(
