@@ -197,8 +197,9 @@ class Context:
 
     # -- classification -------------------------------------------------
     def classify(self, eqn: Any) -> Classified:
-        """What ``eqn`` is under this context (once per eqn)."""
-        return self.cached("classify", eqn, lambda: _classify(self, eqn))
+        """What ``eqn`` is under this context (its callers keep the results:
+        the painting once per jaxpr, not a memo entry per eqn)."""
+        return _classify(self, eqn)
 
     def is_transparent(self, eqn: Any) -> bool:
         """A ``custom_jvp_call`` whose body only has follow/clear ops (``jax.nn.relu``).

@@ -114,6 +114,21 @@ def _nbytes(aval: Any) -> int:
         return 0
 
 
+def _eqn_bytes(eqn: Any, memo: dict[Any, int]) -> int:
+    """Bytes ``eqn`` reads and writes once (``memo``: by aval, for a whole program)."""
+    total = 0
+    for v in (*eqn.invars, *eqn.outvars):
+        aval = v.aval
+        try:
+            n = memo[aval]
+        except KeyError:
+            n = memo[aval] = _nbytes(aval)
+        except TypeError:  # an unhashable aval
+            n = _nbytes(aval)
+        total += n
+    return total
+
+
 def eqn_flops(eqn: Any) -> int:
     """Floating-point operations of one first-order eqn (a multiply-add is 2)."""
     name = eqn.primitive.name
@@ -391,7 +406,7 @@ class Explanation:
 class _Measured(NamedTuple):
     """The floating ops of one program and what they moved."""
 
-    eqns: list[tuple[Any, int, str, Any]]  # (eqn, times it runs, full name stack, its site)
+    eqns: list[tuple[Any, int, str, Any, int]]  # (eqn, times, name stack, site, bytes once)
     nbytes: int  # bytes read and written, all runs together
     casts: int  # floating casts in the code
     casts_run: int  # floating casts executed
@@ -400,11 +415,13 @@ class _Measured(NamedTuple):
 def _measure(jaxpr: Any) -> _Measured:
     """The floating eqns of ``jaxpr`` with their run counts, bytes moved and casts."""
     eqns, nbytes, casts, casts_run = [], 0, 0, 0
+    memo: dict[Any, int] = {}
     for eqn, _, times, outer, site in iter_eqns(jaxpr):
         if not _touches_float(eqn):
             continue
-        eqns.append((eqn, times, full_stack(eqn, outer), site))
-        nbytes += times * sum(_nbytes(v.aval) for v in (*eqn.invars, *eqn.outvars))
+        once = _eqn_bytes(eqn, memo)
+        eqns.append((eqn, times, full_stack(eqn, outer), site, once))
+        nbytes += times * once
         if is_float_cast(eqn):
             casts += 1
             casts_run += times
@@ -417,17 +434,17 @@ def _group(new: _Measured, old: _Measured, decisions: Decisions):
     reason, most FLOPs first (``old``, the original, tells amp's casts apart)."""
     lines = SourceLines()
     orig_cast_keys = collections.Counter(
-        (lines(site), e.primitive.name) for e, _, _, site in old.eqns if is_float_cast(e)
+        (lines(site), e.primitive.name) for e, _, _, site, _ in old.eqns if is_float_cast(e)
     )
     groups: dict[tuple, list[int]] = {}
     flops_by: collections.Counter = collections.Counter()
     mm_by: collections.Counter = collections.Counter()
     seen: collections.Counter = collections.Counter()
     derived: dict[str, str] = {}
-    for eqn, times, stack, site in new.eqns:
+    for eqn, times, stack, site, once in new.eqns:
         dtype = ran_in(eqn)
         flops = times * eqn_flops(eqn)
-        nbytes = times * sum(_nbytes(v.aval) for v in (*eqn.invars, *eqn.outvars))
+        nbytes = times * once
         line = lines(site)
         key = (
             line,
