@@ -134,17 +134,23 @@ def evaluate(
     env = _Env({jaxpr.eqns[i].outvars[0]: lay for i, lay in plan_.layouts.items()})
     cd = ctx.policy.compute_dtype
 
+    def bind(i: int, eqn: Any, d: decision.Decision, env: _Env) -> Sequence[Any]:
+        if d.fused is Fused.HERE:
+            match, impl = plan_.fused[i]
+            return [match.evaluate(env.read, cd, impl)]
+        return rules.rule_for(eqn, d.op_class).evaluate(ctx, eqn, d, env)
+
     def by_decision(i: int, eqn: Any, env: _Env) -> Sequence[Any]:
         d = plan_.decisions[i]
         if d.fused is Fused.INSIDE:
             return ()  # computed by the fused attention
+        names = decision.scopes(d)  # its reason, for the ops it becomes
+        if not names:
+            return bind(i, eqn, d, env)
         with contextlib.ExitStack() as stack:
-            for scope in decision.scopes(d):  # its reason, for the ops it becomes
+            for scope in names:
                 stack.enter_context(jax.named_scope(scope))
-            if d.fused is Fused.HERE:
-                match, impl = plan_.fused[i]
-                return [match.evaluate(env.read, cd, impl)]
-            return rules.rule_for(eqn, d.op_class).evaluate(ctx, eqn, d, env)
+            return bind(i, eqn, d, env)
 
     def output(v: Any) -> Any:
         return env.read(

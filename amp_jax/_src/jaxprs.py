@@ -9,7 +9,6 @@ instead of their own.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
@@ -146,9 +145,8 @@ def bind(i: int, eqn: Any, env: Env) -> list[Any]:
 
 def _run(eqns: Iterable[Any], env: Values, hook: Hook) -> None:
     for i, eqn in enumerate(eqns):
-        with contextlib.ExitStack() as stack:
-            for m in compat.eqn_context(eqn):  # its source line, name stack and ctx
-                stack.enter_context(m)
+        source, ctx = compat.eqn_context(eqn)  # its source line and name stack; its ctx
+        with source, ctx:
             outs = hook(i, eqn, env)
         for v, o in zip(eqn.outvars, outs):
             env.write(v, o)
