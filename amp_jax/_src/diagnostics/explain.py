@@ -42,7 +42,7 @@ from amp_jax._src.diagnostics.reasons import (
     row_reason,
     scope_of,
 )
-from amp_jax._src.diagnostics.tracing import check_grad, loss_of, programs, split_fn
+from amp_jax._src.diagnostics.tracing import check_grad, loss_of, original, rewritten, split_fn
 from amp_jax._src.jaxprs import iter_eqns
 from amp_jax._src.policy import DEFAULT_ALLOW, Policy, is_managed_float
 from amp_jax._src.transform import AmpFunction
@@ -428,14 +428,20 @@ def _measure(jaxpr: Any) -> _Measured:
     return _Measured(eqns, nbytes, casts, casts_run)
 
 
-def _group(new: _Measured, old: _Measured, decisions: Decisions):
+def _cast_keys(m: _Measured) -> collections.Counter:
+    """The floating casts of a measured program by (source line, primitive)."""
+    lines = SourceLines()
+    return collections.Counter(
+        (lines(site), e.primitive.name) for e, _, _, site, _ in m.eqns if is_float_cast(e)
+    )
+
+
+def _group(new: _Measured, orig_cast_keys: collections.Counter, decisions: Decisions):
     """``(rows, FLOPs by dtype, matmul FLOPs by dtype)`` of the rewritten program
     ``new``: its ops grouped by source line, scope, pass, primitive, dtype and
-    reason, most FLOPs first (``old``, the original, tells amp's casts apart)."""
+    reason, most FLOPs first (``orig_cast_keys``: the original program's casts,
+    by `_cast_keys`, tell amp's apart)."""
     lines = SourceLines()
-    orig_cast_keys = collections.Counter(
-        (lines(site), e.primitive.name) for e, _, _, site, _ in old.eqns if is_float_cast(e)
-    )
     groups: dict[tuple, list[int]] = {}
     flops_by: collections.Counter = collections.Counter()
     mm_by: collections.Counter = collections.Counter()
@@ -557,12 +563,15 @@ def explain(
     base, pol = split_fn(fn, policy)
     g = check_grad(grad)
     base = loss_of(base, has_aux, "explain", g is not None)
+    # the original program first, kept only as its totals and casts: its eqns
+    # are not alive while amp's program is traced (fewer objects to collect)
+    old = _measure(compat.jaxpr_of(original(base, args, kwargs, g)))
+    orig_casts = _cast_keys(old)
+    old = old._replace(eqns=[])
     run = AmpFunction(base, pol)
-    new_closed, old_closed, _ = programs(base, pol, args, kwargs, g, run)
+    new = _measure(compat.jaxpr_of(rewritten(base, pol, args, kwargs, g, run)))
     # (the plan amp made while tracing the program, when it kept it: not traced twice)
     traces = run.traces()
     decisions = decisions_of(base, pol, args, kwargs, traces[-1] if len(traces) == 1 else None)
-    new = _measure(compat.jaxpr_of(new_closed))
-    old = _measure(compat.jaxpr_of(old_closed))
-    rows, flops_by, mm_by = _group(new, old, decisions)
+    rows, flops_by, mm_by = _group(new, orig_casts, decisions)
     return Explanation(rows, _summary(pol, flops_by, mm_by, new, old), pol)

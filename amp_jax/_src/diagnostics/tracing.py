@@ -138,8 +138,30 @@ def programs(
     ``base(*args, **kwargs)`` (with ``grad``: its ``value_and_grad``);
     ``amp_fn``: the amp function of ``base`` to run (its trace is then kept in
     it, for the caller to read its plan), by default a new one."""
-    if amp_fn is None:
-        amp_fn = AmpFunction(base, policy)
-    run, dyn = flat_call(amp_fn, args, kwargs, grad)
-    orig, _ = flat_call(base, args, kwargs, grad)
-    return jax.make_jaxpr(run)(*dyn), jax.make_jaxpr(orig)(*dyn), dyn
+    old = original(base, args, kwargs, grad)
+    return (
+        rewritten(base, policy, args, kwargs, grad, amp_fn),
+        old,
+        flat_call(base, args, kwargs, grad)[1],
+    )
+
+
+def original(base: Callable[..., Any], args: tuple, kwargs: dict, grad: Any) -> Any:
+    """The closed jaxpr of ``base(*args, **kwargs)`` (with ``grad``: its ``value_and_grad``)."""
+    orig, dyn = flat_call(base, args, kwargs, grad)
+    return jax.make_jaxpr(orig)(*dyn)
+
+
+def rewritten(
+    base: Callable[..., Any],
+    policy: Policy,
+    args: tuple,
+    kwargs: dict,
+    grad: Any,
+    amp_fn: AmpFunction | None = None,
+) -> Any:
+    """The closed jaxpr amp runs for ``base(*args, **kwargs)`` (see `programs`)."""
+    run, dyn = flat_call(
+        AmpFunction(base, policy) if amp_fn is None else amp_fn, args, kwargs, grad
+    )
+    return jax.make_jaxpr(run)(*dyn)
