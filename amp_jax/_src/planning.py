@@ -451,7 +451,9 @@ class _Draft:
         return [c.kind for c in self.classified]
 
     def decisions(self, ctx: Context, jaxpr: Any, att: attention.Plan) -> tuple[Decision, ...]:
-        out = []
+        """One per eqn; equal decisions (the same op in every layer) are one
+        object: a plan holds as many objects as it has different decisions."""
+        out, seen = [], {}
         for i, (eqn, c, color) in enumerate(zip(jaxpr.eqns, self.classified, self.colors)):
             fused = Fused.HERE if i in att.fused else Fused.INSIDE if i in att.skip else Fused.NO
             reason = self.kept.get(i) or c.reason
@@ -472,7 +474,7 @@ class _Draft:
                 fused,
                 tuple(self.bodies.get(i, {}).items()),
             )
-            out.append(d)
+            out.append(seen.setdefault(d, d))
         return tuple(out)
 
 
@@ -567,7 +569,8 @@ def _painted(ctx: Context, jaxpr: Any) -> tuple[tuple[Classified, ...], tuple[Co
     fixed point both start from it)."""
 
     def make() -> tuple[tuple[Classified, ...], tuple[Color, ...]]:
-        classified = [ctx.classify(e) for e in jaxpr.eqns]
+        seen: dict[Classified, Classified] = {}  # (equal ones shared, as decisions)
+        classified = [seen.setdefault(c, c) for c in map(ctx.classify, jaxpr.eqns)]
         if ctx.identity:
             return tuple(classified), (Color.ORIG,) * len(classified)
         for i in _reads_unrepresentable_constant(jaxpr, ctx.policy.compute_dtype):
