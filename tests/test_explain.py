@@ -219,3 +219,22 @@ def test_explain_names_each_call_site_of_a_dot_traced_once():
         dots = [r for r in ex.rows if r.primitive == "dot_general"]
         assert dots and all("(_second_dot)" in r.where for r in dots), dots
         assert all("no amp decision" not in r.reason for r in dots), dots
+
+
+def _scanned_dot(w, xs):
+    def body(c, x):
+        return jnp.tanh(c @ w) + x, None
+
+    return jnp.sum(jax.lax.scan(body, xs[0], xs)[0])
+
+
+def test_explain_names_the_call_site_of_a_dot_traced_once_inside_a_scan():
+    # JAX differentiates a scan body as a jaxpr, whose eqns keep the source
+    # lines of the traces amp's jitted dot reuses: those are of their own line
+    w, xs = jnp.ones((8, 8)), jnp.ones((5, 4, 8))
+    amp_jax.explain(_first_dot, xs[0], w, grad=True)  # the same dot, another line
+    ex = amp_jax.explain(_scanned_dot, w, xs, grad=True)
+    dots = [r for r in ex.rows if r.primitive == "dot_general"]
+    assert {r.backward for r in dots} == {False, True}
+    assert all("(_scanned_dot.<locals>.body)" in r.where or "(body)" in r.where for r in dots), dots
+    assert all("no amp decision" not in r.reason for r in dots), dots

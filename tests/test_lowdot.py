@@ -25,7 +25,9 @@ def _lowdot():
     f = amp_jax.amp(lambda x, w: x @ w, policy=POLICY)
     x, w = jnp.ones((4, 8)), jnp.ones((8, 3))
     jaxpr = jax.make_jaxpr(lambda dx: jax.jvp(lambda x: f(x, w), (x,), (dx,)))(x)
-    (eqn,) = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "amp_linear_dot"]
+    from _util import eqns  # (inside amp's jitted dot: JAX 0.12 keeps the jit in jaxprs)
+
+    (eqn,) = [e for e, _ in eqns(jaxpr) if e.primitive.name == "amp_linear_dot"]
     assert eqn.params["t_is_lhs"] and eqn.params["compute_dtype"] == BF16
     return eqn.primitive, dict(eqn.params)
 

@@ -444,9 +444,18 @@ def while_split(params: dict[str, Any]) -> tuple[int, int]:
 def source_line(eqn: Any) -> str:
     """The user's source line of ``eqn`` (``file:line:col (function)``), or ``"-"``;
     files under the working directory are named relative to it (``train.py:12:5``)."""
+    return _line_of(eqn.source_info)
+
+
+def current_source_line() -> str:
+    """The user's source line an op bound now would get (`source_line`)."""
+    return _line_of(source_info_util.current())
+
+
+def _line_of(info: Any) -> str:
     try:
-        where = source_info_util.summarize(eqn.source_info) or "-"
-    except Exception:  # an eqn without a traceback
+        where = source_info_util.summarize(info) or "-"
+    except Exception:  # no traceback
         return "-"
     cwd = os.getcwd().rstrip(os.sep) + os.sep
     return where[len(cwd) :] if where.startswith(cwd) else where

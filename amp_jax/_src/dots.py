@@ -20,7 +20,7 @@ import numpy as np
 from jax.custom_derivatives import SymbolicZero
 from jax.extend.core import primitives as P
 
-from amp_jax._src import casting, lowdot, mesh
+from amp_jax._src import casting, compat, lowdot, mesh
 from amp_jax._src.backends import backend_for
 from amp_jax._src.decision import Decision, Fused, OpClass, Variant
 from amp_jax._src.elementwise import (
@@ -166,9 +166,22 @@ def _amp_dot(
         return out, _tangent_sum(out, parts)
 
     f.defjvp(jvp, symbolic_zeros=True)
-    # jitted (and inlined by JAX where it stages it): JAX linearizes, transposes
-    # and lowers it once per signature instead of once per call
-    return jax.jit(f, inline=True)
+    return _jitted(f)
+
+
+def _jitted(f: Callable) -> Callable:
+    """``f`` jitted (and inlined by JAX where it stages it), once per caller's
+    source line: JAX linearizes, transposes and lowers it once per signature
+    and line instead of once per call (a layer's dots, called once per layer,
+    share a line), and the eqns of the trace it reuses name the line they
+    are run for (what ``explain`` and profilers read)."""
+
+    def amp_call(x: Any, y: Any, line: str) -> Any:
+        del line  # (a static argument: a trace of its own per line)
+        return f(x, y)
+
+    jitted = jax.jit(amp_call, static_argnums=2, inline=True)
+    return lambda x, y: jitted(x, y, compat.current_source_line())
 
 
 def dot_general_rule(
@@ -242,7 +255,7 @@ def _amp_conv(
         return out, _tangent_sum(out, parts)
 
     f.defjvp(jvp, symbolic_zeros=True)
-    return jax.jit(f, inline=True)  # (as _amp_dot)
+    return _jitted(f)
 
 
 def conv_rule(
