@@ -6,6 +6,7 @@ orbax resume, sharded blocks, and state bytes."""
 
 import doctest
 import re
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -91,7 +92,7 @@ def test_tables_have_the_papers_shapes():
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("shape", [(4, 1024), (3, 300), (2, 2, 77), (5000,)])
 def test_quantize_matches_the_numpy_reference(fmt, moment, shape):
-    key = jax.random.key(hash((fmt, moment, shape)) % 2**31)
+    key = jax.random.key(zlib.crc32(repr((fmt, moment, shape)).encode()))  # (the same every run)
     x = jax.random.normal(key, shape) * jnp.exp(3 * jax.random.normal(jax.random.key(1), shape))
     if moment == "nu":
         x = x * x
