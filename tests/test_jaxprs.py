@@ -257,3 +257,14 @@ def test_inline_folds_a_constant_as_tracing_in_place_would():
     converts = [e for e in flat.jaxpr.eqns if e.primitive.name == "convert_element_type"]
     assert not converts, flat
     assert any(isinstance(v, compat.Literal) for e in flat.jaxpr.eqns for v in e.invars)
+
+
+def test_iter_eqns_names_no_place_for_a_jit_jax_inlines():
+    # JAX 0.12 keeps a jit(inline=True) in jaxprs (Inline.JAX_LATE) and inlines
+    # it when lowering; amp's dots are such jits: no "jit" place for their ops
+    def f(x):
+        a = jax.jit(jnp.sin, inline=True)(x)
+        return jax.jit(jnp.cos)(a)
+
+    rows = {e.primitive.name: where for e, where, *_ in jaxprs.iter_eqns(jax.make_jaxpr(f)(X))}
+    assert rows == {"sin": "", "cos": "jit"}, rows

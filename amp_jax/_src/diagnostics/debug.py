@@ -31,7 +31,7 @@ from amp_jax._src.diagnostics.reasons import (
     row_reason,
     scope_of,
 )
-from amp_jax._src.diagnostics.tracing import check_grad, loss_of, programs, split_fn
+from amp_jax._src.diagnostics.tracing import check_grad, loss_of, program, split_fn
 from amp_jax._src.policy import is_managed_float
 from amp_jax._src.transform import AmpFunction
 
@@ -323,7 +323,8 @@ def first_nonfinite(
     base, pol = split_fn(fn, policy, default="float16")
     g = check_grad(grad)
     base = loss_of(base, has_aux, "first_nonfinite", g is not None)
-    new, old, dyn = programs(base, pol, args, kwargs, g)
+    old, dyn = program(base, args, kwargs, g)
+    new, _ = program(AmpFunction(base, pol), args, kwargs, g)
     probe = _Probe(stop_at_first=True)
     try:
         _run_closed(new, dyn, (), probe)

@@ -42,7 +42,7 @@ from amp_jax._src.diagnostics.reasons import (
     row_reason,
     scope_of,
 )
-from amp_jax._src.diagnostics.tracing import check_grad, loss_of, original, rewritten, split_fn
+from amp_jax._src.diagnostics.tracing import check_grad, loss_of, program, split_fn
 from amp_jax._src.jaxprs import iter_eqns
 from amp_jax._src.policy import DEFAULT_ALLOW, Policy, is_managed_float
 from amp_jax._src.transform import AmpFunction
@@ -565,11 +565,11 @@ def explain(
     base = loss_of(base, has_aux, "explain", g is not None)
     # the original program first, kept only as its totals and casts: its eqns
     # are not alive while amp's program is traced (fewer objects to collect)
-    old = _measure(compat.jaxpr_of(original(base, args, kwargs, g)))
+    old = _measure(compat.jaxpr_of(program(base, args, kwargs, g)[0]))
     orig_casts = _cast_keys(old)
     old = old._replace(eqns=[])
     run = AmpFunction(base, pol)
-    new = _measure(compat.jaxpr_of(rewritten(base, pol, args, kwargs, g, run)))
+    new = _measure(compat.jaxpr_of(program(run, args, kwargs, g)[0]))
     # (the plan amp made while tracing the program, when it kept it: not traced twice)
     traces = run.traces()
     decisions = decisions_of(base, pol, args, kwargs, traces[-1] if len(traces) == 1 else None)

@@ -126,42 +126,10 @@ def _differentiated(args: tuple, leaves: list, dyn_mask: list, dyn: list, argnum
     ]
 
 
-def programs(
-    base: Callable[..., Any],
-    policy: Policy,
-    args: tuple,
-    kwargs: dict,
-    grad: Any,
-    amp_fn: AmpFunction | None = None,
-) -> tuple[Any, Any, list[Any]]:
-    """``(the closed jaxpr amp runs, the original's, their inputs)`` for
-    ``base(*args, **kwargs)`` (with ``grad``: its ``value_and_grad``);
-    ``amp_fn``: the amp function of ``base`` to run (its trace is then kept in
-    it, for the caller to read its plan), by default a new one."""
-    old = original(base, args, kwargs, grad)
-    return (
-        rewritten(base, policy, args, kwargs, grad, amp_fn),
-        old,
-        flat_call(base, args, kwargs, grad)[1],
-    )
-
-
-def original(base: Callable[..., Any], args: tuple, kwargs: dict, grad: Any) -> Any:
-    """The closed jaxpr of ``base(*args, **kwargs)`` (with ``grad``: its ``value_and_grad``)."""
-    orig, dyn = flat_call(base, args, kwargs, grad)
-    return jax.make_jaxpr(orig)(*dyn)
-
-
-def rewritten(
-    base: Callable[..., Any],
-    policy: Policy,
-    args: tuple,
-    kwargs: dict,
-    grad: Any,
-    amp_fn: AmpFunction | None = None,
-) -> Any:
-    """The closed jaxpr amp runs for ``base(*args, **kwargs)`` (see `programs`)."""
-    run, dyn = flat_call(
-        AmpFunction(base, policy) if amp_fn is None else amp_fn, args, kwargs, grad
-    )
-    return jax.make_jaxpr(run)(*dyn)
+def program(fn: Callable[..., Any], args: tuple, kwargs: dict, grad: Any) -> tuple[Any, list[Any]]:
+    """``(closed jaxpr, its inputs)`` of ``fn(*args, **kwargs)`` (with ``grad``:
+    its ``value_and_grad``): of the original function, or of its
+    `AmpFunction` for the program amp runs (whose trace it then keeps, for
+    the caller to read its plan)."""
+    run, dyn = flat_call(fn, args, kwargs, grad)
+    return jax.make_jaxpr(run)(*dyn), dyn
