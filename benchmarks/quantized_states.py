@@ -161,6 +161,12 @@ def timings(cfg):
     return {"demo": update_times(params), "2048x2048": update_times(big)}
 
 
+def _device() -> str:
+    """The device the timings ran on: ``x86_64 CPU`` or, say, ``gpu NVIDIA H100 80GB HBM3``."""
+    d = jax.devices()[0]
+    return f"{platform.machine()} CPU" if d.platform == "cpu" else f"{d.platform} {d.device_kind}"
+
+
 def timing_table(times):
     """Markdown lines of the update-timing table, with where it was measured."""
     with open("/proc/loadavg") as f:
@@ -168,7 +174,7 @@ def timing_table(times):
     lines = [
         "Optimizer update alone (`jit(tx.update + optax.apply_updates)`, float32 "
         f"params, median of 30): JAX {jax.__version__}, Python {platform.python_version()}, "
-        f"{platform.machine()} CPU, {os.cpu_count()} cores, "
+        f"{_device()}, {os.cpu_count()} cores, "
         f"{time.strftime('%Y-%m-%d', time.gmtime())}, load average after the run {load}.",
         "",
         "| params | states | ms | vs bf16-state AdamW |",

@@ -10,7 +10,9 @@ prints a Markdown row for docs/accelerator.md:
 
     | backend | device | JAX | passed | failed | skipped | xfailed | date |
 
-The exit status is pytest's. Modules whose packages are missing there
+The exit status is pytest's. Cut off with SIGINT (``benchmarks/gpu_session.py``
+does this at the end of its budget), it still writes the row of the tests that
+ran. Modules whose packages are missing there
 (nbclient, mkdocs) skip themselves with ``pytest.importorskip``.
 """
 
@@ -20,6 +22,7 @@ import argparse
 import datetime
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -87,6 +90,10 @@ def main(argv: list[str] | None = None) -> int:
         proc = subprocess.Popen(
             cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
+        # Cut off with SIGINT (a terminal's Ctrl-C, `timeout -s INT`, gpu_session.py),
+        # pytest gets the signal as one of this process group and reports what it
+        # ran; this process ignores it, keeps that output and prints the row of it.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # after the fork: pytest keeps it
         for line in proc.stdout:
             sys.stdout.write(line)
             log.write(line)

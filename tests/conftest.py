@@ -8,3 +8,11 @@ if os.environ.get("AMP_JAX_MUTANT"):
     import mutants
 
     mutants.apply(os.environ["AMP_JAX_MUTANT"])
+
+# tests/resume.py: record the tests run, and deselect those an earlier, cut-off run reached.
+if os.environ.get("AMP_JAX_RESUME"):
+    from resume import (  # noqa: F401
+        pytest_collection_modifyitems,
+        pytest_configure,
+        pytest_runtest_logreport,
+    )

@@ -10,7 +10,11 @@ studies (benchmarks/studies/) only have to import.
 from __future__ import annotations
 
 import importlib
+import os
 import pathlib
+import subprocess
+import sys
+import tarfile
 
 import jax
 import pytest
@@ -153,3 +157,157 @@ def test_every_benchmark_is_smoke_tested_and_in_the_readme():
         assert f'"{path.stem}"' in here, f"{path.stem} has no smoke test"
     for name in STUDIES:
         assert f"benchmarks/studies/{name}.py" in readme, name
+
+
+# -- the GPU session (benchmarks/gpu_session.py) and its profile ----------------------
+
+
+@heavy
+def test_gpu_profile():
+    from benchmarks.gpu_profile import KINDS
+
+    text = run("gpu_profile")
+    t = table_with(text, "kind", "amp ms/step", "hand ms/step", "hand - amp")
+    assert first_column(t) == [k for k, _ in KINDS] + [
+        "other",
+        "total (device)",
+        "wall (host, traced)",
+    ]
+    total = t[-2]
+    assert float(total[1]) > 0 and float(total[2]) > 0
+    assert table_with(text, "kernel", "kind", "calls/step", "ms/step")
+
+
+def _trace(tracks: dict[tuple[str, str], list[tuple[str, float]]]) -> dict:
+    """A Perfetto-style trace: {(process, thread): [(event name, microseconds)]}."""
+    events, pids = [], {}
+    for tid, ((proc, thread), evs) in enumerate(tracks.items()):
+        pid = pids.setdefault(proc, len(pids) + 1)
+        events.append({"ph": "M", "pid": pid, "name": "process_name", "args": {"name": proc}})
+        events.append(
+            {"ph": "M", "pid": pid, "tid": tid, "name": "thread_name", "args": {"name": thread}}
+        )
+        events += [
+            {"ph": "X", "pid": pid, "tid": tid, "ts": 0, "dur": dur, "name": name}
+            for name, dur in evs
+        ]
+    return {"traceEvents": events}
+
+
+def test_gpu_profile_sums_the_device_streams_by_kind():
+    from benchmarks import gpu_profile as G
+
+    trace = _trace(
+        {
+            ("/device:GPU:0", "Stream #13(Compute)"): [
+                ("sm90_xmma_gemm_bf16bf16_bf16f32", 600.0),
+                ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop", 300.0),
+                ("loop_convert_fusion", 50.0),
+                ("input_reduce_fusion", 30.0),
+                ("loop_add_fusion", 20.0),
+            ],
+            # xprof's derived tracks repeat the stream's time by HLO op and module
+            ("/device:GPU:0", "XLA Ops"): [("fusion.1", 1000.0)],
+            ("/device:GPU:0", "XLA Modules"): [("jit_step", 1000.0)],
+            ("/host:CPU", "python"): [("PjitFunction(step)", 5000.0)],
+        }
+    )
+    s = G.summarize(G.device_events(trace), steps=2)
+    assert s["by_kind"] == {
+        "matmul": 0.3,
+        "attention": 0.15,
+        "convert": 0.025,
+        "reduction": 0.015,
+        "other fusion": 0.01,
+    }
+    assert abs(s["total_ms"] - 0.5) < 1e-12
+    assert s["calls"]["loop_add_fusion"] == 0.5
+    # without a device, the host's XLA threads stand in (the CPU check)
+    host = _trace(
+        {("/host:CPU", "tf_XLAEigen/1"): [("dot.3", 10.0)], ("/host:CPU", "python"): [("x", 99.0)]}
+    )
+    assert [e["name"] for e in G.device_events(host)] == ["dot.3"]
+
+
+def test_gpu_session_cuts_a_stage_off_with_sigint_first(tmp_path):
+    from benchmarks import gpu_session as S
+
+    code = (
+        "import time\n"
+        "print('started', flush=True)\n"
+        "try:\n    time.sleep(120)\n"
+        "except KeyboardInterrupt:\n    print('kept what it had', flush=True)\n    raise\n"
+    )
+    log = tmp_path / "stage.log"
+    rc, cut = S.run_stage([sys.executable, "-c", code], log, 2, dict(os.environ))
+    assert cut and rc != 0
+    assert log.read_text().split("\n")[:2] == ["started", "kept what it had"]
+    rc, cut = S.run_stage([sys.executable, "-c", "print('done')"], log, 60, dict(os.environ))
+    assert (rc, cut) == (0, False) and log.read_text() == "done\n"
+
+
+@pytest.mark.parametrize("workers", [[], ["-n", "2"]])
+def test_resume_runs_only_the_tests_a_cut_off_run_did_not_reach(tmp_path, workers):
+    (tmp_path / "test_three.py").write_text(
+        "import pytest\n"
+        "def test_one(): pass\n"
+        "def test_two(): pytest.skip('recorded too')\n"
+        "def test_three(): pass\n"
+    )
+    done = tmp_path / "done.txt"
+    env = {**os.environ, "AMP_JAX_RESUME": str(done), "PYTHONPATH": str(ROOT / "tests")}
+
+    def pytest_run(*args):
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "resume", "-p", "no:cacheprovider"]
+        out = subprocess.run(
+            [*cmd, *workers, "-W", "ignore", *args, "test_three.py"],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+        return out.stdout + out.stderr
+
+    first = pytest_run("-k", "one or two")  # the run that was cut off
+    assert "1 passed, 1 skipped" in first, first
+    assert sorted(done.read_text().split()) == [
+        "test_three.py::test_one",
+        "test_three.py::test_two",
+    ]
+    second = pytest_run()
+    # xdist's workers deselect, and its controller does not count them
+    assert ("1 passed in" if workers else "1 passed, 2 deselected") in second, second
+    assert sorted(done.read_text().split()) == [
+        "test_three.py::test_one",
+        "test_three.py::test_three",
+        "test_three.py::test_two",
+    ]
+
+
+@heavy
+def test_gpu_session(tmp_path):
+    text = run(
+        "gpu_session", "--out", str(tmp_path), "--fresh", "--resume", str(tmp_path / "d.txt")
+    )
+    stages = table_with(text, "stage", "seconds (share)", "exit", "cut off")
+    assert first_column(stages) == [
+        "device",
+        "tests_gpu",
+        "bench",
+        "quantized",
+        "profile",
+        "tests_rest",
+    ]
+    assert all(row[2] == "0" and row[3] == "" for row in stages[1:]), stages
+    assert table_with(text, "backend", "device", "JAX", "passed")
+    assert {
+        "summary.md",
+        "PROFILE_GPU.md",
+        "QUANTIZED_UPDATE.md",
+        "tests_done.txt",
+        "logs.tar.gz",
+    } <= {p.name for p in tmp_path.iterdir()}
+    assert "tests/test_policy.py::" in (tmp_path / "tests_done.txt").read_text()
+    with tarfile.open(tmp_path / "logs.tar.gz") as tar:
+        logs = {pathlib.PurePath(n).name for n in tar.getnames()}
+    assert {"bench.log", "profile.log", "tests_gpu.log", "tests_rest.log", "junit.xml"} <= logs
