@@ -111,3 +111,42 @@ def test_demo_bad_flags(args, message, capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert message in err and "usage:" in err, err
+
+
+def _stream_adds(mode_name: str) -> list[str]:
+    """The dtypes of the demo model's adds of [batch, seq, d_model] (the residual
+    stream's) in the rewritten jaxpr of ``mode_name``'s loss."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+    from jax.extend import core as jex_core
+
+    from amp_jax import amp
+    from amp_jax.demo import _model, _modes
+
+    cfg = _model.Config(d_model=32, layers=2, heads=2, seq=16, batch=2)
+    params = _model.init_params(jax.random.PRNGKey(0), cfg)
+    tokens = jnp.zeros((cfg.batch, cfg.seq), jnp.int32)
+    mode = _modes.MODES[mode_name]
+    loss = functools.partial(_model.loss_fn, heads=cfg.heads)
+    if mode.cast_params is not None:
+        loss = _modes._casting_params(loss, mode.cast_params)
+    found = []
+
+    def walk(jaxpr):
+        for e in jaxpr.eqns:
+            if e.primitive.name == "add" and e.outvars[0].aval.shape == (2, 16, 32):
+                found.append(str(e.outvars[0].aval.dtype))
+            for sub in jex_core.jaxprs_in_params(e.params):
+                walk(getattr(sub, "jaxpr", sub))
+
+    walk(jax.make_jaxpr(amp(loss, policy=mode.policy))(params, tokens, tokens).jaxpr)
+    return found
+
+
+def test_demo_bf16_stream_mode_carries_the_residual_stream_in_bf16():
+    # amp keeps a float32 model's residual stream float32; the opt-in mode casts
+    # the parameters where the loss starts (Flax's dtype=bfloat16), so it is bf16
+    assert set(_stream_adds("amp-bf16")) == {"float32"}
+    assert set(_stream_adds("amp-bf16-stream")) == {"bfloat16"}

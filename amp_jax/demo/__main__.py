@@ -5,7 +5,9 @@ Same model, same data, same seed in every mode: float32 (f32), amp with
 bfloat16 (amp-bf16), amp with float16 and dynamic loss scaling (amp-f16)
 and pure bfloat16 parameters with Kahan-compensated AdamW (bf16-kahan);
 opt-in, amp with float8 matmuls (amp-fp8, e.g. --modes amp-bf16,amp-fp8 on a
-GPU with float8 matmuls). Writes results.json and loss_curves.png to --out.
+GPU with float8 matmuls) and amp over parameters cast to bfloat16 at the start,
+a bfloat16 residual stream (amp-bf16-stream). Writes results.json and
+loss_curves.png to --out.
 """
 
 from __future__ import annotations

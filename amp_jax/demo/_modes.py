@@ -14,6 +14,12 @@ same batches; only the precision recipe changes:
   ``amp(loss, policy="float8")`` -- the dense matmuls in float8 with dynamic
   per-tensor scales (emulated where the GPU has no fp8 matmuls, and on CPU),
   the rest as ``amp-bf16``; AdamW. Compare it with ``--modes amp-bf16,amp-fp8``.
+* ``amp-bf16-stream`` (opt-in): float32 parameters cast to bfloat16 where the
+  loss starts, as Flax's ``dtype=bfloat16`` does, under
+  ``amp(loss, policy="bfloat16")``: the residual stream between blocks is
+  bfloat16 where ``amp-bf16`` keeps it float32 (norms, softmax and the loss
+  stay float32 in both); AdamW on the float32 parameters. Compare it with
+  ``--modes amp-bf16,amp-bf16-stream``: it trades validation loss for speed.
 """
 
 from __future__ import annotations
@@ -41,6 +47,8 @@ class Mode:
     param_dtype: Any
     make_tx: Callable[[optax.Schedule], optax.GradientTransformation]
     loss_scaled: bool = False
+    #: the dtype the loss casts the parameters to where it starts (None: none)
+    cast_params: Any = None
 
 
 MODES: dict[str, Mode] = {
@@ -83,6 +91,15 @@ MODES: dict[str, Mode] = {
             "float8",
             jnp.float32,
             lambda lr: optim.adamw(lr, weight_decay=0.0),
+        ),
+        Mode(
+            "amp-bf16-stream",
+            "float32 params cast to bfloat16 at the start (bf16 residual stream), "
+            "amp bfloat16, AdamW",
+            "bfloat16",
+            jnp.float32,
+            lambda lr: optim.adamw(lr, weight_decay=0.0),
+            cast_params=jnp.bfloat16,
         ),
     )
 }
@@ -169,11 +186,20 @@ class BuiltStep:
     opt_state: Any
 
 
+def _casting_params(loss: Callable[..., jax.Array], dtype: Any) -> Callable[..., jax.Array]:
+    def cast_loss(params, *args):
+        return loss(jax.tree.map(lambda p: p.astype(dtype), params), *args)
+
+    return cast_loss
+
+
 def build_step(
     mode: Mode, cfg: _model.Config, *, steps: int, lr: float, seed: int, x: Any, y: Any
 ) -> BuiltStep:
     """The train step the demo runs for ``mode``, compiled for batches like ``x, y``."""
     loss = functools.partial(_model.loss_fn, heads=cfg.heads)
+    if mode.cast_params is not None:
+        loss = _casting_params(loss, mode.cast_params)
     if mode.policy is not None:
         loss = amp(loss, policy=mode.policy)
     params = jax.tree.map(
