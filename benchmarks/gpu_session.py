@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import os
 import pathlib
 import re
@@ -220,6 +221,15 @@ def _grep(path: pathlib.Path, pattern: str, limit: int = 60) -> list[str]:
     ][:limit]
 
 
+def _first_table(path: pathlib.Path) -> list[str]:
+    """The lines of the first Markdown table in ``path``."""
+    if not path.exists():
+        return []
+    lines = path.read_text().splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith("|")), len(lines))
+    return list(itertools.takewhile(lambda line: line.startswith("|"), lines[start:]))
+
+
 def _section(path: pathlib.Path, heading: str) -> list[str]:
     """The lines of the Markdown section ``heading`` (up to the next heading of its level)."""
     if not path.exists():
@@ -267,13 +277,12 @@ def summary(work: pathlib.Path, rows: list[tuple[str, str, float, int, bool]], w
             text = log.read_text(errors="replace").split("# amp_jax speed benchmark")[0]
             lines += ["", "## bench (from its log: the tables printed per model)", ""]
             lines += [ln for ln in text.splitlines() if ln.startswith(("# ", "|"))]
-    quantized = [ln for ln in _grep(work / "logs" / "quantized.log", r"^\|")]
+    quantized = _grep(work / "logs" / "quantized.log", r"^\|")
     if quantized:
         lines += ["", "## quantized", "", *quantized]
-    profile = work / "PROFILE_GPU.md"
-    if profile.exists():
-        lines += ["", "## profile", ""]
-        lines += profile.read_text().split("\n\n")[2].splitlines()  # the table by kind
+    by_kind = _first_table(work / "PROFILE_GPU.md")
+    if by_kind:
+        lines += ["", "## profile", "", *by_kind]
     return "\n".join(lines) + "\n"
 
 
@@ -284,15 +293,11 @@ MAX_FILE = 16 * 2**20
 def _pack(work: pathlib.Path, tar_path: pathlib.Path) -> None:
     """Everything in ``work`` as one .tar.gz; without the HLO and the traces (the
     bulk) where it would be too large to come back."""
-    for skip in ((), ("hlo", "traces")):
+    for skip in (set(), {"hlo", "traces"}):
         with tarfile.open(tar_path, "w:gz") as tar:
-            tar.add(
-                work,
-                arcname="gpu_session",
-                filter=lambda t: (
-                    None if pathlib.PurePath(t.name).parts[1:2] in [(s,) for s in skip] else t
-                ),
-            )
+            for path in sorted(work.iterdir()):
+                if path.name not in skip:
+                    tar.add(path, arcname=f"gpu_session/{path.name}")
         if tar_path.stat().st_size < MAX_FILE:
             return
         print(f"# {tar_path.name}: over {MAX_FILE >> 20} MiB; packed again without {skip}")
@@ -342,7 +347,7 @@ def main(argv: list[str] | None = None) -> str:
     done = args.resume
     if args.fresh:
         done.unlink(missing_ok=True)
-    site = work / "site"
+    site = work.parent / f"{work.name}_site"  # not packed: ruff's binary alone is 25 MB
     wheels = (
         "none (--smoke)"
         if args.smoke

@@ -246,6 +246,33 @@ def test_gpu_session_cuts_a_stage_off_with_sigint_first(tmp_path):
     assert (rc, cut) == (0, False) and log.read_text() == "done\n"
 
 
+def test_gpu_session_packs_its_folder_and_drops_the_bulk_past_the_limit(tmp_path, monkeypatch):
+    from benchmarks import gpu_session as S
+
+    work = tmp_path / "work"
+    for name, size in (
+        ("logs/tests.log", 10),
+        ("hlo/gpt_amp.hlo.txt", 50_000),
+        ("traces/t.gz", 10),
+    ):
+        (work / name).parent.mkdir(parents=True, exist_ok=True)
+        (work / name).write_bytes(os.urandom(size))  # random: gzip cannot shrink it
+
+    def packed(limit):
+        monkeypatch.setattr(S, "MAX_FILE", limit)
+        S._pack(work, tmp_path / "logs.tar.gz")
+        with tarfile.open(tmp_path / "logs.tar.gz") as tar:
+            return {n for n in tar.getnames() if tar.getmember(n).isfile()}
+
+    every = {
+        "gpu_session/logs/tests.log",
+        "gpu_session/hlo/gpt_amp.hlo.txt",
+        "gpu_session/traces/t.gz",
+    }
+    assert packed(1 << 20) == every
+    assert packed(20_000) == {"gpu_session/logs/tests.log"}
+
+
 @pytest.mark.parametrize("workers", [[], ["-n", "2"]])
 def test_resume_runs_only_the_tests_a_cut_off_run_did_not_reach(tmp_path, workers):
     (tmp_path / "test_three.py").write_text(
@@ -300,6 +327,8 @@ def test_gpu_session(tmp_path):
     ]
     assert all(row[2] == "0" and row[3] == "" for row in stages[1:]), stages
     assert table_with(text, "backend", "device", "JAX", "passed")
+    assert table_with(text, "kind", "amp ms/step", "hand ms/step")  # the profile's, by kind
+    assert table_with(text, "params", "states", "ms", "vs bf16-state AdamW")
     assert {
         "summary.md",
         "PROFILE_GPU.md",

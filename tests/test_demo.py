@@ -116,22 +116,16 @@ def test_demo_bad_flags(args, message, capsys):
 def _stream_adds(mode_name: str) -> list[str]:
     """The dtypes of the demo model's adds of [batch, seq, d_model] (the residual
     stream's) in the rewritten jaxpr of ``mode_name``'s loss."""
-    import functools
-
     import jax
     import jax.numpy as jnp
     from jax.extend import core as jex_core
 
-    from amp_jax import amp
     from amp_jax.demo import _model, _modes
 
     cfg = _model.Config(d_model=32, layers=2, heads=2, seq=16, batch=2)
     params = _model.init_params(jax.random.PRNGKey(0), cfg)
     tokens = jnp.zeros((cfg.batch, cfg.seq), jnp.int32)
-    mode = _modes.MODES[mode_name]
-    loss = functools.partial(_model.loss_fn, heads=cfg.heads)
-    if mode.cast_params is not None:
-        loss = _modes._casting_params(loss, mode.cast_params)
+    loss = _modes.mode_loss(_modes.MODES[mode_name], cfg)
     found = []
 
     def walk(jaxpr):
@@ -141,7 +135,7 @@ def _stream_adds(mode_name: str) -> list[str]:
             for sub in jex_core.jaxprs_in_params(e.params):
                 walk(getattr(sub, "jaxpr", sub))
 
-    walk(jax.make_jaxpr(amp(loss, policy=mode.policy))(params, tokens, tokens).jaxpr)
+    walk(jax.make_jaxpr(loss)(params, tokens, tokens).jaxpr)
     return found
 
 
