@@ -9,6 +9,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from _util import marked_line, shown_path
 
@@ -174,3 +175,26 @@ def test_first_nonfinite_takes_has_aux():
     x = jnp.full((2, 16), 100.0)  # x @ w = 80000 > float16's 65504
     found = debug.first_nonfinite(_aux_loss, params, x, grad=True, has_aux=True)
     assert found is not None and found.dtype == "float32->float16"
+
+
+@pytest.mark.parametrize("grad", [False, True])
+@pytest.mark.parametrize("bad", [jnp.nan, jnp.inf])
+def test_first_nonfinite_names_a_nonfinite_input(bad, grad):
+    # NaN in the data: no op makes it, and it is no precision problem
+    w = jnp.ones((8, 4))
+    x = jnp.ones((16, 8)).at[3, 2].set(bad)
+    f = lambda w, x: jnp.mean((x @ w) ** 2)
+    assert not np.isfinite(amp(f, policy="float16")(w, x))
+    found = debug.first_nonfinite(f, w, x, policy="float16", grad=grad)
+    assert found is not None
+    assert found.primitive == "input" and found.where == "argument `x[3, 2]`"
+    assert found.kind == ("nan" if np.isnan(bad) else "inf")
+    assert not found.float32_finite
+    assert "not a precision problem" in found.fix and "not a precision problem" in str(found)
+
+
+def test_first_nonfinite_names_a_nonfinite_input_inside_a_pytree():
+    params = {"w": jnp.ones((8, 4)), "b": jnp.zeros(4).at[1].set(jnp.inf)}
+    f = lambda p, x: jnp.mean(x @ p["w"] + p["b"])
+    found = debug.first_nonfinite(f, params, jnp.ones((2, 8)))
+    assert found is not None and found.where == "argument `p['b'][1]`"

@@ -331,3 +331,54 @@ def test_float32_policy_runs_the_function_itself():
     jax.tree.map(np.testing.assert_array_equal, got, ref)
     assert isinstance(got[0][1], jax.Array)  # (a Python output comes back as an array, like jit)
     assert set(seen) == {"h"} and g.trace_count == 0
+
+
+# -- Equinox state with the amp function inside vmap/jit (the state an argument) -------
+
+
+def _eqx_layer(layer: str):
+    key = jax.random.key(0)
+    if layer == "batch_norm":
+        return eqx.nn.make_with_state(eqx.nn.BatchNorm)(16, axis_name="batch", mode="batch")
+    if layer == "batch_norm_ema":
+        return eqx.nn.make_with_state(eqx.nn.BatchNorm)(16, axis_name="batch", mode="ema")
+    return eqx.nn.make_with_state(eqx.nn.SpectralNorm)(
+        eqx.nn.Linear(16, 16, key=key), "weight", key=key
+    )
+
+
+@pytest.mark.parametrize("how", ["eager", "jit"])
+@pytest.mark.parametrize("layer", ["batch_norm", "batch_norm_ema", "spectral_norm"])
+def test_equinox_state_through_an_amp_function_under_vmap(layer, how):
+    # amp flattened the arguments again after the layer ran, and Equinox
+    # refuses to flatten a State a layer has used ("Attempted to use old state")
+    model, state = _eqx_layer(layer)
+    x = jax.random.normal(jax.random.key(1), (8, 16))
+
+    def run(m, x, state):
+        return jax.vmap(m, axis_name="batch", in_axes=(0, None), out_axes=(0, None))(x, state)
+
+    if how == "jit":
+        run = eqx.filter_jit(run)
+    want, want_state = run(lambda x, s: model(x, s), x, state)
+    for pol, rtol in (("float32", 0), ("bfloat16", 0.05)):
+        got, got_state = run(amp(lambda x, s: model(x, s), policy=pol), x, state)
+        assert got.dtype == want.dtype
+        close = np.testing.assert_array_equal if rtol == 0 else _close
+        kw = {} if rtol == 0 else {"rtol": rtol, "atol": 0.05}
+        close(got, want, **kw)
+        jax.tree.map(lambda a, b: close(a, b, **kw), got_state, want_state)
+    # the state moved (the layer wrote it), and the caller's state is still usable
+    moved = jax.tree.map(lambda a, b: not np.array_equal(a, b), want_state, state)
+    assert any(jax.tree.leaves(moved))
+    jax.tree.leaves(state)
+
+
+def test_equinox_state_through_an_amp_function_eagerly_unbatched():
+    model, state = _eqx_layer("spectral_norm")
+    x = jax.random.normal(jax.random.key(1), (16,))
+    clone = jax.tree.unflatten(*reversed(jax.tree.flatten(state)))
+    want, want_state = model(x, clone)  # (eagerly, Equinox invalidates `clone`)
+    got, got_state = amp(lambda x, s: model(x, s))(x, state)
+    _close(got, want, rtol=0.05, atol=0.05)
+    jax.tree.map(lambda a, b: _close(a, b, rtol=0.05, atol=0.05), got_state, want_state)

@@ -114,9 +114,16 @@ def static_key(leaf: Any, depth: int = 4) -> Any:
         # False`` makes a new trace rather than reusing the old one.
         if depth == 0:
             raise TypeError("too deep to key")  # (trace every call)
-        attrs = _attrs(leaf)
+        # (dunder attributes are a wrapper's metadata -- ``functools.wraps``
+        # copies ``__annotations__``, ``__wrapped__``, ``__doc__`` onto
+        # ``jax.jit``'s function -- not state that changes what tracing gives)
+        attrs = {k: v for k, v in _attrs(leaf).items() if not _is_dunder(k)}
         return (type(leaf), leaf, tuple((k, static_key(v, depth - 1)) for k, v in attrs.items()))
     return (type(leaf), leaf)
+
+
+def _is_dunder(name: str) -> bool:
+    return name.startswith("__") and name.endswith("__")
 
 
 def _compares_by_identity(obj: Any) -> bool:
@@ -290,6 +297,11 @@ class Call:
             return f"{self.names[keys[1]]}{rest}"
         return f"args[{keys[1]}]{rest}"
 
+    def leaf_name(self, i: int) -> str:
+        """The ``i``-th leaf of ``(args, kwargs)`` as the user wrote the argument."""
+        paths = jax.tree_util.tree_flatten_with_path((self.args, self.kwargs))[0]
+        return self.arg_name(paths[i][0])
+
     def path_name(self, path: tuple[Any, ...]) -> str:
         """``path`` (a key path into ``(args, kwargs)``) as the user would write it."""
         if len(path) < 2:
@@ -360,6 +372,10 @@ def held_array(obj: Any, seen: set[int] | None = None) -> str | None:
     seen = set() if seen is None else seen
     if isinstance(obj, _VALUE_TYPES) or isinstance(obj, types.ModuleType) or id(obj) in seen:
         return None
+    if isinstance(obj, TraceCache):
+        # amp's own trace cache (of an amp function passed as an argument, or
+        # jitted): its traces hold constants of amp's making, not user state
+        return None
     if isinstance(obj, (types.FunctionType, types.BuiltinFunctionType, type)):
         return None
     seen.add(id(obj))
@@ -426,15 +442,21 @@ def check_arguments(fn: Any, call: Call) -> None:
         )
 
 
-def check_no_leak(fn: Any, call: Call, args: tuple, kwargs: dict) -> None:
+def check_no_leak(fn: Any, call: Call) -> None:
     """Refuses an array that ``fn`` assigned, while amp traced it, to a plain
-    object (not a pytree) among its arguments ``(args, kwargs)`` (as traced)
-    or its ``self``: the object would keep a tracer of amp's trace and the
-    caller would never see the value."""
+    object (not a pytree) among its static arguments or its ``self``: the
+    object would keep a tracer of amp's trace and the caller would never see
+    the value.
+
+    Reads the static leaves `Call.of` found before ``fn`` ran (the same
+    objects ``fn`` was given), without flattening the arguments again: a
+    pytree that ``fn`` consumed may refuse to be flattened twice (Equinox's
+    ``State`` once a stateful layer has used it).
+    """
     where = None
-    for path, leaf in jax.tree_util.tree_flatten_with_path((args, kwargs))[0]:
-        if not is_dynamic(leaf) and (held := held_array(leaf)) is not None:
-            where, kind = f"{call.arg_name(path)}{held}", type(leaf).__name__
+    for i, (leaf, dyn) in enumerate(zip(call.leaves, call.dynamic_mask)):
+        if not dyn and (held := held_array(leaf)) is not None:
+            where, kind = f"{call.leaf_name(i)}{held}", type(leaf).__name__
             break
     if where is None and not call.fn_is_argument and (held := held_by_fn(fn)) is not None:
         where, kind = f"fn{held}", type(fn).__name__

@@ -38,12 +38,45 @@ def _nnx() -> Any:
 class Snapshot:
     """The leaves (by key path) and structure of the argument tree before ``fn`` ran."""
 
-    __slots__ = ("leaves", "treedef", "by_path")
+    __slots__ = ("flat", "leaves", "treedef", "by_path")
 
     def __init__(self, tree: Any):
-        flat, self.treedef = jax.tree_util.tree_flatten_with_path(tree)
-        self.leaves = [leaf for _, leaf in flat]
-        self.by_path = {jax.tree_util.keystr(p): i for i, (p, _) in enumerate(flat)}
+        self.flat, self.treedef = jax.tree_util.tree_flatten_with_path(tree)
+        self.leaves = [leaf for _, leaf in self.flat]
+        self.by_path = {jax.tree_util.keystr(p): i for i, (p, _) in enumerate(self.flat)}
+
+
+def _refuses_flatten(x: Any) -> bool:
+    """Whether the pytree node ``x`` refuses to be flattened: a value ``fn``
+    consumed (an Equinox ``State`` once a stateful layer has used it)."""
+    try:
+        jax.tree_util.tree_flatten(x, is_leaf=lambda y: y is not x)
+    except Exception:  # (whatever the library raises)
+        return True
+    return False
+
+
+def _flatten_after(snap: Snapshot, tree: Any) -> tuple[list[tuple[Any, Any]], Any]:
+    """The leaves (with key paths) and structure of ``tree`` after ``fn`` ran.
+
+    A node that ``fn`` consumed and that now refuses to be flattened (an
+    Equinox ``State`` that a layer used: Equinox invalidates it) was not
+    written in place; its leaves are the snapshot's. This must never fail
+    where the function worked: under ``jax.jit`` the caller's value would
+    stay valid too.
+    """
+    try:
+        return jax.tree_util.tree_flatten_with_path(tree)
+    except Exception:  # (a consumed node; whatever its library raises)
+        pass
+    flat: list[tuple[Any, Any]] = []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=_refuses_flatten)[0]:
+        if _refuses_flatten(leaf):
+            n = len(path)
+            flat += [(p, x) for p, x in snap.flat if tuple(p[:n]) == tuple(path)]
+        else:
+            flat.append((path, leaf))
+    return flat, snap.treedef
 
 
 class Writes:
@@ -90,7 +123,7 @@ def collect(snap: Snapshot, tree: Any, describe: Callable[[Any], str]) -> Writes
         ``describe`` turns a key path (into ``tree``) into the argument's name
         and the reason, for the message.
     """
-    flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    flat, treedef = _flatten_after(snap, tree)
     if treedef == snap.treedef and all(a is b for (_, a), b in zip(flat, snap.leaves)):
         return None
     sources: list[int | None] = []

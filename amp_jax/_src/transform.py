@@ -47,12 +47,17 @@ class Traced:
       ctx: the interpreter the plan was made in (it holds the sub-jaxprs' plans).
       writes: what ``fn`` writes into its arguments (their values are the
         jaxpr's last outputs), or None.
+      staged: the evaluation of the plan as a ``jax.jit``, when ``fn`` is itself
+        a jitted function (its whole program one ``jit``): amp keeps that jit,
+        so that an eager call compiles once, as ``jax.jit(h)(x)`` does, rather
+        than dispatching each op; None otherwise.
     """
 
     plan: Any
     out_tree: Any
     ctx: Interpreter
     writes: mutation.Writes | None = None
+    staged: Callable[..., list[Any]] | None = None
 
     @property
     def reusable(self) -> bool:
@@ -71,14 +76,21 @@ class AmpFunction:
     ``eqx.filter_jit(model)``), and each call traces them as arguments.
     """
 
+    # amp's own state lives in slots, not in ``__dict__``: ``functools.wraps``,
+    # ``jax.jit``, ``jax.grad`` and ``jax.vmap`` copy a function's ``__dict__``
+    # onto their wrapper, and an amp function applied to such a wrapper of
+    # another amp function would otherwise take the inner one's ``fn`` and
+    # trace cache for its own (slots, data descriptors, win over ``__dict__``)
+    __slots__ = ("fn", "policy", "cache_size", "_shared", "_scopes", "__dict__", "__weakref__")
+
     def __init__(self, fn: Callable[..., Any], policy: Policy, cache_size: int = 64):
+        # (a pytree fn's __dict__ holds its arrays: not copied, they would go stale)
+        functools.update_wrapper(self, fn, updated=() if is_tree(fn) else ("__dict__",))
         self.fn = fn
         self.policy = policy
         self.cache_size = cache_size
         self._shared: TraceCache[Traced] = TraceCache()
         self._scopes = (FULL_PRECISION_SCOPE, *policy.full_precision_scopes)
-        # (a pytree fn's __dict__ holds its arrays: not copied, they would go stale)
-        functools.update_wrapper(self, fn, updated=() if is_tree(fn) else ("__dict__",))
 
     def tree_flatten_with_keys(self):
         return ((jax.tree_util.GetAttrKey("fn"), self.fn),), (
@@ -90,10 +102,10 @@ class AmpFunction:
     @classmethod
     def tree_unflatten(cls, aux, children):
         new = cls.__new__(cls)
+        functools.update_wrapper(new, children[0], updated=())
         new.policy, new.cache_size, new._shared = aux
         new.fn = children[0]
         new._scopes = (FULL_PRECISION_SCOPE, *new.policy.full_precision_scopes)
-        functools.update_wrapper(new, new.fn, updated=())
         return new
 
     @property
@@ -121,7 +133,10 @@ class AmpFunction:
             return jax.tree.map(as_output, self.fn(*args, **kwargs))
         call = Call.of(self.fn, args, kwargs)
         traced = self._cached_trace(call)
-        outs = evaluate(traced.ctx, traced.plan, call.dynamic)
+        if traced.staged is not None:
+            outs = traced.staged(*call.dynamic)
+        else:
+            outs = evaluate(traced.ctx, traced.plan, call.dynamic)
         return self._outputs(call, traced, outs)
 
     def traces(self) -> list[Traced]:
@@ -159,7 +174,7 @@ class AmpFunction:
             snap = mutation.Snapshot(tree)
             with mutation.haiku_guard(fn_name(self.fn)):
                 out = call.target(*tree[0], **tree[1])
-            check_no_leak(self.fn, call, tree[0], tree[1])
+            check_no_leak(self.fn, call)
             try:
                 writes = mutation.collect(snap, tree, call.path_name)
             except TypeError as e:
@@ -176,7 +191,17 @@ class AmpFunction:
         writes = found[0]
         out_tree = jax.tree.structure(out_shape if writes is None else out_shape[0])
         ctx = Interpreter(Config(self.policy, jax.default_backend()))
-        return Traced(plan(ctx, closed), out_tree, ctx, writes)
+        planned = plan(ctx, closed)
+        name = _whole_jit_name(closed)
+        staged = None
+        if name is not None:
+
+            def run(*args: Any) -> list[Any]:
+                return evaluate(ctx, planned, args)
+
+            run.__name__ = run.__qualname__ = name
+            staged = jax.jit(run)
+        return Traced(planned, out_tree, ctx, writes, staged)
 
     def _outputs(self, call: Call, traced: Traced, outs: list[Any]) -> Any:
         """``fn``'s output from the evaluated jaxpr's; its writes carried to the arguments."""
@@ -185,6 +210,21 @@ class AmpFunction:
             after = traced.writes.after(call.leaves, outs[n:])
             mutation.write_back((call.args, call.kwargs), after, traced.writes.changed(after))
         return jax.tree.unflatten(traced.out_tree, [as_output(o) for o in outs[:n]])
+
+
+def _whole_jit_name(closed: Any) -> str | None:
+    """The name of the ``jit`` that is the whole of ``closed`` (``fn`` is a
+    jitted function: one jit eqn, fed the program's inputs, giving its
+    outputs), unless JAX inlines that jit itself; else None."""
+    jaxpr = compat.jaxpr_of(closed)
+    if len(jaxpr.eqns) != 1:
+        return None
+    (eqn,) = jaxpr.eqns
+    if eqn.primitive.name not in compat.JIT_NAMES or compat.jit_inlined_by_jax(eqn):
+        return None
+    if list(eqn.invars) != list(jaxpr.invars) or list(eqn.outvars) != list(jaxpr.outvars):
+        return None
+    return str(eqn.params.get("name", "jit"))
 
 
 @overload

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from amp_jax._src import compat, jaxprs
+from amp_jax._src.calling import Call
 from amp_jax._src.diagnostics.reasons import (
     decisions_of,
     full_stack,
@@ -209,6 +210,13 @@ class FirstNonfinite:
     fix: str
 
     def __str__(self) -> str:
+        if self.primitive == "input":
+            return "\n".join(
+                [
+                    f"first non-finite value ({self.kind}) at {self.where}, before any op ran",
+                    f"  fix: {self.fix}",
+                ]
+            )
         f32 = (
             "unknown"
             if self.float32_max_abs is None
@@ -301,7 +309,10 @@ def first_nonfinite(
       **kwargs: keyword arguments of ``fn``.
 
     Returns:
-      A [`FirstNonfinite`][amp_jax.debug.FirstNonfinite], or ``None`` when every value stayed finite.
+      A [`FirstNonfinite`][amp_jax.debug.FirstNonfinite], or ``None`` when every value,
+      the arguments' included, stayed finite. An argument that already holds an
+      inf or NaN is reported as such (``primitive="input"``, ``where`` naming
+      the argument and the first bad index): not a precision problem.
 
     Raises:
       TypeError: ``fn`` is not callable or ``grad`` is not a bool/int/tuple.
@@ -322,6 +333,8 @@ def first_nonfinite(
     """
     base, pol = split_fn(fn, policy, default="float16")
     g = check_grad(grad)
+    if (bad := _nonfinite_input(base, args, kwargs)) is not None:
+        return bad
     base = loss_of(base, has_aux, "first_nonfinite", g is not None)
     old, dyn = program(base, args, kwargs, g)
     new, _ = program(AmpFunction(base, pol), args, kwargs, g)
@@ -337,6 +350,44 @@ def first_nonfinite(
     # the plan's decision for the op (a cast's: the op whose result it casts)
     decisions = decisions_of(base, pol, args, kwargs)
     return _found(probe.first, ref, decisions)
+
+
+def _nonfinite_input(fn: Callable[..., Any], args: tuple, kwargs: dict) -> FirstNonfinite | None:
+    """The report of the first argument leaf that holds an inf or NaN, or None.
+
+    NaN in the data is among the commonest causes of a NaN loss, and no op
+    of the program makes it: the first non-finite value is the input itself.
+    """
+    call = Call.of(fn, args, kwargs)
+    paths = jax.tree_util.tree_flatten_with_path((call.args, call.kwargs))[0]
+    for (path, leaf), dyn in zip(paths, call.dynamic_mask):
+        if not (dyn and _is_float_array(leaf)) or _finite(leaf):
+            continue
+        x = np.asarray(leaf)
+        kinds = [k for k, f in (("inf", np.isinf), ("nan", np.isnan)) if f(x).any()]
+        first = tuple(int(i) for i in np.argwhere(~np.isfinite(x))[0])
+        name = call.path_name(path)
+        at = f"{name}[{', '.join(map(str, first))}]" if first else name
+        return FirstNonfinite(
+            where=f"argument `{at}`",
+            scope="-",
+            backward=False,
+            primitive="input",
+            cast_of=None,
+            dtype=str(x.dtype),
+            kind=" and ".join(kinds),
+            input_max_abs=_max_abs([leaf]),
+            dtype_max=float(jnp.finfo(x.dtype).max),
+            float32_max_abs=None,
+            float32_finite=False,
+            decision="none: the value was non-finite before any op ran",
+            fix=(
+                f"the argument `{name}` holds {' and '.join(kinds)} (first at `{at}`): this "
+                "is not a precision problem; check the data pipeline or the previous step "
+                "(for instance with jnp.isfinite on the batch before the step)."
+            ),
+        )
+    return None
 
 
 def _float32_range(ref: _Probe, key: tuple[str, str]) -> tuple[float | None, bool]:
