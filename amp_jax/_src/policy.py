@@ -33,6 +33,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import DTypeLike
 
 from amp_jax._src.backends import backend_for
 
@@ -561,14 +562,14 @@ class Policy:
       ('deny', 'allow')
     """
 
-    compute_dtype: Any = jnp.bfloat16
+    compute_dtype: DTypeLike | str = jnp.bfloat16
     allow: frozenset[str] = DEFAULT_ALLOW
     deny: frozenset[str] = DEFAULT_DENY
     follow: frozenset[str] = DEFAULT_FOLLOW
     clear: frozenset[str] = DEFAULT_CLEAR
     never: frozenset[str] = DEFAULT_NEVER
-    overrides: Any = ()
-    full_precision_scopes: Any = ()
+    overrides: Mapping[str, str] | tuple[tuple[str, str], ...] = ()
+    full_precision_scopes: Sequence[str] = ()
     strict: bool = False
     backend_aware: bool = True
     allow_outputs: str = "auto"

@@ -370,7 +370,15 @@ def amp(
     return AmpFunction(fn, pol, cache_size)
 
 
-def full_precision(fn: F | None = None) -> F:
+@overload
+def full_precision(fn: F) -> F: ...
+
+
+@overload
+def full_precision(fn: None = None) -> Callable[[F], F]: ...
+
+
+def full_precision(fn: Callable[..., Any] | None = None) -> Callable[..., Any]:
     """Marks ``fn`` to run in its original precision under [`amp`][amp_jax.amp].
 
     The equivalent of ``torch.autocast(enabled=False)``: every primitive traced

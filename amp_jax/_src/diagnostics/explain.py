@@ -381,8 +381,8 @@ class Explanation:
             scopes are shortened and the reason is wrapped onto the lines below
             (None: no limit).
           verbose: show every row's full source path, amp's own scope names,
-          its own barriers and layout copies as rows of their own and the
-            whole reason, whatever the width.
+            its own barriers and layout copies as rows of their own and the
+            whole reason on one line, whatever the width.
 
         Returns:
           An aligned table followed by the summary.
