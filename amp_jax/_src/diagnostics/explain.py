@@ -40,6 +40,7 @@ from amp_jax._src.diagnostics.reasons import (
     full_stack,
     is_backward,
     is_float_cast,
+    line_in_scope,
     ran_in,
     row_reason,
     scope_of,
@@ -555,6 +556,8 @@ def _group(
         line = lines(site)
         backward = is_backward(stack)
         name = eqn.primitive.name
+        if line == "-":  # amp's own evaluation (a custom_jvp run low): its scope's line
+            line = line_in_scope(decisions, name, scope_of(stack)) or line
         reason = row_reason(
             decisions,
             eqn,

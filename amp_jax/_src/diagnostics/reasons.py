@@ -252,7 +252,7 @@ def row_reason(
         )
     if attention and attention not in reason:  # left as written: the dtype reason, and why
         reason = f"{reason}; {attention}"
-    if backward and not reason.startswith("backward of"):
+    if backward and not reason.startswith(("backward of", "derived by JAX")):
         return f"backward of: {reason}"
     return reason
 
@@ -267,6 +267,13 @@ def _decision_in_scope(
         if prim == primitive and scope in by_scope:
             found.update(by_scope[scope])
     return found if len(found) == 1 else None
+
+
+def line_in_scope(decisions: Decisions, primitive: str, scope: str) -> str | None:
+    """The one source line with a decision for ``primitive`` at ``scope``, if one:
+    where an op amp evaluated itself (no source line of its own) comes from."""
+    lines = {w for (w, prim), by in decisions.items() if prim == primitive and scope in by}
+    return lines.pop() if len(lines) == 1 else None
 
 
 # -- a reason that agrees with the dtype shown ------------------------------------------
