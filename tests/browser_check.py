@@ -8,8 +8,10 @@ change to the docs' layout, with Debian's chromium and `pip install playwright`:
 
 For the home, API and benchmarks pages (and the notebooks) at 1280 x 900 it checks
 that every <img> has loaded (naturalWidth > 0) and that no table is wider than the
-content column unless it sits in a scrolling wrapper, and on the benchmarks and
-optimizer pages that every table fits without scrolling; it exits non-zero otherwise.
+content column unless it sits in a scrolling wrapper, on the benchmarks and
+optimizer pages that every table fits without scrolling, and on the notebook pages
+that no output or code block wraps its lines or cuts them (a wide one scrolls);
+it exits non-zero otherwise.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ PAGES = [
     "optim/index.html",
     "notebooks/quickstart/index.html",
     "notebooks/pure_bf16_optimizers/index.html",
+    "notebooks/flax_nnx/index.html",
 ]
 
 CHECK = """() => {
@@ -47,7 +50,23 @@ CHECK = """() => {
     const scrolls = scroller !== null && scroller.getBoundingClientRect().right <= col.right + 24;
     return {fits, scrolls, width: Math.round(r.width), col: Math.round(col.width)};
   });
-  return {imgs, tables, pageOverflow: document.documentElement.scrollWidth > window.innerWidth};
+  // notebook outputs and code: as many rendered lines as text lines (no wrapping), and a
+  // line wider than its box must be reachable by scrolling (nothing cut)
+  const pres = [...document.querySelectorAll('.jp-OutputArea-output pre, .jp-InputArea-editor pre, .highlight-ipynb pre')].map(p => {
+    const lines = p.textContent.replace(/\\n$/, '').split('\\n').length;
+    const cs = getComputedStyle(p);
+    const lh = parseFloat(cs.lineHeight) || 1.4 * parseFloat(cs.fontSize);
+    const pad = parseFloat(cs.paddingTop) + parseFloat(cs.paddingBottom);
+    const rendered = Math.round((p.clientHeight - pad) / lh);
+    let scrolls = false;
+    for (let e = p; e && e.tagName !== 'ARTICLE'; e = e.parentElement) {
+      const o = getComputedStyle(e).overflowX;
+      if (o === 'auto' || o === 'scroll') { scrolls = true; break; }
+    }
+    const wide = p.scrollWidth > p.clientWidth + 1;
+    return {wraps: rendered > lines, cut: wide && !scrolls, wide, text: p.textContent.slice(0, 60)};
+  });
+  return {imgs, tables, pres, pageOverflow: document.documentElement.scrollWidth > window.innerWidth};
 }"""
 
 
@@ -83,8 +102,15 @@ def main() -> int:
                 f"{len(r['tables'])} tables ({wide} wider than the column, all of them "
                 f"scrolling: {not cut}), page overflows the window: {r['pageOverflow']}"
             )
+            wrapped = [p["text"] for p in r["pres"] if p["wraps"] or p["cut"]]
+            if r["pres"]:
+                print(
+                    f"  {len(r['pres'])} notebook code/output blocks: {len(wrapped)} wrapped or "
+                    f"cut, {sum(p['wide'] for p in r['pres'])} scroll sideways"
+                    + "".join(f"\n    wrapped or cut: {t!r}" for t in wrapped)
+                )
             must_fit = name.startswith(("benchmarks/", "optim/"))
-            if bad_imgs or cut or r["pageOverflow"] or (must_fit and wide):
+            if bad_imgs or cut or r["pageOverflow"] or (must_fit and wide) or wrapped:
                 failures.append(name)
             if args.screenshots:
                 out = pathlib.Path(args.screenshots) / (name.replace("/", "_") + ".png")

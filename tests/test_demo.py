@@ -144,3 +144,24 @@ def test_demo_bf16_stream_mode_carries_the_residual_stream_in_bf16():
     # the parameters where the loss starts (Flax's dtype=bfloat16), so it is bf16
     assert set(_stream_adds("amp-bf16")) == {"float32"}
     assert set(_stream_adds("amp-bf16-stream")) == {"bfloat16"}
+
+
+def test_demo_concludes_only_what_its_step_times_support():
+    from amp_jax.demo.__main__ import conclusions
+
+    steady = lambda ms: [1.0] + [ms / 1e3 * (1 + 0.01 * (i % 3)) for i in range(20)]  # noqa: E731
+    # float16 faster than bfloat16 in its own table: never "amp-f16 was slower"
+    said = conclusions({"f32": steady(600), "amp-bf16": steady(330), "amp-f16": steady(300)}, "cpu")
+    assert not any("slower" in line for line in said), said
+    assert "amp-f16 was faster than amp-bf16 here." in said
+    assert any(line.startswith("amp-bf16's step was 1.8") for line in said), said
+    # slower: said, with the CPU's reason
+    said = conclusions({"amp-bf16": steady(300), "amp-f16": steady(400)}, "cpu")
+    assert any(line.startswith("amp-f16 was slower than amp-bf16 here") for line in said)
+    # within the spread (328.4 vs 329.4 ms): no order claimed
+    said = conclusions({"amp-bf16": steady(329.4), "amp-f16": steady(328.4)}, "cpu")
+    assert said == ["amp-f16 and amp-bf16: the same step time within the spread of the times."]
+    # a busy machine: times that swing say so, and rank nothing
+    swing = [1.0] + [0.3, 0.6, 0.35, 0.9, 0.32, 0.7, 0.4, 0.8] * 3
+    said = conclusions({"amp-bf16": swing, "amp-f16": steady(300)}, "cpu")
+    assert len(said) == 1 and "too busy to tell" in said[0], said

@@ -214,3 +214,31 @@ def test_committed_generated_tables_are_current():
         sys.path.remove(str(DOCS / "hooks"))
     page = (DOCS / "how-amp-works.md").read_text()
     assert hook.fill_blocks(page) == page, "run `python docs/hooks/amp_docs.py` and commit"
+
+
+# --- the README reads in two minutes ---------------------------------------------------
+
+
+def test_readme_is_short_and_plain():
+    text = (ROOT / "README.md").read_text()
+    assert len(text.encode()) <= 10_000, f"README.md is {len(text.encode())} bytes (at most 10 KB)"
+    long = [i for i, line in enumerate(text.splitlines(), 1) if len(line) > 300]
+    assert not long, f"README.md lines over 300 characters: {long}"
+    intro = text[: text.index("```")]  # what, why and a number before the first code block
+    assert "mixed precision for JAX" in intro and re.search(r"\d(\.\d)?x faster", intro)
+    # the policy's class words are the docs' vocabulary: not before they are explained
+    for word in ("allow", "deny", "follow", "clear", "painting", "painted"):
+        assert not re.search(rf"\b{word}\b", text, flags=re.I), f"README.md uses {word!r}"
+    # no dates, run counts or our own shorthand on a user page
+    assert not re.search(r"\b20\d\d-\d\d-\d\d\b|one run\b|nobody here|weak column", text)
+    # how long each command takes, and an install without a clone
+    assert "pip install nox uv && nox" in text and "40 minutes" in text
+    assert "4-5 minutes" in text and "amp-jax-demo" in text
+    assert "git+https://github.com/amp-jax/amp_jax" in text
+
+
+def test_user_pages_do_not_speak_of_how_gpu_runs_are_budgeted():
+    for page in [ROOT / "README.md", *DOCS.glob("*.md")]:
+        text = page.read_text()
+        for phrase in ("device time", "is lent a GPU", "minutes a command", "own session"):
+            assert phrase not in text, f"{page.name} speaks of our own runs: {phrase!r}"

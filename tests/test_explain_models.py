@@ -90,3 +90,108 @@ def test_explain_an_equinox_module_as_the_function(wrap):
     dots = {(r.dtype, r.reason) for r in ex.rows if r.primitive == "dot_general"}
     assert [d for d, _ in dots] == ["bfloat16"], dots
     assert "no amp decision" not in next(iter(dots))[1]
+
+
+# --- every row's reason is the rule that gave it the dtype shown --------------------
+
+_STATED = re.compile(r"\bruns? in (bfloat16|float16|float32|float64)\b")
+_FLOATS = {"bfloat16", "float16", "float32", "float64"}
+
+
+def _stated(reason):
+    """The dtype a reason says its op runs in, read independently of amp's code:
+    ``runs in X``, or the compute dtype for a painting; None when it names none."""
+    m = _STATED.search(reason)
+    if m:
+        return m.group(1)
+    return "bfloat16" if "painting:" in reason else None
+
+
+def _contradiction(dtypes, reason):
+    """What is wrong with a row that ran in ``dtypes`` for ``reason``, or None."""
+    floats = [d for d in dtypes if d in _FLOATS]
+    if floats and "no floating operand" in reason:
+        return "a float op said to have no floating operand"
+    stated = _stated(reason)
+    if floats and stated is not None and stated not in floats:
+        return f"said to run in {stated}"
+    return None
+
+
+def _library_models():
+    eqx = pytest.importorskip("equinox")
+    nnx = pytest.importorskip("flax.nnx")
+    linen = pytest.importorskip("flax.linen")
+    key = jax.random.PRNGKey(0)
+    x = jnp.ones((16, 32))
+    mlp = eqx.nn.MLP(32, 10, 64, 2, key=key)  # relu: a custom_jvp between the matmuls
+    seq = nnx.Sequential(
+        nnx.Linear(32, 64, rngs=nnx.Rngs(0)),
+        nnx.gelu,
+        nnx.LayerNorm(64, rngs=nnx.Rngs(0)),
+        nnx.Linear(64, 10, rngs=nnx.Rngs(1)),
+    )
+
+    class Mlp(linen.Module):
+        @linen.compact
+        def __call__(self, x):
+            return linen.Dense(10)(linen.LayerNorm()(jax.nn.silu(linen.Dense(64)(x))))
+
+    linen_params = Mlp().init(key, x)
+    return [
+        ("eqx.nn.MLP", lambda m, x: jnp.mean(jax.vmap(m)(x) ** 2), (mlp, x)),
+        ("nnx.Sequential", lambda m, x: jnp.mean(m(x) ** 2), (seq, x)),
+        ("linen", lambda p, x: jnp.mean(Mlp().apply(p, x) ** 2), (linen_params, x)),
+    ]
+
+
+def _workload_models():
+    from workloads import models
+
+    key = jax.random.PRNGKey(0)
+    out = []
+    for make in (models.mlp, models.gpt, models.cnn):
+        m = make(small=True)
+        out.append((m.name, m.loss, (m.init(key), *m.batch(key))))
+    return out
+
+
+def test_every_reason_agrees_with_its_dtype_on_models():
+    """explain and dtype_report over the workloads' models and three library models:
+    no row's reason names a dtype other than the one the row ran in; dtype_report's
+    ``why`` is filled for every float op amp decided; amp's own barriers are folded
+    into the row of the op they serve; the byte line says what the extra bytes are."""
+    bad = []
+    for name, loss, args in [*_workload_models(), *_library_models()]:
+        ex = amp_jax.explain(loss, *args, grad=True)
+        for r in ex.all_rows:
+            if "->" not in r.dtype and (why := _contradiction(r.dtype.split(","), r.reason)):
+                bad.append(f"{name} explain {r.primitive} ({r.dtype}): {why}: {r.reason}")
+        assert not any(r.primitive == "optimization_barrier" for r in ex.rows), name
+        assert any(r.primitive == "optimization_barrier" for r in ex.all_rows), name
+        assert sum(r.bytes for r in ex.rows) == sum(r.bytes for r in ex.all_rows), name
+        summary = "\n".join(ex.summary_lines())
+        assert "the casts amp inserted +" in summary and "barriers and layout copies +" in summary
+        assert ex.summary.cast_bytes > 0 and ex.summary.own_bytes > 0, name
+        for prim, ins, outs, _, _, why in amp_jax.dtype_report(
+            loss, *args, grad=True, policy="bfloat16"
+        ):
+            ran = ins.split(",") if any(d in _FLOATS for d in ins.split(",")) else outs.split(",")
+            if prim != "convert_element_type" and (problem := _contradiction(ran, why)):
+                bad.append(f"{name} dtype_report {prim} ({ins} -> {outs}): {problem}: {why}")
+            if any(d in _FLOATS for d in ran) and not why:
+                bad.append(f"{name} dtype_report {prim} ({ins} -> {outs}): no why")
+    assert not bad, "\n".join(bad)
+
+
+def test_the_equinox_mlp_rows_say_what_ran():
+    # the case a user met: a bias add promoted to float32 by its float32 bias said
+    # it ran low; relu's max said bfloat16 on a float32 row
+    (name, loss, args), *_ = _library_models()
+    ex = amp_jax.explain(loss, *args, grad=True)
+    (add,) = [r for r in ex.rows if r.primitive == "add" and not r.backward]
+    assert add.dtype == "float32" and add.reason.startswith("runs in float32: painted bfloat16")
+    for r in ex.rows:
+        if r.primitive == "max" and not r.backward:
+            assert "no amp decision" not in r.reason
+            assert r.dtype == "bfloat16" or "unused" in r.reason, r

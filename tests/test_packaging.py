@@ -10,6 +10,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tarfile
 import zipfile
 
 import pytest
@@ -47,6 +48,11 @@ def test_sdist_and_wheel_build_install_and_import(tmp_path):
     wheel = next(dist.glob("amp_jax-*.whl"))
     sdist = next(dist.glob("amp_jax-*.tar.gz"))
     _run(sys.executable, "-m", "twine", "check", "--strict", str(wheel), str(sdist))
+    # self-consistent: no tests that would need the repository's workloads/ and benchmarks/
+    with tarfile.open(sdist) as tar:
+        members = [m.split("/", 1)[1] for m in tar.getnames() if "/" in m]
+    assert not [m for m in members if m.startswith("tests/")], members
+    assert "amp_jax/__init__.py" in members and "LICENSE" in members
     names = zipfile.ZipFile(wheel).namelist()
     assert "amp_jax/py.typed" in names
     assert any(n.endswith("licenses/LICENSE") for n in names), names

@@ -131,3 +131,33 @@ def test_policy_repr_shows_what_differs_from_the_defaults():
         "Policy(compute_dtype=float16, allow=DEFAULT_ALLOW | {'my_mm'}, "
         "deny=DEFAULT_DENY - {'exp'})"
     )
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "bfloat16",
+        "bf16",
+        "float16",
+        "half",
+        "float32",
+        "float8",
+        "fp8_rowwise",
+        "mixed_bfloat16",
+        "mixed_float16",
+        "p=f32,c=bf16,o=f32",
+        "params=float32,compute=float16,output=float32",
+    ],
+)
+def test_policy_takes_every_name_amp_takes(name):
+    # Policy(name) is the policy amp(f, policy=name) runs under
+    assert amp_jax.Policy(name) == amp_jax.get_policy(name)
+    assert amp_jax.amp(lambda x: x, policy=name).policy == amp_jax.Policy(name)
+
+
+def test_an_unknown_policy_name_lists_the_keras_and_jmp_forms():
+    with pytest.raises(ValueError, match="mixed_bfloat16.*p=f32,c=bf16,o=f32") as e:
+        amp_jax.Policy("mixed_bf16")
+    assert "Policy(compute_dtype)='mixed_bf16'" in str(e.value)
+    with pytest.raises(ValueError, match="policy='mixed_bf16' is not a known policy"):
+        amp_jax.get_policy("mixed_bf16")

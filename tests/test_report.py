@@ -33,7 +33,11 @@ def test_rows_give_dtypes_place_count_and_reason():
     assert {r[2] for r in low} == {"float32"}  # (allow_outputs="float32")
     assert sum(r[4] for r in low) == 2  # the dot before the scan, and the one in its body
     assert any("scan" in r[3] for r in low) and any("scan" not in r[3] for r in low)
-    assert all(r[5] == "" for r in low)  # lowered: nothing to explain
+    # lowered: the rule that lowered them (tests/test_explain_models.py checks every row)
+    (outside,) = [r for r in low if "scan" not in r[3]]
+    assert outside[5] == "allow class: runs in bfloat16 (float32 accumulation)"
+    (inside,) = [r for r in low if "scan" in r[3]]  # bf16 operands, the carry's float32 output
+    assert inside[5] == "computes a loop-carried value: kept in the carry's dtype"
     (kept,) = [r for r in dots if r[1] == "float32,float32"]
     assert kept[5] == "full_precision scope" and kept[4] == 1
     casts = [r for r in rows if r[0] == "convert_element_type" and r[2] == "bfloat16"]

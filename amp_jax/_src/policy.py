@@ -33,6 +33,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import DTypeLike
 
 from amp_jax._src.backends import backend_for
 
@@ -321,6 +322,23 @@ _JMP_KEYS = {"p": "params", "params": "params", "c": "compute", "compute": "comp
 _JMP_KEYS |= {"o": "output", "output": "output"}
 
 
+def _named_fields(name: str, argname: str) -> dict[str, Any]:
+    """The Policy fields a policy name means (a preset, an alias, a Keras name or
+    a jmp string): what ``get_policy(name)`` and ``Policy(name)`` build."""
+    key = _ALIASES.get(name.lower(), name.lower())
+    key = _jmp_or_keras_preset(name) or key
+    if key in _POLICY_PRESETS:
+        return dict(_POLICY_PRESETS[key])
+    if key not in _PRESETS:
+        valid = ", ".join(repr(n) for n in [*_PRESETS, *_POLICY_PRESETS, *_ALIASES])
+        raise ValueError(
+            f"{argname}={name!r} is not a known policy. Valid names: {valid}; Keras' "
+            f"{', '.join(map(repr, _KERAS_NAMES))}; a jmp string such as 'p=f32,c=bf16,o=f32'; "
+            "or pass an amp_jax.Policy."
+        )
+    return {"compute_dtype": _PRESETS[key]}
+
+
 def _jmp_or_keras_preset(name: str) -> str | None:
     """The preset a jmp policy string ("p=f32,c=bf16,o=f32") or Keras name means.
 
@@ -483,6 +501,8 @@ class Policy:
       compute_dtype: dtype that ``allow`` ops (and low-precision ``follow`` /
         ``clear`` regions between them) compute in: ``bfloat16``, ``float16``
         or ``float32`` (``float32`` makes [`amp_jax.amp`][amp_jax.amp] the identity).
+        A policy name works too, every one [`get_policy`][amp_jax.get_policy]
+        takes (``Policy("mixed_bfloat16")``, ``Policy("float8")``).
       allow: primitive names run with compute-dtype operands and float32
         accumulation.
       deny: primitive names always computed in float32.
@@ -542,14 +562,14 @@ class Policy:
       ('deny', 'allow')
     """
 
-    compute_dtype: Any = jnp.bfloat16
+    compute_dtype: DTypeLike | str = jnp.bfloat16
     allow: frozenset[str] = DEFAULT_ALLOW
     deny: frozenset[str] = DEFAULT_DENY
     follow: frozenset[str] = DEFAULT_FOLLOW
     clear: frozenset[str] = DEFAULT_CLEAR
     never: frozenset[str] = DEFAULT_NEVER
-    overrides: Any = ()
-    full_precision_scopes: Any = ()
+    overrides: Mapping[str, str] | tuple[tuple[str, str], ...] = ()
+    full_precision_scopes: Sequence[str] = ()
     strict: bool = False
     backend_aware: bool = True
     allow_outputs: str = "auto"
@@ -560,6 +580,11 @@ class Policy:
     float8_min_flops: int = 2**20
 
     def __post_init__(self):
+        if isinstance(self.compute_dtype, str):  # a policy name, as amp(policy=...) takes
+            named = _named_fields(self.compute_dtype, "Policy(compute_dtype)")
+            if self.float8 == "off" and "float8" in named:  # ("float8": bf16 + float8 matmuls)
+                object.__setattr__(self, "float8", named["float8"])
+            object.__setattr__(self, "compute_dtype", named["compute_dtype"])
         object.__setattr__(self, "compute_dtype", _as_dtype(self.compute_dtype, "compute_dtype"))
         for field in OP_CLASSES:
             object.__setattr__(self, field, _name_set(getattr(self, field), field))
@@ -750,17 +775,7 @@ def get_policy(policy: Policy | str | Any) -> Policy:
     if isinstance(policy, Policy):
         return policy
     if isinstance(policy, str):
-        key = _ALIASES.get(policy.lower(), policy.lower())
-        key = _jmp_or_keras_preset(policy) or key
-        if key in _POLICY_PRESETS:
-            return Policy(**_POLICY_PRESETS[key])
-        if key not in _PRESETS:
-            valid = ", ".join(repr(n) for n in [*_PRESETS, *_POLICY_PRESETS, *_ALIASES])
-            raise ValueError(
-                f"policy={policy!r} is not a known policy. Valid names: {valid}; "
-                "or pass an amp_jax.Policy."
-            )
-        return Policy(_PRESETS[key])
+        return Policy(**_named_fields(policy, "policy"))
     try:
         return Policy(policy)
     except ValueError as e:

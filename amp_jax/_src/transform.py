@@ -9,10 +9,12 @@ caller's trace; what ``fn`` wrote into its arguments is carried back
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar, overload
 
 import jax
@@ -35,6 +37,24 @@ from amp_jax._src.planning import Config, plan
 from amp_jax._src.policy import FULL_PRECISION_SCOPE, Policy, get_policy, scope_in
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+#: the traces amp functions evaluate while `recording_traces` is open (diagnostics)
+_RECORDED: contextvars.ContextVar[list[Traced] | None] = contextvars.ContextVar(
+    "amp_jax_recorded", default=None
+)
+
+
+@contextlib.contextmanager
+def recording_traces() -> Iterator[list[Traced]]:
+    """Collects the `Traced` of every amp function called inside: what
+    [`dtype_report`][amp_jax.dtype_report] reads the decisions of a program
+    that calls amp functions (``jax.grad(amp(f))``) from."""
+    found: list[Traced] = []
+    token = _RECORDED.set(found)
+    try:
+        yield found
+    finally:
+        _RECORDED.reset(token)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,6 +153,9 @@ class AmpFunction:
             return jax.tree.map(as_output, self.fn(*args, **kwargs))
         call = Call.of(self.fn, args, kwargs)
         traced = self._cached_trace(call)
+        recorded = _RECORDED.get()
+        if recorded is not None:
+            recorded.append(traced)
         if traced.staged is not None:
             outs = traced.staged(*call.dynamic)
         else:
@@ -387,7 +410,15 @@ def amp(
     return AmpFunction(fn, pol, cache_size)
 
 
-def full_precision(fn: F | None = None) -> F:
+@overload
+def full_precision(fn: F) -> F: ...
+
+
+@overload
+def full_precision(fn: None = None) -> Callable[[F], F]: ...
+
+
+def full_precision(fn: Callable[..., Any] | None = None) -> Callable[..., Any]:
     """Marks ``fn`` to run in its original precision under [`amp`][amp_jax.amp].
 
     The equivalent of ``torch.autocast(enabled=False)``: every primitive traced

@@ -319,15 +319,73 @@ def main(argv: list[str] | None = None) -> int:
     payload = _payload(args, corpus, results, n_params=n_params, eval_every=eval_every)
     payload["wall_time_s"] = time.perf_counter() - t_start
     (out / "results.json").write_text(json.dumps(payload, indent=1))
-    if jax.default_backend() == "cpu" and "amp-f16" in args.modes:
-        print(
-            "\nOn a CPU amp-f16 is slower than amp-bf16: the CPU's fast low-precision matmul "
-            "instructions (AVX512-BF16, AMX) take bfloat16, and dynamic loss scaling checks "
-            "every gradient each step. On a GPU both run on the same tensor cores."
-        )
+    lines = conclusions({r.mode: r.step_times_s for r in results}, jax.default_backend())
+    if lines:
+        print("\n" + "\n".join(lines))
     print(f"\ntotal {payload['wall_time_s']:.0f} s; wrote results.json and loss_curves.png to")
     print(out)
     return 0
+
+
+#: a relative spread of step times (interquartile range / median) above which the
+#: machine was too busy for the one-run step times to rank the modes
+NOISY = 0.25
+
+
+def _timing(times: list[float]) -> tuple[float, float]:
+    """``(median, half the interquartile range)`` of a mode's step times, the
+    first (compiling, warming caches) left out."""
+    import numpy as np
+
+    t = np.asarray(times[1:] or times, dtype=float)
+    q1, med, q3 = np.percentile(t, [25, 50, 75])
+    return float(med), float(q3 - q1) / 2
+
+
+def conclusions(step_times: dict[str, list[float]], backend: str) -> list[str]:
+    """What the demo's own step times support, in words: which mode was faster
+    than which, only where the medians differ by more than the spread of the
+    times (and by 3%); that the machine was too busy to tell where the times
+    spread too much."""
+    timing = {m: _timing(t) for m, t in step_times.items() if t}
+    noisy = sorted(m for m, (med, half) in timing.items() if med > 0 and 2 * half / med > NOISY)
+    if noisy:
+        worst = max(2 * timing[m][1] / timing[m][0] for m in noisy)
+        return [
+            f"Step times varied by up to {100 * worst:.0f}% within a mode ({', '.join(noisy)}): "
+            "the machine was too busy to tell which mode is faster. Run again on an idle machine."
+        ]
+
+    def compare(a: str, b: str) -> str | None:
+        (ma, ha), (mb, hb) = timing[a], timing[b]
+        if abs(ma - mb) <= max(ha + hb, 0.03 * min(ma, mb)):
+            return None
+        return "faster" if ma < mb else "slower"
+
+    out = []
+    for mode in ("amp-bf16", "amp-f16", "bf16-kahan"):
+        if mode in timing and "f32" in timing:
+            verdict = compare(mode, "f32")
+            ratio = timing["f32"][0] / timing[mode][0]
+            if verdict is None:
+                out.append(f"{mode} and f32: the same step time within the spread of the times.")
+            else:
+                out.append(f"{mode}'s step was {ratio:.2f}x f32's speed ({verdict}).")
+    if "amp-f16" in timing and "amp-bf16" in timing:
+        verdict = compare("amp-f16", "amp-bf16")
+        if verdict is None:
+            out.append("amp-f16 and amp-bf16: the same step time within the spread of the times.")
+        elif verdict == "faster":
+            out.append("amp-f16 was faster than amp-bf16 here.")
+        elif backend == "cpu":
+            out.append(
+                "amp-f16 was slower than amp-bf16 here: the CPU's fast low-precision matmul "
+                "instructions (AVX512-BF16, AMX) take bfloat16, and dynamic loss scaling checks "
+                "every gradient each step. On a GPU both run on the same tensor cores."
+            )
+        else:
+            out.append("amp-f16 was slower than amp-bf16 here (dynamic loss scaling's checks).")
+    return out
 
 
 def _print_setup(args: argparse.Namespace, cfg: _model.Config, corpus: Any, n_params: int) -> None:

@@ -24,10 +24,12 @@ import dataclasses
 import html
 import math
 import re
+import textwrap
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
+from jax.extend import core as jex_core
 
 from amp_jax._src import compat, jaxprs
 from amp_jax._src.diagnostics.reasons import (
@@ -38,12 +40,13 @@ from amp_jax._src.diagnostics.reasons import (
     full_stack,
     is_backward,
     is_float_cast,
+    line_in_scope,
     ran_in,
     row_reason,
     scope_of,
 )
 from amp_jax._src.diagnostics.tracing import check_grad, loss_of, program, split_fn
-from amp_jax._src.jaxprs import iter_eqns
+from amp_jax._src.jaxprs import iter_eqns, open_jaxpr
 from amp_jax._src.policy import DEFAULT_ALLOW, Policy, is_managed_float
 from amp_jax._src.transform import AmpFunction
 
@@ -195,6 +198,11 @@ class ExplainSummary:
         those in the original (each counted once, however often it runs).
       casts_run: floating casts executed, minus the original's (scan bodies
         count ``length`` times).
+      cast_bytes: bytes read and written by the casts amp inserted.
+      own_bytes: bytes read and written by the other ops amp adds (the
+        barriers that keep a dot's operand layout, the reshapes and transposes
+        of its low-precision backward), which the default view folds into the
+        row of the op they serve.
     """
 
     compute_dtype: str
@@ -206,6 +214,8 @@ class ExplainSummary:
     bytes_moved_original: int
     casts_inserted: int
     casts_run: int
+    cast_bytes: int = 0
+    own_bytes: int = 0
 
     @property
     def bytes_saved(self) -> int:
@@ -224,6 +234,10 @@ def _saved_or_more(saved: int) -> str:
     if saved < 0:
         return f"moved {_fmt_num(-saved)}B more"
     return f"saved {_fmt_num(saved)}B"
+
+
+def _signed(n: int) -> str:
+    return ("+" if n >= 0 else "-") + _fmt_num(abs(n))
 
 
 def _short_where(where: str) -> str:
@@ -274,15 +288,15 @@ def _cut(text: str, n: int, tail: bool = False) -> str:
     return "..." + text[-(n - 3) :] if tail else text[: n - 3] + "..."
 
 
-def _fit(table: list[tuple[str, ...]], width: int) -> list[tuple[str, ...]]:
-    """Cuts the source line, the scope (if shown) and the reason until a row fits ``width``."""
+def _fit(table: list[tuple[str, ...]], width: int) -> tuple[list[tuple[str, ...]], int]:
+    """Cuts the source line and the scope (if shown) so that a row fits ``width``
+    with the reason wrapped; returns the table and the reason's width."""
     has_scope = table[0][1] == "scope"
     table = [(_cut_where(r[0], 30), *r[1:]) for r in table]
     if has_scope:
         table = [(r[0], _cut(r[1], 16, tail=True), *r[2:]) for r in table]
     fixed = sum(max(len(r[i]) for r in table) + 2 for i in range(len(table[0]) - 1))
-    cap = max(16, width - fixed)
-    return [(*r[:-1], _cut(r[-1], cap)) for r in table]
+    return table, max(16, width - fixed)
 
 
 class Explanation:
@@ -292,13 +306,24 @@ class Explanation:
     in a notebook the object renders as an HTML table.
 
     Attributes:
-      rows: the [`ExplainRow`][amp_jax.ExplainRow] groups, most FLOPs first.
+      rows: the [`ExplainRow`][amp_jax.ExplainRow] groups, most FLOPs first; the
+        barriers, reshapes and transposes amp adds around an op are counted in
+        that op's row.
+      all_rows: the same with amp's own ops in rows of their own (what
+        ``format(verbose=True)`` shows).
       summary: the [`ExplainSummary`][amp_jax.ExplainSummary].
       policy: the policy that was explained.
     """
 
-    def __init__(self, rows: list[ExplainRow], summary: ExplainSummary, policy: Policy):
+    def __init__(
+        self,
+        rows: list[ExplainRow],
+        summary: ExplainSummary,
+        policy: Policy,
+        all_rows: list[ExplainRow] | None = None,
+    ):
         self.rows = rows
+        self.all_rows = rows if all_rows is None else all_rows
         self.summary = summary
         self.policy = policy
 
@@ -327,6 +352,8 @@ class Explanation:
         name = s.compute_dtype
         if getattr(self.policy, "float8", "off") != "off":
             name += f" + float8 {self.policy.float8} (large dense matmuls; see the reasons)"
+        ops = s.bytes_moved - s.cast_bytes - s.own_bytes - s.bytes_moved_original
+        own = f", its barriers and layout copies {_signed(s.own_bytes)}B" if s.own_bytes else ""
         return [
             f"policy {name}: {100 * s.low_flop_share:.1f}% of FLOPs in low precision "
             f"({100 * s.low_matmul_flop_share:.1f}% of matmul/conv FLOPs)",
@@ -334,6 +361,8 @@ class Explanation:
             f"bytes moved {_fmt_num(s.bytes_moved)}B vs {_fmt_num(s.bytes_moved_original)}B "
             f"in float32 ({_saved_or_more(s.bytes_saved)}); casts inserted: "
             f"{s.casts_inserted} ({s.casts_run} executed)",
+            f"bytes by cause: the casts amp inserted {_signed(s.cast_bytes)}B{own}, "
+            f"the ops themselves {_signed(ops)}B",
         ]
 
     def format(
@@ -350,14 +379,16 @@ class Explanation:
           max_rows: show at most this many rows (most FLOPs first); None for all.
           min_flops: hide rows with fewer FLOPs (casts have 0).
           width: fit each row in this many characters: long source paths and
-            scopes are shortened and the reason is cut (None: no limit).
-          verbose: show every row's full source path, amp's own scope names and
-            the whole reason, whatever the width.
+            scopes are shortened and the reason is wrapped onto the lines below
+            (None: no limit).
+          verbose: show every row's full source path, amp's own scope names,
+            its own barriers and layout copies as rows of their own and the
+            whole reason on one line, whatever the width.
 
         Returns:
           An aligned table followed by the summary.
         """
-        rows = [r for r in self.rows if r.flops >= min_flops]
+        rows = [r for r in (self.all_rows if verbose else self.rows) if r.flops >= min_flops]
         shown = rows if max_rows is None else rows[:max_rows]
         cols = self._columns(shown)
         table = [self._HEADER, *cols]
@@ -365,10 +396,18 @@ class Explanation:
             table = [_compact(r) for r in table]
             if all(r[1] == "-" for r in table[1:]):  # no named scopes: no column
                 table = [(r[0], *r[2:]) for r in table]
+        cap = None
         if not verbose and width is not None:
-            table = _fit(table, width)
-        widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
-        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in table]
+            table, cap = _fit(table, width)
+        widths = [max(len(r[i]) for r in table) for i in range(len(table[0]) - 1)]
+        indent = " " * sum(w + 2 for w in widths)
+        lines = []
+        for r in table:
+            head = "".join(c.ljust(w) + "  " for c, w in zip(r, widths))
+            # the whole reason, wrapped under its column where it is wider than ``cap``
+            parts = textwrap.wrap(r[-1], cap, break_on_hyphens=False) if cap else [r[-1]]
+            lines.append((head + (parts[0] if parts else "")).rstrip())
+            lines.extend(indent + part for part in parts[1:])
         if len(shown) < len(rows):
             lines.append(
                 f"... {len(rows) - len(shown)} more rows (format(max_rows=None) shows all)"
@@ -410,12 +449,38 @@ class _Measured(NamedTuple):
     nbytes: int  # bytes read and written, all runs together
     casts: int  # floating casts in the code
     casts_run: int  # floating casts executed
+    unused: frozenset[int] = frozenset()  # ids of the eqns nothing reads (`unused_eqns`)
+
+
+def unused_eqns(jaxpr: Any) -> frozenset[int]:
+    """The ids of the eqns of ``jaxpr`` and its sub-jaxprs whose results nothing
+    reads (no effects either): XLA removes them. A sub-jaxpr of a used eqn has
+    all its outputs read; every eqn of an unused one is unused."""
+    unused: set[int] = set()
+    used: set[int] = set()
+
+    def walk(j: Any, alive: bool) -> None:
+        needed = {v for v in j.outvars if not isinstance(v, compat.Literal)} if alive else set()
+        for eqn in reversed(j.eqns):
+            live = alive and (
+                bool(eqn.effects)
+                or any(not compat.is_drop_var(v) and v in needed for v in eqn.outvars)
+            )
+            (used if live else unused).add(id(eqn))
+            if live:
+                needed.update(v for v in eqn.invars if not isinstance(v, compat.Literal))
+            for sub in jex_core.jaxprs_in_params(eqn.params):
+                walk(open_jaxpr(sub)[0], live)
+
+    walk(jaxpr, True)
+    return frozenset(unused - used)
 
 
 def _measure(jaxpr: Any) -> _Measured:
     """The floating eqns of ``jaxpr`` with their run counts, bytes moved and casts."""
     eqns, nbytes, casts, casts_run = [], 0, 0, 0
     memo: dict[Any, int] = {}
+    unused = unused_eqns(jaxpr)
     for eqn, _, times, outer, site in iter_eqns(jaxpr):
         if not _touches_float(eqn):
             continue
@@ -425,52 +490,127 @@ def _measure(jaxpr: Any) -> _Measured:
         if is_float_cast(eqn):
             casts += 1
             casts_run += times
-    return _Measured(eqns, nbytes, casts, casts_run)
+    return _Measured(eqns, nbytes, casts, casts_run, unused)
+
+
+#: ops amp adds around the op they serve (a dot's operand barriers, its backward's
+#: layout copies): beyond the original program's count at a line, folded into that op's row
+_SERVING = frozenset(
+    {"optimization_barrier", "reshape", "transpose", "broadcast_in_dim", "squeeze", "expand_dims"}
+)
 
 
 def _cast_keys(m: _Measured) -> collections.Counter:
-    """The floating casts of a measured program by (source line, primitive)."""
+    """The floating casts of a measured program, and its ops of the kinds amp
+    adds around an op (`_SERVING`), by (source line, primitive, backward) for those."""
     lines = SourceLines()
-    return collections.Counter(
+    out = collections.Counter(
         (lines(site), e.primitive.name) for e, _, _, site, _ in m.eqns if is_float_cast(e)
     )
+    out.update(
+        (lines(site), e.primitive.name, is_backward(stack))
+        for e, _, stack, site, _ in m.eqns
+        if e.primitive.name in _SERVING
+    )
+    return out
 
 
-def _group(new: _Measured, orig_cast_keys: collections.Counter, decisions: Decisions):
-    """``(rows, FLOPs by dtype, matmul FLOPs by dtype)`` of the rewritten program
-    ``new``: its ops grouped by source line, scope, pass, primitive, dtype and
-    reason, most FLOPs first (``orig_cast_keys``: the original program's casts,
-    by `_cast_keys`, tell amp's apart)."""
+class _Grouped(NamedTuple):
+    rows: list[ExplainRow]  # amp's own ops folded into the row of the op they serve
+    all_rows: list[ExplainRow]  # amp's own ops in rows of their own
+    flops_by: collections.Counter
+    mm_by: collections.Counter
+    cast_bytes: int  # bytes of the casts amp inserted
+    own_bytes: int  # bytes of the other ops amp added
+
+
+def _group(
+    new: _Measured, orig_keys: collections.Counter, decisions: Decisions, compute_dtype: str
+) -> _Grouped:
+    """The rows of the rewritten program ``new``: its ops grouped by source
+    line, scope, pass, primitive, dtype and reason, most FLOPs first
+    (``orig_keys``: the original program's casts and data movement, by
+    `_cast_keys`, tell amp's apart)."""
     lines = SourceLines()
-    groups: dict[tuple, list[int]] = {}
+    every: dict[tuple, list[int]] = {}  # each op in its own group
+    shown: dict[tuple, list[int]] = {}  # amp's own ops in the group of the op they serve
     flops_by: collections.Counter = collections.Counter()
     mm_by: collections.Counter = collections.Counter()
     seen: collections.Counter = collections.Counter()
+    own_seen: collections.Counter = collections.Counter()
     derived: dict[str, str] = {}
+    pending: list[tuple[tuple, int, int, int]] = []  # amp's own ops before the op they serve
+    last: tuple | None = None  # the group of the last op they could serve
+    cast_bytes = own_bytes = 0
+
+    def add(groups: dict, key: tuple, count: int, flops: int, nbytes: int) -> None:
+        acc = groups.setdefault(key, [0, 0, 0])
+        acc[0] += count
+        acc[1] += flops
+        acc[2] += nbytes
+
     for eqn, times, stack, site, once in new.eqns:
         dtype = ran_in(eqn)
         flops = times * eqn_flops(eqn)
         nbytes = times * once
         line = lines(site)
-        key = (
+        backward = is_backward(stack)
+        name = eqn.primitive.name
+        if line == "-":  # amp's own evaluation (a custom_jvp run low): its scope's line
+            line = line_in_scope(decisions, name, scope_of(stack)) or line
+        reason = row_reason(
+            decisions,
+            eqn,
+            stack,
+            orig_keys,
+            seen,
             line,
-            scope_of(stack),
-            is_backward(stack),
-            eqn.primitive.name,
-            dtype,
-            row_reason(decisions, eqn, stack, orig_cast_keys, seen, line, derived),
+            derived,
+            compute_dtype=compute_dtype,
+            dead=id(eqn) in new.unused,
         )
-        acc = groups.setdefault(key, [0, 0, 0])
-        acc[0] += times
-        acc[1] += flops
-        acc[2] += nbytes
+        key = (line, scope_of(stack), backward, name, dtype, reason)
+        add(every, key, times, flops, nbytes)
+        if reason == "cast inserted by amp":
+            cast_bytes += nbytes
+        own = False
+        if name in _SERVING:
+            own_seen[line, name, backward] += 1
+            own = own_seen[line, name, backward] > orig_keys.get((line, name, backward), 0)
+        if own:
+            own_bytes += nbytes
+            pending.append((key, times, flops, nbytes))
+            continue
+        add(shown, key, times, flops, nbytes)
+        if not is_float_cast(eqn):  # (a cast amp makes for the op is a row of its own)
+            for k, c, f, b in pending:  # amp's own ops before it, same line and pass
+                _fold(shown, k, c, f, b, key if k[0] == line and k[2] == backward else last)
+            pending, last = [], key
         if flops:
             flops_by[dtype] += flops
-            if eqn.primitive.name in MATMULS:
+            if name in MATMULS:
                 mm_by[dtype] += flops
+    for k, c, f, b in pending:  # served by no op after them
+        _fold(shown, k, c, f, b, last)
+    return _Grouped(_rows(shown), _rows(every), flops_by, mm_by, cast_bytes, own_bytes)
+
+
+def _fold(shown: dict, own: tuple, count: int, flops: int, nbytes: int, into: tuple | None):
+    """Adds one of amp's own ops to the group ``into`` (an op of its source line and
+    pass), else to a group of its own."""
+    if into is not None and (into[0], into[2]) == (own[0], own[2]):
+        acc = shown.setdefault(into, [0, 0, 0])
+    else:
+        acc = shown.setdefault(own, [0, 0, 0])
+        acc[0] += count
+    acc[1] += flops
+    acc[2] += nbytes
+
+
+def _rows(groups: dict[tuple, list[int]]) -> list[ExplainRow]:
     rows = [ExplainRow(*k, count=c, flops=f, bytes=b) for k, (c, f, b) in groups.items()]
     rows.sort(key=lambda r: (-r.flops, -r.bytes, r.where, r.primitive))
-    return rows, flops_by, mm_by
+    return rows
 
 
 def _low_share(by: collections.Counter) -> float:
@@ -482,11 +622,11 @@ def _low_share(by: collections.Counter) -> float:
 
 def _summary(
     policy: Policy,
-    flops_by: collections.Counter,
-    mm_by: collections.Counter,
+    grouped: _Grouped,
     new: _Measured,
     old: _Measured,
 ) -> ExplainSummary:
+    flops_by, mm_by = grouped.flops_by, grouped.mm_by
     return ExplainSummary(
         compute_dtype=policy.compute_dtype.name,
         flops_by_dtype=dict(flops_by.most_common()),
@@ -497,6 +637,8 @@ def _summary(
         bytes_moved_original=old.nbytes,
         casts_inserted=new.casts - old.casts,
         casts_run=new.casts_run - old.casts_run,
+        cast_bytes=grouped.cast_bytes,
+        own_bytes=grouped.own_bytes,
     )
 
 
@@ -573,5 +715,6 @@ def explain(
     # (the plan amp made while tracing the program, when it kept it: not traced twice)
     traces = run.traces()
     decisions = decisions_of(base, pol, args, kwargs, traces[-1] if len(traces) == 1 else None)
-    rows, flops_by, mm_by = _group(new, orig_casts, decisions)
-    return Explanation(rows, _summary(pol, flops_by, mm_by, new, old), pol)
+    grouped = _group(new, orig_casts, decisions, pol.compute_dtype.name)
+    summary = _summary(pol, grouped, new, old)
+    return Explanation(grouped.rows, summary, pol, grouped.all_rows)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -128,8 +129,17 @@ def decisions_of(
     has one), else of a fresh trace."""
     if traced is None:
         traced = AmpFunction(base, policy).trace_for_inspection(*args, **kwargs)
+    return decisions_of_traces([traced])
+
+
+def decisions_of_traces(traces: Sequence[Traced]) -> Decisions:
+    """The reasons of the plans of ``traces`` (each once), merged."""
     out: Decisions = collections.defaultdict(lambda: collections.defaultdict(collections.Counter))
-    _decide(traced.ctx, traced.plan.jaxpr, traced.plan.decisions, out, None)
+    seen: set[int] = set()
+    for traced in traces:
+        if id(traced) not in seen:
+            seen.add(id(traced))
+            _decide(traced.ctx, traced.plan.jaxpr, traced.plan.decisions, out, None)
     return out
 
 
@@ -200,6 +210,9 @@ def row_reason(
     seen: collections.Counter,
     line: str | None = None,
     derived: dict[str, str] | None = None,
+    *,
+    compute_dtype: str | None = None,
+    dead: bool = False,
 ) -> str:
     """Why ``eqn`` (of the rewritten program, at name stack ``stack``) ran as it did.
 
@@ -207,9 +220,14 @@ def row_reason(
     far, ``orig_keys`` those of the original program) or the program's own.
     ``line``: ``eqn``'s source line, if the caller has it; ``derived``: a memo
     of `_derived` by line, for a caller that asks of every eqn of a program.
+    With ``compute_dtype`` (the policy's), the reason is made to agree with
+    the dtype the eqn ran in (`agree`); ``dead``: nothing reads its results.
     """
     key = (compat.source_line(eqn) if line is None else line, eqn.primitive.name)
-    found = _decision_at(decisions[key], scope_of(stack)) if key in decisions else None
+    scope = scope_of(stack)
+    found = _decision_at(decisions[key], scope) if key in decisions else None
+    if not found:  # amp's own evaluation (no source line, a dot's call site): the scope's
+        found = _decision_in_scope(decisions, key[1], scope)
     if is_float_cast(eqn):
         seen[key] += 1
         if seen[key] > orig_keys.get(key, 0):
@@ -227,11 +245,97 @@ def row_reason(
         if key[0] not in derived:
             derived[key[0]] = _derived(decisions, key[0])
         reason = derived[key[0]]
-    if attention and reason != attention:  # left as written: the dtype reason, and why
+    backward = is_backward(stack) and bool(found)
+    if compute_dtype is not None:
+        reason = agree(
+            reason, eqn, compute_dtype, backward=is_backward(stack), decided=bool(found), dead=dead
+        )
+    if attention and attention not in reason:  # left as written: the dtype reason, and why
         reason = f"{reason}; {attention}"
-    if is_backward(stack) and found:
+    if backward and not reason.startswith(("backward of", "derived by JAX")):
         return f"backward of: {reason}"
     return reason
+
+
+def _decision_in_scope(
+    decisions: Decisions, primitive: str, scope: str
+) -> collections.Counter | None:
+    """The reasons decided for ``primitive`` at ``scope`` on any source line, if
+    they are one reason (an op amp evaluated itself has no source line)."""
+    found = collections.Counter()
+    for (_, prim), by_scope in decisions.items():
+        if prim == primitive and scope in by_scope:
+            found.update(by_scope[scope])
+    return found if len(found) == 1 else None
+
+
+def line_in_scope(decisions: Decisions, primitive: str, scope: str) -> str | None:
+    """The one source line with a decision for ``primitive`` at ``scope``, if one:
+    where an op amp evaluated itself (no source line of its own) comes from."""
+    lines = {w for (w, prim), by in decisions.items() if prim == primitive and scope in by}
+    return lines.pop() if len(lines) == 1 else None
+
+
+# -- a reason that agrees with the dtype shown ------------------------------------------
+
+_CLAIM = re.compile(r"\bruns? in (bfloat16|float16|float32|float64)\b")
+#: elementwise ops of several operands: painted low with a float32 operand, they promote
+_NARY = frozenset(
+    {"add", "sub", "mul", "div", "max", "min", "pow", "atan2", "rem", "select_n", "nextafter"}
+)
+
+
+_NO_FLOAT = "no floating operand"
+
+
+def claimed_dtype(reason: str, compute_dtype: str) -> str | None:
+    """The dtype ``reason`` says its op runs in: ``runs in X``, or the compute
+    dtype for a painting (``painting: ... between two bfloat16 ops``); None
+    when it names none (``keeps its operands' dtypes``, a cast)."""
+    m = _CLAIM.search(reason)
+    if m is not None:
+        return m.group(1)
+    return compute_dtype if "painting:" in reason else None
+
+
+def agree(
+    reason: str,
+    eqn: Any,
+    compute_dtype: str,
+    *,
+    backward: bool = False,
+    decided: bool = True,
+    dead: bool = False,
+) -> str:
+    """``reason``, or the rule that really set ``eqn``'s dtype where the two disagree.
+
+    A plan decides the dtype an op *reads* its operands in; what an op of the
+    rewritten program ran in can still differ from the decision of its line:
+    a low elementwise op with a float32 operand (a parameter) is promoted to
+    float32, a backward op runs in the dtype of the gradient it gets, an op
+    JAX derived runs in the dtype of its inputs, and an op nothing reads is
+    removed by XLA. ``decided``: the reason is the plan's decision for this
+    op (not one derived from its line).
+    """
+    ran = ran_in(eqn).split("->")[-1].split(",")
+    claim = claimed_dtype(reason, compute_dtype)
+    if _NO_FLOAT in reason and ran != ["-"]:  # (an int op's decision at the same line)
+        claim, decided = "-", False
+    if claim is None or claim in ran:
+        return reason
+    dtype = ran[0]
+    if dead:
+        return f"unused: nothing reads its result, XLA removes it ({dtype})"
+    if not decided:
+        return f"derived by JAX from this line's ops: runs in {dtype}, its inputs' dtype"
+    if backward:
+        return f"backward of a {claim} op: runs in {dtype}, the dtype of its gradient"
+    if eqn.primitive.name in _NARY and claim == compute_dtype and len(eqn.invars) > 1:
+        return (
+            f"runs in {dtype}: painted {compute_dtype}, promoted by a {dtype} operand "
+            f"(a parameter), result cast to {compute_dtype}"
+        )
+    return f"runs in {dtype}, its inputs' dtype (amp decided {claim} for this line)"
 
 
 def _derived(decisions: Decisions, line: str) -> str:

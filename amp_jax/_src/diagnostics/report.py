@@ -9,23 +9,55 @@ from typing import Any
 import jax
 
 from amp_jax._src import compat, decision
+from amp_jax._src.diagnostics.explain import unused_eqns
+from amp_jax._src.diagnostics.reasons import (
+    Decisions,
+    SourceLines,
+    decisions_of_traces,
+    float_dtypes,
+    full_stack,
+    is_float_cast,
+    row_reason,
+)
 from amp_jax._src.diagnostics.tracing import check_grad, flat_call, loss_of, split_fn
 from amp_jax._src.jaxprs import iter_eqns
-from amp_jax._src.transform import AmpFunction
+from amp_jax._src.transform import AmpFunction, recording_traces
 
 
-def _why(eqn: Any) -> str:
-    """Why amp left this eqn in its original precision, from its name stack."""
-    reason = decision.from_stack(str(eqn.source_info.name_stack), jax.default_backend())
-    return reason.text if reason is not None else ""
-
-
-def _walk(jaxpr: Any, counts: collections.Counter, path: str) -> None:
-    for eqn, where, _, _, _ in iter_eqns(jaxpr, path):
+def _walk(
+    jaxpr: Any, counts: collections.Counter, path: str, decisions: Decisions, compute: str | None
+) -> None:
+    lines = SourceLines()
+    unused = unused_eqns(jaxpr) if decisions else frozenset()
+    # a cast at a line whose original code casts is the program's; any other is amp's
+    orig = collections.Counter({k: 1 << 30 for k in decisions if k[1] == "convert_element_type"})
+    seen: collections.Counter = collections.Counter()
+    derived: dict[str, str] = {}
+    for eqn, where, _, outer, site in iter_eqns(jaxpr, path):
         name = eqn.primitive.name
         ins = ",".join(str(v.aval.dtype) for v in eqn.invars if hasattr(v.aval, "dtype"))
         outs = ",".join(str(v.aval.dtype) for v in eqn.outvars if hasattr(v.aval, "dtype"))
-        counts[(name, ins, outs, where or "-", _why(eqn))] += 1
+        stack = full_stack(eqn, outer)
+        # a kept op's reason travels in its name stack (through grad too)
+        kept = decision.from_stack(stack, jax.default_backend())
+        why = kept.text if kept is not None else ""
+        if not why and decisions and (compute is not None) and _is_float(eqn):
+            why = row_reason(
+                decisions,
+                eqn,
+                stack,
+                orig,
+                seen,
+                lines(site),
+                derived,
+                compute_dtype=compute,
+                dead=id(eqn) in unused,
+            )
+        counts[(name, ins, outs, where or "-", why)] += 1
+
+
+def _is_float(eqn: Any) -> bool:
+    return is_float_cast(eqn) or bool(float_dtypes(eqn.invars) or float_dtypes(eqn.outvars))
 
 
 def dtype_report(
@@ -62,10 +94,12 @@ def dtype_report(
 
     Returns:
       Rows ``(primitive, input dtypes, output dtypes, enclosing primitives,
-      count, why)``, sorted by primitive name. ``why`` says why amp kept a
-      matmul or convolution in its original precision (a float64/complex
-      operand, an explicit ``precision=``, too small to pay, a
-      ``full_precision`` scope), else it is empty.
+      count, why)``, sorted by primitive name. ``why`` is the rule that gave
+      the op its dtype, as [`explain`][amp_jax.explain] words it: its class
+      under the policy, the painting, a cast amp inserted, or why amp kept it
+      in its original precision (a float64/complex operand, an explicit
+      ``precision=``, too small to pay, a ``full_precision`` scope); empty for
+      an op no amp function decided (outside one, or no float operand).
 
     Examples:
       >>> import jax.numpy as jnp
@@ -86,9 +120,12 @@ def dtype_report(
     # Array leaves are traced; the others (a mode string, a callable) are
     # passed as they are, as amp passes them.
     run, dyn = flat_call(fn, args, kwargs, g)
-    closed = jax.make_jaxpr(run)(*dyn)
+    with recording_traces() as traces:  # the plans of the amp functions it calls
+        closed = jax.make_jaxpr(run)(*dyn)
+    policies = {t.ctx.policy.compute_dtype.name for t in traces}
+    compute = policies.pop() if len(policies) == 1 else None
     counts: collections.Counter = collections.Counter()
-    _walk(compat.jaxpr_of(closed), counts, "")
+    _walk(compat.jaxpr_of(closed), counts, "", decisions_of_traces(traces), compute)
     return sorted(
         ((*k[:4], n, k[4]) for k, n in counts.items()), key=lambda r: (r[0], r[3], r[1], r[5])
     )
