@@ -131,6 +131,20 @@ def test_quantized_states(tmp_path):
     assert (tmp_path / "QUANTIZED_STATES.md").exists()
 
 
+@heavy
+def test_long_run():
+    text = run("long_run")
+    stream = table_with(text, "states", "rounding")
+    assert [r[:2] for r in stream[1:]] == [
+        ["bf16 mu + nu", "stochastic"],
+        ["bf16 nu", "stochastic"],
+    ]
+    applied = table_with(text, "recipe", "displacement / float32's")
+    assert first_column(applied) == ["Kahan, bf16 moments + bf16 compensation"]
+    model = table_with(text, "recipe", "final val loss, mean over seeds")
+    assert first_column(model) == ["float32", "bf16 params + Kahan (bf16 moments)"]
+
+
 def test_optim_bytes():  # no sizes to shrink: the table of docs/optim.md, from eval_shape
     text = run_plain("optim_bytes")
     assert "float32 AdamW" in first_column(table_with(text, "scheme", "weights", "gradients"))

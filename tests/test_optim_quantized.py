@@ -234,8 +234,11 @@ def test_only_slow_moments_are_rounded_stochastically():
     assert np.mean(mu_s99 != mu_n99) > 0.05
     with pytest.raises(ValueError, match="state_rounding"):
         optim.scale_by_quantized_adam(state_rounding="up")
+    # (bfloat16/float16 moments are rounded by the same argument: no state_format needed)
     with pytest.raises(ValueError, match="state_rounding"):
-        optim.adamw(1e-3, state_rounding="nearest")  # (only with state_format)
+        optim.adamw(1e-3, state_rounding="up")
+    with pytest.raises(ValueError, match="scale_by_any_precision_adam: `state_rounding`"):
+        optim.scale_by_any_precision_adam(state_rounding="up")
 
 
 def _with_neighbours(x):

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from amp_jax.optim import _check, _tree
+from amp_jax.optim import _check, _rounding, _tree
 
 StateFormat = Literal["8bit", "4bit", "float8"]
 FORMATS: tuple[str, ...] = ("8bit", "4bit", "float8")
@@ -112,7 +112,7 @@ class _Codec:
         ``key`` (a ``uint32`` scalar): round each value stochastically to one
         of the two codes around it, the upper one with probability equal to
         the value's distance from the lower one over the gap, so the decoded
-        value is unbiased (`_uniform_bits`). ``None``: to the nearest
+        value is unbiased (`amp_jax.optim._rounding.uniform_bits`). ``None``: to the nearest
         code (ties to the lower one).
         """
         if self.sqrt:  # max(sqrt(x)) = sqrt(max(x)): sqrt rounds monotonically
@@ -124,7 +124,7 @@ class _Codec:
         safe = jnp.where(absmax > 0, absmax, 1.0)[..., None]
         norm = jnp.clip(blocks / safe, -1.0, 1.0)
         norm = jnp.where(jnp.isnan(norm), 0.0, norm)
-        rand = None if key is None else _uniform_bits(norm, key)
+        rand = None if key is None else _rounding.uniform_bits(norm, key ^ _positions(norm.shape))
         if self.kind == "float8":
             return _to_float8(norm * _F8_MAX, rand), absmax
         if self.kind == "linear":  # code c stands for (c + 1) / 2**bits
@@ -132,12 +132,12 @@ class _Codec:
             if rand is None:  # midpoints (i + 1.5) / 2**bits: exact in float32
                 codes = jnp.ceil(norm * n - 1.5)
             else:
-                codes = jnp.floor(norm * n - 1 + _unit(rand))
+                codes = jnp.floor(norm * n - 1 + _rounding.unit(rand))
             codes = jnp.clip(codes, 0, n - 1).astype(jnp.uint8)
         else:
             codes = _nearest(norm, self.table)
             if rand is not None:
-                codes = _stochastic_neighbour(norm, codes, self.table, _unit(rand))
+                codes = _stochastic_neighbour(norm, codes, self.table, _rounding.unit(rand))
         if self.bits == 4:  # first half of the block in the low nibbles
             half = codes.shape[-1] // 2
             codes = codes[..., :half] | (codes[..., half:] << 4)
@@ -211,46 +211,17 @@ def _to_float8(v: jax.Array, rand: jax.Array | None = None) -> jax.Array:
         sub = jnp.round(a * np.float32(512.0)).astype(jnp.uint32)
     else:
         normal = ((ab + (rand & 0xFFFFF)) >> 20) - (120 << 3)
-        sub = jnp.floor(a * np.float32(512.0) + _unit(rand)).astype(jnp.uint32)
+        sub = jnp.floor(a * np.float32(512.0) + _rounding.unit(rand)).astype(jnp.uint32)
     return jnp.where(a < np.float32(2.0**-6), sub, normal).astype(jnp.uint8) | sign
-
-
-def _hash32(x: jax.Array) -> jax.Array:
-    """A mixing hash of ``uint32`` values (lowbias32, C. Wellons): every input
-    bit flips each output bit with probability close to 1/2."""
-    x = x ^ (x >> 16)
-    x = x * np.uint32(0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = x * np.uint32(0x846CA68B)
-    return x ^ (x >> 16)
-
-
-def _uniform_bits(x: jax.Array, key: jax.Array) -> jax.Array:
-    """``uint32`` pseudo-random bits per element of float32 ``x``: a hash of
-    its top 16 bits (sign, exponent, 7 mantissa bits) and ``key`` (one per
-    step and moment, `_step_keys`).
-
-    Element-wise, so it needs no index arrays (they would have to be sharded
-    like the state and differ between a stacked and a per-layer state) and
-    adds no state. Values within 2**-7 of each other round alike in one step,
-    and a value rounds differently from step to step. Without the low bits,
-    two programs whose float32 arithmetic differs by an ulp (another fusion,
-    ``amp_jax.eager.scan_step`` against the standard step) almost always
-    draw the same bits.
-    """
-    return _hash32((jax.lax.bitcast_convert_type(x, jnp.uint32) >> 16) ^ key)
-
-
-def _unit(rand: jax.Array) -> jax.Array:
-    """Uniform float32 in [0, 1) from ``uint32`` bits (their top 24)."""
-    return (rand >> 8).astype(jnp.float32) * np.float32(2.0**-24)
 
 
 def _step_keys(count: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(mu key, nu key) of step ``count`` (the same for every parameter, so a
     layer's moments round alike whether its parameters are stacked or not)."""
-    step = _hash32(count.astype(jnp.uint32) * np.uint32(_tree._GOLDEN))
-    return _hash32(step ^ np.uint32(0x85EBCA6B)), _hash32(step ^ np.uint32(0x27D4EB2F))
+    step = _rounding.hash32(count.astype(jnp.uint32) * np.uint32(_tree._GOLDEN))
+    return _rounding.hash32(step ^ np.uint32(0x85EBCA6B)), _rounding.hash32(
+        step ^ np.uint32(0x27D4EB2F)
+    )
 
 
 def _slow(decay: Any, traced: bool) -> bool:
@@ -261,6 +232,20 @@ def _slow(decay: Any, traced: bool) -> bool:
         return float(decay) > SLOW_DECAY
     except jax.errors.ConcretizationTypeError:
         return traced
+
+
+def _positions(shape: tuple[int, ...]) -> jax.Array:
+    """``uint32`` salt per element of a block layout ``(..., n_blocks, block)``:
+    a hash of its place in its row (block index and offset). The values of a
+    block are often close to each other (``nu`` averages ~1000 steps), and a
+    hash of the value alone gives most of a block the same random bits, so
+    their rounding errors add up instead of cancelling. The place in the row
+    is the same for a stacked and a per-layer state and under any sharding
+    that keeps whole blocks."""
+    n_blocks, block = shape[-2:]
+    where = jax.lax.broadcasted_iota(jnp.uint32, (n_blocks, block), 0) * np.uint32(block)
+    where = where + jax.lax.broadcasted_iota(jnp.uint32, (n_blocks, block), 1)
+    return _rounding.hash32(where * np.uint32(_tree._GOLDEN))
 
 
 def _stochastic_neighbour(
@@ -544,7 +529,7 @@ def scale_by_quantized_adam(
         del params
         count_inc, bc1, bc2 = _tree.adam_counts(state.count, b1, b2)
         adam = functools.partial(_adam, b1=b1, b2=b2, eps=eps, eps_root=eps_root, bc1=bc1, bc2=bc2)
-        keys = _rounding_keys(count_inc, b1, b2, state_rounding)
+        keys = rounding_keys(count_inc, b1, b2, state_rounding)
         one = functools.partial(
             _update_moments, adam=adam, codecs=codecs, keys=keys, block_size=block_size
         )
@@ -585,12 +570,17 @@ def _checked_options(
     min_quantized_size = _check.integer(
         min_quantized_size, caller, "min_quantized_size", 0, str(DEFAULT_MIN_SIZE)
     )
+    check_rounding(state_rounding, caller)
+    return block_size, min_quantized_size
+
+
+def check_rounding(state_rounding: Any, caller: str) -> None:
+    """Raises a ``ValueError`` for a ``state_rounding`` that is not one of `ROUNDINGS`."""
     if state_rounding not in ROUNDINGS:
         raise ValueError(
             f"{caller}: `state_rounding` must be one of {', '.join(map(repr, ROUNDINGS))}, "
             f"got {state_rounding!r}."
         )
-    return block_size, min_quantized_size
 
 
 def _init_state(
@@ -632,7 +622,7 @@ def _adam(g32, m32, v32, *, b1, b2, eps, eps_root, bc1, bc2):
     return u, m_new, v_new
 
 
-def _rounding_keys(count: jax.Array, b1: Any, b2: Any, state_rounding: str) -> tuple:
+def rounding_keys(count: jax.Array, b1: Any, b2: Any, state_rounding: str) -> tuple:
     """Per moment (mu, nu): the step's key when it is rounded stochastically, else None."""
     if state_rounding != "stochastic":
         return (None, None)

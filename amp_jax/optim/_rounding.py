@@ -14,6 +14,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 
@@ -38,3 +39,34 @@ def round_nearest(x: jax.Array, dtype: Any) -> jax.Array:
         sub = lax.round(x * scale, lax.RoundingMethod.TO_NEAREST_EVEN) / scale
         out = jnp.where(jnp.abs(x) < jnp.asarray(fi.tiny, x.dtype), sub, out)
     return out
+
+
+def hash32(x: jax.Array) -> jax.Array:
+    """A mixing hash of ``uint32`` values (lowbias32, C. Wellons): every input
+    bit flips each output bit with probability close to 1/2."""
+    x = x ^ (x >> 16)
+    x = x * np.uint32(0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = x * np.uint32(0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def uniform_bits(x: jax.Array, key: jax.Array) -> jax.Array:
+    """``uint32`` pseudo-random bits per element of float32 ``x``: a hash of
+    its top 16 bits (sign, exponent, 7 mantissa bits) and ``key`` (one per
+    step and moment, `amp_jax.optim._quantized._step_keys`).
+
+    Element-wise, so it needs no index arrays (they would have to be sharded
+    like the state and differ between a stacked and a per-layer state) and
+    adds no state. Values within 2**-7 of each other round alike in one step,
+    and a value rounds differently from step to step. Without the low bits,
+    two programs whose float32 arithmetic differs by an ulp (another fusion,
+    ``amp_jax.eager.scan_step`` against the standard step) almost always
+    draw the same bits.
+    """
+    return hash32((jax.lax.bitcast_convert_type(x, jnp.uint32) >> 16) ^ key)
+
+
+def unit(rand: jax.Array) -> jax.Array:
+    """Uniform float32 in [0, 1) from ``uint32`` bits (their top 24)."""
+    return (rand >> 8).astype(jnp.float32) * np.float32(2.0**-24)

@@ -61,6 +61,15 @@ def _round_generic(x: jax.Array, uniform: jax.Array, dtype: Any) -> jax.Array:
     return jnp.where(exact, nearest, out)
 
 
+def round_with_bits(x: jax.Array, bits: jax.Array, dtype: Any) -> jax.Array:
+    """Round float32 ``x`` to ``dtype`` stochastically with the given ``uint32``
+    random ``bits`` per element (bfloat16: their top 16; other dtypes: their top
+    24 as a uniform number)."""
+    if jnp.dtype(dtype) == jnp.bfloat16:
+        return _round_bf16(x, bits)
+    return _round_generic(x, _rounding.unit(bits), dtype)
+
+
 def stochastic_round(x: jax.Array, key: jax.Array, dtype: Any) -> jax.Array:
     """Round ``x`` to ``dtype`` stochastically (unbiased), elementwise."""
     dtype = jnp.dtype(dtype)
