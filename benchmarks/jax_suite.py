@@ -7,7 +7,7 @@
 ``--jax-src`` is a checkout of JAX's repository (its ``tests/`` at the tag of
 the installed JAX: ``git archive jax-v0.10.2 tests pyproject.toml conftest.py``);
 JAX's test code stays out of this repository. Each file runs with pytest in a
-subprocess, in the checkout, with our plugin (`benchmarks/jax_suite_plugin.py`)
+subprocess, in the checkout, with our plugin (`benchmarks/_jax_suite_plugin.py`)
 loaded: first without amp (the baseline), then with amp wrapped around every
 function the test file passes to ``jax.jit``, ``grad``, ``vmap``, ``jvp``,
 ``vjp``, ``linearize`` and the jacobians, in one mode:
@@ -18,6 +18,10 @@ function the test file passes to ``jax.jit``, ``grad``, ``vmap``, ``jvp``,
   own, each with its reason);
 - ``bfloat16``: ``amp(fn, policy="bfloat16")``: numerical assertion failures
   are expected and counted; a crash (any other exception) is a defect.
+
+The tests that fail under amp run once more with ``jax.jit`` where amp was
+(the plugin's ``jit`` mode): "fail under jit too" counts those that fail
+because their function is traced to a jaxpr at all, as amp traces it.
 
 Per file and mode the table gives: tests that pass without amp, of those how
 many fail under amp (crashes, assertion failures) and how many of the failures
@@ -113,7 +117,7 @@ def run_pytest(
         JAX_PLATFORMS=env.get("JAX_PLATFORMS", "cpu"),
     )
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p"]
-    cmd += ["benchmarks.jax_suite_plugin", "-o", "addopts=--import-mode=importlib"]
+    cmd += ["benchmarks._jax_suite_plugin", "-o", "addopts=--import-mode=importlib"]
     try:
         import xdist  # noqa: F401
 
@@ -167,6 +171,14 @@ def run_file(args, src: pathlib.Path, name: str, mode: str, skips) -> dict:
     missing = sorted(n for n in passed if n not in amp)  # the amp run died before them
     for r in failed:
         r["skip"] = skip_reason(r["nodeid"], mode, skips)
+    # the control: the failing tests with jax.jit where amp was
+    ids = [r["nodeid"] for r in failed]
+    control = run_pytest(
+        src, ids, "jit", out / f"{name}.jit.jsonl", None, args.cases, args.timeout
+    ) if ids else []
+    jit_failed = {r["nodeid"] for r in control if r["outcome"] == "failed"}
+    for r in failed:
+        r["jit_fails"] = r["nodeid"] in jit_failed
     return {
         "file": name,
         "ran": len(amp_rows),
@@ -181,16 +193,18 @@ def table(results: list[dict], header: str) -> str:
     lines = [
         header,
         "",
-        "| file | mode | tests run | wrapped | passed without amp | failed under amp | crashes | assertions | on the skip list | unexplained |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| file | mode | tests run | wrapped | passed without amp | failed under amp | crashes | assertions | fail under jit too | on the skip list | unexplained |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    totals = [0] * 8
+    totals = [0] * 9
     for r in results:
         f = r["failed"]
         crash = sum(1 for x in f if x["crash"])
         skipped = sum(1 for x in f if x["skip"])
         nums = [r["ran"], r["wrapped"], r["baseline_passed"], len(f) + len(r["missing"])]
-        nums += [crash + len(r["missing"]), len(f) - crash, skipped, len(f) + len(r["missing"]) - skipped]
+        jit = sum(1 for x in f if x.get("jit_fails"))
+        nums += [crash + len(r["missing"]), len(f) - crash, jit, skipped]
+        nums += [len(f) + len(r["missing"]) - skipped]
         totals = [a + b for a, b in zip(totals, nums)]
         lines.append(f"| {r['file']} | {r['mode']} | " + " | ".join(map(str, nums)) + " |")
     lines.append("| **total** | | " + " | ".join(f"**{n}**" for n in totals) + " |")
@@ -203,7 +217,8 @@ def failures_text(results: list[dict]) -> str:
         for x in r["failed"]:
             kind = "crash" if x["crash"] else "assert"
             skip = f"  [skip list: {x['skip']}]" if x["skip"] else ""
-            out.append(f"{r['mode']} {kind} {x['nodeid']}: {x['type']}: {x['message']}{skip}")
+            jit = " [fails under jit too]" if x.get("jit_fails") else ""
+            out.append(f"{r['mode']} {kind}{jit} {x['nodeid']}: {x['type']}: {x['message']}{skip}")
         for n in r["missing"]:
             out.append(f"{r['mode']} crash {n}: the amp run did not reach it (timed out or died)")
     return "\n".join(out) + "\n"

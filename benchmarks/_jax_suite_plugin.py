@@ -1,17 +1,21 @@
 """pytest plugin of `benchmarks/jax_suite.py`: JAX's own tests with amp wrapped in.
 
-Loaded with ``-p benchmarks.jax_suite_plugin`` into a pytest run of JAX's test
+Loaded with ``-p benchmarks._jax_suite_plugin`` into a pytest run of JAX's test
 files. ``AMP_JAX_SUITE_MODE`` picks what it does:
 
 - ``off``: nothing is wrapped (the baseline run);
 - ``float32``: amp's interpreter forced on at float32
   (`amp_jax._src.testing.interpreted_float32`: every equation re-bound, no
   dtype changed);
-- ``bfloat16``: ``amp(fn, policy="bfloat16")``.
+- ``bfloat16``: ``amp(fn, policy="bfloat16")``;
+- ``jit``: the control: ``jax.jit(fn)`` where amp would be. A test that fails
+  here too fails because its function is traced to a jaxpr (a Python ``if`` on
+  a traced value, a count of JAX's caches, a leaked tracer), as it is by amp.
 
 In the two amp modes, ``jax.jit``, ``jax.grad``, ``jax.value_and_grad``,
 ``jax.vmap``, ``jax.jvp``, ``jax.vjp``, ``jax.linearize``, ``jax.jacfwd``,
-``jax.jacrev`` and ``jax.hessian`` are replaced by functions that wrap the
+``jax.jacrev`` and ``jax.hessian`` (and their originals in ``jax._src.api``,
+which JAX's tests call as ``api.jit``) are replaced by functions that wrap the
 function argument in amp and call the original. Only calls made from a test
 file are wrapped (the caller's file is under the directory of the files
 collected): JAX's own library code calls ``jax.jit`` too, and what is under
@@ -27,6 +31,7 @@ exception's type and first line, and how many functions were wrapped.
 from __future__ import annotations
 
 import functools
+import importlib
 import json
 import os
 import sys
@@ -52,6 +57,9 @@ NAMES = (
     "hessian",
 )
 
+#: where the test files find them: ``jax.jit`` and, in JAX's own tests,
+#: ``jax._src.api.jit`` (``from jax._src import api``; ``api.jit(f)``)
+MODULES = ("jax", "jax._src.api")
 ORIGINAL = {name: getattr(jax, name) for name in NAMES}
 _test_dirs: tuple[str, ...] = ()
 _wrapped = 0
@@ -79,6 +87,12 @@ def _wrap(fn: Any) -> Any:
         from amp_jax._src.testing import interpreted_float32
 
         out = interpreted_float32(fn)
+    elif MODE == "jit":
+        out = ORIGINAL["jit"](fn)
+        try:
+            out._amp_jax_suite = True
+        except (AttributeError, TypeError):
+            pass
     else:
         import amp_jax
 
@@ -123,10 +137,13 @@ def pytest_configure(config: Any) -> None:
     _test_dirs = tuple(sorted(d + os.sep for d in dirs))
     if MODE == "off":
         return
-    if MODE not in ("float32", "bfloat16"):
-        raise ValueError(f"AMP_JAX_SUITE_MODE={MODE!r}: use off, float32 or bfloat16")
-    for name in NAMES:
-        setattr(jax, name, _patched(name))
+    if MODE not in ("float32", "bfloat16", "jit"):
+        raise ValueError(f"AMP_JAX_SUITE_MODE={MODE!r}: use off, float32, bfloat16 or jit")
+    patched = {name: _patched(name) for name in NAMES}
+    for module in map(importlib.import_module, MODULES):
+        for name in NAMES:
+            if getattr(module, name, None) is ORIGINAL[name]:
+                setattr(module, name, patched[name])
 
 
 def pytest_runtest_setup(item: Any) -> None:
