@@ -141,7 +141,9 @@ def run_pytest(
         tail = (proc.stdout + proc.stderr)[-3000:]
     except subprocess.TimeoutExpired as e:
         tail = f"timed out after {timeout} s\n" + str(e.stdout or "")[-2000:]
-    log.with_suffix(".out").write_text(f"{' '.join(cmd)}\n{time.monotonic() - started:.0f} s\n{tail}")
+    log.with_suffix(".out").write_text(
+        f"{' '.join(cmd)}\n{time.monotonic() - started:.0f} s\n{tail}"
+    )
     if not log.exists():
         return []
     return [json.loads(line) for line in log.read_text().splitlines()]
@@ -152,7 +154,9 @@ def run_file(args, src: pathlib.Path, name: str, mode: str, skips) -> dict:
     out = pathlib.Path(args.out) / mode
     select = SELECT.get(name)
     target = [f"tests/{name}"]
-    amp_rows = run_pytest(src, target, mode, out / f"{name}.jsonl", select, args.cases, args.timeout)
+    amp_rows = run_pytest(
+        src, target, mode, out / f"{name}.jsonl", select, args.cases, args.timeout
+    )
     amp = {r["nodeid"]: r for r in amp_rows}
     if args.baseline == "full":
         base_rows = run_pytest(
@@ -162,9 +166,13 @@ def run_file(args, src: pathlib.Path, name: str, mode: str, skips) -> dict:
     else:
         # only the tests that did not pass under amp run without it
         others = sorted(n for n, r in amp.items() if r["outcome"] == "failed")
-        base_rows = run_pytest(
-            src, others, "off", out / f"{name}.base.jsonl", None, args.cases, args.timeout
-        ) if others else []
+        base_rows = (
+            run_pytest(
+                src, others, "off", out / f"{name}.base.jsonl", None, args.cases, args.timeout
+            )
+            if others
+            else []
+        )
         passed = {n for n, r in amp.items() if r["outcome"] == "passed"}
         passed |= {r["nodeid"] for r in base_rows if r["outcome"] == "passed"}
     failed = [amp[n] for n in sorted(passed) if n in amp and amp[n]["outcome"] == "failed"]
@@ -173,9 +181,11 @@ def run_file(args, src: pathlib.Path, name: str, mode: str, skips) -> dict:
         r["skip"] = skip_reason(r["nodeid"], mode, skips)
     # the control: the failing tests with jax.jit where amp was
     ids = [r["nodeid"] for r in failed]
-    control = run_pytest(
-        src, ids, "jit", out / f"{name}.jit.jsonl", None, args.cases, args.timeout
-    ) if ids else []
+    control = (
+        run_pytest(src, ids, "jit", out / f"{name}.jit.jsonl", None, args.cases, args.timeout)
+        if ids
+        else []
+    )
     jit_failed = {r["nodeid"] for r in control if r["outcome"] == "failed"}
     for r in failed:
         r["jit_fails"] = r["nodeid"] in jit_failed
@@ -242,16 +252,25 @@ def smoke() -> str:
         results = []
         for mode in ("float32", "bfloat16"):
             rows = run_pytest(
-                SAMPLE, ["tests/sample_test.py"], mode, pathlib.Path(tmp) / f"{mode}.jsonl",
-                None, 1, 600,
+                SAMPLE,
+                ["tests/sample_test.py"],
+                mode,
+                pathlib.Path(tmp) / f"{mode}.jsonl",
+                None,
+                1,
+                600,
             )
-            results.append({
-                "file": "sample_test.py", "mode": mode, "ran": len(rows),
-                "baseline_passed": len(rows),
-                "wrapped": sum(1 for r in rows if r.get("wrapped")),
-                "failed": [dict(r, skip=None) for r in rows if r["outcome"] == "failed"],
-                "missing": [],
-            })
+            results.append(
+                {
+                    "file": "sample_test.py",
+                    "mode": mode,
+                    "ran": len(rows),
+                    "baseline_passed": len(rows),
+                    "wrapped": sum(1 for r in rows if r.get("wrapped")),
+                    "failed": [dict(r, skip=None) for r in rows if r["outcome"] == "failed"],
+                    "missing": [],
+                }
+            )
     text = table(results, "## smoke: benchmarks/jax_suite_sample")
     text += failures_text(results)
     if not all(r["wrapped"] == r["ran"] > 0 for r in results):
@@ -261,7 +280,9 @@ def smoke() -> str:
 
 def main(argv: list[str] | None = None) -> str:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--jax-src", help="a checkout of JAX's repository (its tests/ at the installed version)")
+    p.add_argument(
+        "--jax-src", help="a checkout of JAX's repository (its tests/ at the installed version)"
+    )
     p.add_argument("--mode", default="float32", help="float32, bfloat16 or both: float32,bfloat16")
     p.add_argument("--files", default=",".join(FILES), help="comma-separated file names in tests/")
     p.add_argument("--cases", type=int, default=2, help="JAX_NUM_GENERATED_CASES")

@@ -31,8 +31,11 @@ class InterpretedPolicy(Policy):
         return False
 
 
-#: the policy of `interpreted_float32`
-INTERPRETED_FLOAT32 = InterpretedPolicy(compute_dtype=np.float32)
+#: the policy of `interpreted_float32`: no size threshold, so that every dot
+#: and convolution goes through its allow rule, however small
+INTERPRETED_FLOAT32 = InterpretedPolicy(
+    compute_dtype=np.float32, min_low_contraction=0, min_low_flops=0
+)
 
 
 def interpreted_float32(fn: Callable[..., Any]) -> AmpFunction:
