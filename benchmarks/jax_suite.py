@@ -73,25 +73,28 @@ SELECT = {
 }
 
 
-def read_skips(path: pathlib.Path) -> list[tuple[str, str, str]]:
-    """(mode or ``*``, node-id glob, reason) for each line ``MODE GLOB  # reason``."""
+def read_skips(path: pathlib.Path) -> list[tuple[str, str, str, str]]:
+    """(mode or ``*``, node-id glob, exception type or ``""``, reason) for each
+    line ``MODE GLOB [EXCEPTION-TYPE]  # reason``."""
     out = []
     for line in path.read_text().splitlines():
         line = line.strip()
         if not line or line.startswith("#"):
             continue
         spec, _, reason = line.partition("#")
-        mode, glob = spec.split()
+        mode, glob, *kind = spec.split()
         if not reason.strip():
             raise ValueError(f"{path}: {line!r} has no reason (write it after '#')")
-        out.append((mode, glob, reason.strip()))
+        out.append((mode, glob, "".join(kind), reason.strip()))
     return out
 
 
-def skip_reason(nodeid: str, mode: str, skips: list[tuple[str, str, str]]) -> str | None:
-    for m, glob, reason in skips:
-        if m in ("*", mode) and fnmatch.fnmatchcase(nodeid, glob):
-            return reason
+def skip_reason(row: dict, mode: str, skips: list[tuple[str, str, str, str]]) -> str | None:
+    """The reason ``row``'s failure is on the skip list, or None."""
+    for m, glob, kind, reason in skips:
+        if m in ("*", mode) and fnmatch.fnmatchcase(row["nodeid"], glob):
+            if not kind or kind == row["type"]:
+                return reason
     return None
 
 
@@ -103,9 +106,13 @@ def run_pytest(
     select: str | None,
     cases: int,
     timeout: float,
+    reuse: bool = False,
 ) -> list[dict]:
     """One pytest run of ``targets`` (paths or node ids, relative to ``src``)
-    under ``mode``; the plugin's rows (one per test)."""
+    under ``mode``; the plugin's rows (one per test). ``reuse``: the rows an
+    earlier run left in ``log``, nothing run."""
+    if reuse:
+        return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
     log.parent.mkdir(parents=True, exist_ok=True)
     log.unlink(missing_ok=True)
     env = dict(os.environ)
@@ -155,12 +162,19 @@ def run_file(args, src: pathlib.Path, name: str, mode: str, skips) -> dict:
     select = SELECT.get(name)
     target = [f"tests/{name}"]
     amp_rows = run_pytest(
-        src, target, mode, out / f"{name}.jsonl", select, args.cases, args.timeout
+        src, target, mode, out / f"{name}.jsonl", select, args.cases, args.timeout, args.from_logs
     )
     amp = {r["nodeid"]: r for r in amp_rows}
     if args.baseline == "full":
         base_rows = run_pytest(
-            src, target, "off", out / f"{name}.base.jsonl", select, args.cases, args.timeout
+            src,
+            target,
+            "off",
+            out / f"{name}.base.jsonl",
+            select,
+            args.cases,
+            args.timeout,
+            args.from_logs,
         )
         passed = {r["nodeid"] for r in base_rows if r["outcome"] == "passed"}
     else:
@@ -168,7 +182,14 @@ def run_file(args, src: pathlib.Path, name: str, mode: str, skips) -> dict:
         others = sorted(n for n, r in amp.items() if r["outcome"] == "failed")
         base_rows = (
             run_pytest(
-                src, others, "off", out / f"{name}.base.jsonl", None, args.cases, args.timeout
+                src,
+                others,
+                "off",
+                out / f"{name}.base.jsonl",
+                None,
+                args.cases,
+                args.timeout,
+                args.from_logs,
             )
             if others
             else []
@@ -178,11 +199,20 @@ def run_file(args, src: pathlib.Path, name: str, mode: str, skips) -> dict:
     failed = [amp[n] for n in sorted(passed) if n in amp and amp[n]["outcome"] == "failed"]
     missing = sorted(n for n in passed if n not in amp)  # the amp run died before them
     for r in failed:
-        r["skip"] = skip_reason(r["nodeid"], mode, skips)
+        r["skip"] = skip_reason(r, mode, skips)
     # the control: the failing tests with jax.jit where amp was
     ids = [r["nodeid"] for r in failed]
     control = (
-        run_pytest(src, ids, "jit", out / f"{name}.jit.jsonl", None, args.cases, args.timeout)
+        run_pytest(
+            src,
+            ids,
+            "jit",
+            out / f"{name}.jit.jsonl",
+            None,
+            args.cases,
+            args.timeout,
+            args.from_logs,
+        )
         if ids
         else []
     )
@@ -290,6 +320,11 @@ def main(argv: list[str] | None = None) -> str:
     p.add_argument("--timeout", type=float, default=3600, help="seconds per pytest run")
     p.add_argument("--out", default="/tmp/amp_jax_suite", help="logs: failing node ids, JSON lines")
     p.add_argument("--skips", default=str(SKIPS))
+    p.add_argument(
+        "--from-logs",
+        action="store_true",
+        help="the table from --out's logs (after a skip-list edit)",
+    )
     p.add_argument("--smoke", action="store_true", help="only the plugin on our sample test file")
     args = p.parse_args(argv)
     if args.smoke:

@@ -78,6 +78,7 @@ def test_forced_float32_really_interprets():
 def test_jax_suite_skip_list_has_a_reason_on_every_line():
     from benchmarks.jax_suite import SKIPS, read_skips
 
-    for mode, glob, reason in read_skips(SKIPS):
+    for mode, glob, kind, reason in read_skips(SKIPS):
         assert mode in ("*", "float32", "bfloat16"), (mode, glob)
+        assert kind == "" or kind.endswith("Error"), (glob, kind)
         assert "::" in glob and len(reason) > 10, (glob, reason)
