@@ -25,7 +25,8 @@ because their function is traced to a jaxpr at all, as amp traces it.
 
 Per file and mode the table gives: tests that pass without amp, of those how
 many fail under amp (crashes, assertion failures) and how many of the failures
-the skip list explains. The failing node ids, their exceptions and the skip
+the skip list explains, and how many are amp's known defects
+(``jax_suite_known.txt``, each with its issue). The failing node ids, their exceptions and the skip
 reasons go to ``--out`` (``<mode>/failures.txt`` and the JSON lines of each
 run). ``--baseline failures`` (for a slow machine) runs the baseline only on
 the tests that fail under amp and counts every other test that passes under
@@ -50,6 +51,8 @@ import time
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parent
 SKIPS = HERE / "jax_suite_skips.txt"
+#: failures of amp's known defects, each with the issue that fixes it (same format)
+KNOWN = HERE / "jax_suite_known.txt"
 SAMPLE = HERE / "jax_suite_sample"
 
 #: issue 48's files; lax_test and lax_numpy_test only for their dot/conv/matmul tests
@@ -156,7 +159,7 @@ def run_pytest(
     return [json.loads(line) for line in log.read_text().splitlines()]
 
 
-def run_file(args, src: pathlib.Path, name: str, mode: str, skips) -> dict:
+def run_file(args, src: pathlib.Path, name: str, mode: str, skips, known) -> dict:
     """The baseline and the amp run of one test file: its row and failures."""
     out = pathlib.Path(args.out) / mode
     select = SELECT.get(name)
@@ -200,6 +203,7 @@ def run_file(args, src: pathlib.Path, name: str, mode: str, skips) -> dict:
     missing = sorted(n for n in passed if n not in amp)  # the amp run died before them
     for r in failed:
         r["skip"] = skip_reason(r, mode, skips)
+        r["known"] = None if r["skip"] else skip_reason(r, mode, known)
     # the control: the failing tests with jax.jit where amp was
     ids = [r["nodeid"] for r in failed]
     control = (
@@ -233,18 +237,19 @@ def table(results: list[dict], header: str) -> str:
     lines = [
         header,
         "",
-        "| file | mode | tests run | wrapped | passed without amp | failed under amp | crashes | assertions | fail under jit too | on the skip list | unexplained |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| file | mode | tests run | wrapped | passed without amp | failed under amp | crashes | assertions | fail under jit too | on the skip list | known defect | unexplained |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    totals = [0] * 9
+    totals = [0] * 10
     for r in results:
         f = r["failed"]
         crash = sum(1 for x in f if x["crash"])
         skipped = sum(1 for x in f if x["skip"])
         nums = [r["ran"], r["wrapped"], r["baseline_passed"], len(f) + len(r["missing"])]
         jit = sum(1 for x in f if x.get("jit_fails"))
-        nums += [crash + len(r["missing"]), len(f) - crash, jit, skipped]
-        nums += [len(f) + len(r["missing"]) - skipped]
+        known = sum(1 for x in f if x.get("known"))
+        nums += [crash + len(r["missing"]), len(f) - crash, jit, skipped, known]
+        nums += [len(f) + len(r["missing"]) - skipped - known]
         totals = [a + b for a, b in zip(totals, nums)]
         lines.append(f"| {r['file']} | {r['mode']} | " + " | ".join(map(str, nums)) + " |")
     lines.append("| **total** | | " + " | ".join(f"**{n}**" for n in totals) + " |")
@@ -257,6 +262,7 @@ def failures_text(results: list[dict]) -> str:
         for x in r["failed"]:
             kind = "crash" if x["crash"] else "assert"
             skip = f"  [skip list: {x['skip']}]" if x["skip"] else ""
+            skip += f"  [known: {x['known']}]" if x.get("known") else ""
             jit = " [fails under jit too]" if x.get("jit_fails") else ""
             out.append(f"{r['mode']} {kind}{jit} {x['nodeid']}: {x['type']}: {x['message']}{skip}")
         for n in r["missing"]:
@@ -335,10 +341,11 @@ def main(argv: list[str] | None = None) -> str:
         p.error("--jax-src PATH is needed (a checkout of JAX's repository)")
     src = pathlib.Path(args.jax_src).resolve()
     skips = read_skips(pathlib.Path(args.skips))
+    known = read_skips(KNOWN)
     results = []
     for mode in args.mode.split(","):
         for name in args.files.split(","):
-            r = run_file(args, src, name, mode, skips)
+            r = run_file(args, src, name, mode, skips, known)
             r["mode"] = mode
             results.append(r)
             print(table([r], "").strip().splitlines()[-2], flush=True)

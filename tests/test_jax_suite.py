@@ -75,10 +75,11 @@ def test_forced_float32_really_interprets():
     assert "bf16" not in text and "convert_element_type[new_dtype=bfloat16" not in text
 
 
-def test_jax_suite_skip_list_has_a_reason_on_every_line():
-    from benchmarks.jax_suite import SKIPS, read_skips
+@pytest.mark.parametrize("listing", ["SKIPS", "KNOWN"])
+def test_jax_suite_skip_list_has_a_reason_on_every_line(listing):
+    import benchmarks.jax_suite as suite
 
-    for mode, glob, kind, reason in read_skips(SKIPS):
+    for mode, glob, kind, reason in suite.read_skips(getattr(suite, listing)):
         assert mode in ("*", "float32", "bfloat16"), (mode, glob)
         assert kind == "" or kind.endswith("Error"), (glob, kind)
         assert "::" in glob and len(reason) > 10, (glob, reason)
