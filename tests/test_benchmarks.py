@@ -73,6 +73,18 @@ def test_run():
 
 
 @heavy
+def test_jax_suite():
+    # the plugin on our sample test file (benchmarks/jax_suite_sample): every
+    # test wraps its functions in amp, and passes, in both modes
+    t = table_with(run("jax_suite"), "file", "mode", "tests run", "wrapped")
+    assert [row[:2] for row in t[1:-1]] == [
+        ["sample_test.py", "float32"],
+        ["sample_test.py", "bfloat16"],
+    ]
+    assert all(row[2] == row[3] == row[4] == "5" and row[5] == "0" for row in t[1:-1]), t
+
+
+@heavy
 def test_trace_cost():
     t = table_with(run("trace_cost"), "depth", "f32 eqns", "f32 s", "amp s", "amp / f32")
     assert first_column(t) == ["1", "2"]

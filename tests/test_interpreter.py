@@ -104,3 +104,32 @@ def test_literal_operands_are_cast_as_constants():
     (mul,) = [e for e in jaxpr.eqns if e.primitive.name == "mul"]
     assert [v.aval.dtype for v in mul.invars] == [BF16, BF16]
     np.testing.assert_allclose(amp(f, policy=policy)(X, W, W2), f(X, W, W2), rtol=2e-2)
+
+
+def test_a_python_scalar_that_a_primitive_gives_is_read_like_a_literal():
+    # JAX's custom_vjp3 (a config flag) binds one "hi" primitive that runs the
+    # traced function on its operands as they are: a Python float captured
+    # from a static argument comes back a Python float, which amp then read
+    # as if it had a dtype (custom_api_test's
+    # test_initial_style_vmap_with_collective, found by benchmarks/jax_suite.py)
+    from jax import lax
+
+    from amp_jax._src.testing import interpreted_float32
+
+    previous = jax.config.jax_custom_vjp3
+    jax.config.update("jax_custom_vjp3", True)
+    try:
+
+        @jax.custom_vjp
+        def total(x):
+            return lax.psum(x, "i")
+
+        total.defvjp(lambda x: (total(x), None), lambda _, g: (g,))
+        for wrap in (amp, interpreted_float32):
+            fn = wrap(lambda _, x: total(x))
+            out = jax.vmap(fn, axis_name="i", in_axes=(0, None), out_axes=None)(
+                jnp.arange(4.0), 2.0
+            )
+            assert float(out) == 8.0
+    finally:
+        jax.config.update("jax_custom_vjp3", previous)

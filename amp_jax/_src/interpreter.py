@@ -79,6 +79,10 @@ class _Env:
                 return compat.cast_constant(val, dtype)
             return val
         val = self.vals[atom]
+        if not hasattr(val, "dtype"):
+            # a Python scalar, as some primitives give (a psum over a vmap axis
+            # of an unbatched Python float): read like a literal
+            return val if dtype is None else compat.cast_constant(val, dtype)
         if dtype is None or np.dtype(val.dtype) == dtype:
             return val
         key = (atom, dtype)
