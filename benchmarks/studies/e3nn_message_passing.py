@@ -16,16 +16,12 @@ from __future__ import annotations
 import sys
 import time
 
-import e3nn_jax as e3nn
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from e3nn_jax.experimental.point_convolution import MessagePassingConvolutionFlax, radial_basis
 
 from amp_jax import Policy, amp
 
-IRREPS = e3nn.Irreps("32x0e + 16x1o + 8x2e")
 VARIANTS = {
     "k17": {"min_low_contraction": 17},
     "k33": {"min_low_contraction": 33},
@@ -34,31 +30,40 @@ VARIANTS = {
 }
 
 
-class Model(nn.Module):
-    @nn.compact
-    def __call__(self, pos, feats, senders, receivers):
-        vec = e3nn.IrrepsArray("1o", pos)
-        h = feats
-        for _ in range(3):
-            h = MessagePassingConvolutionFlax(
-                IRREPS, radial_basis=lambda r: radial_basis(r, 2.5, 8), avg_num_neighbors=8.0
-            )(vec, h, senders, receivers)
-            h = e3nn.flax.Linear(IRREPS)(e3nn.gate(h))
-        return h
-
-
 def main(rounds: int) -> None:
+    # (imported here: e3nn-jax is in the integrations extra, and warns at import)
+    import e3nn_jax as e3nn
+    import flax.linen as nn
+    from e3nn_jax.experimental.point_convolution import (
+        MessagePassingConvolutionFlax,
+        radial_basis,
+    )
+
+    irreps = e3nn.Irreps("32x0e + 16x1o + 8x2e")
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, pos, feats, senders, receivers):
+            vec = e3nn.IrrepsArray("1o", pos)
+            h = feats
+            for _ in range(3):
+                h = MessagePassingConvolutionFlax(
+                    irreps, radial_basis=lambda r: radial_basis(r, 2.5, 8), avg_num_neighbors=8.0
+                )(vec, h, senders, receivers)
+                h = e3nn.flax.Linear(irreps)(e3nn.gate(h))
+            return h
+
     k = jax.random.split(jax.random.key(0), 5)
     n_nodes, n_edges = 200, 1652
     pos = jax.random.normal(k[0], (n_nodes, 3)) * 2
     senders = jax.random.randint(k[1], (n_edges,), 0, n_nodes)
     receivers = jax.random.randint(k[2], (n_edges,), 0, n_nodes)
-    feats = e3nn.normal(IRREPS, k[3], (n_nodes,))
+    feats = e3nn.normal(irreps, k[3], (n_nodes,))
     model = Model()
     params = model.init(k[4], pos, feats, senders, receivers)
 
     def loss(params, pos, feats):
-        out = model.apply(params, pos, e3nn.IrrepsArray(IRREPS, feats), senders, receivers)
+        out = model.apply(params, pos, e3nn.IrrepsArray(irreps, feats), senders, receivers)
         return jnp.mean(out.array**2)
 
     steps = {
