@@ -454,9 +454,12 @@ def dynamic_std(loss, tx):
 BAD = BATCH.at[0, 0].set(jnp.inf)  # every gradient becomes non-finite
 
 
-def run_dynamic(fns, dtype, batches, **kw):
+def run_dynamic(fns, dtype, batches, form="wrapper", **kw):
     tx = optim.dynamic_loss_scale(optax.adam(1e-2), init_scale=2.0**10, growth_interval=2, **kw)
-    step = amp_jax.eager.scan_step(*fns, tx)
+    if form == "rule":  # the rule passed explicitly beside the inner optimizer
+        step = amp_jax.eager.scan_step(*fns, tx.inner, loss_scale=tx.rule)
+    else:
+        step = amp_jax.eager.scan_step(*fns, tx)
     p, ps = make_params(dtype), make_params(dtype)
     s, ss = step.init(p), tx.init(ps)
     std = dynamic_std(step.loss, tx)
@@ -470,8 +473,11 @@ def run_dynamic(fns, dtype, batches, **kw):
     return step, out
 
 
-def test_dynamic_loss_scale_matches_standard_and_skips_overflow():
-    step, out = run_dynamic((embed, block, head), jnp.float32, [BATCH, BATCH, BAD, BATCH, BATCH])
+@pytest.mark.parametrize("form", ["wrapper", "rule"])
+def test_dynamic_loss_scale_matches_standard_and_skips_overflow(form):
+    batches = [BATCH, BATCH, BAD, BATCH, BATCH]
+    step, out = run_dynamic((embed, block, head), jnp.float32, batches, form=form)
+    assert isinstance(step.loss_scale, optim.LossScaleRule)
     stats = [optim.loss_scale_stats(o[2]) for o in out]
     # growth after 2 good steps, backoff on the overflow step, growth again
     assert [float(t["scale"]) for t in stats] == [2.0**10, 2.0**11, 2.0**10, 2.0**10, 2.0**11]
@@ -538,6 +544,14 @@ def test_float16_amp_dynamic_loss_scale_matches_standard(remat):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-3, atol=2e-4), p, ps)
     jaxpr = str(jax.make_jaxpr(step.update)(make_params(), step.init(make_params()), BATCH))
     assert "f16" in jaxpr
+
+
+def test_loss_scale_argument_errors_name_the_fix():
+    tx = optim.dynamic_loss_scale(optax.sgd(1e-2))
+    with pytest.raises(TypeError, match=r"tx.inner, loss_scale=tx.rule"):
+        amp_jax.eager.scan_step(embed, block, head, tx, loss_scale=tx.rule)
+    with pytest.raises(TypeError, match=r"LossScaleRule .*got float"):
+        amp_jax.eager.scan_step(embed, block, head, optax.sgd(1e-2), loss_scale=2.0**10)
 
 
 def test_dynamic_loss_scale_bad_state():

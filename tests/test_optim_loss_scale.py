@@ -439,3 +439,26 @@ def test_forgotten_has_aux_is_named():
     state = optim.dynamic_loss_scale(optax.sgd(0.1)).init(params)
     with pytest.raises(TypeError, match="has_aux=True"):
         optim.scaled_value_and_grad(lambda p: (loss_fn(p), {"n": 1.0}), state)(params)
+
+
+def test_dynamic_loss_scale_names_its_rule_and_inner():
+    """The rule the update applies is a public value (what eager.scan_step takes),
+    built from the arguments; its `advance` is the update's scale arithmetic."""
+    tx = optim.dynamic_loss_scale(
+        optax.sgd(0.1), init_scale=8.0, growth_interval=1, growth_factor=4.0, max_scale=64.0
+    )
+    assert isinstance(tx, optax.GradientTransformationExtraArgs)
+    assert optax.with_extra_args_support(tx) is tx
+    rule = tx.rule
+    assert (rule.init_scale, rule.growth_interval, rule.growth_factor, rule.max_scale) == (
+        8.0,
+        1,
+        4.0,
+        64.0,
+    )
+    state = tx.init(jnp.ones(2))
+    _, by_update = tx.update(optim.ScaledGradients(jnp.ones(2)), state)
+    by_rule = rule.advance(state, jnp.asarray(True), by_update.inner_state)
+    assert float(by_update.scale) == float(by_rule.scale) == 32.0
+    assert float(rule.advance(by_rule, jnp.asarray(True), None).scale) == 64.0  # clamped
+    assert rule.init(None).scale == 8.0 and tx.inner.init(jnp.ones(2)) == state.inner_state

@@ -10,7 +10,8 @@ import jax
 import optax
 
 from amp_jax._src import compat, jaxprs
-from amp_jax.optim import _loss_scale, _tree
+from amp_jax._src.optstate import find_states
+from amp_jax.optim import DynamicLossScaleState, ScaledGradients, StaticLossScaleState
 
 # Primitives whose single sub-jaxpr is called once with the eqn's operands and
 # returns its results: dependence can be traced through them exactly. Any other
@@ -92,7 +93,7 @@ _FIX_GLOBAL = (
 
 def refuse_by_state(state: Any) -> None:
     """Raise the documented ValueError for state types eager updates cannot run."""
-    if _tree.find_states(state, _loss_scale.DynamicLossScaleState):
+    if find_states(state, DynamicLossScaleState):
         raise ValueError(
             "scan_step: `optimizer` contains amp_jax.optim.dynamic_loss_scale. "
             "Dynamic loss scaling skips a step when any gradient is non-finite, "
@@ -102,7 +103,7 @@ def refuse_by_state(state: Any) -> None:
             "(supported: the backward pass is seeded with the scale), a bfloat16 "
             "policy (which needs no loss scaling), or the standard step."
         )
-    if _tree.find_states(state, optax.MultiStepsState):
+    if find_states(state, optax.MultiStepsState):
         raise ValueError(
             "scan_step: `optimizer` is (or contains) optax.MultiSteps. Gradient "
             "accumulation keeps a full-size accumulator of all gradients, which is "
@@ -132,8 +133,8 @@ def refuse_cross_parameter(optimizer: Any, probe_params: Any) -> None:
 
     def fn(grads, params):
         state = tx.init(params)
-        if _tree.find_states(state, _loss_scale.StaticLossScaleState):
-            grads = _loss_scale.ScaledGradients(grads)  # as the step passes them
+        if find_states(state, StaticLossScaleState):
+            grads = ScaledGradients(grads)  # as the step passes them
         return tx.update(grads, state, params)
 
     try:

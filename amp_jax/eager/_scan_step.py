@@ -12,8 +12,16 @@ import optax
 from jax import lax
 
 from amp_jax._src import compat, mesh
+from amp_jax._src.optstate import find_states, salt_keys, transformation
 from amp_jax.eager import _deps
-from amp_jax.optim import _check, _loss_scale, _tree
+from amp_jax.optim import (
+    DynamicLossScale,
+    DynamicLossScaleState,
+    LossScaleRule,
+    ScaledGradients,
+    StaticLossScaleState,
+    loss_scale,
+)
 
 _PARTS = ("embed", "blocks", "head")
 
@@ -209,19 +217,22 @@ class ScanStep:
       head_loss_fn: ``head_loss_fn(params["head"], h, batch) -> loss``.
       optimizer: the optax transformation applied to every part and layer.
       remat: whether the backward loop recomputes each block's forward pass.
+      loss_scale: the [`LossScaleRule`][amp_jax.optim.LossScaleRule] of dynamic
+        loss scaling, or None.
     """
 
-    def __init__(self, embed_fn, block_fn, head_loss_fn, optimizer, remat):
+    def __init__(self, embed_fn, block_fn, head_loss_fn, optimizer, remat, loss_scale=None):
         self.embed_fn = embed_fn
         self.block_fn = block_fn
         self.head_loss_fn = head_loss_fn
         self.optimizer = optimizer
         self.remat = remat
-        # dynamic_loss_scale(inner): the step decides the skip itself (a finite
-        # check before the eager pass) and runs `inner` per part and layer.
-        self._rule = _loss_scale.dynamic_rule(optimizer)
-        self._inner = optimizer if self._rule is None else self._rule.inner
-        self._tx = optax.with_extra_args_support(self._inner)
+        # with a loss scale rule the step decides the skip itself (a finite
+        # check before the eager pass) and runs `optimizer` per part and layer.
+        self.loss_scale = loss_scale
+        self._rule = loss_scale
+        self._inner = optimizer
+        self._tx = optax.with_extra_args_support(optimizer)
         self._checked: set[Any] = set()
         self._jitted = jax.jit(self.update, donate_argnums=(0, 1))
 
@@ -245,7 +256,7 @@ class ScanStep:
             lambda x: jax.ShapeDtypeStruct(jnp.shape(x)[1:], x.dtype), params["blocks"]
         )
         head_state = jax.eval_shape(self._tx.init, _abstract(params["head"]))
-        if _tree.find_states(head_state, _loss_scale.DynamicLossScaleState):
+        if find_states(head_state, DynamicLossScaleState):
             raise ValueError(
                 "scan_step: `optimizer` contains amp_jax.optim.dynamic_loss_scale "
                 "nested inside another transformation. scan_step supports dynamic "
@@ -296,14 +307,12 @@ class ScanStep:
         # vmap(init) copies one key to every layer: give every part and layer its
         # own (typed PRNG keys, and raw key data of states that declare
         # `raw_key_fields`, such as stochastic rounding's).
-        blocks = _tree.salt_keys(blocks, jnp.arange(num_layers) + 1)
-        embed = _tree.salt_keys(embed, num_layers + 1)
-        head = _tree.salt_keys(head, num_layers + 2)
+        blocks = salt_keys(blocks, jnp.arange(num_layers) + 1)
+        embed = salt_keys(embed, num_layers + 1)
+        head = salt_keys(head, num_layers + 2)
         state = ScanStepState(embed, blocks, head)
         if self._rule is not None:
-            # the scale fields exactly as dynamic_loss_scale.init makes them
-            outer = self.optimizer.init({})
-            return outer._replace(inner_state=state)
+            return self._rule.init(state)  # as dynamic_loss_scale.init makes it
         return state
 
     def loss(self, params: dict[str, Any], batch: Any) -> jax.Array:
@@ -331,9 +340,9 @@ class ScanStep:
         them as the ``ScaledGradients`` they are (the backward pass was seeded
         with its scale)."""
         if scale is not None:
-            grads = _loss_scale._unscale(grads, scale)
+            grads = LossScaleRule.unscale(grads, scale)
         if scaled:
-            grads = _loss_scale.ScaledGradients(grads)
+            grads = ScaledGradients(grads)
         updates, new_state = self._tx.update(grads, state, params)
         new_params = optax.apply_updates(params, updates)
         new_params = jax.tree.map(lambda n, o: n.astype(o.dtype), new_params, params)
@@ -389,7 +398,7 @@ class ScanStep:
         new_params = {"embed": new_embed, "blocks": new_blocks, "head": new_head}
         new_state = ScanStepState(embed_state, blocks_state, head_state)
         if dyn is not None:
-            new_state = _loss_scale._advance(dyn, finite, new_state, self._rule)
+            new_state = self._rule.advance(dyn, finite, new_state)
         return new_params, new_state, fw.loss
 
     # -------------------------------------------------------- the steps ---
@@ -459,17 +468,15 @@ class ScanStep:
             ct, ok = carry
             p_i, saved = xs
             g_i, ct_prev = fw.layer_vjp(p_i, saved)(ct)
-            ok = ok & _loss_scale._all_finite(_loss_scale._unscale(g_i, scale))
+            ok = ok & rule.all_finite(rule.unscale(g_i, scale))
             return (ct_prev, ok), None
 
-        ok = _loss_scale._all_finite(_loss_scale._unscale(fw.g_head, scale))
+        rule = self._rule
+        ok = rule.all_finite(rule.unscale(fw.g_head, scale))
         carry, xs = (fw.ct, ok), (params["blocks"], fw.stored)
         (ct_first, ok), _ = lax.scan(check, carry, xs, reverse=True)
         (g_embed,) = fw.embed_vjp(ct_first)
-        finite = ok & _loss_scale._all_finite(_loss_scale._unscale(g_embed, scale))
-        if self._rule.axis_name is not None:
-            finite = lax.pmin(finite.astype(jnp.int32), self._rule.axis_name).astype(bool)
-        return finite
+        return rule.agree(ok & rule.all_finite(rule.unscale(g_embed, scale)))
 
     def __call__(
         self, params: dict[str, Any], opt_state: ScanStepState, batch: Any
@@ -506,7 +513,7 @@ def _unwrap(rule: Any, opt_state: Any) -> tuple[Any, ScanStepState]:
                 f"{type(opt_state).__name__}."
             )
         return None, opt_state
-    if not isinstance(opt_state, _loss_scale.DynamicLossScaleState) or not isinstance(
+    if not isinstance(opt_state, DynamicLossScaleState) or not isinstance(
         opt_state.inner_state, ScanStepState
     ):
         raise ValueError(
@@ -520,8 +527,8 @@ def _unwrap(rule: Any, opt_state: Any) -> tuple[Any, ScanStepState]:
 
 def _seed_scale(opt_state: ScanStepState, dyn: Any) -> Any:
     """The loss scale the backward pass is seeded with (None: unscaled)."""
-    static = _tree.find_states(opt_state.head, _loss_scale.StaticLossScaleState)
-    scale = _loss_scale.loss_scale(opt_state.head) if static else None
+    static = find_states(opt_state.head, StaticLossScaleState)
+    scale = loss_scale(opt_state.head) if static else None
     if dyn is not None:
         scale = dyn.scale
     return scale
@@ -622,6 +629,7 @@ def scan_step(
     optimizer: optax.GradientTransformation,
     *,
     remat: bool = False,
+    loss_scale: LossScaleRule | None = None,
 ) -> ScanStep:
     """A training step that applies ``optimizer`` inside the backward pass.
 
@@ -635,8 +643,9 @@ def scan_step(
     the arithmetic of the standard ``value_and_grad`` + ``update`` step.
     Optimizers that read all gradients at once (``optax.clip_by_global_norm``,
     ``optax.apply_if_finite``, ``optax.MultiSteps``) are refused at ``init``;
-    ``amp_jax.optim.static_loss_scale`` works, and ``dynamic_loss_scale`` as the
-    outermost wrapper. docs/eager.md has the details, limits and memory.
+    ``amp_jax.optim.static_loss_scale`` works, and dynamic loss scaling through
+    ``loss_scale`` (or ``dynamic_loss_scale`` as the outermost wrapper).
+    docs/eager.md has the details, limits and memory.
 
     Args:
       embed_fn: ``embed_fn(params["embed"], batch) -> h``; ``h`` is an array or
@@ -652,6 +661,14 @@ def scan_step(
       remat: if true, the forward pass stores only each block's input and the
         backward loop recomputes the block; if false (default) it stores the
         block's activation-dependent residuals.
+      loss_scale: dynamic loss scaling: the
+        [`LossScaleRule`][amp_jax.optim.LossScaleRule] the step applies around
+        ``optimizer`` (it checks every unscaled gradient before it writes any
+        layer, skips a non-finite step and advances the scale as
+        [`dynamic_loss_scale`][amp_jax.optim.dynamic_loss_scale] does). With
+        ``tx = dynamic_loss_scale(inner, ...)``, ``scan_step(..., tx.inner,
+        loss_scale=tx.rule)``; passing ``tx`` itself as ``optimizer`` is the
+        same step.
 
     Returns:
       A [`ScanStep`][amp_jax.eager.ScanStep]: ``opt_state = step.init(params)`` and
@@ -660,8 +677,9 @@ def scan_step(
       pure function and ``step.loss`` the forward loss.
 
     Raises:
-      TypeError: if a function argument is not callable or ``optimizer`` has no
-        ``init``/``update``.
+      TypeError: if a function argument is not callable, ``optimizer`` has no
+        ``init``/``update``, or ``loss_scale`` is not a ``LossScaleRule`` (or is
+        given beside a ``dynamic_loss_scale`` optimizer).
 
     Examples:
       >>> import jax, jax.numpy as jnp, optax
@@ -695,7 +713,19 @@ def scan_step(
                 f"scan_step: `{name}` must be callable, got {type(fn).__name__}: {fn!r}."
             )
     # (an optax factory passed uncalled, e.g. optax.adam, gets the fix)
-    optimizer = _check.transformation(optimizer, "scan_step", "optimizer")
+    optimizer = transformation(optimizer, "scan_step", "optimizer")
     if not isinstance(remat, bool):
         raise TypeError(f"scan_step: `remat` must be a bool, got {remat!r}.")
-    return ScanStep(embed_fn, block_fn, head_loss_fn, optimizer, remat)
+    if loss_scale is not None and not isinstance(loss_scale, LossScaleRule):
+        raise TypeError(
+            f"scan_step: `loss_scale` must be an amp_jax.optim.LossScaleRule (the "
+            f"`.rule` of a dynamic_loss_scale(...)), got {type(loss_scale).__name__}."
+        )
+    if isinstance(optimizer, DynamicLossScale):
+        if loss_scale is not None:
+            raise TypeError(
+                "scan_step: `optimizer` is a dynamic_loss_scale(...) and `loss_scale` is "
+                "given too; pass scan_step(..., tx.inner, loss_scale=tx.rule) or just tx."
+            )
+        optimizer, loss_scale = optimizer.inner, optimizer.rule
+    return ScanStep(embed_fn, block_fn, head_loss_fn, optimizer, remat, loss_scale)

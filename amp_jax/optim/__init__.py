@@ -10,7 +10,9 @@ from amp_jax.optim._adamw import adamw as adamw
 from amp_jax.optim._adamw import scale_by_any_precision_adam as scale_by_any_precision_adam
 from amp_jax.optim._kahan import KahanSummationState as KahanSummationState
 from amp_jax.optim._kahan import kahan_summation as kahan_summation
+from amp_jax.optim._loss_scale import DynamicLossScale as DynamicLossScale
 from amp_jax.optim._loss_scale import DynamicLossScaleState as DynamicLossScaleState
+from amp_jax.optim._loss_scale import LossScaleRule as LossScaleRule
 from amp_jax.optim._loss_scale import ScaledGradients as ScaledGradients
 from amp_jax.optim._loss_scale import StaticLossScaleState as StaticLossScaleState
 from amp_jax.optim._loss_scale import dynamic_loss_scale as dynamic_loss_scale
@@ -29,8 +31,10 @@ from amp_jax.optim._stochastic import stochastic_rounding as stochastic_rounding
 from amp_jax.optim._tree import state_bytes as state_bytes
 
 __all__ = [
+    "DynamicLossScale",
     "DynamicLossScaleState",
     "KahanSummationState",
+    "LossScaleRule",
     "MasterWeightsState",
     "QuantizedArray",
     "ScaleByQuantizedAdamState",

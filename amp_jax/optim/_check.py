@@ -11,22 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-
-def transformation(value: Any, caller: str, argname: str = "inner") -> Any:
-    """``value`` if it is an optax GradientTransformation (has init and update)."""
-    if callable(getattr(value, "init", None)) and callable(getattr(value, "update", None)):
-        return value
-    if callable(value):
-        name = getattr(value, "__name__", repr(value))
-        raise TypeError(
-            f"{caller}: `{argname}` must be an optax GradientTransformation, got "
-            f"the function {name!r}; call it to make one: pass e.g. "
-            f"optax.adam(1e-3), not optax.adam."
-        )
-    raise TypeError(
-        f"{caller}: `{argname}` must be an optax GradientTransformation (an "
-        f"object with init and update), got {type(value).__name__}: {value!r}."
-    )
+from amp_jax._src.optstate import transformation as transformation
 
 
 def real(value: Any, caller: str, argname: str, example: str) -> float:

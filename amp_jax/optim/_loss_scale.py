@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -151,20 +152,6 @@ def _check_positive(name: str, value: float, caller: str = "dynamic_loss_scale")
     return value
 
 
-def _unscale(grads: Any, scale: jax.Array, keep_dtype: bool = False) -> Any:
-    """``grads / scale`` in at least float32, and left there: cast back to
-    float16, the small gradients the scale exists to keep would flush to 0.
-    ``keep_dtype``: cast back to each gradient's dtype all the same."""
-
-    def one(g):
-        if not _tree.is_float(g):
-            return g
-        u = g.astype(_tree.work_dtype(g.dtype)) / scale
-        return u.astype(g.dtype) if keep_dtype else u
-
-    return jax.tree.map(one, grads)
-
-
 def _needs_own_dtype(inner_state: Any) -> bool:
     """Whether ``inner`` holds an ``optax.apply_if_finite``: its ``lax.cond``
     needs the inner optimizer's state to keep its dtypes, and optax optimizers
@@ -173,61 +160,141 @@ def _needs_own_dtype(inner_state: Any) -> bool:
     return bool(_tree.find_states(inner_state, optax.ApplyIfFiniteState))
 
 
-def _all_finite(tree: Any) -> jax.Array:
-    flags = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if _tree.is_float(x)]
-    if not flags:
-        return jnp.asarray(True)
-    return jnp.stack(flags).all()
+@dataclasses.dataclass(frozen=True)
+class LossScaleRule:
+    """The decision rule of a [`dynamic_loss_scale`][amp_jax.optim.dynamic_loss_scale]:
+    unscale, check, grow or back off.
+
+    [`dynamic_loss_scale`][amp_jax.optim.dynamic_loss_scale] builds one from its
+    arguments and exposes it as ``tx.rule``; code that runs the skip decision
+    itself ([`amp_jax.eager.scan_step`][amp_jax.eager.scan_step], which checks
+    every layer's gradient before it writes any) takes it as an argument and
+    advances the same [`DynamicLossScaleState`][amp_jax.optim.DynamicLossScaleState]
+    with the same arithmetic.
+
+    Attributes:
+      init_scale: the first loss scale.
+      growth_interval: consecutive finite steps before the scale grows.
+      growth_factor: multiplier on growth (> 1).
+      backoff_factor: multiplier on a non-finite step, in (0, 1).
+      min_scale: lower clamp of the scale.
+      max_scale: upper clamp of the scale.
+      axis_name: mapped axis over which the finiteness decision is reduced, or None.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax
+      >>> from amp_jax import optim
+      >>> rule = optim.dynamic_loss_scale(optax.sgd(0.1), init_scale=8.0).rule
+      >>> state = rule.init(None)
+      >>> grads = rule.unscale({"w": jnp.full(2, 16.0)}, state.scale)
+      >>> grads["w"], bool(rule.all_finite(grads))
+      (Array([2., 2.], dtype=float32), True)
+      >>> float(rule.advance(state, jnp.asarray(False), None).scale)  # backoff
+      4.0
+    """
+
+    init_scale: float = 2.0**15
+    growth_interval: int = 2000
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    min_scale: float = 1.0
+    max_scale: float = 2.0**24
+    axis_name: Any = None
+
+    def init(self, inner_state: Any) -> DynamicLossScaleState:
+        """A fresh [`DynamicLossScaleState`][amp_jax.optim.DynamicLossScaleState]
+        holding ``inner_state``."""
+        return DynamicLossScaleState(
+            scale=jnp.asarray(self.init_scale, jnp.float32),
+            good_steps=jnp.zeros([], jnp.int32),
+            skipped_steps=jnp.zeros([], jnp.int32),
+            steps=jnp.zeros([], jnp.int32),
+            last_skipped_step=jnp.zeros([], jnp.int32),
+            inner_state=inner_state,
+        )
+
+    @staticmethod
+    def unscale(grads: Any, scale: jax.Array, keep_dtype: bool = False) -> Any:
+        """``grads / scale`` in at least float32, and left there: cast back to
+        float16, the small gradients the scale exists to keep would flush to 0.
+        ``keep_dtype``: cast back to each gradient's dtype all the same."""
+
+        def one(g):
+            if not _tree.is_float(g):
+                return g
+            u = g.astype(_tree.work_dtype(g.dtype)) / scale
+            return u.astype(g.dtype) if keep_dtype else u
+
+        return jax.tree.map(one, grads)
+
+    @staticmethod
+    def all_finite(tree: Any) -> jax.Array:
+        """Whether every floating leaf of ``tree`` is finite (a boolean scalar)."""
+        flags = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if _tree.is_float(x)]
+        if not flags:
+            return jnp.asarray(True)
+        return jnp.stack(flags).all()
+
+    def agree(self, finite: jax.Array) -> jax.Array:
+        """``finite`` reduced over ``axis_name`` (unchanged without one), so
+        every device skips together."""
+        if self.axis_name is None:
+            return finite
+        return lax.pmin(finite.astype(jnp.int32), self.axis_name).astype(bool)
+
+    def advance(
+        self, state: DynamicLossScaleState, finite: jax.Array, new_inner: Any
+    ) -> DynamicLossScaleState:
+        """The next state: ``new_inner`` (already selected on ``finite``) and the
+        scale grown after ``growth_interval`` finite steps or backed off."""
+        scale = state.scale
+        good = optax.safe_increment(state.good_steps)
+        grow = good >= self.growth_interval
+        grown = scale * jnp.float32(self.growth_factor)
+        grown_scale = jnp.where(
+            jnp.isfinite(grown), jnp.minimum(grown, jnp.float32(self.max_scale)), scale
+        )
+        ok_scale = jnp.where(grow, grown_scale, scale)
+        ok_good = jnp.where(grow, jnp.zeros_like(good), good)
+        bad_scale = jnp.maximum(
+            scale * jnp.float32(self.backoff_factor), jnp.float32(self.min_scale)
+        )
+        skipped = state.skipped_steps
+        bad_skipped = jnp.where(skipped < _INT32_MAX, skipped + 1, skipped)
+        steps = optax.safe_increment(state.steps)
+        return DynamicLossScaleState(
+            scale=jnp.where(finite, ok_scale, bad_scale).astype(jnp.float32),
+            good_steps=jnp.where(finite, ok_good, 0).astype(jnp.int32),
+            skipped_steps=jnp.where(finite, skipped, bad_skipped).astype(jnp.int32),
+            steps=steps.astype(jnp.int32),
+            last_skipped_step=jnp.where(finite, state.last_skipped_step, steps).astype(jnp.int32),
+            inner_state=new_inner,
+        )
 
 
-class _DynamicRule(NamedTuple):
-    """The hyperparameters of one [`dynamic_loss_scale`][amp_jax.optim.dynamic_loss_scale] (``inner`` with
-    extra-args support), for code that runs the skip decision itself
-    (``amp_jax.eager.scan_step``) and reuses `_advance`."""
+class DynamicLossScale(optax.GradientTransformationExtraArgs):
+    """What [`dynamic_loss_scale`][amp_jax.optim.dynamic_loss_scale] returns: an
+    ``optax.GradientTransformationExtraArgs`` that also names its parts.
 
-    inner: Any
-    growth_interval: int
-    growth_factor: float
-    backoff_factor: float
-    min_scale: float
-    max_scale: float
-    axis_name: Any
+    Attributes:
+      init: as any optax transformation's.
+      update: as any optax transformation's.
+      inner: the wrapped transformation (with extra-args support), run on
+        unscaled gradients.
+      rule: its [`LossScaleRule`][amp_jax.optim.LossScaleRule].
+    """
 
+    inner: optax.GradientTransformationExtraArgs
+    rule: LossScaleRule
 
-def dynamic_rule(tx: Any) -> _DynamicRule | None:
-    """The rule of ``tx`` if it is (exactly) a [`dynamic_loss_scale`][amp_jax.optim.dynamic_loss_scale], else None.
+    def __new__(cls, init: Any, update: Any, inner: Any, rule: LossScaleRule):
+        self = super().__new__(cls, init, update)
+        self.inner = inner
+        self.rule = rule
+        return self
 
-    The rule travels with the transformation: an attribute of its ``update``."""
-    rule = getattr(getattr(tx, "update", None), "dynamic_rule", None)
-    return rule if isinstance(rule, _DynamicRule) else None
-
-
-def _advance(
-    state: DynamicLossScaleState, finite: jax.Array, new_inner: Any, rule: _DynamicRule
-) -> DynamicLossScaleState:
-    """The next state: ``new_inner`` (already selected on ``finite``) and the
-    scale grown after ``growth_interval`` finite steps or backed off."""
-    scale = state.scale
-    good = optax.safe_increment(state.good_steps)
-    grow = good >= rule.growth_interval
-    grown = scale * jnp.float32(rule.growth_factor)
-    grown_scale = jnp.where(
-        jnp.isfinite(grown), jnp.minimum(grown, jnp.float32(rule.max_scale)), scale
-    )
-    ok_scale = jnp.where(grow, grown_scale, scale)
-    ok_good = jnp.where(grow, jnp.zeros_like(good), good)
-    bad_scale = jnp.maximum(scale * jnp.float32(rule.backoff_factor), jnp.float32(rule.min_scale))
-    skipped = state.skipped_steps
-    bad_skipped = jnp.where(skipped < _INT32_MAX, skipped + 1, skipped)
-    steps = optax.safe_increment(state.steps)
-    return DynamicLossScaleState(
-        scale=jnp.where(finite, ok_scale, bad_scale).astype(jnp.float32),
-        good_steps=jnp.where(finite, ok_good, 0).astype(jnp.int32),
-        skipped_steps=jnp.where(finite, skipped, bad_skipped).astype(jnp.int32),
-        steps=steps.astype(jnp.int32),
-        last_skipped_step=jnp.where(finite, state.last_skipped_step, steps).astype(jnp.int32),
-        inner_state=new_inner,
-    )
+    def __getnewargs__(self) -> tuple[Any, ...]:
+        return (self.init, self.update, self.inner, self.rule)
 
 
 def dynamic_loss_scale(
@@ -241,7 +308,7 @@ def dynamic_loss_scale(
     max_scale: float = 2.0**24,
     axis_name: Any = None,
     check_scaled: bool = True,
-) -> optax.GradientTransformationExtraArgs:
+) -> DynamicLossScale:
     """Dynamic loss scaling with skipped steps, as an optax wrapper.
 
     Compute the gradients with [`scaled_value_and_grad`][amp_jax.optim.scaled_value_and_grad] (the loss
@@ -288,8 +355,11 @@ def dynamic_loss_scale(
         yourself.
 
     Returns:
-      An ``optax.GradientTransformationExtraArgs`` whose state is a
-      [`DynamicLossScaleState`][amp_jax.optim.DynamicLossScaleState].
+      A [`DynamicLossScale`][amp_jax.optim.DynamicLossScale] (an
+      ``optax.GradientTransformationExtraArgs``) whose state is a
+      [`DynamicLossScaleState`][amp_jax.optim.DynamicLossScaleState]; its
+      ``rule`` is the [`LossScaleRule`][amp_jax.optim.LossScaleRule] the update
+      applies (what [`amp_jax.eager.scan_step`][amp_jax.eager.scan_step] takes).
 
     Raises:
       ValueError: if an argument is outside its allowed range (the message names
@@ -322,27 +392,17 @@ def dynamic_loss_scale(
         )
     )
     inner = optax.with_extra_args_support(inner)
-    rule = _DynamicRule(
-        inner, growth_interval, growth_factor, backoff_factor, min_scale, max_scale, axis_name
+    rule = LossScaleRule(
+        init_scale, growth_interval, growth_factor, backoff_factor, min_scale, max_scale, axis_name
     )
 
     def init_fn(params):
-        return DynamicLossScaleState(
-            scale=jnp.asarray(init_scale, jnp.float32),
-            good_steps=jnp.zeros([], jnp.int32),
-            skipped_steps=jnp.zeros([], jnp.int32),
-            steps=jnp.zeros([], jnp.int32),
-            last_skipped_step=jnp.zeros([], jnp.int32),
-            inner_state=inner.init(params),
-        )
+        return rule.init(inner.init(params))
 
     def update_fn(updates, state, params=None, **extra_args):
-        scale = state.scale
         updates = _take_scaled(updates, check_scaled, "dynamic_loss_scale")
-        grads = _unscale(updates, scale, _needs_own_dtype(state.inner_state))
-        finite = _all_finite(grads)
-        if axis_name is not None:
-            finite = lax.pmin(finite.astype(jnp.int32), axis_name).astype(bool)
+        grads = rule.unscale(updates, state.scale, _needs_own_dtype(state.inner_state))
+        finite = rule.agree(rule.all_finite(grads))
 
         # Select rather than lax.cond: inside shard_map the branch outputs would
         # differ in their varying-manual-axes type; the non-finite step's
@@ -352,12 +412,9 @@ def dynamic_loss_scale(
         new_updates = jax.tree.map(lambda u: jnp.where(finite, u, jnp.zeros_like(u)), inner_updates)
         new_updates = _tree.cast_like_grads(new_updates, updates)
         new_inner = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new_inner, state.inner_state)
+        return new_updates, rule.advance(state, finite, new_inner)
 
-        new_state = _advance(state, finite, new_inner, rule)
-        return new_updates, new_state
-
-    update_fn.dynamic_rule = rule  # (what `dynamic_rule` reads: eager.scan_step)
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return DynamicLossScale(init_fn, update_fn, inner, rule)
 
 
 def _checked_scale_schedule(
@@ -453,7 +510,7 @@ def static_loss_scale(
 
     def update_fn(updates, state, params=None, **extra_args):
         updates = _take_scaled(updates, check_scaled, "static_loss_scale")
-        grads = _unscale(updates, state.scale, _needs_own_dtype(state.inner_state))
+        grads = LossScaleRule.unscale(updates, state.scale, _needs_own_dtype(state.inner_state))
         new_updates, new_inner = inner.update(grads, state.inner_state, params, **extra_args)
         # (float32 gradients must not promote a low-precision inner state)
         new_inner = optax.tree_utils.tree_cast_like(new_inner, state.inner_state)
