@@ -330,9 +330,10 @@ def main(argv: list[str] | None = None) -> str:
     p.add_argument("--out", default="/tmp/amp_jax_suite", help="logs: failing node ids, JSON lines")
     p.add_argument("--skips", default=str(SKIPS))
     p.add_argument(
-        "--from-logs",
-        action="store_true",
-        help="the table from --out's logs (after a skip-list edit)",
+        "--reuse",
+        choices=("amp", "all"),
+        help="take the amp runs (all: every run) from --out's logs instead of running them: "
+        "after a skip-list edit, or after an amp run cut short",
     )
     p.add_argument("--smoke", action="store_true", help="only the plugin on our sample test file")
     args = p.parse_args(argv)
