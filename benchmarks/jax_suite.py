@@ -163,9 +163,11 @@ def run_file(args, src: pathlib.Path, name: str, mode: str, skips, known) -> dic
     """The baseline and the amp run of one test file: its row and failures."""
     out = pathlib.Path(args.out) / mode
     select = SELECT.get(name)
+    if args.k:
+        select = f"({select}) and ({args.k})" if select else args.k
     target = [f"tests/{name}"]
     amp_rows = run_pytest(
-        src, target, mode, out / f"{name}.jsonl", select, args.cases, args.timeout, args.from_logs
+        src, target, mode, out / f"{name}.jsonl", select, args.cases, args.timeout, bool(args.reuse)
     )
     amp = {r["nodeid"]: r for r in amp_rows}
     if args.baseline == "full":
@@ -177,7 +179,7 @@ def run_file(args, src: pathlib.Path, name: str, mode: str, skips, known) -> dic
             select,
             args.cases,
             args.timeout,
-            args.from_logs,
+            args.reuse == "all",
         )
         passed = {r["nodeid"] for r in base_rows if r["outcome"] == "passed"}
     else:
@@ -192,7 +194,7 @@ def run_file(args, src: pathlib.Path, name: str, mode: str, skips, known) -> dic
                 None,
                 args.cases,
                 args.timeout,
-                args.from_logs,
+                args.reuse == "all",
             )
             if others
             else []
@@ -215,7 +217,7 @@ def run_file(args, src: pathlib.Path, name: str, mode: str, skips, known) -> dic
             None,
             args.cases,
             args.timeout,
-            args.from_logs,
+            args.reuse == "all",
         )
         if ids
         else []
@@ -321,15 +323,17 @@ def main(argv: list[str] | None = None) -> str:
     )
     p.add_argument("--mode", default="float32", help="float32, bfloat16 or both: float32,bfloat16")
     p.add_argument("--files", default=",".join(FILES), help="comma-separated file names in tests/")
+    p.add_argument("-k", dest="k", help="pytest -k expression for every file (a subset)")
     p.add_argument("--cases", type=int, default=2, help="JAX_NUM_GENERATED_CASES")
     p.add_argument("--baseline", choices=("full", "failures"), default="full")
     p.add_argument("--timeout", type=float, default=3600, help="seconds per pytest run")
     p.add_argument("--out", default="/tmp/amp_jax_suite", help="logs: failing node ids, JSON lines")
     p.add_argument("--skips", default=str(SKIPS))
     p.add_argument(
-        "--from-logs",
-        action="store_true",
-        help="the table from --out's logs (after a skip-list edit)",
+        "--reuse",
+        choices=("amp", "all"),
+        help="take the amp runs (all: every run) from --out's logs instead of running them: "
+        "after a skip-list edit, or after an amp run cut short",
     )
     p.add_argument("--smoke", action="store_true", help="only the plugin on our sample test file")
     args = p.parse_args(argv)
@@ -353,7 +357,7 @@ def main(argv: list[str] | None = None) -> str:
     source = (src / "JAX_SOURCE").read_text().strip() if (src / "JAX_SOURCE").exists() else str(src)
     header = (
         f"## {versions()}; {date}\n\nJAX tests from {source}; JAX_NUM_GENERATED_CASES={args.cases}; "
-        f"baseline: {args.baseline}"
+        f"baseline: {args.baseline}" + (f"; -k {args.k!r}" if args.k else "")
     )
     text = table(results, header)
     out = pathlib.Path(args.out)

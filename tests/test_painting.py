@@ -224,3 +224,24 @@ def test_scan_with_a_carried_decision():
     # the float32 carry: loop-carried values are not rounded to bf16)
     outs = sorted(o[0].name for _, o, _ in prim_dtypes(jaxpr, "dot_general"))
     assert outs == ["float32", "float32"]
+
+
+def test_a_token_operand_is_not_a_float_to_paint():
+    # a primitive that reads a token beside its array (JAX's api_test
+    # test_grad_of_token_consuming_primitive, found by benchmarks/jax_suite.py):
+    # painting asked every operand's aval for its dtype, a token's too
+    from jax.extend.core import Primitive
+    from jax.interpreters import ad
+
+    from amp_jax._src.testing import interpreted_float32
+
+    reads_token = Primitive("amp_test_reads_token")
+    reads_token.def_impl(lambda x, token: x)
+    reads_token.def_abstract_eval(lambda x, token: x)
+    ad.defjvp(reads_token, lambda g, x, token: g, None)
+    token = jax.lax.create_token()
+    x = jnp.linspace(0.0, 1.0, 6).reshape(3, 2)
+    for wrap in (amp, interpreted_float32):
+        out, pullback = jax.vjp(wrap(lambda x: jnp.tanh(reads_token.bind(x, token))), x)
+        (g,) = pullback(jnp.ones_like(out))
+        np.testing.assert_allclose(g, 1 - jnp.tanh(x) ** 2, rtol=1e-2)

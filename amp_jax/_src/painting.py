@@ -32,7 +32,10 @@ def _graph(jaxpr: Any) -> tuple[list[list[int]], list[list[int]]]:
     succs: list[list[int]] = [[] for _ in jaxpr.eqns]
     for i, eqn in enumerate(jaxpr.eqns):
         for v in eqn.invars:
-            if isinstance(v, compat.Literal) or not is_managed_float(v.aval.dtype):
+            # (a token has no dtype)
+            if isinstance(v, compat.Literal) or not is_managed_float(
+                getattr(v.aval, "dtype", None)
+            ):
                 continue
             j = producer.get(v)
             if j is not None:
