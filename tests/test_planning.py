@@ -89,8 +89,10 @@ def test_tiny_contractions_stay_float32_and_say_why():
     c = jnp.ones(7)
     dots = prim_dtypes(jax.make_jaxpr(f)(v, m, big, c), "dot_general")
     assert sorted(i for i, _, _ in dots) == sorted([(F32, F32), (F32, F32), (BF16, BF16)])
-    reasons = [r[5] for r in dtype_report(f, v, m, big, c) if r[0] == "dot_general" and r[5]]
-    assert len(reasons) == 1 and "too small" in reasons[0]
+    reasons = {r[1]: r[5] for r in dtype_report(f, v, m, big, c) if r[0] == "dot_general"}
+    assert reasons.keys() == {"float32,float32", "bfloat16,bfloat16"}, reasons  # (one row each)
+    assert "too small" in reasons["float32,float32"]
+    assert reasons["bfloat16,bfloat16"].startswith("allow class: runs in bfloat16")
     low = amp(lambda v: jnp.dot(v, v), policy=Policy(min_low_contraction=0, min_low_flops=0))
     assert prim_dtypes(jax.make_jaxpr(low)(v), "dot_general")[0][0] == (BF16, BF16)
 
@@ -103,10 +105,10 @@ def test_float16_constants_out_of_range_keep_their_op_float32():
     f = lambda x, w: ((x @ w) * 1e-8) @ w  # noqa: E731  (1e-8 is 0 in float16)
     out = amp(f, policy="float16")(x, w)
     np.testing.assert_allclose(out, f(x, w), rtol=0.03)  # 0.0026, not 0
-    why = [
+    why = [  # (every op has its reason now: the one kept in float32 says why)
         r
         for r in dtype_report(amp(f, policy="float16"), x, w)
-        if r[5] and r[0] != "convert_element_type"
+        if r[1] == "float32,float32" and r[0] != "convert_element_type"
     ]
     assert [(r[0], r[1], r[5]) for r in why] == [
         ("mul", "float32,float32", "reads a constant the compute dtype cannot represent")
@@ -125,8 +127,9 @@ def test_float16_constants_out_of_range_keep_their_op_float32():
     out = amp(masked_pool, policy="float16")(x, w)
     assert bool(jnp.all(jnp.isfinite(out)))
     np.testing.assert_allclose(out, masked_pool(x, w), atol=0.02 * float(jnp.max(jnp.abs(out))))
-    # bfloat16 represents both constants: nothing is kept
-    assert not [r for r in dtype_report(amp(masked_pool), x, w) if r[5]]
+    # bfloat16 represents both constants: nothing is kept (no row gives a reason to keep)
+    kept = set(decision.KEPT.values())
+    assert not [r for r in dtype_report(amp(masked_pool), x, w) if r[5] in kept]
 
 
 # -- the typed plan -----------------------------------------------------------------------

@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
+from jax.extend import core as jex_core
 
 from amp_jax._src import compat, jaxprs
 from amp_jax._src.decision import Color, Decision, Kind, attention_from_stack, body_hints
@@ -171,7 +172,7 @@ def _decide(
             continue
         inner = (*outer, str(eqn.source_info.name_stack))
         at = jaxprs.line_site(eqn, site)
-        for sub in jaxprs.closed_subjaxprs(eqn):
+        for sub in _plannable_subjaxprs(eqn):
             if d.kind is Kind.AS_WRITTEN or inherited is not None:
                 body = compat.jaxpr_of(sub)
                 _decide(ctx, body, [d] * len(body.eqns), out, reason, inner, at)
@@ -181,6 +182,17 @@ def _decide(
             else:
                 sub_plan = plan(ctx, sub, body_hints(eqn, d, sub))
                 _decide(ctx, sub_plan.jaxpr, sub_plan.decisions, out, None, inner, at)
+
+
+def _plannable_subjaxprs(eqn: Any) -> list[Any]:
+    """The sub-jaxprs of ``eqn`` as closed jaxprs, but for an open one with
+    constvars (its constants are values of the enclosing trace): no plan of its
+    own to read, its ops get their line's reasons (`_derived`)."""
+    return [
+        s if compat.is_closed_jaxpr(s) else compat.close(s, [])
+        for s in jex_core.jaxprs_in_params(eqn.params)
+        if compat.is_closed_jaxpr(s) or not s.constvars
+    ]
 
 
 def _decision_at(by_scope: dict[str, collections.Counter], scope: str) -> collections.Counter:
