@@ -379,6 +379,11 @@ def main(argv=None) -> str:
     p.add_argument("--only", default=None, help="comma-separated recipe names")
     p.add_argument("--no-stream", action="store_true")
     p.add_argument("--no-model", action="store_true")
+    p.add_argument(
+        "--merge",
+        action="store_true",
+        help="keep the recipes of --out's long_run.json that this run does not train",
+    )
     p.add_argument("--out", default=HERE)
     p.add_argument("--smoke", action="store_true", help="2 recipes, 1 seed, 20 steps; no files")
     args = p.parse_args(argv)
