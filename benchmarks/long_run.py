@@ -379,6 +379,11 @@ def main(argv=None) -> str:
     p.add_argument("--only", default=None, help="comma-separated recipe names")
     p.add_argument("--no-stream", action="store_true")
     p.add_argument("--no-model", action="store_true")
+    p.add_argument(
+        "--merge",
+        action="store_true",
+        help="keep the recipes of --out's long_run.json that this run does not train",
+    )
     p.add_argument("--out", default=HERE)
     p.add_argument("--smoke", action="store_true", help="2 recipes, 1 seed, 20 steps; no files")
     args = p.parse_args(argv)
@@ -398,14 +403,27 @@ def main(argv=None) -> str:
         return write(args, lines, [])
     data = _seed_data(seeds, cfg, args.steps, args.val_batches)
     n_params = sum(x.size for x in jax.tree.leaves(_model.init_params(jax.random.key(0), cfg)))
-    runs = []
+    kept = _kept_runs(args.out) if args.merge else {}
+    runs = {}
     for recipe in recipes:  # the results so far are written after every recipe
-        runs.append(train(recipe, cfg, seeds, args.steps, args.lr, args.chunk, data))
-        print(f"{recipe.name}: {[v[-1] for v in runs[-1].val_loss]}", flush=True)
-        text = write(
-            args, [_header(args, cfg, n_params), ""] + lines + model_table(runs, seeds), runs
-        )
+        runs[recipe.name] = train(recipe, cfg, seeds, args.steps, args.lr, args.chunk, data)
+        print(f"{recipe.name}: {[v[-1] for v in runs[recipe.name].val_loss]}", flush=True)
+        done = [runs.get(r.name, kept.get(r.name)) for r in RECIPES]
+        done = [r for r in done if r is not None]
+        merged = [  # (--merge)
+            f"Trained in this invocation: {', '.join(runs)}; the other recipes are kept "
+            "from the previous run (`--merge`).",
+            "",
+        ]
+        head = [_header(args, cfg, n_params), ""] + lines + (merged if kept else [])
+        text = write(args, head + model_table(done, seeds), done)
     return text
+
+
+def _kept_runs(out):
+    """The runs of ``out``'s long_run.json, by recipe name."""
+    with open(os.path.join(out, "long_run.json")) as f:
+        return {d["name"]: Curves(**d) for d in json.load(f)}
 
 
 def write(args, lines, runs):

@@ -10,6 +10,7 @@ studies (benchmarks/studies/) only have to import.
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import pathlib
 import subprocess
@@ -155,6 +156,19 @@ def test_long_run():
     assert first_column(applied) == ["Kahan, bf16 moments + bf16 compensation"]
     model = table_with(text, "recipe", "final val loss, mean over seeds")
     assert first_column(model) == ["float32", "bf16 params + Kahan (bf16 moments)"]
+
+
+@heavy
+def test_long_run_merge_keeps_the_recipes_it_does_not_train(tmp_path):
+    kept = {"name": "float32", "val_steps": [20], "val_loss": [[4.0]], "train_loss": [[4.0]]}
+    kept |= {"seconds": 1.0, "state_bytes_per_param": 8.0}
+    (tmp_path / "long_run.json").write_text(json.dumps([kept]))
+    name = "bf16 params + Kahan (bf16 moments)"
+    argv = ["--no-stream", "--merge", "--only", name, "--out", str(tmp_path)]
+    text = run("long_run", *argv)
+    model = table_with(text, "recipe", "final val loss, mean over seeds")
+    assert first_column(model) == ["float32", name] and model[1][1] == "4.0000"
+    assert "kept from the previous run" in text
 
 
 def test_optim_bytes():  # no sizes to shrink: the table of docs/optim.md, from eval_shape

@@ -77,17 +77,33 @@ def linear_map_without_zero(bits: int = 4) -> np.ndarray:
     return ((np.arange(2**bits) + 1) / 2**bits).astype(np.float32)
 
 
+def pow2_map(bits: int = 4) -> np.ndarray:
+    """The 4-bit first-moment map: 0, ``+-2**-k`` for ``k < 2**(bits - 1) - 1``
+    and 0.75, sorted (16 codes for 4 bits: a factor 2 between neighbouring
+    magnitudes down to 2**-6 of the block's absmax).
+
+    The dynamic map with 3 decades in 16 codes (0.0055, 0.0325, 0.0775,
+    0.2125, ...) left a value between a fifth and a fiftieth of its block's
+    absmax jumping between codes 2.4-6x apart: forced onto a 2-element
+    parameter (Rosenbrock), 4-bit AdamW stopped 0.056-0.076 from the minimum;
+    with this map it reaches it within 1e-3 from four starting points
+    (benchmarks/QUANTIZED_STATES.md, "4-bit states on Rosenbrock").
+    """
+    mags = [2.0**-k for k in range(2 ** (bits - 1) - 1)]
+    return np.sort(np.asarray([0.0, 0.75] + mags + [-m for m in mags], np.float32))
+
+
 @dataclasses.dataclass(frozen=True)
 class _Codec:
     """How one moment of one format is quantized.
 
     ``kind`` names the code map: ``"dynamic"`` (`dynamic_map`, with
-    ``signed`` and ``exponent_bits``), ``"linear"``
+    ``signed`` and ``exponent_bits``), ``"pow2"`` (`pow2_map`), ``"linear"``
     (`linear_map_without_zero`) or ``"float8"`` (``float8_e4m3fn``
     numbers scaled so the block absmax is 448).
     """
 
-    kind: Literal["dynamic", "linear", "float8"]
+    kind: Literal["dynamic", "pow2", "linear", "float8"]
     bits: int
     sqrt: bool = False  # store sqrt(x) (second moments): half the dynamic range
     signed: bool = True
@@ -174,6 +190,8 @@ class _Codec:
 def _table(kind: str, bits: int, signed: bool, exponent_bits: int) -> np.ndarray | None:
     if kind == "dynamic":
         return dynamic_map(signed, bits=bits, exponent_bits=exponent_bits)
+    if kind == "pow2":
+        return pow2_map(bits)
     return linear_map_without_zero(bits) if kind == "linear" else None
 
 
@@ -336,7 +354,7 @@ def _codecs(fmt: str) -> tuple[_Codec, _Codec]:
     if fmt == "8bit":
         return _Codec("dynamic", 8), _Codec("dynamic", 8, sqrt=True, signed=False)
     if fmt == "4bit":
-        return _Codec("dynamic", 4, exponent_bits=3), _Codec("linear", 4, sqrt=True)
+        return _Codec("pow2", 4), _Codec("linear", 4, sqrt=True)
     return _Codec("float8", 8), _Codec("float8", 8, sqrt=True)
 
 
@@ -452,9 +470,10 @@ def scale_by_quantized_adam(
     * ``"8bit"``: one ``uint8`` code per element indexing the dynamic tree map
       of Dettmers et al. (signed for ``mu``, unsigned for ``nu``), a float32
       absmax per block of 256: 1.016 bytes per moment value.
-    * ``"4bit"``: two codes per byte, blocks of 128; ``mu`` uses a 4-bit
-      signed dynamic-exponent map and ``nu`` the zero-point-free linear map
-      ``(i + 1) / 16`` of Li et al.: 0.53 bytes per moment value.
+    * ``"4bit"``: two codes per byte, blocks of 128; ``mu`` uses a signed
+      powers-of-two map (0, 0.75, ``+-2**-k`` for k = 0..6) and ``nu`` the
+      zero-point-free linear map ``(i + 1) / 16`` of Li et al.: 0.53 bytes
+      per moment value.
     * ``"float8"``: ``float8_e4m3fn`` values scaled so the block absmax maps to
       448 (stored as their bits, ``uint8``), blocks of 256: 1.016 bytes per
       moment value.

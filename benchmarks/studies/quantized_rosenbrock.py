@@ -74,25 +74,30 @@ def _patched(codecs=None, slow_decay=None):
 def _variants():
     q = {"min_quantized_size": 1}
     m8, n8 = _quantized._codecs("8bit")
-    m4, n4 = _quantized._codecs("4bit")
+    # the 4-bit mu map this study questioned (shipped until 2026-11-27, when
+    # the powers-of-two map, MU_POW2 here, replaced it)
+    m4 = _quantized._Codec("dynamic", 4, exponent_bits=3)
+    n4 = _quantized._codecs("4bit")[1]
     plain = lambda fmt, **kw: lambda: optim.adamw(0.1, state_format=fmt, **q, **kw)  # noqa: E731
 
-    def patched(codecs=None, slow_decay=None):  # (traced in `run`, under the patch too)
-        return lambda: optim.adamw(0.1, state_format="4bit", **q), (codecs, slow_decay)
+    def patched(codecs=None, slow_decay=None, **kw):  # (traced in `run`, under the patch too)
+        return lambda: optim.adamw(0.1, state_format="4bit", **q, **kw), (codecs, slow_decay)
 
     return {
         "float32 (optax.adamw)": lambda: optax.adamw(0.1),
         "8bit": plain("8bit"),
         "float8": plain("float8"),
-        "4bit (shipped)": plain("4bit"),
-        "4bit, nearest nu": plain("4bit", state_rounding="nearest"),
-        "4bit, stochastic mu": patched(slow_decay=0.85),
+        "4bit (dynamic mu map, shipped until 2026-11-27)": patched((m4, n4)),
+        "4bit, nearest nu": patched((m4, n4), state_rounding="nearest"),
+        "4bit, stochastic mu": patched((m4, n4), slow_decay=0.85),
         "4bit, finer mu map (2**-k)": patched((MU_POW2, n4)),
         "4bit, finer nu map (2**-k/2)": patched((m4, NU_SQRT2)),
         "4bit, both finer maps": patched((MU_POW2, NU_SQRT2)),
         "4bit mu, 8bit nu": patched((m4, n8)),
         "8bit mu, 4bit nu": patched((m8, n4)),
         "4bit, default min_quantized_size": lambda: optim.adamw(0.1, state_format="4bit"),
+        "4bit (shipped: powers-of-two mu map)": plain("4bit"),
+        "4bit (shipped), nearest nu": plain("4bit", state_rounding="nearest"),
     }
 
 
