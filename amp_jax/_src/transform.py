@@ -17,7 +17,7 @@ from typing import Any, TypeVar, overload
 
 import jax
 
-from amp_jax._src import compat, mutation
+from amp_jax._src import backends, compat, mutation
 from amp_jax._src.calling import (
     Call,
     CallKey,
@@ -175,7 +175,7 @@ class AmpFunction:
         self._shared.trace_count += 1
         writes = found[0]
         out_tree = jax.tree.structure(out_shape if writes is None else out_shape[0])
-        ctx = Interpreter(Config(self.policy, jax.default_backend()))
+        ctx = Interpreter(Config(self.policy, backends.current()))
         return Traced(plan(ctx, closed), out_tree, ctx, writes)
 
     def _outputs(self, call: Call, traced: Traced, outs: list[Any]) -> Any:

@@ -8,7 +8,7 @@ from typing import Any
 
 import jax
 
-from amp_jax._src import compat, decision
+from amp_jax._src import backends, compat, decision
 from amp_jax._src.diagnostics.tracing import check_grad, flat_call, loss_of, split_fn
 from amp_jax._src.jaxprs import iter_eqns
 from amp_jax._src.transform import AmpFunction
@@ -16,7 +16,7 @@ from amp_jax._src.transform import AmpFunction
 
 def _why(eqn: Any) -> str:
     """Why amp left this eqn in its original precision, from its name stack."""
-    reason = decision.from_stack(str(eqn.source_info.name_stack), jax.default_backend())
+    reason = decision.from_stack(str(eqn.source_info.name_stack), backends.current())
     return reason.text if reason is not None else ""
 
 
