@@ -96,8 +96,9 @@ def check_dots_low(jaxpr, min_low=1):
 def allow_out_dtype(policy="bfloat16"):
     """The dtype amp's dots and convs write on this backend (float32 on CPU, bf16 on GPU)."""
     from amp_jax import get_policy
+    from amp_jax._src import backends, planning
 
-    return np.dtype(get_policy(policy).allow_output_dtype(jax.default_backend()))
+    return np.dtype(planning.allow_output_dtype(get_policy(policy), backends.current()))
 
 
 def _open_jaxpr(j):

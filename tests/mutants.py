@@ -187,9 +187,9 @@ def _attention_off():
 
 
 def _low_outputs_off():
-    from amp_jax._src import policy
+    from amp_jax._src import planning, policy
 
-    _patch(policy.Policy, "allow_output_dtype", lambda self, backend: policy.HIGH_DTYPE)
+    _patch(planning, "allow_output_dtype", lambda pol, backend: policy.HIGH_DTYPE)
 
 
 def _float8_off():
@@ -227,12 +227,10 @@ def _casting_widens():
 
 
 def _backend_from_process():
-    import jax
+    from amp_jax._src import backends, planning
 
-    from amp_jax._src import planning
-
-    orig = planning.backend_for  # the context asks the process, not its backend name
-    _patch(planning, "backend_for", lambda name: orig(jax.default_backend()))
+    # the context asks the process, not the record it was configured with
+    _patch(planning.Context, "backend", property(lambda self: backends.current()))
 
 
 def _body_hints_off():

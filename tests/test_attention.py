@@ -434,12 +434,14 @@ def test_real_layers_are_recognised():
 def _plan(fn, *args, backend="gpu", mode="auto", dtype=jnp.bfloat16):
     """attention.plan of ``fn``'s jaxpr as amp makes it on ``backend``."""
     from amp_jax._src import attention, compat
+    from amp_jax._src.backends import backend_for
     from amp_jax._src.planning import inline_jits
 
     closed = inline_jits(jax.make_jaxpr(fn)(*args))
     jaxpr = compat.jaxpr_of(closed)
     consts = dict(zip(jaxpr.constvars, compat.consts_of(closed)))
-    return attention.plan(jaxpr, consts, mode=mode, backend=backend, compute_dtype=dtype)
+    target = backend_for(backend)
+    return attention.plan(jaxpr, consts, mode=mode, backend=target, compute_dtype=dtype)
 
 
 def _planned_cases():

@@ -76,7 +76,8 @@ def _decisions(backend, head_dim=16):
     closed = inline_jits(jax.make_jaxpr(_sdpa)(x, x, x))
     jaxpr = compat.jaxpr_of(closed)
     consts = dict(zip(jaxpr.constvars, compat.consts_of(closed)))
-    out = attention.plan(jaxpr, consts, mode="auto", backend=backend, compute_dtype=jnp.bfloat16)
+    target = backend_for(backend)
+    out = attention.plan(jaxpr, consts, mode="auto", backend=target, compute_dtype=jnp.bfloat16)
     return [(impl, reason) for _, impl, reason in out.log]
 
 

@@ -9,6 +9,7 @@ import pytest
 
 from amp_jax import full_precision
 from amp_jax._src import decision
+from amp_jax._src.backends import backend_for
 from amp_jax._src.decision import (
     KEPT,
     AttentionPath,
@@ -21,6 +22,8 @@ from amp_jax._src.decision import (
     Variant,
     Why,
 )
+
+CPU, GPU = backend_for("cpu"), backend_for("gpu")
 
 
 def test_kept_reasons_are_the_closed_set_with_their_words():
@@ -70,7 +73,7 @@ def test_a_kept_reason_travels_through_its_scope_and_back(why):
     d = Decision(Kind.OP, OpClass.NEVER, Color.ORIG, Reason.kept(why))
     (scope,) = decision.scopes(d)
     stack = f"transpose(jvp({scope}))"  # as the backward ops of grad carry it
-    assert decision.from_stack(stack, "cpu") == Reason.kept(why)
+    assert decision.from_stack(stack, CPU) == Reason.kept(why)
 
 
 def test_attention_paths_travel_through_their_scope_and_back():
@@ -91,21 +94,21 @@ def test_an_attention_reason_cannot_break_its_name_stack():
 
 def test_float8_and_full_precision_scopes_are_read_back():
     assert decision.float8_scope("rowwise", backward=True) == "amp_float8.rowwise.backward"
-    r = decision.from_stack(f"jvp({decision.float8_scope('rowwise')})", "cpu")
+    r = decision.from_stack(f"jvp({decision.float8_scope('rowwise')})", CPU)
     assert r.why is Why.FLOAT8 and "float8 rowwise" in r.text and "emulated on cpu" in r.text
-    r = decision.from_stack(decision.float8_scope("tensorwise"), "cpu")
+    r = decision.from_stack(decision.float8_scope("tensorwise"), CPU)
     assert "tensorwise" in r.text and "per-tensor" in r.text
-    assert decision.from_stack("model/layer_0/dense", "cpu") is None
+    assert decision.from_stack("model/layer_0/dense", CPU) is None
     # a full_precision region: its scope is what amp reads back
     f = full_precision(lambda x: jnp.sin(x))
     eqns = jax.make_jaxpr(f)(jnp.ones(3)).jaxpr.eqns
     stacks = [str(e.source_info.name_stack) for e in eqns]
-    assert any(decision.from_stack(s, "cpu") for s in stacks), stacks
-    (r,) = {decision.from_stack(s, "cpu") for s in stacks} - {None}
+    assert any(decision.from_stack(s, CPU) for s in stacks), stacks
+    (r,) = {decision.from_stack(s, CPU) for s in stacks} - {None}
     assert r.why is Why.FULL_PRECISION
 
 
 def test_a_kept_reason_wins_over_the_scopes_around_it():
     stack = f"amp_full_precision/{decision.attention_scope(AttentionPath('cudnn', ''))}"
     stack += "/amp_keep_f32.loop_carry"
-    assert decision.from_stack(stack, "gpu") == Reason.kept(Why.LOOP_CARRY)
+    assert decision.from_stack(stack, GPU) == Reason.kept(Why.LOOP_CARRY)

@@ -3,12 +3,13 @@
 On CPU the fp8 products are emulated (fp8 round trip + bf16 dot); on a GPU
 with fp8 matmuls (compute capability >= 8.9) they are dots of the fp8
 operands themselves, their scales applied to the result. Both forms are
-checked on CPU (``NATIVE_OVERRIDE``); the GPU-only test checks that XLA turned
+checked on CPU (a `Backend` record injected with ``backends.use``); the GPU-only test checks that XLA turned
 them into fp8 GEMMs (cuBLASLt or a Triton GEMM fusion).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import jax
@@ -19,7 +20,7 @@ from _util import BF16, F32, eqns, rel
 
 import amp_jax
 from amp_jax import Policy, amp, get_policy
-from amp_jax._src import decision, float8
+from amp_jax._src import backends, decision, float8
 from amp_jax._src.backends import backend_for
 
 E4M3 = np.dtype(jnp.float8_e4m3fn)
@@ -289,7 +290,7 @@ def test_off_is_the_bf16_policy():
 
 
 def test_explain_and_dtype_report_say_float8_and_emulated():
-    backend = jax.default_backend()
+    backend = backends.current()
     ex = amp_jax.explain(_layer, W, X, policy="float8_rowwise", grad=True)
     dots = [r for r in ex.rows if r.primitive == "dot_general"]
     assert len(dots) == 2  # forward, backward groups
@@ -299,7 +300,7 @@ def test_explain_and_dtype_report_say_float8_and_emulated():
     rows = amp_jax.dtype_report(jax.grad(amp(_layer, policy="float8")), W, X)
     why = {r[5] for r in rows if r[0] == "dot_general"}
     assert why == {decision.float8_text("tensorwise", backend)}, why
-    if backend == "cpu":
+    if backend.name == "cpu":
         assert "float8 tensorwise" in why.pop() and "emulated on cpu" in r.reason
 
 
@@ -338,9 +339,35 @@ CASES = {
 }
 
 
+def _with_native(native: bool) -> backends.Backend:
+    """This process's backend record, with (or without) fp8 matmul units."""
+    return dataclasses.replace(backends.current(), native_float8_matmul=lambda: native)
+
+
+def test_injected_backend_is_part_of_the_trace_cache_key():
+    """A trace made under an injected Backend record is not reused outside it (or
+    the other way round): the record, not a module global, decides the products."""
+    x, w = X, W  # (large enough for fp8)
+    f = amp(lambda x, w: jnp.sum(jnp.tanh(x @ w)), policy="float8")
+
+    def fp8_dots():  # (a new function each time: JAX's own trace cache keys on it)
+        return sum(
+            e.primitive.name == "dot_general" and np.dtype(e.invars[0].aval.dtype) == E4M3
+            for e, _ in eqns(jax.make_jaxpr(lambda x, w: f(x, w))(x, w))
+        )
+
+    native = backends.current().native_float8_matmul()
+    f(x, w)  # traced (and cached) under the process's record
+    with backends.use(_with_native(not native)):
+        assert fp8_dots() == (0 if native else 1)
+        f(x, w)
+    assert fp8_dots() == (1 if native else 0)
+    assert f.trace_count == 2  # one trace per record, each reused by its own calls
+
+
 @pytest.mark.parametrize("policy", ["float8", "float8_rowwise"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_native_fp8_products_equal_the_emulated_ones(case, policy, monkeypatch):
+def test_native_fp8_products_equal_the_emulated_ones(case, policy):
     """The native form (a dot of the fp8 operands, scales applied to its result)
     computes the emulated form's products, forward and both backward ones; checked
     here with XLA running the fp8 dot on any backend."""
@@ -356,17 +383,17 @@ def test_native_fp8_products_equal_the_emulated_ones(case, policy, monkeypatch):
     x, w = jax.device_put(x, cpu), jax.device_put(w, cpu)
     out = {}
     for native in (True, False):
-        monkeypatch.setattr(float8, "NATIVE_OVERRIDE", native)
         vg = jax.value_and_grad(amp(loss, policy=policy), argnums=(0, 1))
-        # the native form's three dots take fp8 operands; the emulated form's, bf16
-        dots = [
-            tuple(np.dtype(v.aval.dtype) for v in e.invars)
-            for e, _ in eqns(jax.make_jaxpr(vg)(x, w))
-            if e.primitive.name == "dot_general"
-        ]
-        fp8 = {(E4M3, E4M3), (E5M2, E4M3), (E4M3, E5M2)}
-        assert sum(d in fp8 for d in dots) == (3 if native else 0), dots
-        out[native] = jax.jit(vg)(x, w)
+        with backends.use(_with_native(native)):
+            # the native form's three dots take fp8 operands; the emulated form's, bf16
+            dots = [
+                tuple(np.dtype(v.aval.dtype) for v in e.invars)
+                for e, _ in eqns(jax.make_jaxpr(vg)(x, w))
+                if e.primitive.name == "dot_general"
+            ]
+            fp8 = {(E4M3, E4M3), (E5M2, E4M3), (E4M3, E5M2)}
+            assert sum(d in fp8 for d in dots) == (3 if native else 0), dots
+            out[native] = jax.jit(vg)(x, w)
     g32 = jax.grad(loss, argnums=(0, 1))(x, w)
     # the same products; on CPU to float32 accumulation order, elsewhere the bf16
     # matmul outputs (Policy.allow_outputs) can round an element either way

@@ -99,3 +99,57 @@ def test_private_reaches_finds_what_the_eager_step_used_to_call():
     assert any(
         "_deps.py:1: from amp_jax.optim._tree" in f for f in private_reaches(ROOT, private_module)
     )
+
+
+# -- the backend travels as a record -------------------------------------------------------
+
+_BACKEND_MODULES = {"cpu", "gpu"}
+
+
+def backend_lookups(root: pathlib.Path, source: dict[str, str] | None = None) -> list[str]:
+    """Every place in ``root/amp_jax`` outside ``_src/backends/`` that looks a
+    backend up by name (``backend_for``), imports a backend module (``cpu``,
+    ``gpu``), or, in the policy module, imports the backends at all."""
+    found = []
+    for path in sorted((root / "amp_jax").rglob("*.py")):
+        rel = str(path.relative_to(root))
+        if rel.startswith("amp_jax/_src/backends/"):
+            continue
+        text = (source or {}).get(rel, None) or path.read_text()
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+                "amp_jax._src.backends"
+            ):
+                sub = node.module.split(".")[3:]
+                names = {a.name for a in node.names}
+                if rel == "amp_jax/_src/policy.py":
+                    found.append(f"{rel}:{node.lineno}: the policy imports {node.module}")
+                if set(sub) & _BACKEND_MODULES or names & (_BACKEND_MODULES | {"backend_for"}):
+                    found.append(f"{rel}:{node.lineno}: from {node.module} import {sorted(names)}")
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name.startswith("amp_jax._src.backends"):
+                        found.append(f"{rel}:{node.lineno}: import {alias.name}")
+            elif isinstance(node, ast.Attribute) and node.attr == "backend_for":
+                found.append(f"{rel}:{node.lineno}: .backend_for")
+            elif isinstance(node, ast.Attribute) and node.attr in _BACKEND_MODULES:
+                if isinstance(node.value, ast.Name) and node.value.id == "backends":
+                    found.append(f"{rel}:{node.lineno}: backends.{node.attr}")
+    return found
+
+
+def test_no_module_outside_backends_looks_a_backend_up_by_name():
+    why = "the Backend record is resolved once per trace (planning.Config.backend) and "
+    _none(backend_lookups(ROOT), why + "handed down; kernel facts live in amp_jax/_src/backends/")
+
+
+def test_backend_lookups_finds_what_the_modules_used_to_do():
+    old = {
+        "amp_jax/_src/attention.py": "from amp_jax._src.backends import backend_for, gpu\n",
+        "amp_jax/_src/policy.py": "from amp_jax._src.backends import Backend\n",
+        "amp_jax/_src/dots.py": "from amp_jax._src import backends\nd = backends.backend_for('cpu')\n",
+    }
+    found = backend_lookups(ROOT, old)
+    assert any(f.startswith("amp_jax/_src/attention.py:1: from") for f in found), found
+    assert any("the policy imports" in f for f in found), found
+    assert any(f.startswith("amp_jax/_src/dots.py:2: .backend_for") for f in found), found

@@ -36,7 +36,7 @@ from amp_jax._src.decision import (
 
 
 def _ctx(policy="bfloat16", backend="cpu"):
-    return planning.Context(planning.Config(amp_jax.get_policy(policy), backend))
+    return planning.Context(planning.Config(amp_jax.get_policy(policy), backend_for(backend)))
 
 
 def _plan(fn, *args, policy="bfloat16", backend=None):
@@ -298,8 +298,8 @@ def test_a_plan_prints_its_decisions_and_hints():
 
 def test_the_configuration_is_frozen_data_and_linear_shares_the_trace_memo():
     ctx = _ctx()
-    assert ctx.config == planning.Config(amp_jax.get_policy("bfloat16"), "cpu")
-    assert {ctx.config: 1}[planning.Config(amp_jax.get_policy("bfloat16"), "cpu")] == 1
+    assert ctx.config == planning.Config(amp_jax.get_policy("bfloat16"), backend_for("cpu"))
+    assert {ctx.config: 1}[planning.Config(amp_jax.get_policy("bfloat16"), backend_for("cpu"))] == 1
     with pytest.raises(AttributeError):
         ctx.config.vjp_rules = False
     linear = ctx.linear
@@ -311,6 +311,8 @@ def test_the_configuration_is_frozen_data_and_linear_shares_the_trace_memo():
     assert ctx.plan(closed, BodyHints(carries=frozenset({0}))) is not p
     with pytest.raises(TypeError, match=r"Context\(Config\(policy, backend\)\)"):
         planning.Context(amp_jax.get_policy("bfloat16"), "cpu")
+    with pytest.raises(TypeError, match=r"takes a backends.Backend record, got str 'cpu'"):
+        planning.Config(amp_jax.get_policy("bfloat16"), "cpu")  # the record, not its name
 
 
 def test_a_plan_lists_its_attentions_and_the_trace_log_is_read_from_the_plans():

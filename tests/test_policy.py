@@ -6,6 +6,8 @@ import pytest
 
 import amp_jax
 from amp_jax import Policy, amp, get_policy
+from amp_jax._src.backends import backend_for
+from amp_jax._src.planning import effective_class
 
 
 @pytest.mark.parametrize(
@@ -73,9 +75,10 @@ def test_classification_is_public_data():
 
 def test_backend_aware_conv_on_cpu():
     p = Policy()
-    assert p.effective_class_of("conv_general_dilated", "cpu") == "never"
-    assert p.effective_class_of("conv_general_dilated", "gpu") == "allow"
-    assert Policy(backend_aware=False).effective_class_of("conv_general_dilated", "cpu") == "allow"
+    cpu, gpu = backend_for("cpu"), backend_for("gpu")
+    assert effective_class(p, "conv_general_dilated", cpu) == "never"
+    assert effective_class(p, "conv_general_dilated", gpu) == "allow"
+    assert effective_class(Policy(backend_aware=False), "conv_general_dilated", cpu) == "allow"
 
 
 def test_overlapping_lists_rejected_and_table_agrees_with_class_of():

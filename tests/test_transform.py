@@ -10,6 +10,8 @@ from _util import BF16, F16, F32, allow_out_dtype, check_dots_low, eqns, prim_dt
 from jax import lax
 
 from amp_jax import Policy, amp, full_precision
+from amp_jax._src.backends import backend_for
+from amp_jax._src.planning import allow_output_dtype
 
 KEY = jax.random.PRNGKey(0)
 
@@ -544,9 +546,10 @@ def test_allow_outputs_sets_the_dot_result_dtype_forward_and_backward(outputs, w
 def test_allow_outputs_auto_is_per_backend():
     pol = Policy(jnp.bfloat16)
     assert pol.allow_outputs == "auto"
-    assert pol.allow_output_dtype("gpu") == BF16
-    assert pol.allow_output_dtype("cpu") == F32 and pol.allow_output_dtype("tpu") == F32
-    assert Policy(jnp.float16, allow_outputs="compute").allow_output_dtype("cpu") == F16
+    cpu, gpu, tpu = (backend_for(n) for n in ("cpu", "gpu", "tpu"))
+    assert allow_output_dtype(pol, gpu) == BF16
+    assert allow_output_dtype(pol, cpu) == F32 and allow_output_dtype(pol, tpu) == F32
+    assert allow_output_dtype(Policy(jnp.float16, allow_outputs="compute"), cpu) == F16
     with pytest.raises(ValueError, match="allow_outputs='bf16'.*'auto'"):
         Policy(allow_outputs="bf16")
 

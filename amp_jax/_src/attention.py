@@ -19,7 +19,8 @@ then ``jax.nn.softmax`` over the keys and the values ``dot_general`` (v's head
 dim may differ from q's: the smaller is zero-padded). The intermediate values
 must have no other consumers. A softmax between two matmuls that cannot be
 taken is a *near miss*, left as written with its reason. `plan` decides per
-attention (`decide`: policy, compute dtype, backend, cuDNN's limits) and names
+attention (`decide`: policy, compute dtype, and the `Backend` record, which
+holds cuDNN's limits and runs its probe) and names
 the scope its ops run under (``amp_attention[cudnn]``,
 ``amp_attention[xla-fused]``, ``amp_attention[xla: <reason>]``), which
 ``dtype_report`` and ``explain`` read. docs/how-amp-works.md lists the patterns.
@@ -37,7 +38,7 @@ import numpy as np
 from jax import lax
 
 from amp_jax._src import compat, jaxprs
-from amp_jax._src.backends import backend_for, gpu
+from amp_jax._src.backends import Backend
 from amp_jax._src.decision import AttentionPath
 
 _FILL_MAX = -1e4  # a mask fill at or below this is "masked out"
@@ -931,13 +932,13 @@ def plan(
     consts: dict[Any, Any],
     *,
     mode: str,
-    backend: str,
+    backend: Backend,
     compute_dtype: Any,
     in_full_precision: Callable[[Any], bool] = lambda eqn: False,
 ) -> Plan:
     """Which attentions of ``jaxpr`` run fused, and the reasons for all of them.
 
-    ``backend`` is the platform planned for: ``"gpu"`` can be planned on a
+    ``backend`` is the record planned for: a GPU can be planned on a
     machine without one (cuDNN's own trace-time checks then wait for the GPU).
     """
     out = Plan({}, [], {})
@@ -960,7 +961,7 @@ def plan(
     return out
 
 
-def decide(match: Match, mode: str, backend: str, compute_dtype: Any) -> tuple[str | None, str]:
+def decide(match: Match, mode: str, backend: Backend, compute_dtype: Any) -> tuple[str | None, str]:
     """(implementation or None, reason) for one recognised attention."""
     low = np.dtype(compute_dtype) in (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
     if mode == "off":
@@ -972,25 +973,10 @@ def decide(match: Match, mode: str, backend: str, compute_dtype: Any) -> tuple[s
         )
     if mode == "xla":
         return "xla", "fused attention, XLA implementation (Policy(attention='xla'))"
-    target = backend_for(backend)
-    if mode == "auto" and not target.fused_attention:
-        return None, f"no fused attention kernel on {backend}: left as written"
-    h, hv = match.sizes["H"], match.sizes["Hv"]
-    d = max(h, hv)  # the smaller one is zero-padded
-    limit = gpu.cudnn_head_dim_limit()
-    if d % 8 or d > limit:
-        return None, f"head dim {d}: cuDNN needs a multiple of 8 and at most {limit}"
-    tq, tk = match.sizes["Tq"], match.sizes["Tk"]
-    if (match.bias is not None or (match.pred is not None and not match.causal_const)) and (
-        tq % 2 or tk % 2
-    ):
-        return None, (
-            f"odd length (Tq={tq}, Tk={tk}) with a mask or bias: cuDNN's backward needs even ones"
-        )
-    if not gpu.have_cudnn():
-        if target.fused_attention:  # planned for a GPU on a machine without one
-            return "cudnn", "cuDNN flash attention (planned without a GPU: cuDNN checks not run)"
-        return None, f"no cuDNN on {backend}: left as written"
+    if mode == "auto" and not backend.fused_attention:
+        return None, f"no fused attention kernel on {backend.name}: left as written"
+    d = max(match.sizes["H"], match.sizes["Hv"])  # the smaller one is zero-padded
+    needs_even = match.bias is not None or (match.pred is not None and not match.causal_const)
     read = _abstract_read(match, compute_dtype)
 
     def fused(*operands):
@@ -999,17 +985,15 @@ def decide(match: Match, mode: str, backend: str, compute_dtype: Any) -> tuple[s
             lambda a, dt: vals[a].astype(dt) if a in vals else read(a, dt), compute_dtype, "cudnn"
         )
 
-    operands = [read(a, compute_dtype) for a in (match.q, match.k, match.v)]
-    try:  # cuDNN's own checks (layout, lengths, versions) run at trace time, some only
-        # when differentiated (a mask turned into a bias needs even lengths then)
+    def probe():
+        operands = [read(a, compute_dtype) for a in (match.q, match.k, match.v)]
         jax.eval_shape(fused, *operands)
         jax.eval_shape(
             jax.grad(lambda *o: jnp.sum(fused(*o).astype(jnp.float32)), argnums=(0, 1, 2)),
             *operands,
         )
-    except Exception as e:  # noqa: BLE001 -- any refusal means: leave it as written
-        return None, f"cuDNN refused it: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
-    return "cudnn", "cuDNN flash attention"
+
+    return backend.attention(d, match.sizes["Tq"], match.sizes["Tk"], needs_even, probe)
 
 
 def _abstract_read(match: Match, dtype: Any) -> Callable[[Any, Any], Any]:

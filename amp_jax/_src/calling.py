@@ -29,7 +29,7 @@ from typing import Any, Generic, TypeVar
 import jax
 import numpy as np
 
-from amp_jax._src import compat
+from amp_jax._src import backends, compat
 
 T = TypeVar("T")
 
@@ -159,7 +159,8 @@ class CallKey:
       treedef: the structure of ``(args, kwargs)``.
       dynamic_mask: which leaves are traced.
       leaves: the abstract type of each traced leaf, the static key of the others.
-      backend: ``jax.default_backend()``.
+      backend: the `Backend` record planned for (``backends.current()``: the
+        default backend's, or one a test injected).
       trace_context: what makes ``jax.jit`` retrace (config contexts, named
         axes and their sizes, the mesh).
       full_precision: whether the caller is inside a ``full_precision`` scope.
@@ -169,7 +170,7 @@ class CallKey:
     treedef: Any
     dynamic_mask: tuple[bool, ...]
     leaves: tuple[Hashable, ...]
-    backend: str
+    backend: backends.Backend
     trace_context: Hashable
     full_precision: bool
 
@@ -266,7 +267,7 @@ class Call:
                     compat.abstract_key(x) if d else static_key(x)
                     for x, d in zip(self.leaves, self.dynamic_mask)
                 ),
-                backend=jax.default_backend(),
+                backend=backends.current(),
                 trace_context=compat.trace_context(),
                 full_precision=full_precision,
             )

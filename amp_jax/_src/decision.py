@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from amp_jax._src import compat
-from amp_jax._src.backends import backend_for
+from amp_jax._src.backends import Backend
 from amp_jax._src.policy import FULL_PRECISION_SCOPE, scope_in
 
 
@@ -277,16 +277,17 @@ def float8_scope(recipe: str, backward: bool = False) -> str:
     return f"{FLOAT8_SCOPE}.{recipe}" + (".backward" if backward else "")
 
 
-def float8_text(recipe: str, backend: str) -> str:
+def float8_text(recipe: str, backend: Backend) -> str:
     """The words for an fp8 product of ``recipe`` on ``backend``."""
     how = "per-tensor" if recipe == "tensorwise" else "per-row"
+    name, native = backend.name, backend.native_float8_matmul()
     where = (
-        f"native fp8 GEMM on {backend}"
-        if backend_for(backend).native_float8_matmul()
-        else f"emulated on {backend} (no fp8 matmul units): fp8 round trip + bf16 dot"
+        f"native fp8 GEMM on {name}"
+        if native
+        else f"emulated on {name} (no fp8 matmul units): fp8 round trip + bf16 dot"
     )
-    if recipe == "rowwise" and backend_for(backend).native_float8_matmul():
-        where = f"native fp8 GEMM on {backend}, per-row scales applied to its result"
+    if recipe == "rowwise" and native:
+        where = f"native fp8 GEMM on {name}, per-row scales applied to its result"
     return (
         f"float8 {recipe}: e4m3 operands, e5m2 gradient, {how} dynamic scales, "
         f"float32 accumulation; {where}"
@@ -307,7 +308,7 @@ def attention_from_stack(stack: str) -> AttentionPath | None:
     return AttentionPath(None, what[len("xla: ") :] if what.startswith("xla: ") else what)
 
 
-def from_stack(stack: str, backend: str) -> Reason | None:
+def from_stack(stack: str, backend: Backend) -> Reason | None:
     """The reason amp left an op of a rewritten program as it is, from its name
     stack (the op may be a backward op of ``jax.grad``), if amp gave one."""
     for why in KEPT:

@@ -21,7 +21,7 @@ from jax.custom_derivatives import SymbolicZero
 from jax.extend.core import primitives as P
 
 from amp_jax._src import casting, compat, lowdot, mesh
-from amp_jax._src.backends import backend_for
+from amp_jax._src.backends import Backend
 from amp_jax._src.decision import Decision, Fused, OpClass, Variant
 from amp_jax._src.elementwise import (
     AllowRule,
@@ -92,7 +92,7 @@ def _layout_dot(ctx: RuleContext, lay: Any, env: Env) -> list[Any]:
 
 
 def plan_layouts(
-    jaxpr: Any, decisions: Sequence[Decision], *, backend: str, vjp_rules: bool
+    jaxpr: Any, decisions: Sequence[Decision], *, backend: Backend, vjp_rules: bool
 ) -> dict[int, Any]:
     """The backend's layout records of a plan's lowered dots (`Backend.plan_layouts`),
     by eqn index: for the dots amp's dot rule lowers to the compute dtype (none
@@ -111,7 +111,7 @@ def plan_layouts(
             lowered[i] = d.out_dtype
     if not lowered or not vjp_rules:
         return {}
-    return backend_for(backend).plan_layouts(jaxpr, lowered, skip)
+    return backend.plan_layouts(jaxpr, lowered, skip)
 
 
 def _tangent_sum(out: Any, parts: list[Any]) -> Any:
@@ -129,9 +129,9 @@ def _amp_dot(
     compute_dtype: np.dtype,
     x_dtype: np.dtype,
     y_dtype: np.dtype,
-    backend: str,
+    backend: Backend,
 ) -> Callable:
-    dot = backend_for(backend).dot
+    dot = backend.dot
 
     def cast(v: Any) -> Any:
         return casting.lower(v, compute_dtype)
@@ -190,7 +190,7 @@ def dot_general_rule(
     compute_dtype: np.dtype,
     out_dtype: np.dtype = HIGH_DTYPE,
     *,
-    backend: str,
+    backend: Backend,
     dims: Any = None,
 ) -> list[Any]:
     """``dims``: dimension numbers that replace ``eqn``'s (for operands read

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from amp_jax._src import casting, compat
+from amp_jax._src.backends import Backend
 from amp_jax._src.decision import BodyHints, Color, Decision, Variant
 from amp_jax._src.policy import HIGH_DTYPE, Policy, is_managed_float
 
@@ -36,8 +37,8 @@ class RuleContext(Protocol):
     def policy(self) -> Policy: ...
 
     @property
-    def backend(self) -> str:
-        """The platform name planned for."""
+    def backend(self) -> Backend:
+        """The backend record planned for (resolved once per trace)."""
 
     @property
     def vjp_rules(self) -> bool:

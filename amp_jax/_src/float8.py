@@ -28,7 +28,7 @@ import numpy as np
 from jax import lax
 
 from amp_jax._src import jaxprs
-from amp_jax._src.backends import backend_for
+from amp_jax._src.backends import Backend
 from amp_jax._src.decision import Reason, Variant, Why, float8_scope, float8_text
 from amp_jax._src.elementwise import RuleContext, acc_dtype
 from amp_jax._src.lowdot import dot_transpose
@@ -46,8 +46,6 @@ MIN_CONTRACTION = 16
 
 _LOW = np.dtype(jnp.bfloat16)
 
-#: force the native (True) or emulated (False) products on any backend (None: the backend decides)
-NATIVE_OVERRIDE: bool | None = None
 _MIN_SCALE = 2.0**-126  # smallest normal float32: 0 / scale stays 0, x / scale stays finite
 
 
@@ -88,7 +86,7 @@ def applies(policy: Policy, vjp_rules: bool, eqn: Any) -> bool:
 # -- the variant of the dot rule ---------------------------------------------------------
 
 
-def reason(policy: Policy, backend: str, eqn: Any, variant: Variant) -> Reason | None:
+def reason(policy: Policy, backend: Backend, eqn: Any, variant: Variant) -> Reason | None:
     """Why a lowered ``allow`` eqn (planned to run ``variant``) runs in fp8 or
     not under a float8 ``policy`` on ``backend``. None when the policy has no
     float8, or when the eqn has an operand that is not a managed float."""
@@ -358,17 +356,13 @@ def float8_dot_rule(
     out_dtype: np.dtype = HIGH_DTYPE,
     *,
     recipe: str = "tensorwise",
-    backend: str = "cpu",
+    backend: Backend,
 ) -> list[Any]:
     """The fp8 allow rule of ``dot_general`` (same signature as the bf16 rules)."""
     del compute_dtype
     x, y = invals
     p = eqn.params
-    native = (
-        NATIVE_OVERRIDE
-        if NATIVE_OVERRIDE is not None
-        else backend_for(backend).native_float8_matmul()
-    )
+    native = backend.native_float8_matmul()
     f = _fp8_dot(
         _Dot(
             dims=p["dimension_numbers"],

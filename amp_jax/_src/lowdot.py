@@ -28,7 +28,7 @@ from jax.extend.core.primitives import dot_general_p
 from jax.interpreters import ad, batching, mlir
 
 from amp_jax._src import casting, compat
-from amp_jax._src.backends import backend_for, plain_dot
+from amp_jax._src.backends import plain_dot
 
 linear_dot_p = Primitive("amp_linear_dot")
 
@@ -95,7 +95,7 @@ def linear_dot(t: Any, o: Any, *, t_is_lhs: bool, **params: Any) -> Any:
 
     ``params``: ``dimension_numbers`` (the dot's dimension numbers, lhs first),
     ``precision``, ``acc`` (the result dtype), ``out_sharding`` (the dot's),
-    ``compute_dtype``, ``backend`` (the platform name whose `Backend.dot`
+    ``compute_dtype``, ``backend`` (the `Backend` record whose ``dot``
     writes the products).
     """
     return linear_dot_p.bind(t, o, t_is_lhs=t_is_lhs, **params)
@@ -106,7 +106,7 @@ def _impl(
 ):
     tl = casting.lower(t, compute_dtype)
     a, b = (tl, o) if t_is_lhs else (o, tl)
-    return backend_for(backend).dot(a, b, dimension_numbers, precision, acc, out_sharding)
+    return backend.dot(a, b, dimension_numbers, precision, acc, out_sharding)
 
 
 def _abstract_eval(
@@ -143,7 +143,7 @@ def _jvp(primals, tangents, **params):
 def _transpose(
     ct, t, o, *, t_is_lhs, dimension_numbers, precision, acc, compute_dtype, backend, **_
 ):
-    dot = backend_for(backend).dot
+    dot = backend.dot
     (lc, rc), (lb, rb) = dimension_numbers
     if type(ct) is ad.Zero:
         return [None, None]

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from amp_jax._src import attention, casting, compat, dots, float8, jaxprs, painting
-from amp_jax._src.backends import Backend, backend_for
+from amp_jax._src.backends import Backend
 from amp_jax._src.decision import (
     NO_HINTS,
     AttentionPath,
@@ -79,19 +79,24 @@ class Config:
 
     Attributes:
       policy: the mixed-precision policy.
-      backend: the platform name planned for (``"cpu"``, ``"gpu"``, ...).
+      backend: what amp knows of the backend planned for (``backends/``),
+        resolved once per trace (``backends.current()``) and handed down to
+        every rule, plan and reason that depends on it.
       vjp_rules: allow ops use their custom_vjp rules; off in code JAX will
         transpose (custom JVP rules), where a custom_vjp cannot appear.
     """
 
     policy: Policy
-    backend: str
+    backend: Backend
     vjp_rules: bool = True
 
-    @functools.cached_property
-    def target(self) -> Backend:
-        """What amp knows of the backend (``backends/``)."""
-        return backend_for(self.backend)
+    def __post_init__(self) -> None:
+        if not isinstance(self.backend, Backend):
+            raise TypeError(
+                f"Config(policy, backend) takes a backends.Backend record, got "
+                f"{type(self.backend).__name__} {self.backend!r}; pass backends.current() "
+                "(or backends.backend_for(name) where a test plans for another platform)."
+            )
 
     @property
     def identity(self) -> bool:
@@ -155,12 +160,8 @@ class Context:
         return self.config.policy
 
     @property
-    def backend(self) -> str:
+    def backend(self) -> Backend:
         return self.config.backend
-
-    @property
-    def target(self) -> Backend:
-        return self.config.target
 
     @property
     def vjp_rules(self) -> bool:
@@ -257,7 +258,7 @@ def _classify(ctx: Context, eqn: Any) -> Classified:
             return Classified(Kind.OP, OpClass.FOLLOW)
         return Classified(Kind.NESTED, None)
     name = eqn.primitive.name
-    cls = ctx.policy.effective_class_of(name, ctx.backend)
+    cls = effective_class(ctx.policy, name, ctx.backend)
     if cls is None:
         if ctx.policy.strict:
             raise NotImplementedError(
@@ -274,12 +275,35 @@ def _classify(ctx: Context, eqn: Any) -> Classified:
     if why is not None:
         return Classified(Kind.OP, OpClass.NEVER, Reason.kept(why))
     floats = all(is_managed_float(casting.dtype_of(v)) for v in eqn.invars)
-    if floats and not ctx.target.has_low_kernel(eqn):
+    if floats and not ctx.backend.has_low_kernel(eqn):
         # its rule runs it in float32 on this backend (XLA:CPU's batched dots)
         return Classified(Kind.OP, OpClass.ALLOW, Reason.kept(Why.BACKEND_KERNEL), Variant.FLOAT32)
     if float8.applies(ctx.policy, ctx.vjp_rules, eqn):
         return Classified(Kind.OP, OpClass.ALLOW, variant=Variant.FLOAT8)
     return Classified(Kind.OP, OpClass.ALLOW)
+
+
+def effective_class(policy: Policy, name: str, backend: Backend) -> str | None:
+    """``policy.class_of(name)`` with the backend-aware adjustment: an ``allow``
+    op measured slower in low precision on ``backend`` is ``never`` under
+    ``Policy(backend_aware=True)`` (unless the user's overrides name it)."""
+    cls = policy.class_of(name)
+    if (
+        cls == "allow"
+        and policy.backend_aware
+        and name in backend.slow_in_low_precision
+        and name not in dict(policy.overrides)
+    ):
+        return "never"
+    return cls
+
+
+def allow_output_dtype(policy: Policy, backend: Backend) -> np.dtype:
+    """The dtype ``allow`` ops write on ``backend`` (``Policy.allow_outputs``)."""
+    low = policy.allow_outputs == "compute" or (
+        policy.allow_outputs == "auto" and backend.low_outputs
+    )
+    return policy.compute_dtype if low else HIGH_DTYPE
 
 
 def _leaves_range(policy: Policy, eqn: Any) -> bool:
@@ -462,7 +486,7 @@ class _Draft:
             out_dtype = None
             if color is Color.LOW and c.op_class is OpClass.ALLOW:  # what its rule writes
                 f32 = i in self.f32_out or c.variant is Variant.FLOAT32
-                out_dtype = HIGH_DTYPE if f32 else ctx.policy.allow_output_dtype(ctx.backend)
+                out_dtype = HIGH_DTYPE if f32 else allow_output_dtype(ctx.policy, ctx.backend)
             d = Decision(
                 c.kind,
                 c.op_class,
@@ -490,7 +514,7 @@ def _reason(ctx: Context, eqn: Any, c: Classified, color: Color) -> Reason:
     if base == "allow" and c.op_class is OpClass.NEVER:
         return Reason(
             Why.BACKEND_CLASS,
-            f"backend-aware: {name} is slower in {cd} on {ctx.backend}, kept as written",
+            f"backend-aware: {name} is slower in {cd} on {ctx.backend.name}, kept as written",
         )
     if c.op_class is OpClass.ALLOW and base == "allow":
         fp8 = float8.reason(ctx.policy, ctx.backend, eqn, c.variant)

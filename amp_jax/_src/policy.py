@@ -35,8 +35,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import DTypeLike
 
-from amp_jax._src.backends import backend_for
-
 OP_CLASSES: tuple[str, ...] = ("allow", "deny", "follow", "clear", "never")
 
 #: Matmuls and convolutions: compute-dtype operands, float32 accumulation.
@@ -637,25 +635,6 @@ class Policy:
             if name in getattr(self, cls):
                 return cls
         return None
-
-    def effective_class_of(self, name: str, backend: str) -> str | None:
-        """Like `class_of`, with the backend-aware adjustments applied."""
-        cls = self.class_of(name)
-        if (
-            cls == "allow"
-            and self.backend_aware
-            and name not in dict(self.overrides)
-            and name in backend_for(backend).slow_in_low_precision
-        ):
-            return "never"
-        return cls
-
-    def allow_output_dtype(self, backend: str) -> np.dtype:
-        """The dtype ``allow`` ops write on ``backend`` (see ``allow_outputs``)."""
-        low = self.allow_outputs == "compute" or (
-            self.allow_outputs == "auto" and backend_for(backend).low_outputs
-        )
-        return self.compute_dtype if low else HIGH_DTYPE
 
     def replace(self, **changes: Any) -> Policy:
         """A copy of this policy with some fields changed."""

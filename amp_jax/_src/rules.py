@@ -60,7 +60,7 @@ def register_rule(primitive_name: str, rule: Rule) -> None:
         outputs. ``invals`` are the operands in their current dtypes;
         ``eqn.params`` are the original params; ``out_dtype`` is the dtype
         the policy wants the op to write on this backend
-        (`Policy.allow_output_dtype`), e.g. its
+        (`planning.allow_output_dtype`), e.g. its
         ``preferred_element_type``. It runs for eqns of the primitive that
         the policy puts in the ``allow`` class and amp lowers.
     """

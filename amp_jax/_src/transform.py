@@ -19,7 +19,7 @@ from typing import Any, TypeVar, overload
 
 import jax
 
-from amp_jax._src import compat, mutation
+from amp_jax._src import backends, compat, mutation
 from amp_jax._src.calling import (
     Call,
     CallKey,
@@ -213,7 +213,7 @@ class AmpFunction:
         self._shared.trace_count += 1
         writes = found[0]
         out_tree = jax.tree.structure(out_shape if writes is None else out_shape[0])
-        ctx = Interpreter(Config(self.policy, jax.default_backend()))
+        ctx = Interpreter(Config(self.policy, backends.current()))
         planned = plan(ctx, closed)
         name = _whole_jit_name(closed)
         staged = None

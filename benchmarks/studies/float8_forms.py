@@ -16,6 +16,7 @@ is clearly worse than bf16).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 
@@ -23,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from amp_jax import amp
-from amp_jax._src import float8
+from amp_jax._src import backends
 
 _F8_DOT = re.compile(r"\bdot\(f8e[45]m[23]\w*\[[^)]*f8e[45]m[23]\w*\[")
 _BF16_DOT = re.compile(r"\bdot\(bf16\[")
@@ -52,13 +53,11 @@ def main(argv=None):
     print("| form | policy | fp8 GEMMs | bf16 dots | grad error vs f32 |\n|---|---|---:|---:|---:|")
     for form, native in (("native", True), ("emulated", False)):
         for policy in ("float8", "float8_rowwise"):
-            float8.NATIVE_OVERRIDE = native
-            try:
+            record = dataclasses.replace(backends.current(), native_float8_matmul=lambda: native)
+            with backends.use(record):
                 step = jax.jit(jax.grad(amp(loss, policy=policy)))
                 hlo = step.lower(w, x).compile().as_text()
                 err = rel(step(w, x))
-            finally:
-                float8.NATIVE_OVERRIDE = None
             if args.hlo_dir:
                 os.makedirs(args.hlo_dir, exist_ok=True)
                 with open(os.path.join(args.hlo_dir, f"{form}_{policy}.hlo.txt"), "w") as fh:

@@ -6,15 +6,23 @@ name: they read its `Backend` record. Which dots it runs in the compute dtype
 XLA:CPU's operand layouts, ``cpu.py``), the layouts chosen per dot when a
 jaxpr is planned (`Backend.plan_layouts`), which dtype ``allow`` ops write and which
 ops stay float32 (the tables below), fp8 matmuls and fused attention
-(``gpu.py``).
+(``gpu.py``: cuDNN's limits and its trace-time probe, `Backend.attention`).
+
+One `Backend` record is resolved per trace (`current`: the process's default
+backend, or the one a `use` block injects) and handed down: it is part of the
+trace cache key, so a trace made under an injected record is never reused
+outside it. No module outside ``backends/`` looks a backend up by name.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import Any
 
+import jax
 from jax import lax
 
 from amp_jax._src.backends import cpu, gpu
@@ -38,7 +46,7 @@ def _no_layouts(jaxpr: Any, lowered: Mapping[int, Any], skip: Collection[int] = 
     return {}
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, repr=False)
 class Backend:
     """What amp needs to know of one backend (a platform name: ``"cpu"``, ``"gpu"``, ...).
 
@@ -75,6 +83,19 @@ class Backend:
         with compute-dtype operands: planning keeps it float32 if not."""
         return eqn.primitive.name != "dot_general" or self.runs_low(eqn)
 
+    def attention(
+        self, head_dim: int, tq: int, tk: int, needs_even: bool, probe: Callable[[], Any]
+    ) -> tuple[str | None, str]:
+        """``(implementation or None, reason)`` for a recognised attention that
+        the policy asks to fuse with cuDNN (``gpu.cudnn_attention``: its limits,
+        then ``probe()``, which raises where cuDNN refuses the call at trace time)."""
+        return gpu.cudnn_attention(
+            self.name, self.fused_attention, head_dim, tq, tk, needs_even, probe
+        )
+
+    def __repr__(self) -> str:  # (a primitive parameter: printed in jaxprs)
+        return f"Backend({self.name!r})"
+
 
 _BACKENDS = {
     "cpu": Backend(
@@ -98,6 +119,34 @@ def backend_for(name: str) -> Backend:
     amp has nothing special for, e.g. ``"tpu"``)."""
     found = _BACKENDS.get(name)
     return found if found is not None else Backend(name)
+
+
+_INJECTED: contextvars.ContextVar[Backend | None] = contextvars.ContextVar(
+    "amp_jax_backend", default=None
+)
+
+
+def current() -> Backend:
+    """The `Backend` record amp plans for now: the one a `use` block injected,
+    else the record of ``jax.default_backend()``. Read once per call (the trace
+    cache key holds it) and handed down with the planning configuration."""
+    injected = _INJECTED.get()
+    return injected if injected is not None else backend_for(jax.default_backend())
+
+
+@contextlib.contextmanager
+def use(backend: Backend) -> Iterator[Backend]:
+    """Plan for ``backend`` inside the block (what tests inject: e.g. native fp8
+    products on CPU, ``dataclasses.replace(current(), native_float8_matmul=lambda:
+    True)``). The record is part of amp's trace cache key: a trace made inside
+    the block is not reused outside it, nor the other way round."""
+    if not isinstance(backend, Backend):
+        raise TypeError(f"backends.use takes a Backend record, got {type(backend).__name__}.")
+    token = _INJECTED.set(backend)
+    try:
+        yield backend
+    finally:
+        _INJECTED.reset(token)
 
 
 #: (primitive, backend) pairs measured slower in low precision than float32;

@@ -9,6 +9,8 @@ cuDNN's own checks to trace time on the GPU.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import Any
 
 import jax
 
@@ -63,3 +65,39 @@ def cudnn_head_dim_limit(device_kind: str | None = None) -> int:
         except Exception:  # noqa: BLE001 -- no device info: the conservative bound
             return 128
     return 256 if any(s in device_kind for s in _WIDE_HEADS) else 128
+
+
+def cudnn_attention(
+    backend: str,
+    planned_for_gpu: bool,
+    head_dim: int,
+    tq: int,
+    tk: int,
+    needs_even: bool,
+    probe: Callable[[], Any],
+) -> tuple[str | None, str]:
+    """``(implementation or None, reason)``: whether cuDNN's flash attention
+    takes an attention of head dim ``head_dim`` (the larger of the query/key
+    and value dims; the smaller is zero-padded) and lengths ``tq``/``tk``
+    (``needs_even``: it has a mask or bias, and cuDNN's backward then needs
+    even lengths) on ``backend``. ``planned_for_gpu``: the backend fuses
+    attention (`Backend.fused_attention`), so a process without a GPU plans
+    it unchecked. ``probe()`` traces the fused call and its gradient; any
+    exception is cuDNN's refusal (layout, lengths, versions)."""
+    limit = cudnn_head_dim_limit()
+    if head_dim % 8 or head_dim > limit:
+        return None, f"head dim {head_dim}: cuDNN needs a multiple of 8 and at most {limit}"
+    if needs_even and (tq % 2 or tk % 2):
+        return None, (
+            f"odd length (Tq={tq}, Tk={tk}) with a mask or bias: cuDNN's backward needs even ones"
+        )
+    if not have_cudnn():
+        if planned_for_gpu:  # planned for a GPU on a machine without one
+            return "cudnn", "cuDNN flash attention (planned without a GPU: cuDNN checks not run)"
+        return None, f"no cuDNN on {backend}: left as written"
+    try:  # cuDNN's own checks (layout, lengths, versions) run at trace time, some only
+        # when differentiated (a mask turned into a bias needs even lengths then)
+        probe()
+    except Exception as e:  # noqa: BLE001 -- any refusal means: leave it as written
+        return None, f"cuDNN refused it: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
+    return "cudnn", "cuDNN flash attention"

@@ -8,7 +8,7 @@ from typing import Any
 
 import jax
 
-from amp_jax._src import compat, decision
+from amp_jax._src import backends, compat, decision
 from amp_jax._src.diagnostics.explain import unused_eqns
 from amp_jax._src.diagnostics.reasons import (
     Decisions,
@@ -39,7 +39,7 @@ def _walk(
         outs = ",".join(str(v.aval.dtype) for v in eqn.outvars if hasattr(v.aval, "dtype"))
         stack = full_stack(eqn, outer)
         # a kept op's reason travels in its name stack (through grad too)
-        kept = decision.from_stack(stack, jax.default_backend())
+        kept = decision.from_stack(stack, backends.current())
         why = kept.text if kept is not None else ""
         if not why and decisions and (compute is not None) and _is_float(eqn):
             why = row_reason(
