@@ -21,7 +21,9 @@ file are wrapped (the caller's file is under the directory of the files
 collected): JAX's own library code calls ``jax.jit`` too, and what is under
 test is amp around the tests' functions. A function already under amp (one of
 these wrappers' results, or amp itself, found through ``__wrapped__``) is not
-wrapped again, unless ``AMP_JAX_SUITE_NESTED=1``.
+wrapped again, unless ``AMP_JAX_SUITE_NESTED=1``. Calls from JAX's test helpers
+(``jax._src.test_util``'s ``_CompileAndCheck``, ``public_test_util``'s
+``check_grads``) count as the test file's, unless ``AMP_JAX_SUITE_HELPERS=0``.
 
 Every test's outcome goes as one JSON line to ``AMP_JAX_SUITE_LOG``: node id,
 outcome, ``crash`` (the exception is not an ``AssertionError``), the
@@ -41,6 +43,7 @@ import jax
 
 MODE = os.environ.get("AMP_JAX_SUITE_MODE", "off")
 NESTED = os.environ.get("AMP_JAX_SUITE_NESTED", "0") == "1"
+HELPERS = os.environ.get("AMP_JAX_SUITE_HELPERS", "1") == "1"
 LOG = os.environ.get("AMP_JAX_SUITE_LOG")
 
 #: the transformations whose function argument is wrapped
@@ -133,8 +136,13 @@ def _patched(name: str) -> Any:
 
 def pytest_configure(config: Any) -> None:
     global _test_dirs
-    dirs = {os.path.dirname(os.path.abspath(str(a).split("::")[0])) for a in config.args}
-    _test_dirs = tuple(sorted(d + os.sep for d in dirs))
+    dirs = {os.path.dirname(os.path.abspath(str(a).split("::")[0])) + os.sep for a in config.args}
+    if HELPERS:
+        # JAX's test helpers jit and differentiate the function a test hands them
+        # (_CompileAndCheck, check_grads): calls from them are the tests' calls too
+        for name in ("jax._src.test_util", "jax._src.public_test_util"):
+            dirs.add(importlib.import_module(name).__file__)
+    _test_dirs = tuple(sorted(dirs))
     if MODE == "off":
         return
     if MODE not in ("float32", "bfloat16", "jit"):

@@ -21,7 +21,10 @@ function the test file passes to ``jax.jit``, ``grad``, ``vmap``, ``jvp``,
 
 The tests that fail under amp run once more with ``jax.jit`` where amp was
 (the plugin's ``jit`` mode): "fail under jit too" counts those that fail
-because their function is traced to a jaxpr at all, as amp traces it.
+because their function is traced to a jaxpr at all, as amp traces it. A hint,
+not a proof: ``jax.jit`` also fails where amp would not (a function or other
+non-array argument that amp takes as static and jit refuses), so each skip-list
+line says why, from a standalone check.
 
 Per file and mode the table gives: tests that pass without amp, of those how
 many fail under amp (crashes, assertion failures) and how many of the failures
