@@ -432,7 +432,7 @@ def test_real_layers_are_recognised():
 
 
 def _plan(fn, *args, backend="gpu", mode="auto", dtype=jnp.bfloat16):
-    """attention.plan of ``fn``'s jaxpr as amp makes it on ``backend``."""
+    """attention.plan_attention of ``fn``'s jaxpr as amp makes it on ``backend``."""
     from amp_jax._src import attention, compat
     from amp_jax._src.backends import backend_for
     from amp_jax._src.planning import inline_jits
@@ -441,7 +441,7 @@ def _plan(fn, *args, backend="gpu", mode="auto", dtype=jnp.bfloat16):
     jaxpr = compat.jaxpr_of(closed)
     consts = dict(zip(jaxpr.constvars, compat.consts_of(closed)))
     target = backend_for(backend)
-    return attention.plan(jaxpr, consts, mode=mode, backend=target, compute_dtype=dtype)
+    return attention.plan_attention(jaxpr, consts, mode=mode, backend=target, compute_dtype=dtype)
 
 
 def _planned_cases():

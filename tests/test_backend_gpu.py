@@ -77,7 +77,9 @@ def _decisions(backend, head_dim=16):
     jaxpr = compat.jaxpr_of(closed)
     consts = dict(zip(jaxpr.constvars, compat.consts_of(closed)))
     target = backend_for(backend)
-    out = attention.plan(jaxpr, consts, mode="auto", backend=target, compute_dtype=jnp.bfloat16)
+    out = attention.plan_attention(
+        jaxpr, consts, mode="auto", backend=target, compute_dtype=jnp.bfloat16
+    )
     return [(impl, reason) for _, impl, reason in out.log]
 
 

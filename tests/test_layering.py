@@ -153,3 +153,34 @@ def test_backend_lookups_finds_what_the_modules_used_to_do():
     assert any(f.startswith("amp_jax/_src/attention.py:1: from") for f in found), found
     assert any("the policy imports" in f for f in found), found
     assert any(f.startswith("amp_jax/_src/dots.py:2: .backend_for") for f in found), found
+
+
+# -- one name for one thing -------------------------------------------------------------
+
+#: class names still defined twice in amp_jax/_src, and why (shrink, never grow)
+KNOWN_TWICE = {"Env": "jaxprs.Env and the elementwise.Env protocol: issue 50, item 4"}
+
+
+def classes_defined_twice(root: pathlib.Path, source: dict[str, str] | None = None) -> set[str]:
+    """Top-level class names (leading underscores dropped) that two modules of
+    ``amp_jax/_src`` define."""
+    seen: dict[str, str] = {}
+    twice = set()
+    for path in sorted((root / "amp_jax" / "_src").rglob("*.py")):
+        rel = str(path.relative_to(root))
+        text = (source or {}).get(rel, None) or path.read_text()
+        for node in ast.parse(text).body:
+            if isinstance(node, ast.ClassDef):
+                name = node.name.lstrip("_")
+                if name in seen and seen[name] != rel:
+                    twice.add(name)
+                seen.setdefault(name, rel)
+    return twice
+
+
+def test_no_two_modules_define_a_class_of_one_name():
+    twice = classes_defined_twice(ROOT)
+    assert twice <= set(KNOWN_TWICE), f"defined in two modules of amp_jax/_src: {twice}"
+    # the check sees attention's plan as it used to be named
+    old = {"amp_jax/_src/attention.py": "class Plan:\n    pass\n"}
+    assert "Plan" in classes_defined_twice(ROOT, old)

@@ -13,8 +13,7 @@ import pytest
 from _util import eqns
 from jax import lax
 
-from amp_jax._src import lowdot
-from amp_jax._src.backends import backend_for
+from amp_jax._src import backends, lowdot
 
 # name: (x shape, y shape, ((xc, yc), (xb, yb)))
 LAYOUTS = {
@@ -45,10 +44,10 @@ def _inputs(xs, ys, dims, dtype):
 
 def _ours(ct, x, y, dims, acc=jnp.float32):
     """Both cotangents, as the dot rule computes them on this backend."""
-    (xc, yc), (xb, yb) = dims
-    dot = backend_for(jax.default_backend()).dot
-    dx = lowdot.dot_transpose(ct, y, x.ndim, xc, xb, yc, yb, y.ndim, True, None, acc, None, dot)
-    dy = lowdot.dot_transpose(ct, x, y.ndim, yc, yb, xc, xb, x.ndim, False, None, acc, None, dot)
+    dot = backends.current().dot
+    d = lowdot.DotDims(dims, x.ndim, y.ndim)
+    dx = lowdot.dot_transpose(ct, y, d, True, None, acc, None, dot)
+    dy = lowdot.dot_transpose(ct, x, d, False, None, acc, None, dot)
     return dx, dy
 
 

@@ -18,7 +18,7 @@ one each of a scalar scale, an additive bias, a ``select_n`` mask whose fill is
 then ``jax.nn.softmax`` over the keys and the values ``dot_general`` (v's head
 dim may differ from q's: the smaller is zero-padded). The intermediate values
 must have no other consumers. A softmax between two matmuls that cannot be
-taken is a *near miss*, left as written with its reason. `plan` decides per
+taken is a *near miss*, left as written with its reason. `plan_attention` decides per
 attention (`decide`: policy, compute dtype, and the `Backend` record, which
 holds cuDNN's limits and runs its probe) and names
 the scope its ops run under (``amp_attention[cudnn]``,
@@ -915,7 +915,7 @@ def _is_causal_constant(atom, roles, eqns, producer, consts, jaxpr) -> bool:
 
 
 @dataclasses.dataclass
-class Plan:
+class AttentionPlan:
     """What to do with the attentions of one jaxpr."""
 
     fused: dict[int, tuple[Match, str]]  # index of the second matmul -> (match, implementation)
@@ -927,7 +927,7 @@ class Plan:
         return frozenset().union(*(m.skip for m, _ in self.fused.values()))
 
 
-def plan(
+def plan_attention(
     jaxpr: Any,
     consts: dict[Any, Any],
     *,
@@ -935,13 +935,13 @@ def plan(
     backend: Backend,
     compute_dtype: Any,
     in_full_precision: Callable[[Any], bool] = lambda eqn: False,
-) -> Plan:
+) -> AttentionPlan:
     """Which attentions of ``jaxpr`` run fused, and the reasons for all of them.
 
     ``backend`` is the record planned for: a GPU can be planned on a
     machine without one (cuDNN's own trace-time checks then wait for the GPU).
     """
-    out = Plan({}, [], {})
+    out = AttentionPlan({}, [], {})
     if mode == "off":
         return out
     near: list[NearMiss] = []
@@ -1006,4 +1006,4 @@ def _abstract_read(match: Match, dtype: Any) -> Callable[[Any, Any], Any]:
     return read
 
 
-__all__: Sequence[str] = ("Match", "NearMiss", "Plan", "decide", "find", "plan")
+__all__: Sequence[str] = ("AttentionPlan", "Match", "NearMiss", "decide", "find", "plan_attention")

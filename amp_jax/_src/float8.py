@@ -31,7 +31,7 @@ from amp_jax._src import jaxprs
 from amp_jax._src.backends import Backend
 from amp_jax._src.decision import Reason, Variant, Why, float8_scope, float8_text
 from amp_jax._src.elementwise import RuleContext, acc_dtype
-from amp_jax._src.lowdot import dot_transpose
+from amp_jax._src.lowdot import DotDims, dot_transpose
 from amp_jax._src.policy import HIGH_DTYPE, Policy, is_managed_float
 
 #: ``Policy(float8=...)`` values.
@@ -267,18 +267,10 @@ def _operand_grads(
     d: _Dot, g: _Grid, ct_for_dx: Any, y_for_dx: Any, ct_for_dy: Any, x_for_dy: Any, acc: Any
 ) -> tuple[Any, Any]:
     """``dx = ct . y`` and ``dy = x . ct``, written in ``acc``."""
-    (xc, yc), (xb, yb) = d.dims
+    dims = DotDims(d.dims, g.nx, g.ny)
     # (like=: an operand of the result's shape, for explicit-sharding outputs)
-    dx = dot_transpose(
-        ct_for_dx, y_for_dx, ndim=g.nx, contract=xc, batch=xb,
-        other_contract=yc, other_batch=yb, other_ndim=g.ny,
-        ct_is_lhs_side=True, precision=None, acc=acc, like=x_for_dy,
-    )  # fmt: skip
-    dy = dot_transpose(
-        ct_for_dy, x_for_dy, ndim=g.ny, contract=yc, batch=yb,
-        other_contract=xc, other_batch=xb, other_ndim=g.nx,
-        ct_is_lhs_side=False, precision=None, acc=acc, like=y_for_dx,
-    )  # fmt: skip
+    dx = dot_transpose(ct_for_dx, y_for_dx, dims, True, None, acc, like=x_for_dy)
+    dy = dot_transpose(ct_for_dy, x_for_dy, dims, False, None, acc, like=y_for_dx)
     return dx, dy
 
 

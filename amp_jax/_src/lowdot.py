@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -38,28 +38,48 @@ def _perm_to(result_dims: list[int]) -> tuple[int, ...]:
     return tuple(int(i) for i in np.argsort(result_dims))
 
 
+class DotDims(NamedTuple):
+    """A ``dot_general``'s dimension numbers with its operands' ranks: what the
+    cotangent of either operand needs (`dot_transpose`).
+
+    Attributes:
+      dimension_numbers: ``((lhs_contract, rhs_contract), (lhs_batch, rhs_batch))``.
+      lhs_ndim: the rank of the lhs.
+      rhs_ndim: the rank of the rhs.
+    """
+
+    dimension_numbers: Any
+    lhs_ndim: int
+    rhs_ndim: int
+
+    def side(
+        self, lhs: bool
+    ) -> tuple[int, Sequence[int], Sequence[int], Sequence[int], Sequence[int]]:
+        """``(ndim, contract, batch, other_contract, other_batch)`` of the lhs
+        (``lhs``) or the rhs."""
+        (lc, rc), (lb, rb) = self.dimension_numbers
+        if lhs:
+            return self.lhs_ndim, lc, lb, rc, rb
+        return self.rhs_ndim, rc, rb, lc, lb
+
+
 def dot_transpose(
     ct: Any,
     other: Any,
-    ndim: int,
-    contract: Sequence[int],
-    batch: Sequence[int],
-    other_contract: Sequence[int],
-    other_batch: Sequence[int],
-    other_ndim: int,
-    ct_is_lhs_side: bool,
+    dims: DotDims,
+    wrt_lhs: bool,
     precision: Any,
     acc: Any,
     like: Any = None,
     dot: Callable[..., Any] = plain_dot,
 ) -> Any:
-    """Cotangent of one dot_general operand ``a`` given ``other``.
-
-    ``a`` has ``ndim`` dims, contracting dims ``contract`` (paired with
-    ``other_contract``) and batch dims ``batch``. ``ct`` has dims
-    [batch, lhs kept, rhs kept]; ``ct_is_lhs_side`` says whether ``a`` was the lhs.
-    ``dot`` writes the product (a `Backend.dot`).
+    """Cotangent of one operand ``a`` of the dot ``dims`` (its lhs when
+    ``wrt_lhs``) given the ``other`` operand. ``ct`` has dims [batch, lhs kept,
+    rhs kept]; ``like``: an operand of the result's shape (explicit-sharding
+    outputs); ``dot`` writes the product (a `Backend.dot`).
     """
+    ndim, contract, batch, other_contract, other_batch = dims.side(wrt_lhs)
+    other_ndim, ct_is_lhs_side = other.ndim, wrt_lhs
     nb = len(batch)
     a_kept = [d for d in range(ndim) if d not in contract and d not in batch]
     o_kept = [d for d in range(other_ndim) if d not in other_contract and d not in other_batch]
@@ -144,7 +164,6 @@ def _transpose(
     ct, t, o, *, t_is_lhs, dimension_numbers, precision, acc, compute_dtype, backend, **_
 ):
     dot = backend.dot
-    (lc, rc), (lb, rb) = dimension_numbers
     if type(ct) is ad.Zero:
         return [None, None]
     ctl = casting.lower(ct, compute_dtype)
@@ -155,16 +174,13 @@ def _transpose(
     known_o = None if ad.is_undefined_primal(o) else o
     lhs, rhs = (known_t, known_o) if t_is_lhs else (known_o, known_t)
     lhs_aval, rhs_aval = (t_aval, o_aval) if t_is_lhs else (o_aval, t_aval)
+    dims = DotDims(dimension_numbers, lhs_aval.ndim, rhs_aval.ndim)
 
     def d_lhs():
-        return dot_transpose(
-            ctl, rhs, lhs_aval.ndim, lc, lb, rc, rb, rhs.ndim, True, precision, acc, lhs_aval, dot
-        )
+        return dot_transpose(ctl, rhs, dims, True, precision, acc, lhs_aval, dot)
 
     def d_rhs():
-        return dot_transpose(
-            ctl, lhs, rhs_aval.ndim, rc, rb, lc, lb, lhs.ndim, False, precision, acc, rhs_aval, dot
-        )
+        return dot_transpose(ctl, lhs, dims, False, precision, acc, rhs_aval, dot)
 
     if t_is_lhs:
         ct_t = d_lhs() if undefined_t else None

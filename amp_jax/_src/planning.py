@@ -474,7 +474,9 @@ class _Draft:
     def kinds(self) -> list[Kind]:
         return [c.kind for c in self.classified]
 
-    def decisions(self, ctx: Context, jaxpr: Any, att: attention.Plan) -> tuple[Decision, ...]:
+    def decisions(
+        self, ctx: Context, jaxpr: Any, att: attention.AttentionPlan
+    ) -> tuple[Decision, ...]:
         """One per eqn; equal decisions (the same op in every layer) are one
         object: a plan holds as many objects as it has different decisions."""
         out, seen = [], {}
@@ -784,16 +786,16 @@ def _reads_unrepresentable_constant(jaxpr: Any, dtype: np.dtype) -> list[int]:
     return found
 
 
-_NO_ATTENTION = attention.Plan({}, [], {})
+_NO_ATTENTION = attention.AttentionPlan({}, [], {})
 
 
-def _plan_attention(ctx: Context, closed: Any) -> attention.Plan:
+def _plan_attention(ctx: Context, closed: Any) -> attention.AttentionPlan:
     """The attentions of ``closed``: which run fused, and the path of each one's ops."""
     if ctx.identity or ctx.policy.attention == "off" or not ctx.vjp_rules:
         return _NO_ATTENTION
     jaxpr = compat.jaxpr_of(closed)
     consts = dict(zip(jaxpr.constvars, compat.consts_of(closed)))
-    plan_ = attention.plan(
+    plan_ = attention.plan_attention(
         jaxpr,
         consts,
         mode=ctx.policy.attention,
