@@ -58,8 +58,10 @@ def uniform_bits(x: jax.Array, key: jax.Array) -> jax.Array:
 
     Element-wise, so it needs no index arrays (they would have to be sharded
     like the state and differ between a stacked and a per-layer state) and
-    adds no state. Values within 2**-7 of each other round alike in one step,
-    and a value rounds differently from step to step. Without the low bits,
+    adds no state. Values within 2**-7 of each other round alike in one step
+    (the quantized states also hash each value's place in its row,
+    `amp_jax.optim._quantized._positions`), and a value rounds differently
+    from step to step. Without the low bits,
     two programs whose float32 arithmetic differs by an ulp (another fusion,
     ``amp_jax.eager.scan_step`` against the standard step) almost always
     draw the same bits.
