@@ -69,9 +69,17 @@ def _flatten_after(snap: Snapshot, tree: Any) -> tuple[list[tuple[Any, Any]], An
         return jax.tree_util.tree_flatten_with_path(tree)
     except Exception:  # (a consumed node; whatever its library raises)
         pass
+    consumed: set[int] = set()
+
+    def stop_at_consumed(x: Any) -> bool:
+        if _refuses_flatten(x):
+            consumed.add(id(x))
+            return True
+        return False
+
     flat: list[tuple[Any, Any]] = []
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=_refuses_flatten)[0]:
-        if _refuses_flatten(leaf):
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=stop_at_consumed)[0]:
+        if id(leaf) in consumed:
             n = len(path)
             flat += [(p, x) for p, x in snap.flat if tuple(p[:n]) == tuple(path)]
         else:
