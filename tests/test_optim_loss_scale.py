@@ -1,6 +1,7 @@
 """Loss-scaling state machine, unscaling and state search."""
 
 import functools
+import pickle
 
 import jax
 import jax.numpy as jnp
@@ -462,3 +463,21 @@ def test_dynamic_loss_scale_names_its_rule_and_inner():
     assert float(by_update.scale) == float(by_rule.scale) == 32.0
     assert float(rule.advance(by_rule, jnp.asarray(True), None).scale) == 64.0  # clamped
     assert rule.init(None).scale == 8.0 and tx.inner.init(jnp.ones(2)) == state.inner_state
+
+
+def test_dynamic_loss_scale_survives_tree_map_and_pickle():
+    """A transformation is a pytree of its two functions (optax's NamedTuple):
+    code that maps over it (Flax NNX 0.10's `nnx.Optimizer` keeps it in its
+    graph) must get the same `DynamicLossScale` back, parts included. The
+    NamedTuple's own unflatten called `DynamicLossScale(init, update)`, a
+    TypeError, on every JAX version."""
+    tx = optim.dynamic_loss_scale(optax.sgd(0.1), init_scale=8.0)
+    assert len(jax.tree.leaves(tx)) == 2
+    again = jax.tree.map(lambda f: f, tx)
+    assert type(again) is optim.DynamicLossScale
+    assert again.rule == tx.rule and again.inner is tx.inner
+    assert again.update is tx.update
+    state = again.init(jnp.ones(2))
+    assert float(state.scale) == 8.0
+    unpickled = pickle.loads(pickle.dumps(tx.rule))
+    assert unpickled == tx.rule

@@ -297,6 +297,18 @@ class DynamicLossScale(optax.GradientTransformationExtraArgs):
         return (self.init, self.update, self.inner, self.rule)
 
 
+# A subclass of a NamedTuple is flattened by JAX as a NamedTuple and rebuilt
+# with ``cls(*children)``, which loses ``inner`` and ``rule`` (and raised in
+# ``jax.tree.map(f, tx)`` and in Flax NNX 0.10's ``nnx.Optimizer``, which
+# keeps the transformation in its graph). Registered, it has the same two
+# leaves as the base class and keeps its parts as static data.
+jax.tree_util.register_pytree_node(
+    DynamicLossScale,
+    lambda tx: ((tx.init, tx.update), (tx.inner, tx.rule)),
+    lambda parts, children: DynamicLossScale(*children, *parts),
+)
+
+
 def dynamic_loss_scale(
     inner: optax.GradientTransformation,
     *,
