@@ -1,0 +1,116 @@
+"""Fingerprints of what amp produces, to prove a refactor changed nothing.
+
+    python -m benchmarks.plan_hash --write build/plan_hash.json   # before the change
+    python -m benchmarks.plan_hash --check build/plan_hash.json   # after: exit 1 on any change
+
+For each case (workloads/models.py's models under the policies that exercise
+every rule family: bfloat16, float16, XLA attention, float8 tensor- and
+row-wise, a backend-unaware policy) it hashes:
+
+* ``hlo``: the optimized HLO of ``jax.jit(jax.value_and_grad(amp(loss)))``,
+  with source-line metadata stripped (a moved function changes its line, not
+  the program);
+* ``jaxpr``: the ``jax.make_jaxpr`` of the same, which names every dtype and
+  cast amp inserted;
+* ``explain``: ``str(amp_jax.explain(loss, ..., grad=True))``;
+* ``report``: ``amp_jax.format_dtype_report(amp_jax.dtype_report(...))``.
+
+The hashes depend on the JAX version and on the CPU (amp's plan reads the
+backend's kernels), so compare runs on one machine and one JAX: write the
+baseline on the commit before the change, check on the commit after. With
+``--check`` every differing entry is printed; ``--dump DIR`` also writes the
+texts, to diff them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import pathlib
+import re
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+import amp_jax
+from amp_jax import Policy, amp
+from workloads.models import cnn, gpt, gpt_fp8, mlp
+
+
+def _cases() -> list[tuple[str, Any, Any, dict[str, Any]]]:
+    return [
+        ("mlp", mlp(small=True), "bfloat16", {}),
+        ("gpt", gpt(small=True), "bfloat16", {}),
+        ("gpt_f16", gpt(small=True), "float16", {}),
+        ("gpt_xla_attn", gpt(small=True), "bfloat16", {"attention": "xla"}),
+        ("cnn", cnn(small=True), "bfloat16", {}),
+        ("cnn_f16", cnn(small=True), "float16", {}),
+        ("gpt_fp8", gpt_fp8(small=True), "float8", {}),
+        ("gpt_fp8_row", gpt_fp8(small=True), "float8_rowwise", {}),
+        ("mlp_noaware", mlp(small=True), Policy("bfloat16", backend_aware=False), {}),
+        ("cnn_noaware", cnn(small=True), Policy("bfloat16", backend_aware=False), {}),
+    ]
+
+
+def _strip(hlo: str) -> str:
+    return re.sub(r", metadata=\{[^}]*\}", "", hlo)
+
+
+def texts(only: str | None = None) -> dict[str, str]:
+    """Every case's texts, keyed ``case.kind``."""
+    out: dict[str, str] = {}
+    key = jax.random.PRNGKey(0)
+    for name, model, policy, kwargs in _cases():
+        if only and name not in only.split(","):
+            continue
+        params, batch = model.init(key), model.batch(key)
+        loss: Callable[..., Any] = lambda p, *b, _m=model, _kw=kwargs: _m.loss(p, *b, **_kw)
+        step = jax.value_and_grad(amp(loss, policy=policy))
+        out[f"{name}.hlo"] = _strip(jax.jit(step).lower(params, *batch).compile().as_text())
+        out[f"{name}.jaxpr"] = str(jax.make_jaxpr(step)(params, *batch))
+        out[f"{name}.explain"] = str(amp_jax.explain(loss, params, *batch, policy=policy, grad=True))
+        report = amp_jax.dtype_report(loss, params, *batch, policy=policy, grad=True)
+        out[f"{name}.report"] = amp_jax.format_dtype_report(report)
+    return out
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    mode = parser.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--write", type=pathlib.Path, help="write the hashes to this JSON file")
+    mode.add_argument("--check", type=pathlib.Path, help="compare with this JSON file")
+    parser.add_argument("--only", help="comma-separated case names")
+    parser.add_argument("--dump", type=pathlib.Path, help="also write each text to this folder")
+    args = parser.parse_args(argv)
+    found = texts(args.only)
+    hashes = {k: _digest(v) for k, v in found.items()}
+    if args.dump:
+        args.dump.mkdir(parents=True, exist_ok=True)
+        for k, v in found.items():
+            (args.dump / k).write_text(v)
+    versions = {"jax": jax.__version__, "amp_jax": amp_jax.__file__}
+    if args.write:
+        args.write.parent.mkdir(parents=True, exist_ok=True)
+        args.write.write_text(json.dumps({"versions": versions, "hashes": hashes}, indent=1))
+        print(f"{len(hashes)} hashes written to {args.write} (JAX {jax.__version__})")
+        return 0
+    before = json.loads(args.check.read_text())
+    if before["versions"]["jax"] != jax.__version__:
+        print(f"the baseline is of JAX {before['versions']['jax']}, this is {jax.__version__}")
+        return 2
+    changed = [k for k in hashes if before["hashes"].get(k) != hashes[k]]
+    for k in changed:
+        print(f"changed: {k}")
+    print(f"{len(hashes) - len(changed)} of {len(hashes)} unchanged (JAX {jax.__version__})")
+    return 1 if changed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
