@@ -21,7 +21,7 @@ from jax.extend.core import primitives as P
 
 from amp_jax._src import casting, compat
 from amp_jax._src.decision import BodyHints, Color, Decision, Kind, body_hints
-from amp_jax._src.elementwise import Env, EqnRule, RuleContext
+from amp_jax._src.rules.base import CastingEnv, EqnRule, RuleContext
 
 
 class HigherOrderRule(EqnRule):
@@ -30,7 +30,7 @@ class HigherOrderRule(EqnRule):
     full_precision scope, the float32 policy), its operands keep their dtypes
     and its sub-jaxprs are rewritten with the same policy."""
 
-    def evaluate(self, ctx: RuleContext, eqn: Any, d: Decision, env: Env) -> list[Any]:
+    def evaluate(self, ctx: RuleContext, eqn: Any, d: Decision, env: CastingEnv) -> list[Any]:
         if d.kind is Kind.AS_WRITTEN or d.color is not Color.ORIG:
             return super().evaluate(ctx, eqn, d, env)
         cd = ctx.policy.compute_dtype
@@ -120,7 +120,7 @@ class CustomJvpRule(HigherOrderRule):
     and clear ops) painted low runs its body in the compute dtype and keeps
     the user's JVP rule (`_custom_jvp_low`)."""
 
-    def evaluate(self, ctx: RuleContext, eqn: Any, d: Decision, env: Env) -> list[Any]:
+    def evaluate(self, ctx: RuleContext, eqn: Any, d: Decision, env: CastingEnv) -> list[Any]:
         if d.color is not Color.LOW:
             return super().evaluate(ctx, eqn, d, env)
         cd = ctx.policy.compute_dtype
