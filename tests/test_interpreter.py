@@ -133,3 +133,44 @@ def test_a_python_scalar_that_a_primitive_gives_is_read_like_a_literal():
             assert float(out) == 8.0
     finally:
         jax.config.update("jax_custom_vjp3", previous)
+
+
+
+def test_a_numpy_cotangent_is_a_value_not_a_constant_of_the_backward_rule():
+    # vjp handed a NumPy cotangent passes it, as it is, to a custom_vjp's
+    # backward rule: amp traced the rule with it as a static, cached the
+    # trace by its shape, and gave the first call's cotangent for every later one
+    @jax.custom_vjp
+    def f(x):
+        return x * 3.0
+
+    f.defvjp(lambda x: (x * 3.0, None), lambda _, g: (g * 2.0,))
+    _, pull = jax.vjp(amp(f), X)
+    for scale in (1.0, 5.0):
+        (got,) = pull(np.full((4, 8), scale, np.float32))
+        np.testing.assert_array_equal(got, np.full((4, 8), 2 * scale))
+
+
+def test_a_chain_of_backward_rules_drops_each_cotangent_once_used():
+    # a rule returning a NumPy array: amp kept the array in its cache of the
+    # rule's trace (as if a symbolic zero), so each cotangent of a chain of
+    # custom_vjp rules stayed alive for as long as the amp function did
+    # (JAX's api_test test_backward_pass_ref_dropping)
+    import weakref
+
+    refs, alive = [], []
+
+    @jax.custom_vjp
+    def f(x):
+        return x
+
+    def bwd(_, g):
+        alive.append([r() is not None for r in refs])
+        zero = np.zeros((), np.float32)
+        refs.append(weakref.ref(zero))
+        return (zero,)
+
+    f.defvjp(lambda x: (x, None), bwd)
+    g = jax.grad(amp(lambda x: f(f(f(x)))))(1.0)
+    assert alive[2][0] is False  # the first rule's output, used by the second
+    assert isinstance(g, jax.Array) and float(g) == 0.0
