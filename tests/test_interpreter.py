@@ -10,6 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from _util import BF16, F16, F32, prim_dtypes
 
 import amp_jax
@@ -136,19 +137,23 @@ def test_a_python_scalar_that_a_primitive_gives_is_read_like_a_literal():
 
 
 
-def test_a_numpy_cotangent_is_a_value_not_a_constant_of_the_backward_rule():
-    # vjp handed a NumPy cotangent passes it, as it is, to a custom_vjp's
-    # backward rule: amp traced the rule with it as a static, cached the
-    # trace by its shape, and gave the first call's cotangent for every later one
+@pytest.mark.parametrize("kind", ["numpy", "python"])
+def test_each_cotangent_a_backward_rule_is_handed_is_its_own(kind):
+    # vjp handed a NumPy or Python cotangent passes it, as it is, to a
+    # custom_vjp's backward rule: amp traced the rule with it as a static,
+    # cached the trace by its shape, and gave the first call's cotangent's
+    # result for every later one
     @jax.custom_vjp
     def f(x):
         return x * 3.0
 
     f.defvjp(lambda x: (x * 3.0, None), lambda _, g: (g * 2.0,))
-    _, pull = jax.vjp(amp(f), X)
+    x = X if kind == "numpy" else 1.0
+    _, pull = jax.vjp(amp(f), x)
     for scale in (1.0, 5.0):
-        (got,) = pull(np.full((4, 8), scale, np.float32))
-        np.testing.assert_array_equal(got, np.full((4, 8), 2 * scale))
+        ct = np.full((4, 8), scale, np.float32) if kind == "numpy" else scale
+        (got,) = pull(ct)
+        np.testing.assert_array_equal(got, 2 * np.asarray(ct))
 
 
 def test_a_chain_of_backward_rules_drops_each_cotangent_once_used():

@@ -187,6 +187,7 @@ def _custom_jvp_low(ctx: RuleContext, eqn: Any, low_avals: Sequence[Any]) -> dic
 
 #: what a ``custom_vjp`` backward rule takes and returns as a value (else a symbolic zero)
 _ARRAYS = (jax.Array, compat.Tracer, np.ndarray, np.generic)
+_SCALARS = (bool, int, float, complex)
 
 
 def _run_bwd(ctx: RuleContext, key: Any, bwd: Any, args: Sequence[Any]) -> Any:
@@ -234,7 +235,12 @@ def _run_bwd(ctx: RuleContext, key: Any, bwd: Any, args: Sequence[Any]) -> Any:
         closed = compat.trace_to_closed_jaxpr(traced, avals)
         return ctx.plan(closed), zeros, tree[0]
 
-    zkey = tuple((i, type(a).__name__, str(getattr(a, "aval", ""))) for i, a in others)
+    # (a Python scalar -- a cotangent ``vjp`` was handed as a float -- is baked
+    # into the trace: keyed by its value, or the next call's would get this one's)
+    zkey = tuple(
+        (i, type(a).__name__, repr(a) if isinstance(a, _SCALARS) else str(getattr(a, "aval", "")))
+        for i, a in others
+    )
     plan_, zeros, treedef = ctx.cached(("bwd", avals, zkey), key, make)
     # (a constant the rule returned comes out of the plan as JAX's literal
     # class: an Array, as under jit)
