@@ -31,6 +31,9 @@ ClosedJaxpr = jex_core.ClosedJaxpr
 Jaxpr = jex_core.Jaxpr
 Literal = jex_core.Literal
 Tracer = jax.core.Tracer
+#: what ``jax.lax.create_token()`` returns outside a trace (effects ordering)
+Token = jex_core.Token
+AbstractToken = jex_core.AbstractToken
 
 #: ``(major, minor)`` of the running JAX.
 JAX_VERSION: tuple[int, int] = tuple(jax.__version_info__[:2])
