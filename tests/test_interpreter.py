@@ -136,7 +136,6 @@ def test_a_python_scalar_that_a_primitive_gives_is_read_like_a_literal():
         jax.config.update("jax_custom_vjp3", previous)
 
 
-
 @pytest.mark.parametrize("kind", ["numpy", "python"])
 def test_each_cotangent_a_backward_rule_is_handed_is_its_own(kind):
     # vjp handed a NumPy or Python cotangent passes it, as it is, to a
