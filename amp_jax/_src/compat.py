@@ -13,27 +13,58 @@ the newest JAX, noxfile.py). What changed between those versions:
 
 Only public API is used: ``jax.extend.core``, ``jax.extend.linear_util``,
 ``jax.extend.source_info_util``, ``jax.make_jaxpr``.
+
+It also names JAX's jaxpr objects for annotations (`Eqn`, `Var`, `Literal`,
+`Atom`, `Jaxpr`, `ClosedJaxpr`, `Primitive`, `AbstractValue`, `ShapedArray`,
+`PyTreeDef`, `KeyPath`, `WrappedFun`): the rest of amp_jax types its parameters with
+these, never with ``jax._src`` classes. From JAX 0.11 ``ClosedJaxpr`` is
+``Jaxpr``; a parameter that takes a closed jaxpr says `ClosedJaxpr` all the
+same, for the reader and for JAX 0.10.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from typing import Any
+from contextlib import AbstractContextManager
+from typing import Any, TypeAlias, TypeGuard
 
 import jax
 import numpy as np
 from jax.extend import core as jex_core
 from jax.extend import linear_util as jex_lu
 from jax.extend import source_info_util
+from jax.typing import ArrayLike
 
-ClosedJaxpr = jex_core.ClosedJaxpr
-Jaxpr = jex_core.Jaxpr
-Literal = jex_core.Literal
-Tracer = jax.core.Tracer
+#: A closed jaxpr: a `Jaxpr` with the values of its constants (one class from JAX 0.11).
+ClosedJaxpr: TypeAlias = jex_core.ClosedJaxpr
+#: An open jaxpr: ``eqns``, ``invars``, ``outvars``, ``constvars``.
+Jaxpr: TypeAlias = jex_core.Jaxpr
+#: One equation of a jaxpr (``JaxprEqn``): ``primitive``, ``params``, ``invars``, ``outvars``.
+Eqn: TypeAlias = jex_core.JaxprEqn
+#: A jaxpr variable (an equation's result, a jaxpr's input).
+Var: TypeAlias = jex_core.Var
+#: A constant operand written into a jaxpr (``Literal.val``).
+Literal: TypeAlias = jex_core.Literal
+#: An equation's operand or a jaxpr's output: a variable or a literal.
+Atom: TypeAlias = Var | Literal
+#: A JAX primitive (``lax.dot_general_p``...): ``name``, ``bind``, ``multiple_results``.
+Primitive: TypeAlias = jex_core.Primitive
+#: The abstract value of a jaxpr variable (``Var.aval``).
+AbstractValue: TypeAlias = jax.core.AbstractValue
+#: The abstract value of an array: ``shape``, ``dtype``, ``weak_type``, ``sharding``.
+ShapedArray: TypeAlias = jax.core.ShapedArray
+#: The structure of a flattened pytree (``jax.tree.flatten``'s second result).
+PyTreeDef: TypeAlias = jax.tree_util.PyTreeDef
+#: Where a leaf sits in a pytree (``jax.tree_util.tree_flatten_with_path``'s paths).
+KeyPath: TypeAlias = jax.tree_util.KeyPath
+#: A function wrapped for JAX's tracing (the thunks in ``custom_jvp_call`` /
+#: ``custom_vjp_call`` params).
+WrappedFun: TypeAlias = jex_lu.WrappedFun
+Tracer: TypeAlias = jax.core.Tracer
 #: what ``jax.lax.create_token()`` returns outside a trace (effects ordering)
-Token = jex_core.Token
-AbstractToken = jex_core.AbstractToken
+Token: TypeAlias = jex_core.Token
+AbstractToken: TypeAlias = jex_core.AbstractToken
 
 #: ``(major, minor)`` of the running JAX.
 JAX_VERSION: tuple[int, int] = tuple(jax.__version_info__[:2])
@@ -42,36 +73,36 @@ JAX_VERSION: tuple[int, int] = tuple(jax.__version_info__[:2])
 ONE_JAXPR_CLASS = ClosedJaxpr is Jaxpr
 
 
-def is_closed_jaxpr(x: Any) -> bool:
+def is_closed_jaxpr(x: object) -> TypeGuard[ClosedJaxpr]:
     return isinstance(x, ClosedJaxpr) and (not ONE_JAXPR_CLASS or hasattr(x, "consts"))
 
 
-def is_open_jaxpr(x: Any) -> bool:
+def is_open_jaxpr(x: object) -> TypeGuard[Jaxpr]:
     return isinstance(x, Jaxpr) and not isinstance(x, ClosedJaxpr)
 
 
-def jaxpr_of(cj: Any) -> Any:
+def jaxpr_of(cj: ClosedJaxpr) -> Jaxpr:
     """The open jaxpr (eqns, invars, outvars) of a closed jaxpr."""
     return cj if ONE_JAXPR_CLASS else cj.jaxpr
 
 
-def consts_of(cj: Any) -> list[Any]:
+def consts_of(cj: ClosedJaxpr) -> list[Any]:
     return list(cj.consts)
 
 
-def close(jaxpr: Any, consts: Sequence[Any]) -> Any:
+def close(jaxpr: Jaxpr, consts: Sequence[Any]) -> ClosedJaxpr:
     return ClosedJaxpr(jaxpr, list(consts))
 
 
-def in_avals(cj: Any) -> list[Any]:
+def in_avals(cj: ClosedJaxpr) -> list[AbstractValue]:
     return list(cj.in_avals)
 
 
-def aval_of(x: Any) -> Any:
+def aval_of(x: object) -> Any:
     return jax.typeof(x)
 
 
-def _sharding_of(x: Any) -> Any:
+def _sharding_of(x: object) -> jax.sharding.Sharding | None:
     """The sharding to trace ``x`` with: a concrete array's own, if it spans devices."""
     if isinstance(x, jax.Array) and not isinstance(x, Tracer):
         try:
@@ -82,7 +113,7 @@ def _sharding_of(x: Any) -> Any:
     return None
 
 
-def abstractify(x: Any) -> Any:
+def abstractify(x: object) -> AbstractValue | jax.ShapeDtypeStruct:
     """The abstract value to trace ``fn`` at for argument ``x``.
 
     The aval carries dtype, weak type and (explicit-mode) sharding; a concrete
@@ -96,33 +127,33 @@ def abstractify(x: Any) -> Any:
     return jax.ShapeDtypeStruct(np.shape(x), aval.dtype, weak_type=aval.weak_type, sharding=s)
 
 
-def abstract_key(x: Any) -> tuple[Any, ...]:
+def abstract_key(x: object) -> tuple[Any, ...]:
     """Hashable description of ``x``'s abstract type, for the trace cache."""
     aval = jax.typeof(x)
     s = _sharding_of(x)
     return (aval, s)
 
 
-def trace_to_closed_jaxpr(fn: Callable[..., Any], avals: Sequence[Any]) -> Any:
+def trace_to_closed_jaxpr(fn: Callable[..., Any], avals: Sequence[Any]) -> ClosedJaxpr:
     """Traces ``fn`` at abstract values ``avals`` into a closed jaxpr."""
     return jax.make_jaxpr(fn)(*avals)
 
 
-def trace_with_shape(fn: Callable[..., Any], args: Sequence[Any]) -> tuple[Any, Any]:
+def trace_with_shape(fn: Callable[..., Any], args: Sequence[Any]) -> tuple[ClosedJaxpr, Any]:
     """Traces ``fn(*args)`` (ShapeDtypeStructs) returning (closed jaxpr, out shape tree)."""
     return jax.make_jaxpr(fn, return_shape=True)(*args)
 
 
 def trace_with_shape_kw(
     fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]
-) -> tuple[Any, Any]:
+) -> tuple[ClosedJaxpr, Any]:
     """Like `trace_with_shape` with keyword arguments too (pytrees of
     ShapeDtypeStructs); the jaxpr's invars are the leaves of ``(args, kwargs)``.
     JAX names ``fn`` (and its ``__wrapped__`` function's arguments) in its errors."""
     return jax.make_jaxpr(fn, return_shape=True)(*args, **kwargs)
 
 
-def closed_to_open_no_consts(cj: Any, what: str) -> Any:
+def closed_to_open_no_consts(cj: ClosedJaxpr, what: str) -> Jaxpr:
     """Returns the open jaxpr of ``cj``; it must not capture constants."""
     if consts_of(cj):
         raise NotImplementedError(
@@ -132,7 +163,7 @@ def closed_to_open_no_consts(cj: Any, what: str) -> Any:
     return jaxpr_of(cj)
 
 
-def bind_eqn(eqn: Any, invals: Sequence[Any], params: dict[str, Any] | None = None) -> list[Any]:
+def bind_eqn(eqn: Eqn, invals: Sequence[Any], params: dict[str, Any] | None = None) -> list[Any]:
     """Binds ``eqn``'s primitive (with ``params`` if given) under the current trace."""
     prim = eqn.primitive
     params = eqn.params if params is None else params
@@ -145,7 +176,7 @@ def bind_eqn(eqn: Any, invals: Sequence[Any], params: dict[str, Any] | None = No
     return list(out) if prim.multiple_results else [out]
 
 
-def eqn_context(eqn: Any):
+def eqn_context(eqn: Eqn) -> tuple[AbstractContextManager[Any], AbstractContextManager[Any]]:
     """Context managers that reproduce ``eqn``'s source info and ctx while binding."""
     name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
     return (
@@ -181,7 +212,7 @@ def trace_context() -> tuple[Any, ...]:
     )
 
 
-def name_stack_str(eqn: Any) -> str:
+def name_stack_str(eqn: Eqn) -> str:
     return str(source_info_util.current_name_stack() + eqn.source_info.name_stack)
 
 
@@ -200,11 +231,11 @@ CALL_LIKE_NAMES = (
 )
 
 
-def _is_unspecified(s: Any) -> bool:
+def _is_unspecified(s: object) -> bool:
     return s is None or type(s).__name__ == "UnspecifiedValue"
 
 
-def jit_is_inlinable(eqn: Any) -> bool:
+def jit_is_inlinable(eqn: Eqn) -> bool:
     """A ``jit`` eqn without shardings, layouts, donation or compiler options."""
     if eqn.primitive.name not in JIT_NAMES:
         return False
@@ -219,7 +250,7 @@ def jit_is_inlinable(eqn: Any) -> bool:
     )
 
 
-def jit_inlined_by_jax(eqn: Any) -> bool:
+def jit_inlined_by_jax(eqn: Eqn) -> bool:
     """A ``jit`` eqn that JAX inlines itself (``jax.jit(..., inline=True)``):
     when it stages it (JAX 0.10-0.11) or when it lowers it (``Inline.JAX_LATE``,
     JAX 0.12, which keeps it in jaxprs)."""
@@ -227,30 +258,30 @@ def jit_inlined_by_jax(eqn: Any) -> bool:
     return inline is True or getattr(inline, "value", None) in ("jax_early", "jax_late")
 
 
-def is_drop_var(v: Any) -> bool:
+def is_drop_var(v: object) -> bool:
     """A result var nothing reads (``_`` in a printed jaxpr)."""
     return isinstance(v, jex_core.DropVar)
 
 
-def jit_jaxpr(eqn: Any) -> Any:
+def jit_jaxpr(eqn: Eqn) -> ClosedJaxpr:
     return eqn.params["jaxpr"]
 
 
-def has_subjaxprs(eqn: Any) -> bool:
+def has_subjaxprs(eqn: Eqn) -> bool:
     return any(True for _ in jex_core.jaxprs_in_params(eqn.params)) or (
         eqn.primitive.name in CUSTOM_JVP_NAMES | CUSTOM_VJP_NAMES
     )
 
 
-def _is_jaxpr(x: Any) -> bool:
+def _is_jaxpr(x: object) -> bool:
     return is_closed_jaxpr(x) or is_open_jaxpr(x)
 
 
 def map_subjaxprs(
-    eqn: Any,
-    rewrite_closed: Callable[[Any], Any],
-    rewrite_jvp_rule: Callable[[Any], Any] | None = None,
-    run_bwd: Callable[[Any, Callable[..., Any], Sequence[Any]], Any] | None = None,
+    eqn: Eqn,
+    rewrite_closed: Callable[[ClosedJaxpr], ClosedJaxpr],
+    rewrite_jvp_rule: Callable[[ClosedJaxpr], ClosedJaxpr] | None = None,
+    run_bwd: Callable[[WrappedFun, Callable[..., Any], Sequence[Any]], Any] | None = None,
 ) -> dict[str, Any]:
     """New params for ``eqn`` with every sub-jaxpr rewritten by ``rewrite_closed``.
 
@@ -268,7 +299,7 @@ def map_subjaxprs(
     """
     name = eqn.primitive.name
 
-    def one(v: Any) -> Any:
+    def one(v: object) -> Any:
         if is_closed_jaxpr(v):
             return rewrite_closed(v)
         if is_open_jaxpr(v):
@@ -301,7 +332,7 @@ def map_subjaxprs(
     return params
 
 
-def custom_jvp_parts(eqn: Any) -> tuple[Any, Any, int]:
+def custom_jvp_parts(eqn: Eqn) -> tuple[ClosedJaxpr, WrappedFun, int]:
     """(body closed jaxpr, JVP-rule thunk, number of leading consts) of a
     ``custom_jvp_call`` eqn. The thunk maps the operands' symbolic-zero flags
     to ``(jaxpr, consts, output zero flags)`` (`call_thunk`)."""
@@ -309,20 +340,20 @@ def custom_jvp_parts(eqn: Any) -> tuple[Any, Any, int]:
     return p["call_jaxpr"], p["jvp_jaxpr_fun"], p.get("num_consts", 0)
 
 
-def custom_jvp_params(eqn: Any, body: Any, jvp_thunk: Any) -> dict[str, Any]:
+def custom_jvp_params(eqn: Eqn, body: ClosedJaxpr, jvp_thunk: WrappedFun) -> dict[str, Any]:
     """``eqn``'s params with a new body and JVP-rule thunk (see `custom_jvp_parts`)."""
     return dict(eqn.params, call_jaxpr=body, jvp_jaxpr_fun=jvp_thunk)
 
 
-def call_thunk(thunk: Any, *args: Any) -> Any:
+def call_thunk(thunk: WrappedFun, *args: Any) -> Any:
     return thunk.call_wrapped(*args)
 
 
-def memoized_fun(fn: Callable[..., Any], like: Any) -> Any:
+def memoized_fun(fn: Callable[..., Any], like: WrappedFun) -> WrappedFun:
     """``fn`` (of hashable args) memoized, wrapped like the thunk ``like``."""
     memo: dict[tuple[Any, ...], Any] = {}
 
-    def wrapped(*args):
+    def wrapped(*args: Any) -> Any:
         if args not in memo:
             memo[args] = fn(*args)
         return memo[args]
@@ -330,10 +361,12 @@ def memoized_fun(fn: Callable[..., Any], like: Any) -> Any:
     return jex_lu.wrap_init(wrapped, debug_info=like.debug_info)
 
 
-def _wrap_thunk(thunk: Any, rewrite_closed: Callable[[Any], Any], n_extra: int) -> Any:
+def _wrap_thunk(
+    thunk: WrappedFun, rewrite_closed: Callable[[ClosedJaxpr], ClosedJaxpr], n_extra: int
+) -> WrappedFun:
     """Wraps a ``(*zeros) -> (jaxpr, consts, *extra)`` thunk to rewrite its jaxpr."""
 
-    def rewrite(*zeros):
+    def rewrite(*zeros: bool) -> tuple[Any, ...]:
         jaxpr, consts, *extra = call_thunk(thunk, *zeros)
         assert len(extra) == n_extra
         new = rewrite_closed(close(jaxpr, consts))
@@ -342,7 +375,7 @@ def _wrap_thunk(thunk: Any, rewrite_closed: Callable[[Any], Any], n_extra: int) 
     return memoized_fun(rewrite, thunk)
 
 
-def scan_xs(eqn: Any) -> tuple[Any, range] | None:
+def scan_xs(eqn: Eqn) -> tuple[ClosedJaxpr, range] | None:
     """(body closed jaxpr, indices of the scanned-over inputs) of a ``scan`` eqn."""
     if eqn.primitive.name != "scan":
         return None
@@ -362,12 +395,12 @@ def scan_num_xs(params: dict[str, Any]) -> int:
     return n_in - params["num_consts"] - params["num_carry"]
 
 
-def jaxpr_as_fun(cj: Any) -> Callable[..., list[Any]]:
+def jaxpr_as_fun(cj: ClosedJaxpr) -> Callable[..., list[Any]]:
     """A closed jaxpr as a function of its inputs (``jax.extend.core.jaxpr_as_fun``)."""
     return jex_core.jaxpr_as_fun(cj)
 
 
-def scan_params_with_body(eqn: Any, body: Any) -> dict[str, Any]:
+def scan_params_with_body(eqn: Eqn, body: ClosedJaxpr) -> dict[str, Any]:
     """``eqn``'s params with the body jaxpr replaced (its input types may differ)."""
     return dict(eqn.params, jaxpr=body)
 
@@ -375,12 +408,12 @@ def scan_params_with_body(eqn: Any, body: Any) -> dict[str, Any]:
 SHARD_MAP_NAMES = frozenset({"shard_map"})
 
 
-def shard_map_body(eqn: Any) -> Any:
+def shard_map_body(eqn: Eqn) -> ClosedJaxpr:
     """The body of a ``shard_map`` eqn, as a closed jaxpr."""
     return close(eqn.params["jaxpr"], [])
 
 
-def shard_map_of(eqn: Any, body: Callable[..., list[Any]]) -> Callable[..., list[Any]]:
+def shard_map_of(eqn: Eqn, body: Callable[..., list[Any]]) -> Callable[..., list[Any]]:
     """A ``shard_map`` eqn as a public ``jax.shard_map`` function with a new body.
 
     The body must be traced inside the manual-axes context (collectives name
@@ -404,11 +437,11 @@ def shard_map_of(eqn: Any, body: Callable[..., list[Any]]) -> Callable[..., list
     return lambda *invals: list(fn(*invals))
 
 
-def literal_value(lit: Any) -> Any:
+def literal_value(lit: Literal) -> Any:
     return lit.val
 
 
-def cast_constant(value: Any, dtype: np.dtype) -> Any:
+def cast_constant(value: ArrayLike, dtype: np.dtype) -> np.ndarray | np.generic:
     """Casts a literal constant without creating a traced op (stays a literal)."""
     return (
         np.asarray(value, dtype=dtype)[()]
@@ -417,7 +450,7 @@ def cast_constant(value: Any, dtype: np.dtype) -> Any:
     )
 
 
-def vjp_residuals(vjp_fn: Any) -> tuple[list[Any], Any] | None:
+def vjp_residuals(vjp_fn: Callable[..., Any]) -> tuple[list[Any], PyTreeDef] | None:
     """The residual arrays of a ``jax.vjp`` pullback and its treedef, or None.
 
     In JAX 0.10-0.11 the pullback returned by ``jax.vjp`` is a pytree whose
@@ -444,7 +477,7 @@ def while_split(params: dict[str, Any]) -> tuple[int, int]:
     return params["cond_nconsts"], params["body_nconsts"]
 
 
-def source_line(eqn: Any) -> str:
+def source_line(eqn: Eqn) -> str:
     """The user's source line of ``eqn`` (``file:line:col (function)``), or ``"-"``;
     files under the working directory are named relative to it (``train.py:12:5``)."""
     return _line_of(eqn.source_info)
@@ -455,7 +488,7 @@ def current_source_line() -> str:
     return _line_of(source_info_util.current())
 
 
-def _line_of(info: Any) -> str:
+def _line_of(info: source_info_util.SourceInfo) -> str:
     try:
         where = source_info_util.summarize(info) or "-"
     except Exception:  # no traceback
@@ -464,7 +497,7 @@ def _line_of(info: Any) -> str:
     return where[len(cwd) :] if where.startswith(cwd) else where
 
 
-def explicit_sharding_in_order(x: Any, order: Sequence[int]) -> Any:
+def explicit_sharding_in_order(x: ArrayLike | ShapedArray, order: Sequence[int]) -> Any:
     """``x``'s (an array's or an aval's) explicit-mode sharding with its dims
     taken in ``order``, or None.
 
@@ -476,7 +509,7 @@ def explicit_sharding_in_order(x: Any, order: Sequence[int]) -> Any:
     single-device): the dot then derives its output sharding as before.
     """
     aval = x if isinstance(x, jax.core.ShapedArray) else jax.typeof(x)
-    s = getattr(aval, "sharding", None)
+    s: Any = getattr(aval, "sharding", None)
     spec = getattr(s, "spec", None)
     types = getattr(getattr(s, "mesh", None), "axis_types", None) or ()
     if spec is None or jax.sharding.AxisType.Explicit not in tuple(types):
