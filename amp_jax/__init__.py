@@ -56,7 +56,7 @@ from amp_jax._src.policy import (
 from amp_jax._src.policy import (
     get_policy as get_policy,
 )
-from amp_jax._src.rules import register_rule as register_rule
+from amp_jax._src.rules.table import register_rule as register_rule
 from amp_jax._src.transform import amp as amp
 from amp_jax._src.transform import full_precision as full_precision
 

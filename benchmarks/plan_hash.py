@@ -56,7 +56,17 @@ def _cases() -> list[tuple[str, Any, Any, dict[str, Any]]]:
 
 
 def _strip(hlo: str) -> str:
-    return re.sub(r", metadata=\{[^}]*\}", "", hlo)
+    """``hlo`` without its source positions: the ops' metadata, and the tables of
+    file names, function names, file locations and stack frames that name the
+    files by absolute path (a checkout elsewhere, or a function moved, changes
+    them, not the program)."""
+    hlo = re.sub(r", metadata=\{[^}]*\}", "", hlo)
+    return re.sub(
+        r"^(FileNames|FunctionNames|FileLocations|StackFrames)\n(?:\d+ .*\n)*\n?",
+        "",
+        hlo,
+        flags=re.M,
+    )
 
 
 def texts(only: str | None = None) -> dict[str, str]:
@@ -71,7 +81,9 @@ def texts(only: str | None = None) -> dict[str, str]:
         step = jax.value_and_grad(amp(loss, policy=policy))
         out[f"{name}.hlo"] = _strip(jax.jit(step).lower(params, *batch).compile().as_text())
         out[f"{name}.jaxpr"] = str(jax.make_jaxpr(step)(params, *batch))
-        out[f"{name}.explain"] = str(amp_jax.explain(loss, params, *batch, policy=policy, grad=True))
+        out[f"{name}.explain"] = str(
+            amp_jax.explain(loss, params, *batch, policy=policy, grad=True)
+        )
         report = amp_jax.dtype_report(loss, params, *batch, policy=policy, grad=True)
         out[f"{name}.report"] = amp_jax.format_dtype_report(report)
     return out

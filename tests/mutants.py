@@ -91,16 +91,16 @@ def _amp_identity():
 
 
 def _hoisting_off():
-    from amp_jax._src import higher_order
+    from amp_jax._src.rules import higher_order
 
     _patch(higher_order, "_plan_hoisted_casts", lambda ctx, eqn, hints: None)
 
 
 def _broadcast_reads_off():
-    from amp_jax._src import interpreter
+    from amp_jax._src.rules import base
 
     _patch(
-        interpreter._Env, "read_broadcast", lambda self, atom, dtype, shape: self.read(atom, dtype)
+        base.CastingEnv, "read_broadcast", lambda self, atom, dtype, shape: self.read(atom, dtype)
     )
 
 
@@ -148,11 +148,11 @@ def _custom_jvp_transparency_off():
 
 def _low_backward_off():
     import amp_jax  # noqa: F401  (every module has registered its rules)
-    from amp_jax._src import elementwise, rules
+    from amp_jax._src.rules import base, table
 
     # the default allow rule: low forward, JAX's own (mixed, float32) transposes
-    _patch_item(rules.TABLE, "dot_general", elementwise.AllowRule())
-    _patch_item(rules.TABLE, "conv_general_dilated", elementwise.AllowRule())
+    _patch_item(table.TABLE, "dot_general", base.AllowRule())
+    _patch_item(table.TABLE, "conv_general_dilated", base.AllowRule())
 
 
 def _explicit_rounding_off():
@@ -234,8 +234,8 @@ def _backend_from_process():
 
 
 def _body_hints_off():
-    from amp_jax._src import higher_order
     from amp_jax._src.decision import NO_HINTS
+    from amp_jax._src.rules import higher_order
 
     # sub-jaxprs rewritten without what their parent's plan says of their outputs
     _patch(higher_order, "body_hints", lambda eqn, d, sub: NO_HINTS)

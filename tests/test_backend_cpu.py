@@ -16,8 +16,9 @@ from jax import lax
 
 import amp_jax
 from amp_jax import amp
-from amp_jax._src import compat, interpreter, planning, rules
+from amp_jax._src import compat, interpreter, planning
 from amp_jax._src.backends import BACKEND_LOW_OUTPUTS, backend_for, cpu, plain_dot
+from amp_jax._src.rules import table
 
 #: primitives that accumulate many values in the backward pass
 SUMS = ("reduce_sum", "scatter-add", "cumsum")
@@ -561,7 +562,7 @@ def test_a_registered_dot_rule_binds_the_transposed_product(monkeypatch):
         dims = eqn.params["dimension_numbers"]
         return [lax.dot_general(a, b, dims, preferred_element_type=out_dtype)]
 
-    monkeypatch.setitem(rules.TABLE, "dot_general", rules.TABLE["dot_general"])
+    monkeypatch.setitem(table.TABLE, "dot_general", table.TABLE["dot_general"])
     amp_jax.register_rule("dot_general", rule)
     w, xs = jnp.ones((256, 128)), jnp.ones((64, 128))
     f = amp(lambda w, xs: jax.vmap(lambda v: w @ v)(xs))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from _util import BF16, F16, F32, prim_dtypes
 
 import amp_jax
@@ -133,3 +134,47 @@ def test_a_python_scalar_that_a_primitive_gives_is_read_like_a_literal():
             assert float(out) == 8.0
     finally:
         jax.config.update("jax_custom_vjp3", previous)
+
+
+@pytest.mark.parametrize("kind", ["numpy", "python"])
+def test_each_cotangent_a_backward_rule_is_handed_is_its_own(kind):
+    # vjp handed a NumPy or Python cotangent passes it, as it is, to a
+    # custom_vjp's backward rule: amp traced the rule with it as a static,
+    # cached the trace by its shape, and gave the first call's cotangent's
+    # result for every later one
+    @jax.custom_vjp
+    def f(x):
+        return x * 3.0
+
+    f.defvjp(lambda x: (x * 3.0, None), lambda _, g: (g * 2.0,))
+    x = X if kind == "numpy" else 1.0
+    _, pull = jax.vjp(amp(f), x)
+    for scale in (1.0, 5.0):
+        ct = np.full((4, 8), scale, np.float32) if kind == "numpy" else scale
+        (got,) = pull(ct)
+        np.testing.assert_array_equal(got, 2 * np.asarray(ct))
+
+
+def test_a_chain_of_backward_rules_drops_each_cotangent_once_used():
+    # a rule returning a NumPy array: amp kept the array in its cache of the
+    # rule's trace (as if a symbolic zero), so each cotangent of a chain of
+    # custom_vjp rules stayed alive for as long as the amp function did
+    # (JAX's api_test test_backward_pass_ref_dropping)
+    import weakref
+
+    refs, alive = [], []
+
+    @jax.custom_vjp
+    def f(x):
+        return x
+
+    def bwd(_, g):
+        alive.append([r() is not None for r in refs])
+        zero = np.zeros((), np.float32)
+        refs.append(weakref.ref(zero))
+        return (zero,)
+
+    f.defvjp(lambda x: (x, None), bwd)
+    g = jax.grad(amp(lambda x: f(f(f(x)))))(1.0)
+    assert alive[2][0] is False  # the first rule's output, used by the second
+    assert isinstance(g, jax.Array) and float(g) == 0.0

@@ -147,18 +147,20 @@ def test_backend_lookups_finds_what_the_modules_used_to_do():
     old = {
         "amp_jax/_src/attention.py": "from amp_jax._src.backends import backend_for, gpu\n",
         "amp_jax/_src/policy.py": "from amp_jax._src.backends import Backend\n",
-        "amp_jax/_src/dots.py": "from amp_jax._src import backends\nd = backends.backend_for('cpu')\n",
+        "amp_jax/_src/rules/dots.py": (
+            "from amp_jax._src import backends\nd = backends.backend_for('cpu')\n"
+        ),
     }
     found = backend_lookups(ROOT, old)
     assert any(f.startswith("amp_jax/_src/attention.py:1: from") for f in found), found
     assert any("the policy imports" in f for f in found), found
-    assert any(f.startswith("amp_jax/_src/dots.py:2: .backend_for") for f in found), found
+    assert any(f.startswith("amp_jax/_src/rules/dots.py:2: .backend_for") for f in found), found
 
 
 # -- one name for one thing -------------------------------------------------------------
 
 #: class names still defined twice in amp_jax/_src, and why (shrink, never grow)
-KNOWN_TWICE = {"Env": "jaxprs.Env and the elementwise.Env protocol: issue 50, item 4"}
+KNOWN_TWICE: dict[str, str] = {}
 
 
 def classes_defined_twice(root: pathlib.Path, source: dict[str, str] | None = None) -> set[str]:
@@ -181,6 +183,109 @@ def classes_defined_twice(root: pathlib.Path, source: dict[str, str] | None = No
 def test_no_two_modules_define_a_class_of_one_name():
     twice = classes_defined_twice(ROOT)
     assert twice <= set(KNOWN_TWICE), f"defined in two modules of amp_jax/_src: {twice}"
-    # the check sees attention's plan as it used to be named
+    # the check sees attention's plan as it used to be named, and the Env protocol
+    # that elementwise.py held beside jaxprs.Env
     old = {"amp_jax/_src/attention.py": "class Plan:\n    pass\n"}
     assert "Plan" in classes_defined_twice(ROOT, old)
+    old = {"amp_jax/_src/rules/elementwise.py": "class Env:\n    pass\n"}
+    assert "Env" in classes_defined_twice(ROOT, old)
+
+
+def env_roots(root: pathlib.Path, source: dict[str, str] | None = None) -> list[str]:
+    """The classes of ``amp_jax/_src`` named ``...Env`` that are not `jaxprs.Env`
+    or derived from it (by a base written ``jaxprs.Env``, or one of these)."""
+    found = []
+    for path in sorted((root / "amp_jax" / "_src").rglob("*.py")):
+        rel = str(path.relative_to(root))
+        text = (source or {}).get(rel, None) or path.read_text()
+        for node in ast.parse(text).body:
+            if not isinstance(node, ast.ClassDef) or not node.name.endswith("Env"):
+                continue
+            if rel == "amp_jax/_src/jaxprs.py" and node.name == "Env":
+                continue
+            if not any(ast.unparse(b) == "jaxprs.Env" for b in node.bases):
+                found.append(f"{rel}:{node.lineno}: class {node.name}")
+    return found
+
+
+def test_one_env_hierarchy():
+    """The values of a jaxpr in one evaluation are a `jaxprs.Env`; the
+    interpreter's (with its casts, read by the rules) derives from it."""
+    _none(env_roots(ROOT), "derive it from jaxprs.Env")
+    old = {"amp_jax/_src/interpreter.py": "class _Env:\n    pass\n"}
+    assert env_roots(ROOT, old) == ["amp_jax/_src/interpreter.py:1: class _Env"]
+
+
+# -- the rules: a package with its base and table ------------------------------------------
+
+#: the modules of amp_jax/_src/rules/ and the names each defines (at least)
+RULES_LAYOUT = {
+    "base.py": {"EqnRule", "AllowRule", "RuleContext", "CastingEnv", "Rule", "default_allow_rule"},
+    "table.py": {"TABLE", "rule_for", "register_rule"},
+    "elementwise.py": {"BroadcastRule", "ExpandRule", "RULES"},
+    "dots.py": {"DotRule", "RULES", "plan_layouts"},
+    "higher_order.py": {"HigherOrderRule", "ScanRule", "GENERIC", "RULES"},
+}
+
+#: what runs the rules: a module of amp_jax/_src/rules/ imports none of them
+RULE_USERS = ("planning", "interpreter", "painting", "transform", "calling", "diagnostics")
+
+
+def _defined(tree: ast.Module) -> set[str]:
+    names = set()
+    for node in tree.body:
+        if isinstance(node, (ast.ClassDef, ast.FunctionDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+    return names
+
+
+def rules_layout(root: pathlib.Path, source: dict[str, str] | None = None) -> list[str]:
+    """What is out of place in ``amp_jax/_src/rules/``: a module or name of
+    `RULES_LAYOUT` missing, a module of the old layout left at the top of
+    ``_src``, an import of a module that runs the rules (`RULE_USERS`)."""
+    found = []
+    pkg = root / "amp_jax" / "_src" / "rules"
+    for name, names in RULES_LAYOUT.items():
+        rel = f"amp_jax/_src/rules/{name}"
+        text = (source or {}).get(rel, None)
+        if text is None and not (pkg / name).is_file():
+            found.append(f"{rel}: missing")
+            continue
+        missing = names - _defined(ast.parse(text or (pkg / name).read_text()))
+        if missing:
+            found.append(f"{rel}: does not define {sorted(missing)}")
+    for old in ("rules.py", "elementwise.py", "dots.py", "higher_order.py"):
+        if (root / "amp_jax" / "_src" / old).is_file() or f"amp_jax/_src/{old}" in (source or {}):
+            found.append(f"amp_jax/_src/{old}: belongs in amp_jax/_src/rules/")
+    paths = {str(p.relative_to(root)): p for p in pkg.glob("*.py")}
+    for rel in sorted(
+        {*paths, *(r for r in (source or {}) if r.startswith(str(pkg.relative_to(root))))}
+    ):
+        text = (source or {}).get(rel, None) or paths[rel].read_text()
+        for node in ast.walk(ast.parse(text)):
+            mods = []
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("amp_jax._src"):
+                mods = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                mods = [a.name for a in node.names]
+            for m in mods:
+                parts = m.split(".")
+                if len(parts) > 2 and parts[:2] == ["amp_jax", "_src"] and parts[2] in RULE_USERS:
+                    found.append(f"{rel}:{node.lineno}: imports {m}")
+    return found
+
+
+def test_the_rule_base_is_a_package_with_its_table():
+    _none(rules_layout(ROOT), "the rules live in amp_jax/_src/rules/ and call nothing above them")
+    old = {
+        "amp_jax/_src/rules/higher_order.py": "from amp_jax._src import planning\nGENERIC = 1\n",
+        "amp_jax/_src/elementwise.py": "class EqnRule:\n    pass\n",
+    }
+    found = rules_layout(ROOT, old)
+    assert "amp_jax/_src/rules/higher_order.py:1: imports amp_jax._src.planning" in found, found
+    assert any("higher_order.py: does not define" in f for f in found), found
+    assert "amp_jax/_src/elementwise.py: belongs in amp_jax/_src/rules/" in found, found

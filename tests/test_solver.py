@@ -127,3 +127,23 @@ def test_the_solver_contractions_stay_float32_and_the_field_goes_low():
         if r[0] == "dot_general" and r[1].startswith("float32")
     }
     assert why == {"too small to pay (Policy.min_low_contraction / min_low_flops)"}
+
+
+def test_odeint_with_constant_times_differentiates_under_amp():
+    # The times of a solve written as a constant (jnp.array([0., 5.])) are a
+    # NumPy constant of amp's trace; odeint's custom_vjp saves them for its
+    # backward rule, which indexes them with its scan's counter: amp handed
+    # them to the rule as a static NumPy array, and ``ts[i]`` raised
+    # TracerArrayConversionError (JAX's ode_test test_odeint_vmap_grad)
+    from jax.experimental.ode import odeint
+
+    def loss(x):
+        times = jnp.array([0.0, 5.0])
+        ys = jax.vmap(lambda y0: odeint(lambda y, t: 0.1 * y, y0, times))(
+            jnp.stack([jnp.stack([x, 0.1]), jnp.stack([x, 0.2])])
+        )
+        return ys[:, -1].sum()
+
+    want = jax.grad(loss)(2.0)
+    for policy in ("bfloat16", "float16"):
+        np.testing.assert_allclose(jax.grad(amp(loss, policy=policy))(2.0), want, rtol=1e-2)

@@ -13,10 +13,11 @@ import pytest
 from jax import lax
 
 import amp_jax
-from amp_jax._src import compat, elementwise, planning, rules
+from amp_jax._src import compat, planning
 from amp_jax._src.backends import backend_for
 from amp_jax._src.decision import Color, OpClass, Variant
 from amp_jax._src.painting import LOW, ORIG
+from amp_jax._src.rules import base, table
 
 ALLOW, FOLLOW = OpClass.ALLOW, OpClass.FOLLOW
 
@@ -26,7 +27,7 @@ def _eqns(fn, *args):
 
 
 def _rule_name(eqn, cls=FOLLOW):
-    return type(rules.rule_for(eqn, cls)).__name__
+    return type(table.rule_for(eqn, cls)).__name__
 
 
 def test_every_eqn_is_bound_through_the_rule_of_its_primitive():
@@ -43,7 +44,7 @@ def test_every_eqn_is_bound_through_the_rule_of_its_primitive():
 
     names = {e.primitive.name: _rule_name(e) for e in _eqns(fn, x, w)}
     assert names["dot_general"] == "DotRule"  # float8 is one of its variants
-    assert Variant.FLOAT8 in rules.rule_for(_eqns(fn, x, w)[0], ALLOW).variants
+    assert Variant.FLOAT8 in table.rule_for(_eqns(fn, x, w)[0], ALLOW).variants
     assert names["add"] == "BroadcastRule"
     assert names["custom_jvp_call"] == "CustomJvpRule"
     assert names["tanh"] == "EqnRule"
@@ -57,8 +58,8 @@ def test_every_eqn_is_bound_through_the_rule_of_its_primitive():
 
 def test_an_unknown_primitive_in_the_allow_class_gets_the_default_allow_rule():
     (eqn,) = _eqns(jnp.tanh, jnp.ones(3))
-    assert type(rules.rule_for(eqn, ALLOW)) is elementwise.AllowRule
-    assert type(rules.rule_for(eqn, FOLLOW)) is elementwise.EqnRule
+    assert type(table.rule_for(eqn, ALLOW)) is base.AllowRule
+    assert type(table.rule_for(eqn, FOLLOW)) is base.EqnRule
 
 
 def _ctx(backend="cpu", policy="bfloat16"):
@@ -76,7 +77,7 @@ def test_rules_say_which_operands_they_read_low():
     batched = _eqns(lambda a, b: jnp.einsum("bij,bjk->bik", a, b), *args)
     (i,) = [i for i, e in enumerate(batched) if e.primitive.name == "dot_general"]
     bdot = batched[i]
-    rule = rules.rule_for(bdot, ALLOW)
+    rule = table.rule_for(bdot, ALLOW)
     # XLA:CPU has no batched bf16 dot: the plan runs it in float32 there, with the reason
     cpu = _decisions(ctx, lambda a, b: jnp.einsum("bij,bjk->bik", a, b), *args)[i]
     gpu = _decisions(_ctx("gpu"), lambda a, b: jnp.einsum("bij,bjk->bik", a, b), *args)[i]
@@ -93,7 +94,7 @@ def test_rules_say_which_operands_they_read_low():
     bf16 = jnp.bfloat16
     (add,) = _eqns(lambda a, b: a + b, jnp.ones((4, 8), bf16), jnp.ones((1, 8), bf16))
     low = dataclasses.replace(gpu, op_class=FOLLOW, variant=Variant.COMPUTE)
-    brule = rules.rule_for(add, FOLLOW)
+    brule = table.rule_for(add, FOLLOW)
     assert brule.reads_low(ctx, add, low, add.invars[0])  # same shape as the output
     assert not brule.reads_low(ctx, add, low, add.invars[1])  # broadcast first
     # a float32 operand makes a low elementwise op compute in float32 (widest input)
@@ -103,7 +104,7 @@ def test_rules_say_which_operands_they_read_low():
     cond = [e for e in _eqns(lambda p, a: lax.cond(p, jnp.sin, jnp.cos, a), True, jnp.ones(3))]
     (c,) = [e for e in cond if e.primitive.name == "cond"]
     orig = dataclasses.replace(low, color=Color.ORIG)
-    assert not rules.rule_for(c, None).reads_low(ctx, c, orig, c.invars[1])
+    assert not table.rule_for(c, None).reads_low(ctx, c, orig, c.invars[1])
 
 
 def test_register_rule_binds_a_new_allow_primitive(monkeypatch):
@@ -114,7 +115,7 @@ def test_register_rule_binds_a_new_allow_primitive(monkeypatch):
         (x,) = invals
         return [jnp.tanh(x.astype(compute_dtype)).astype(out_dtype)]
 
-    monkeypatch.delitem(rules.TABLE, "tanh", raising=False)  # restored after the test
+    monkeypatch.delitem(table.TABLE, "tanh", raising=False)  # restored after the test
     amp_jax.register_rule("tanh", tanh_rule)
     pol = amp_jax.Policy(overrides={"tanh": "allow"})
     x = jnp.linspace(-2, 2, 16)
@@ -148,9 +149,9 @@ def test_backend_comes_from_the_context_not_the_process():
             ctx, lambda a, b: lax.dot_general(a, b, (((2,), (1,)), ((0,), (0,)))), a, b
         )
 
-        def fn(a, b):  # a reader of the operands, as the interpreter's _Env
+        def fn(a, b):  # a reader of the operands, as the interpreter's CastingEnv
             env = types.SimpleNamespace(read=lambda v, _: (a, b)[eqn.invars.index(v)], layouts={})
-            return rules.TABLE["dot_general"].evaluate(ctx, eqn, d, env)
+            return table.TABLE["dot_general"].evaluate(ctx, eqn, d, env)
 
         return str(jax.make_jaxpr(fn)(a, b))  # (with the custom_vjp's inner jaxpr)
 

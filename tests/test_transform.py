@@ -339,6 +339,32 @@ def test_trace_cached_per_signature():
     assert f.trace_count == 2  # same avals: cache hit under jit too
 
 
+def test_a_token_is_returned_and_passed_as_jit_returns_and_takes_it():
+    # a token (effects ordering) is no array: amp once tried to make it one
+    # on the way out, and took one passed in for a plain object holding arrays
+    tok = lax.create_token()
+    _, out = amp(lambda x: (x @ W8, tok))(X8)
+    assert isinstance(out, type(tok))
+    assert isinstance(amp(lambda x: (x @ W8, lax.create_token()))(X8)[1], type(tok))
+    for f in (amp(lambda t, x: (t, x @ W8)), jax.jit(amp(lambda t, x: (t, x @ W8)))):
+        t, y = f(tok, X8)
+        assert isinstance(t, type(tok))
+        np.testing.assert_allclose(y, X8 @ W8, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("fn", [jnp.asarray, lambda x: x, lambda x: (x, 2 * x)])
+def test_an_argument_returned_as_it_is_comes_back_an_array_under_jvp(fn):
+    # jax.jvp of a Python float hands a function a tracer of that float: an
+    # input returned untouched came back as the float (jnp.asarray's jaxpr has
+    # no eqn), where jax.jvp(jnp.asarray) and jax.jvp(jax.jit(fn)) give Arrays
+    want = jax.jvp(jax.jit(fn), (1.0,), (2.0,))
+    got = jax.jvp(amp(fn), (1.0,), (2.0,))
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert isinstance(g, jax.Array), got
+        assert (g.dtype, g.weak_type, float(g)) == (w.dtype, w.weak_type, float(w))
+
+
 def test_never_touched_values():
     def f(x, i, key):
         y = x.astype(jnp.bfloat16).astype(jnp.float32)  # user-written casts

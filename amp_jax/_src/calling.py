@@ -35,8 +35,9 @@ T = TypeVar("T")
 
 
 def is_dynamic(leaf: object) -> bool:
-    """Whether an argument leaf is traced (an array) rather than passed as a static value."""
-    return isinstance(leaf, (jax.Array, np.ndarray, np.generic, compat.Tracer))
+    """Whether an argument leaf is traced (an array, a token) rather than passed
+    as a static value."""
+    return isinstance(leaf, (jax.Array, np.ndarray, np.generic, compat.Tracer, compat.Token))
 
 
 def apply(fn: Callable[..., Any], *args: object, **kwargs: object) -> Any:
@@ -87,14 +88,24 @@ def name_like(wrapper: Any, fn: Callable[..., Any], self_first: bool = False) ->
 
 
 def as_output(x: object) -> Any:
-    """A returned constant (a Python ``3``, a NumPy array) as a jax Array, like jit."""
-    if isinstance(x, (jax.Array, compat.Tracer)):
+    """A returned constant (a Python ``3``, a NumPy array) as a jax Array, like
+    jit; a token (``jax.lax.create_token()``) as it is, as jit returns it."""
+    if isinstance(x, (jax.Array, compat.Tracer, compat.Token)):
         return x
     t: type[Any]
     for t in (bool, int, float, complex):  # weakly typed, as jit returns them
         if isinstance(x, t):
             return jax.numpy.asarray(t(x))
     return jax.numpy.asarray(x, dtype=getattr(x, "dtype", None))
+
+
+def fresh(x: object) -> Any:
+    """An argument returned as it is, as a new value (a concrete tracer's
+    ``jnp.asarray``, as ``jax.jvp(jnp.asarray)`` makes it); a token, an array
+    and an abstract tracer as they are."""
+    if isinstance(x, compat.Tracer) and not isinstance(compat.aval_of(x), compat.AbstractToken):
+        return jax.numpy.asarray(x)
+    return as_output(x)
 
 
 # -- static keys ---------------------------------------------------------------------

@@ -62,6 +62,9 @@ KeyPath: TypeAlias = jax.tree_util.KeyPath
 #: ``custom_vjp_call`` params).
 WrappedFun: TypeAlias = jex_lu.WrappedFun
 Tracer: TypeAlias = jax.core.Tracer
+#: what ``jax.lax.create_token()`` returns outside a trace (effects ordering)
+Token: TypeAlias = jex_core.Token
+AbstractToken: TypeAlias = jex_core.AbstractToken
 
 #: ``(major, minor)`` of the running JAX.
 JAX_VERSION: tuple[int, int] = tuple(jax.__version_info__[:2])

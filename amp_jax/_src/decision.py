@@ -6,7 +6,7 @@ bodies are rewritten or one bound as written), its policy `OpClass`,
 its `Color` (the dtype its operands are read in), the dtype an
 ``allow`` op writes and the function it runs (`Variant`), the
 attention it belongs to, and the `Reason` for all of it, recorded
-where the decision is made. The rules (``rules.py``) bind the eqn as its
+where the decision is made. The rules (``rules/``) bind the eqn as its
 decision says, and ``explain`` shows the reason: neither decides again.
 
 A reason also travels with the ops amp emits, through ``jax.grad`` into the

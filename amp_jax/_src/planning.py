@@ -35,7 +35,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from amp_jax._src import attention, casting, compat, dots, float8, jaxprs, painting
+from amp_jax._src import attention, casting, compat, float8, jaxprs, painting
 from amp_jax._src.backends import Backend
 from amp_jax._src.decision import (
     NO_HINTS,
@@ -60,6 +60,7 @@ from amp_jax._src.policy import (
     is_managed_float,
     scope_in,
 )
+from amp_jax._src.rules import dots
 
 
 @dataclasses.dataclass(frozen=True)

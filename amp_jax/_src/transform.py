@@ -29,6 +29,7 @@ from amp_jax._src.calling import (
     check_arguments,
     check_no_leak,
     fn_name,
+    fresh,
     is_tree,
     name_like,
     unwrap_statics,
@@ -238,7 +239,13 @@ class AmpFunction:
         if traced.writes is not None:
             after = traced.writes.after(call.leaves, outs[n:])
             mutation.write_back((call.args, call.kwargs), after, traced.writes.changed(after))
-        return jax.tree.unflatten(traced.out_tree, [as_output(o) for o in outs[:n]])
+        # an input returned as it is (``amp(jnp.asarray)``: the jaxpr has no
+        # eqn) is a new value, as jit's outputs are: under ``jax.jvp`` of a
+        # Python float, that input is a tracer of a float, and ``jax.jvp``
+        # would hand the float back where ``jax.jvp(jnp.asarray)`` gives an Array
+        inputs = {id(x) for x in call.dynamic}
+        outs = [fresh(o) if id(o) in inputs else as_output(o) for o in outs[:n]]
+        return jax.tree.unflatten(traced.out_tree, outs)
 
 
 def _whole_jit_name(closed: compat.ClosedJaxpr) -> str | None:

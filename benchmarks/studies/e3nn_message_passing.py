@@ -1,5 +1,9 @@
 """Frozen study; its results: benchmarks/README.md, "Studies", e3nn_message_passing (2026-11-27).
 
+Its step times are printed twice: wall clock, and CPU time (which moves far
+less on a shared machine; run it pinned to one core so the CPU time is the
+step's work).
+
 e3nn-jax's own ``MessagePassingConvolutionFlax`` (three layers, 200 nodes,
 1,652 edges, irreps 32x0e + 16x1o + 8x2e, spherical harmonics to l=3): is
 amp's train step slower than float32's on this CPU, and would a larger size
@@ -83,18 +87,21 @@ def main(rounds: int) -> None:
         )
         print(f"{name}: gradient {100 * (num / den) ** 0.5:.1f}% off float32's")
     times: dict[str, list[float]] = {name: [] for name in steps}
+    cpu: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(rounds):
         for name, fn in steps.items():
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             jax.block_until_ready(fn(*args))
             times[name].append(time.perf_counter() - t)
-    low = {n: min(t) for n, t in times.items()}
-    mid = {n: float(np.median(t)) for n, t in times.items()}
-    for name in steps:
-        print(
-            f"{name}: step / float32's {low[name] / low['f32']:.3f} (minimum), "
-            f"{mid[name] / mid['f32']:.3f} (median)"
-        )
+            cpu[name].append(time.process_time() - c)
+    for label, found in (("wall", times), ("CPU time", cpu)):
+        low = {n: min(t) for n, t in found.items()}
+        mid = {n: float(np.median(t)) for n, t in found.items()}
+        for name in steps:
+            print(
+                f"{name}: {label} step / float32's {low[name] / low['f32']:.3f} (minimum), "
+                f"{mid[name] / mid['f32']:.3f} (median)"
+            )
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """What amp asks of a backend, and each backend's answers.
 
-The general rules (``rules.py``, ``dots.py``, planning) never test a backend's
+The general rules (``rules/``, planning) never test a backend's
 name: they read its `Backend` record. Which dots it runs in the compute dtype
 (`Backend.has_low_kernel`), how a lowered dot is written for it (`Backend.dot`:
 XLA:CPU's operand layouts, ``cpu.py``), the layouts chosen per dot when a

@@ -23,16 +23,16 @@ from jax.extend.core import primitives as P
 from amp_jax._src import casting, compat, lowdot, mesh
 from amp_jax._src.backends import Backend
 from amp_jax._src.decision import Decision, Fused, OpClass, Variant
-from amp_jax._src.elementwise import (
+from amp_jax._src.policy import HIGH_DTYPE, is_managed_float
+from amp_jax._src.rules.base import (
     AllowRule,
-    Env,
+    CastingEnv,
     EqnRule,
     Rule,
     RuleContext,
     acc_dtype,
     default_allow_rule,
 )
-from amp_jax._src.policy import HIGH_DTYPE, is_managed_float
 
 
 class DotRule(AllowRule):
@@ -46,7 +46,7 @@ class DotRule(AllowRule):
     so that the weight gradient comes out in the weight's own layout.
     """
 
-    def evaluate(self, ctx: RuleContext, eqn: Any, d: Decision, env: Env) -> list[Any]:
+    def evaluate(self, ctx: RuleContext, eqn: Any, d: Decision, env: CastingEnv) -> list[Any]:
         lay = _layout(eqn, env)
         if lay is not None:
             return _layout_dot(ctx, lay, env)
@@ -63,7 +63,7 @@ class TransposeRule(EqnRule):
     dot with its operands swapped (`Plan.layouts`: the transpose of the dot's
     result, on XLA:CPU) and amp's own rule binds that dot."""
 
-    def evaluate(self, ctx: RuleContext, eqn: Any, d: Decision, env: Env) -> list[Any]:
+    def evaluate(self, ctx: RuleContext, eqn: Any, d: Decision, env: CastingEnv) -> list[Any]:
         lay = _layout(eqn, env)
         if lay is None or not isinstance(ctx.rule_for(lay.eqn, OpClass.ALLOW), DotRule):
             return super().evaluate(ctx, eqn, d, env)  # (or the user's own dot rule)
@@ -72,14 +72,14 @@ class TransposeRule(EqnRule):
         return [out if want is None else casting.cast(out, want)]
 
 
-def _layout(eqn: Any, env: Env) -> Any:
+def _layout(eqn: Any, env: CastingEnv) -> Any:
     """The plan's layout record of ``eqn``, if any, unless the trace is
     partitioned by a mesh (jit's partitioner then chooses the layouts)."""
     lay = env.layouts.get(eqn.outvars[0])
     return None if lay is None or mesh.partitioned_by_mesh() else lay
 
 
-def _layout_dot(ctx: RuleContext, lay: Any, env: Env) -> list[Any]:
+def _layout_dot(ctx: RuleContext, lay: Any, env: CastingEnv) -> list[Any]:
     """The lowered dot of layout record ``lay``: an operand read through a
     transpose is the transpose's operand, or its compute-dtype cast if one was
     made (each cast once)."""

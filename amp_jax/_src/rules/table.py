@@ -3,8 +3,8 @@
 Every eqn of a rewritten jaxpr is bound through one `EqnRule`, looked up by
 its primitive in `TABLE` (`rule_for`), as the eqn's `Decision` says. The
 table is built here, once, from the rules each module defines beside its
-primitives: first-order ops (``elementwise.py``), dots, transposes and
-convolutions (``dots.py``, with the fp8 variant of ``float8.py``),
+primitives (the rule base is ``base.py``): first-order ops (``elementwise.py``), dots, transposes and
+convolutions (``dots.py``, with the fp8 variant of ``_src/float8.py``),
 higher-order primitives (``higher_order.py``). Primitives without an entry
 get the generic rule of higher-order primitives, the default ``allow`` rule,
 or the plain bind.
@@ -16,9 +16,10 @@ from typing import Any
 
 from jax.extend.core import primitives as P
 
-from amp_jax._src import compat, dots, elementwise, float8, higher_order
+from amp_jax._src import compat, float8
 from amp_jax._src.decision import OpClass, Variant
-from amp_jax._src.elementwise import AllowRule, EqnRule, Rule
+from amp_jax._src.rules import dots, elementwise, higher_order
+from amp_jax._src.rules.base import AllowRule, EqnRule, Rule
 
 
 def _by_name(rules: dict[Any, EqnRule]) -> dict[str, EqnRule]:

@@ -21,7 +21,7 @@ from jax.extend.core import primitives as P
 
 from amp_jax._src import casting, compat
 from amp_jax._src.decision import BodyHints, Color, Decision, Kind, body_hints
-from amp_jax._src.elementwise import Env, EqnRule, RuleContext
+from amp_jax._src.rules.base import CastingEnv, EqnRule, RuleContext
 
 
 class HigherOrderRule(EqnRule):
@@ -30,7 +30,7 @@ class HigherOrderRule(EqnRule):
     full_precision scope, the float32 policy), its operands keep their dtypes
     and its sub-jaxprs are rewritten with the same policy."""
 
-    def evaluate(self, ctx: RuleContext, eqn: Any, d: Decision, env: Env) -> list[Any]:
+    def evaluate(self, ctx: RuleContext, eqn: Any, d: Decision, env: CastingEnv) -> list[Any]:
         if d.kind is Kind.AS_WRITTEN or d.color is not Color.ORIG:
             return super().evaluate(ctx, eqn, d, env)
         cd = ctx.policy.compute_dtype
@@ -120,7 +120,7 @@ class CustomJvpRule(HigherOrderRule):
     and clear ops) painted low runs its body in the compute dtype and keeps
     the user's JVP rule (`_custom_jvp_low`)."""
 
-    def evaluate(self, ctx: RuleContext, eqn: Any, d: Decision, env: Env) -> list[Any]:
+    def evaluate(self, ctx: RuleContext, eqn: Any, d: Decision, env: CastingEnv) -> list[Any]:
         if d.color is not Color.LOW:
             return super().evaluate(ctx, eqn, d, env)
         cd = ctx.policy.compute_dtype
@@ -185,6 +185,11 @@ def _custom_jvp_low(ctx: RuleContext, eqn: Any, low_avals: Sequence[Any]) -> dic
     return compat.custom_jvp_params(eqn, new_call, compat.memoized_fun(jvp_jaxpr, rule_fun))
 
 
+#: what a ``custom_vjp`` backward rule takes and returns as a value (else a symbolic zero)
+_ARRAYS = (jax.Array, compat.Tracer, np.ndarray, np.generic)
+_SCALARS = (bool, int, float, complex)
+
+
 def _run_bwd(ctx: RuleContext, key: Any, bwd: Any, args: Sequence[Any]) -> Any:
     """A ``custom_vjp`` backward rule ``bwd(*args)`` run under ``ctx``'s policy.
 
@@ -194,7 +199,11 @@ def _run_bwd(ctx: RuleContext, key: Any, bwd: Any, args: Sequence[Any]) -> Any:
     -- than the forward did (PyTorch's ``custom_bwd`` does the same for
     autocast). Symbolic zeros (in and out) pass through as they are.
     """
-    is_val = [isinstance(a, (jax.Array, compat.Tracer)) for a in args]
+    # (a NumPy cotangent -- what ``vjp`` was handed, what a rule before this
+    # one returned -- is a value like any array: taken as a static, the
+    # trace baked it in and the cache, keyed by its aval, gave it back for the
+    # next call's cotangent)
+    is_val = [isinstance(a, _ARRAYS) for a in args]
     vals = [a for a, v in zip(args, is_val) if v]
     others = tuple((i, a) for i, (a, v) in enumerate(zip(args, is_val)) if not v)
     avals = tuple(compat.aval_of(a) for a in vals)
@@ -212,7 +221,12 @@ def _run_bwd(ctx: RuleContext, key: Any, bwd: Any, args: Sequence[Any]) -> Any:
             tree.append(treedef)
             arrays = []
             for i, o in enumerate(leaves):
-                if isinstance(o, (jax.Array, compat.Tracer)):
+                if isinstance(o, np.ndarray):
+                    # a constant the rule returns: the cached plan keeps a
+                    # copy, so that the rule's own array (a cotangent the
+                    # next rule reads) is dropped once used, as JAX drops it
+                    arrays.append(np.array(o))
+                elif isinstance(o, _ARRAYS):
                     arrays.append(o)
                 else:
                     zeros[i] = o  # a symbolic zero: no value to compute
@@ -221,9 +235,17 @@ def _run_bwd(ctx: RuleContext, key: Any, bwd: Any, args: Sequence[Any]) -> Any:
         closed = compat.trace_to_closed_jaxpr(traced, avals)
         return ctx.plan(closed), zeros, tree[0]
 
-    zkey = tuple((i, type(a).__name__, str(getattr(a, "aval", ""))) for i, a in others)
+    # (a Python scalar -- a cotangent ``vjp`` was handed as a float -- is baked
+    # into the trace: keyed by its value, or the next call's would get this one's)
+    zkey = tuple(
+        (i, type(a).__name__, repr(a) if isinstance(a, _SCALARS) else str(getattr(a, "aval", "")))
+        for i, a in others
+    )
     plan_, zeros, treedef = ctx.cached(("bwd", avals, zkey), key, make)
-    outs = iter(ctx.evaluate(plan_, vals))
+    # (a constant the rule returned comes out of the plan as JAX's literal
+    # class: an Array, as under jit)
+    evaluated = ctx.evaluate(plan_, vals)
+    outs = iter(jax.numpy.asarray(o) if isinstance(o, np.ndarray) else o for o in evaluated)
     leaves = [zeros[i] if i in zeros else next(outs) for i in range(treedef.num_leaves)]
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
