@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -38,7 +38,7 @@ import numpy as np
 from jax import lax
 
 from amp_jax._src import compat, jaxprs
-from amp_jax._src.backends import Backend
+from amp_jax._src.backends import AttentionImpl, Backend
 from amp_jax._src.decision import AttentionPath
 
 _FILL_MAX = -1e4  # a mask fill at or below this is "masked out"
@@ -94,13 +94,18 @@ class Match:
             parts.append("mla")
         return "+".join(parts) or "plain"
 
-    def evaluate(self, read: Callable[[Any, Any], Any], dtype: Any, implementation: str) -> Any:
+    def evaluate(
+        self,
+        read: Callable[[compat.Atom, np.dtype | None], jax.Array],
+        dtype: np.dtype,
+        implementation: str,
+    ) -> jax.Array:
         """The attention output, in ``dtype``, laid out as the second matmul's output."""
         s = self.sizes
         b0, b1, g = s.get("b0", 1), s.get("b1", 1), s.get("G", 1)
         kvh, h, hv = s.get("kvh", b1), s["H"], s["Hv"]
 
-        def canon(atom, order, shape):
+        def canon(atom: compat.Atom, order: Sequence[int], shape: tuple[int, ...]) -> jax.Array:
             x = read(atom, dtype)
             if tuple(order) != tuple(range(len(order))):
                 x = lax.transpose(x, order)
@@ -130,7 +135,7 @@ class Match:
             mask=mask,
             scale=self.scale,
             is_causal=self.causal_const,
-            implementation=implementation,
+            implementation=cast(AttentionImpl, implementation),  # (decide's: xla or cudnn)
         )
         if hv != d:
             out = out[..., :hv]
@@ -174,7 +179,7 @@ class NearMiss:
 # -- recognition -------------------------------------------------------------------
 
 
-def _literal_scalar(atom: Any) -> float | None:
+def _literal_scalar(atom: compat.Atom) -> float | None:
     if isinstance(atom, compat.Literal):
         val = np.asarray(compat.literal_value(atom))
         if val.ndim == 0:
@@ -183,7 +188,7 @@ def _literal_scalar(atom: Any) -> float | None:
 
 
 def find(
-    jaxpr: Any, consts: dict[Any, Any], near: list[NearMiss] | None = None
+    jaxpr: compat.Jaxpr, consts: dict[compat.Var, Any], near: list[NearMiss] | None = None
 ) -> dict[int, Match]:
     """Recognised attentions of ``jaxpr``, keyed by the index of their second matmul.
 
@@ -257,7 +262,13 @@ class _Graph:
     outs: frozenset[Any]
     consts: dict[Any, Any]
 
-    def prod(self, atom: Any, name: Any = None, near: _Near = _NOT_YET, reason: Any = None) -> int:
+    def prod(
+        self,
+        atom: compat.Atom,
+        name: str | tuple[str, ...] | None = None,
+        near: _Near = _NOT_YET,
+        reason: str | None = None,
+    ) -> int:
         """The index of the eqn that computes ``atom`` (of primitive ``name``, if given)."""
         near.need(not isinstance(atom, compat.Literal) and atom in self.producer, reason)
         j = self.producer[atom]
@@ -265,10 +276,10 @@ class _Graph:
         near.need(name is None or self.eqns[j].primitive.name in names, reason)
         return j
 
-    def users(self, var: Any) -> list[int]:
+    def users(self, var: compat.Atom) -> list[int]:
         return self.consumers.get(var, [])
 
-    def only_used_by(self, var: Any, allowed: set[int], near: _Near, reason: str) -> None:
+    def only_used_by(self, var: compat.Atom, allowed: set[int], near: _Near, reason: str) -> None:
         near.need(var not in self.outs and set(self.users(var)) <= allowed, reason)
 
 
@@ -338,6 +349,7 @@ def _softmax_at(g: _Graph, i_exp: int) -> _Softmax:
     need(len(sum_users) == 1 and eqns[sum_users[0]].primitive.name == "broadcast_in_dim")
     (bs,) = sum_users
     need(eqns[i_div].invars[0] is e_var and eqns[i_div].invars[1] is eqns[bs].outvars[0])
+    i_rs, i_div = cast(int, i_rs), cast(int, i_div)  # (need: both found)
     return _Softmax(
         s_var, max_src, tuple(chain), i_exp, i_rs, bs, i_div, e_var, eqns[i_div].outvars[0], axis_ok
     )
@@ -375,6 +387,7 @@ def _values_use(g: _Graph, sm: _Softmax) -> _ValuesUse:
         between.append(uses[0])
         cur = eqns[uses[0]].outvars[0]
     _NOT_YET.need(i_d2 is not None)
+    i_d2 = cast(int, i_d2)  # (need: found)
     if all(_is_float_cast(eqns[k]) for k in between):
         # P cast to another float dtype (softmax in float32, then the compute dtype,
         # as Flax and hand-written bf16 code do): the fused attention computes P in
@@ -432,7 +445,9 @@ def _walk_scores(g: _Graph, sm: _Softmax, near: _Near) -> _Scores:
     return dataclasses.replace(st, scale=1.0 if st.scale is None else st.scale)
 
 
-def _walk_score(g: _Graph, sm: _Softmax, near: _Near, cur: Any, users: set, st: _Scores):
+def _walk_score(
+    g: _Graph, sm: _Softmax, near: _Near, cur: compat.Atom, users: set[int], st: _Scores
+) -> _Scores:
     shared = "the scores are also used outside the attention"
     g.only_used_by(cur, users | ({sm.chain[-1]} if cur is sm.max_src else set()), near, shared)
     j = g.prod(cur, near=near, reason="the scores are not computed by a matmul")
@@ -461,6 +476,7 @@ def _walk_score(g: _Graph, sm: _Softmax, near: _Near, cur: Any, users: set, st: 
         if c is None and name == "mul":
             c, a = _literal_scalar(a), b
         near.need(c is not None and c != 0.0, f"{name} by a non-constant between QK and softmax")
+        c = cast(float, c)  # (need: a constant)
         st = dataclasses.replace(st, scale=c if name == "mul" else 1.0 / c)
         return _walk_score(g, sm, near, a, {j}, st)
     if name == "add" and any(_literal_scalar(a) is not None for a in e.invars):
@@ -612,7 +628,7 @@ def _values_layout(g: _Graph, sl: _ScoresLayout, vu: _ValuesUse, near: _Near) ->
     return _ValuesLayout(V, cv[0], tuple(v_batch), v_big[0], tuple(out_roles))
 
 
-def _order(x_shape: Any, lead: list[int | None], near: _Near) -> tuple[int, ...]:
+def _order(x_shape: Sequence[int], lead: list[int | None], near: _Near) -> tuple[int, ...]:
     """An operand's dims in [b0, T, b1, (G), H] order, with its unit dims last."""
     lead_ = [d for d in lead if d is not None]
     rest = [d for d in range(len(x_shape)) if d not in lead_]
@@ -727,7 +743,7 @@ def _match_at(g: _Graph, i_exp: int) -> Match:
         n_batch=sl.nb,
         sizes=sizes,
         out_roles=vl.out_roles,
-        scale=float(st.scale),
+        scale=float(cast(float, st.scale)),  # (_scores sets it)
         pred=masks.pred,
         pred_roles=masks.pred_roles,
         causal_const=masks.causal,
@@ -928,13 +944,13 @@ class AttentionPlan:
 
 
 def plan_attention(
-    jaxpr: Any,
-    consts: dict[Any, Any],
+    jaxpr: compat.Jaxpr,
+    consts: dict[compat.Var, Any],
     *,
     mode: str,
     backend: Backend,
-    compute_dtype: Any,
-    in_full_precision: Callable[[Any], bool] = lambda eqn: False,
+    compute_dtype: np.dtype,
+    in_full_precision: Callable[[compat.Eqn], bool] = lambda eqn: False,
 ) -> AttentionPlan:
     """Which attentions of ``jaxpr`` run fused, and the reasons for all of them.
 
@@ -961,7 +977,9 @@ def plan_attention(
     return out
 
 
-def decide(match: Match, mode: str, backend: Backend, compute_dtype: Any) -> tuple[str | None, str]:
+def decide(
+    match: Match, mode: str, backend: Backend, compute_dtype: np.dtype
+) -> tuple[AttentionImpl | None, str]:
     """(implementation or None, reason) for one recognised attention."""
     low = np.dtype(compute_dtype) in (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
     if mode == "off":
@@ -979,13 +997,13 @@ def decide(match: Match, mode: str, backend: Backend, compute_dtype: Any) -> tup
     needs_even = match.bias is not None or (match.pred is not None and not match.causal_const)
     read = _abstract_read(match, compute_dtype)
 
-    def fused(*operands):
+    def fused(*operands: jax.Array) -> jax.Array:
         vals = dict(zip((match.q, match.k, match.v), operands))
         return match.evaluate(
             lambda a, dt: vals[a].astype(dt) if a in vals else read(a, dt), compute_dtype, "cudnn"
         )
 
-    def probe():
+    def probe() -> None:
         operands = [read(a, compute_dtype) for a in (match.q, match.k, match.v)]
         jax.eval_shape(fused, *operands)
         jax.eval_shape(
@@ -996,11 +1014,13 @@ def decide(match: Match, mode: str, backend: Backend, compute_dtype: Any) -> tup
     return backend.attention(d, match.sizes["Tq"], match.sizes["Tk"], needs_even, probe)
 
 
-def _abstract_read(match: Match, dtype: Any) -> Callable[[Any, Any], Any]:
+def _abstract_read(
+    match: Match, dtype: np.dtype
+) -> Callable[[compat.Atom, np.dtype | None], jax.Array]:
     """A ``read`` that gives zeros of each operand's shape (for ``eval_shape``)."""
 
-    def read(atom, want):
-        aval = atom.aval
+    def read(atom: compat.Atom, want: np.dtype | None) -> jax.Array:
+        aval = cast(compat.ShapedArray, atom.aval)
         return jnp.zeros(aval.shape, want if want is not None else aval.dtype)
 
     return read

@@ -23,7 +23,7 @@ import inspect
 import threading
 import types
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Hashable, Mapping
+from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
 import jax
@@ -34,28 +34,28 @@ from amp_jax._src import backends, compat
 T = TypeVar("T")
 
 
-def is_dynamic(leaf: Any) -> bool:
+def is_dynamic(leaf: object) -> bool:
     """Whether an argument leaf is traced (an array, a token) rather than passed
     as a static value."""
     return isinstance(leaf, (jax.Array, np.ndarray, np.generic, compat.Tracer, compat.Token))
 
 
-def apply(fn: Any, *args: Any, **kwargs: Any) -> Any:
+def apply(fn: Callable[..., Any], *args: object, **kwargs: object) -> Any:
     """``fn(*args, **kwargs)``: what amp traces for ``amp(model)``, the model an argument."""
     return fn(*args, **kwargs)
 
 
-def is_tree(fn: Any) -> bool:
+def is_tree(fn: object) -> bool:
     """Whether ``fn`` is a pytree with children (an Equinox or NNX module), not a leaf."""
     return not jax.tree_util.treedef_is_leaf(jax.tree.structure(fn))
 
 
-def fn_name(fn: Any) -> str:
+def fn_name(fn: object) -> str:
     """The name amp gives ``fn`` in its errors."""
     return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
 
 
-def signature(fn: Any) -> inspect.Signature | None:
+def signature(fn: Callable[..., Any]) -> inspect.Signature | None:
     """``inspect.signature(fn)``, or None when it has none."""
     try:
         return inspect.signature(fn)
@@ -63,13 +63,13 @@ def signature(fn: Any) -> inspect.Signature | None:
         return None
 
 
-def param_names(fn: Any) -> list[str]:
+def param_names(fn: Callable[..., Any]) -> list[str]:
     """The names of ``fn``'s parameters (none when it has no signature)."""
     sig = signature(fn)
     return [] if sig is None else list(sig.parameters)
 
 
-def name_like(wrapper: Any, fn: Any, self_first: bool = False) -> None:
+def name_like(wrapper: Any, fn: Callable[..., Any], self_first: bool = False) -> None:
     """Gives ``wrapper`` the name, source line and signature of ``fn`` (JAX's
     errors read them through ``__wrapped__``); with ``self_first``, a first
     parameter ``self`` (the model of ``amp(model)``)."""
@@ -87,18 +87,19 @@ def name_like(wrapper: Any, fn: Any, self_first: bool = False) -> None:
         wrapper.__signature__ = sig.replace(parameters=[self_param, *sig.parameters.values()])
 
 
-def as_output(x: Any) -> Any:
+def as_output(x: object) -> Any:
     """A returned constant (a Python ``3``, a NumPy array) as a jax Array, like
     jit; a token (``jax.lax.create_token()``) as it is, as jit returns it."""
     if isinstance(x, (jax.Array, compat.Tracer, compat.Token)):
         return x
+    t: type[Any]
     for t in (bool, int, float, complex):  # weakly typed, as jit returns them
         if isinstance(x, t):
             return jax.numpy.asarray(t(x))
     return jax.numpy.asarray(x, dtype=getattr(x, "dtype", None))
 
 
-def fresh(x: Any) -> Any:
+def fresh(x: object) -> Any:
     """An argument returned as it is, as a new value (a concrete tracer's
     ``jnp.asarray``, as ``jax.jvp(jnp.asarray)`` makes it); a token, an array
     and an abstract tracer as they are."""
@@ -110,7 +111,7 @@ def fresh(x: Any) -> Any:
 # -- static keys ---------------------------------------------------------------------
 
 
-def static_key(leaf: Any, depth: int = 4) -> Any:
+def static_key(leaf: object, depth: int = 4) -> Hashable:
     """A hashable key of a static leaf; ``TypeError`` when there is none (then
     every call traces). A plain object is keyed by identity and attributes."""
     # (repr tells 0.0 from -0.0 and one NaN from another, which compare equal
@@ -137,7 +138,7 @@ def _is_dunder(name: str) -> bool:
     return name.startswith("__") and name.endswith("__")
 
 
-def _compares_by_identity(obj: Any) -> bool:
+def _compares_by_identity(obj: object) -> bool:
     t = type(obj)
     return (
         t.__hash__ is object.__hash__
@@ -147,7 +148,7 @@ def _compares_by_identity(obj: Any) -> bool:
     )
 
 
-def _attrs(obj: Any) -> dict[str, Any]:
+def _attrs(obj: object) -> dict[str, Any]:
     """The instance attributes of ``obj`` (``__dict__`` and ``__slots__``)."""
     attrs: dict[str, Any] = {}
     try:
@@ -178,7 +179,7 @@ class CallKey:
     """
 
     fn: Hashable
-    treedef: Any
+    treedef: compat.PyTreeDef
     dynamic_mask: tuple[bool, ...]
     leaves: tuple[Hashable, ...]
     backend: backends.Backend
@@ -195,14 +196,14 @@ class _Static:
 
     __slots__ = ("value",)
 
-    def __init__(self, value: Any):
+    def __init__(self, value: object) -> None:
         self.value = value
 
-    def tree_flatten(self):
+    def tree_flatten(self) -> tuple[tuple[()], _Aux]:
         return (), _Aux(self.value)
 
     @classmethod
-    def tree_unflatten(cls, aux, children):
+    def tree_unflatten(cls, aux: _Aux, children: Sequence[object]) -> _Static:
         return cls(aux.value)
 
 
@@ -211,13 +212,13 @@ class _Aux:
 
     __slots__ = ("value",)
 
-    def __init__(self, value: Any):
+    def __init__(self, value: object) -> None:
         self.value = value
 
-    def __eq__(self, other):
+    def __eq__(self, other: object) -> bool:
         return isinstance(other, _Aux) and other.value is self.value
 
-    def __hash__(self):
+    def __hash__(self) -> int:
         return id(self.value)
 
 
@@ -240,12 +241,12 @@ class Call:
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     leaves: list[Any]
-    treedef: Any
+    treedef: compat.PyTreeDef
     dynamic_mask: tuple[bool, ...]
     names: tuple[str, ...]
 
     @classmethod
-    def of(cls, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Call:
+    def of(cls, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:
         """The call ``fn(*args, **kwargs)``; a pytree ``fn`` (an Equinox or NNX
         module) becomes the first argument ``self`` of `apply`."""
         if is_tree(fn):
@@ -321,7 +322,7 @@ class Call:
         return f"{self.arg_name(path[:2])}{jax.tree_util.keystr(tuple(path[2:]))}"
 
 
-def unwrap_statics(tree: Any) -> Any:
+def unwrap_statics(tree: object) -> Any:
     """``tree`` (from `Call.abstract`, traced) with its static leaves' values."""
     return jax.tree.map(
         lambda x: x.value if isinstance(x, _Static) else x,
@@ -345,7 +346,7 @@ class TraceCache(Generic[T]):
 
     __slots__ = ("entries", "lock", "trace_count")
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.entries: OrderedDict[CallKey, T] = OrderedDict()
         self.lock = threading.Lock()
         self.trace_count = 0
@@ -375,7 +376,7 @@ class TraceCache(Generic[T]):
 _VALUE_TYPES = (str, bytes, int, float, complex, bool, type(None), type, np.dtype, range, slice)
 
 
-def held_array(obj: Any, seen: set[int] | None = None) -> str | None:
+def held_array(obj: object, seen: set[int] | None = None) -> str | None:
     """The attribute path of a jax/NumPy array held by the plain object ``obj``, or None.
 
     Followed to any depth, through attributes, ``functools.partial`` and bound
@@ -411,7 +412,7 @@ def held_array(obj: Any, seen: set[int] | None = None) -> str | None:
     return None
 
 
-def held_by_fn(fn: Any) -> str | None:
+def held_by_fn(fn: Callable[..., Any]) -> str | None:
     """The path (under ``fn``) of an array that the callable ``fn`` holds, or None."""
     if isinstance(fn, functools.partial):
         # (arrays bound in a partial are fixed, like a closure's: constants
@@ -425,7 +426,7 @@ def held_by_fn(fn: Any) -> str | None:
     return f"{found[0][0]}{found[0][1]}" if found else None
 
 
-def check_arguments(fn: Any, call: Call) -> None:
+def check_arguments(fn: Callable[..., Any], call: Call) -> None:
     """Refuses a callable ``fn`` or a static argument that is a plain (non-pytree)
     object holding arrays: amp would bake the arrays into its cached trace."""
     if not call.fn_is_argument and (held := held_by_fn(fn)) is not None:
@@ -454,7 +455,7 @@ def check_arguments(fn: Any, call: Call) -> None:
         )
 
 
-def check_no_leak(fn: Any, call: Call) -> None:
+def check_no_leak(fn: Callable[..., Any], call: Call) -> None:
     """Refuses an array that ``fn`` assigned, while amp traced it, to a plain
     object (not a pytree) among its static arguments or its ``self``: the
     object would keep a tracer of amp's trace and the caller would never see

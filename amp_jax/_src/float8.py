@@ -19,15 +19,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.typing import DTypeLike
 
-from amp_jax._src import jaxprs
+from amp_jax._src import compat, jaxprs
 from amp_jax._src.backends import Backend
 from amp_jax._src.decision import Reason, Variant, Why, float8_scope, float8_text
 from amp_jax._src.lowdot import DotDims, dot_transpose
@@ -52,7 +53,7 @@ _MIN_SCALE = 2.0**-126  # smallest normal float32: 0 / scale stays 0, x / scale 
 # -- which dots --------------------------------------------------------------------------
 
 
-def skip_reason(policy: Policy, eqn: Any) -> str | None:
+def skip_reason(policy: Policy, eqn: compat.Eqn) -> str | None:
     """Why a lowered ``allow`` eqn runs the bfloat16 rule instead of fp8, or None.
 
     Only meaningful when ``policy.float8 != "off"`` and the eqn is lowered.
@@ -64,7 +65,7 @@ def skip_reason(policy: Policy, eqn: Any) -> str | None:
     (_, _), (lb, _) = eqn.params["dimension_numbers"]
     if lb:
         return "batched dot (attention-style): bfloat16, as torchao and Transformer Engine do"
-    k, flops = jaxprs.contraction_and_flops(eqn)
+    k, flops = cast(tuple[int, int], jaxprs.contraction_and_flops(eqn))  # (a dot: not None)
     if k < MIN_CONTRACTION:
         return f"contraction {k} < {MIN_CONTRACTION}: too short for fp8"
     if flops < policy.float8_min_flops:
@@ -72,7 +73,7 @@ def skip_reason(policy: Policy, eqn: Any) -> str | None:
     return None
 
 
-def applies(policy: Policy, vjp_rules: bool, eqn: Any) -> bool:
+def applies(policy: Policy, vjp_rules: bool, eqn: compat.Eqn) -> bool:
     """Whether ``eqn``, lowered under ``policy``, runs as an fp8 product
     (``vjp_rules``: outside the custom JVP rules that JAX transposes)."""
     return (
@@ -86,7 +87,7 @@ def applies(policy: Policy, vjp_rules: bool, eqn: Any) -> bool:
 # -- the variant of the dot rule ---------------------------------------------------------
 
 
-def reason(policy: Policy, backend: Backend, eqn: Any, variant: Variant) -> Reason | None:
+def reason(policy: Policy, backend: Backend, eqn: compat.Eqn, variant: Variant) -> Reason | None:
     """Why a lowered ``allow`` eqn (planned to run ``variant``) runs in fp8 or
     not under a float8 ``policy`` on ``backend``. None when the policy has no
     float8, or when the eqn has an operand that is not a managed float."""
@@ -103,7 +104,7 @@ def reason(policy: Policy, backend: Backend, eqn: Any, variant: Variant) -> Reas
     return Reason(Why.POLICY_CLASS, f"allow class, the bfloat16 policy's rule; not float8: {why}")
 
 
-def variant_rule(ctx: RuleContext) -> Callable:
+def variant_rule(ctx: RuleContext) -> Callable[..., list[Any]]:
     """The fp8 rule of ``dot_general`` under ``ctx``'s policy and backend (its ``FLOAT8`` variant)."""
     return functools.partial(float8_dot_rule, recipe=ctx.policy.float8, backend=ctx.backend)
 
@@ -115,7 +116,7 @@ def _fp8_max(dtype: np.dtype) -> float:
     return float(jnp.finfo(dtype).max)
 
 
-def scale_of(x: Any, dtype: Any, axes: tuple[int, ...] | None = None) -> Any:
+def scale_of(x: jax.Array, dtype: DTypeLike, axes: tuple[int, ...] | None = None) -> jax.Array:
     """The power-of-two dynamic scale that maps ``x``'s amax into ``dtype``'s range.
 
     ``axes``: the dims reduced for the amax (``None``: all, a per-tensor
@@ -137,7 +138,7 @@ def scale_of(x: Any, dtype: Any, axes: tuple[int, ...] | None = None) -> Any:
     return jnp.where(finite, scale, jnp.ones_like(scale))
 
 
-def quantize(x: Any, dtype: Any, scale: Any) -> Any:
+def quantize(x: jax.Array, dtype: DTypeLike, scale: jax.Array) -> jax.Array:
     """``x / scale`` in fp8 ``dtype``: finite values clamp to its range, inf/nan become NaN."""
     dtype = np.dtype(dtype)
     m = _fp8_max(dtype)
@@ -147,25 +148,25 @@ def quantize(x: Any, dtype: Any, scale: Any) -> Any:
     return q.astype(dtype)
 
 
-def dequantize(q: Any, scale: Any, dtype: Any = _LOW) -> Any:
+def dequantize(q: jax.Array, scale: jax.Array, dtype: DTypeLike = _LOW) -> jax.Array:
     """``q * scale`` in ``dtype`` (exact for a power-of-two scale within range)."""
     return q.astype(dtype) * scale.astype(dtype)
 
 
-def round_trip(x: Any, dtype: Any, axes: tuple[int, ...] | None = None) -> Any:
+def round_trip(x: jax.Array, dtype: DTypeLike, axes: tuple[int, ...] | None = None) -> jax.Array:
     """``x`` through fp8 ``dtype`` with a dynamic scale, back in bfloat16."""
     s = scale_of(x, dtype, axes)
     return dequantize(quantize(x, dtype, s), s)
 
 
-def _kept(ndim: int, contract: Any, batch: Any) -> tuple[int, ...]:
+def _kept(ndim: int, contract: Sequence[int], batch: Sequence[int]) -> tuple[int, ...]:
     return tuple(d for d in range(ndim) if d not in (*contract, *batch))
 
 
 # -- the rule ------------------------------------------------------------------------------------
 
 
-def _placed(scale: Any, src: tuple[int, ...], dst: tuple[int, ...], ndim: int) -> Any:
+def _placed(scale: jax.Array, src: tuple[int, ...], dst: tuple[int, ...], ndim: int) -> jax.Array:
     """A per-row ``scale`` (its operand's shape, the dims it was reduced over of
     size 1) as a factor of an ``ndim``-dim product: its dim ``src[i]`` becomes
     the product's dim ``dst[i]``, every other dim size 1."""
@@ -179,7 +180,16 @@ def _placed(scale: Any, src: tuple[int, ...], dst: tuple[int, ...], ndim: int) -
     return kept.reshape(shape)
 
 
-def _native_dot(qx, sx, qy, sy, dims, acc, extra, rowwise):
+def _native_dot(
+    qx: jax.Array,
+    sx: jax.Array,
+    qy: jax.Array,
+    sy: jax.Array,
+    dims: lax.DotDimensionNumbers,
+    acc: DTypeLike,
+    extra: dict[str, Any],
+    rowwise: bool,
+) -> jax.Array:
     """``(qx * sx) . (qy * sy)`` as an fp8 GEMM: the dot of the fp8 operands
     themselves (float32 accumulation), its scales applied to the result. A
     per-row scale lies along a kept (or batch) dim, so it factors out of the
@@ -201,9 +211,9 @@ def _native_dot(qx, sx, qy, sy, dims, acc, extra, rowwise):
 class _Dot:
     """The static description of one fp8 ``dot_general`` (hashable: a cache key)."""
 
-    dims: Any  # dot_general's dimension_numbers
-    acc: Any  # the dtype the products are written in
-    out_sharding: Any
+    dims: lax.DotDimensionNumbers  # dot_general's dimension_numbers
+    acc: np.dtype  # the dtype the products are written in
+    out_sharding: Any  # (a sharding, or None)
     recipe: str  # "tensorwise" or "rowwise"
     x_dtype: np.dtype  # the operands' dtypes (their gradients are cast back to them)
     y_dtype: np.dtype
@@ -217,15 +227,17 @@ class _Dot:
     def extra(self) -> dict[str, Any]:
         return {} if self.out_sharding is None else {"out_sharding": self.out_sharding}
 
-    def axes(self, reduce_axes: Any) -> tuple[int, ...] | None:
+    def axes(self, reduce_axes: Sequence[int]) -> tuple[int, ...] | None:
         """The amax axes of a scale: ``reduce_axes`` (rowwise) or all (tensorwise)."""
         return tuple(reduce_axes) if self.rowwise else None
 
-    def quantized(self, v: Any, dtype: Any, reduce_axes: Any) -> tuple[Any, Any]:
+    def quantized(
+        self, v: jax.Array, dtype: DTypeLike, reduce_axes: Sequence[int]
+    ) -> tuple[jax.Array, jax.Array]:
         s = scale_of(v, dtype, self.axes(reduce_axes))
         return quantize(v, dtype, s), s
 
-    def qdq(self, v: Any, dtype: Any, reduce_axes: Any) -> Any:
+    def qdq(self, v: jax.Array, dtype: DTypeLike, reduce_axes: Sequence[int]) -> jax.Array:
         return round_trip(v, dtype, self.axes(reduce_axes))
 
 
@@ -241,7 +253,7 @@ class _Grid:
     ct_y_kept: tuple[int, ...]
 
     @classmethod
-    def of(cls, dims: Any, nx: int, ny: int) -> _Grid:
+    def of(cls, dims: lax.DotDimensionNumbers, nx: int, ny: int) -> _Grid:
         (xc, yc), (xb, yb) = dims
         nb = len(xb)
         x_kept, y_kept = _kept(nx, xc, xb), _kept(ny, yc, yb)
@@ -250,7 +262,7 @@ class _Grid:
         return cls(nx, ny, x_kept, y_kept, ct_x_kept, ct_y_kept)
 
 
-def _product(d: _Dot, x: Any, y: Any) -> tuple[Any, tuple[Any, ...]]:
+def _product(d: _Dot, x: jax.Array, y: jax.Array) -> tuple[jax.Array, tuple[jax.Array, ...]]:
     """The forward product and the fp8 operands with their scales (rowwise: one
     scale per row of the non-contracted dims, amax over the contraction)."""
     (xc, yc), _ = d.dims
@@ -264,8 +276,14 @@ def _product(d: _Dot, x: Any, y: Any) -> tuple[Any, tuple[Any, ...]]:
 
 
 def _operand_grads(
-    d: _Dot, g: _Grid, ct_for_dx: Any, y_for_dx: Any, ct_for_dy: Any, x_for_dy: Any, acc: Any
-) -> tuple[Any, Any]:
+    d: _Dot,
+    g: _Grid,
+    ct_for_dx: jax.Array,
+    y_for_dx: jax.Array,
+    ct_for_dy: jax.Array,
+    x_for_dy: jax.Array,
+    acc: DTypeLike,
+) -> tuple[jax.Array, jax.Array]:
     """``dx = ct . y`` and ``dy = x . ct``, written in ``acc``."""
     dims = DotDims(d.dims, g.nx, g.ny)
     # (like=: an operand of the result's shape, for explicit-sharding outputs)
@@ -274,7 +292,9 @@ def _operand_grads(
     return dx, dy
 
 
-def _native_backward(d: _Dot, g: _Grid, res: Any, ct: Any) -> tuple[Any, Any]:
+def _native_backward(
+    d: _Dot, g: _Grid, res: tuple[jax.Array, ...], ct: jax.Array
+) -> tuple[jax.Array, jax.Array]:
     """fp8 GEMMs ``dx = ct . y``, ``dy = x . ct`` with an e5m2 cotangent, their
     scales applied to the results."""
     (xc, yc), (xb, yb) = d.dims
@@ -298,7 +318,9 @@ def _native_backward(d: _Dot, g: _Grid, res: Any, ct: Any) -> tuple[Any, Any]:
     return (dx * fx).astype(d.acc), (dy * fy).astype(d.acc)
 
 
-def _emulated_backward(d: _Dot, g: _Grid, res: Any, ct: Any) -> tuple[Any, Any]:
+def _emulated_backward(
+    d: _Dot, g: _Grid, res: tuple[jax.Array, ...], ct: jax.Array
+) -> tuple[jax.Array, jax.Array]:
     """The backward products of dequantized fp8 operands (an e5m2 cotangent)."""
     if d.rowwise:
         x, y = res
@@ -315,21 +337,21 @@ def _emulated_backward(d: _Dot, g: _Grid, res: Any, ct: Any) -> tuple[Any, Any]:
 
 
 @functools.cache
-def _fp8_dot(d: _Dot) -> Callable:
+def _fp8_dot(d: _Dot) -> Callable[[jax.Array, jax.Array], jax.Array]:
     """The fp8 product ``d`` as a ``custom_vjp`` of its two operands."""
 
-    def primal(x, y):
+    def primal(x: jax.Array, y: jax.Array) -> jax.Array:
         with jax.named_scope(float8_scope(d.recipe)):
             return _product(d, x, y)[0]
 
-    def fwd(x, y):
+    def fwd(x: jax.Array, y: jax.Array) -> tuple[jax.Array, tuple[jax.Array, ...]]:
         with jax.named_scope(float8_scope(d.recipe)):
             out, quant = _product(d, x, y)
         # rowwise: the backward products re-quantize along their own contractions;
         # tensorwise: fp8 residuals, half the bytes of bf16 ones
         return out, ((x.astype(_LOW), y.astype(_LOW)) if d.rowwise else quant)
 
-    def bwd(res, ct):
+    def bwd(res: tuple[jax.Array, ...], ct: jax.Array) -> tuple[jax.Array, jax.Array]:
         g = _Grid.of(d.dims, res[0].ndim, res[1].ndim if d.rowwise else res[2].ndim)
         with jax.named_scope(float8_scope(d.recipe, backward=True)):
             backward = _native_backward if d.native else _emulated_backward
@@ -342,8 +364,8 @@ def _fp8_dot(d: _Dot) -> Callable:
 
 
 def float8_dot_rule(
-    eqn: Any,
-    invals: Any,
+    eqn: compat.Eqn,
+    invals: Sequence[jax.Array],
     compute_dtype: np.dtype,
     out_dtype: np.dtype = HIGH_DTYPE,
     *,

@@ -29,6 +29,7 @@ from typing import Any
 import jax
 
 from amp_jax._src import compat
+from amp_jax._src.compat import KeyPath
 
 
 def _nnx() -> Any:
@@ -40,13 +41,14 @@ class Snapshot:
 
     __slots__ = ("flat", "leaves", "treedef", "by_path")
 
-    def __init__(self, tree: Any):
+    def __init__(self, tree: object) -> None:
+        self.treedef: compat.PyTreeDef
         self.flat, self.treedef = jax.tree_util.tree_flatten_with_path(tree)
         self.leaves = [leaf for _, leaf in self.flat]
         self.by_path = {jax.tree_util.keystr(p): i for i, (p, _) in enumerate(self.flat)}
 
 
-def _refuses_flatten(x: Any) -> bool:
+def _refuses_flatten(x: object) -> bool:
     """Whether the pytree node ``x`` refuses to be flattened: a value ``fn``
     consumed (an Equinox ``State`` once a stateful layer has used it)."""
     try:
@@ -56,7 +58,9 @@ def _refuses_flatten(x: Any) -> bool:
     return False
 
 
-def _flatten_after(snap: Snapshot, tree: Any) -> tuple[list[tuple[Any, Any]], Any]:
+def _flatten_after(
+    snap: Snapshot, tree: object
+) -> tuple[list[tuple[KeyPath, Any]], compat.PyTreeDef]:
     """The leaves (with key paths) and structure of ``tree`` after ``fn`` ran.
 
     A node that ``fn`` consumed and that now refuses to be flattened (an
@@ -71,13 +75,13 @@ def _flatten_after(snap: Snapshot, tree: Any) -> tuple[list[tuple[Any, Any]], An
         pass
     consumed: set[int] = set()
 
-    def stop_at_consumed(x: Any) -> bool:
+    def stop_at_consumed(x: object) -> bool:
         if _refuses_flatten(x):
             consumed.add(id(x))
             return True
         return False
 
-    flat: list[tuple[Any, Any]] = []
+    flat: list[tuple[KeyPath, Any]] = []
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=stop_at_consumed)[0]:
         if id(leaf) in consumed:
             n = len(path)
@@ -100,7 +104,13 @@ class Writes:
 
     __slots__ = ("treedef", "sources", "outputs", "constants")
 
-    def __init__(self, treedef, sources, outputs, constants):
+    def __init__(
+        self,
+        treedef: compat.PyTreeDef,
+        sources: list[int | None],
+        outputs: list[Any],
+        constants: dict[int, Any],
+    ) -> None:
         self.treedef, self.sources = treedef, sources
         self.outputs, self.constants = outputs, constants
 
@@ -113,17 +123,17 @@ class Writes:
         ]
         return jax.tree.unflatten(self.treedef, flat)
 
-    def changed(self, after: Any) -> set[int]:
+    def changed(self, after: object) -> set[int]:
         """The ids of the leaves of ``after`` (a tree from `after`) that were written."""
         flat = jax.tree.leaves(after)
         return {id(flat[i]) for i, s in enumerate(self.sources) if s is None}
 
 
-def _is_array(x: Any) -> bool:
+def _is_array(x: object) -> bool:
     return isinstance(x, (jax.Array, compat.Tracer))
 
 
-def collect(snap: Snapshot, tree: Any, describe: Callable[[Any], str]) -> Writes | None:
+def collect(snap: Snapshot, tree: object, describe: Callable[[KeyPath], str]) -> Writes | None:
     """The writes ``fn`` made into ``tree`` since ``snap`` (None if none).
 
     Raises:
@@ -151,7 +161,11 @@ def collect(snap: Snapshot, tree: Any, describe: Callable[[Any], str]) -> Writes
     return writes
 
 
-def _refusal(got, flat, describe) -> str:
+def _refusal(
+    got: list[tuple[KeyPath, Any]],
+    flat: list[tuple[KeyPath, Any]],
+    describe: Callable[[KeyPath], str],
+) -> str:
     """Why the write-back (``got``: the copy's leaves after it) misses ``flat``."""
     have = {jax.tree_util.keystr(p): leaf for p, leaf in got}
     missed = (p for p, leaf in flat if have.get(jax.tree_util.keystr(p), have) is not leaf)
@@ -170,7 +184,7 @@ def _refusal(got, flat, describe) -> str:
     )
 
 
-def write_back(dest: Any, src: Any, changed: set[int]) -> None:
+def write_back(dest: object, src: object, changed: set[int]) -> None:
     """Writes into the NNX objects of ``dest`` the Variables of ``src`` (the
     same tree, after ``fn``) that hold a leaf whose id is in ``changed``.
 
@@ -186,7 +200,7 @@ def write_back(dest: Any, src: Any, changed: set[int]) -> None:
     if len(dests) != len(srcs):
         return  # (a container changed: collect refuses it)
 
-    def written(_path: Any, v: Any) -> bool:
+    def written(_path: KeyPath | None, v: object) -> bool:
         return isinstance(v, nnx.Variable) and any(id(x) in changed for x in jax.tree.leaves(v))
 
     for d, s in zip(dests, srcs):
@@ -222,19 +236,21 @@ def haiku_guard(fn_name: str) -> Iterator[None]:
         yield
         return
 
-    def refuse(what: str, context: Any) -> None:
+    def refuse(what: str, context: Any) -> None:  # (a Haiku context)
         raise TypeError(
             f"amp({fn_name}): the function uses the Haiku {what} `{context.full_name}` "
             f"inside a Haiku transform. {_HAIKU_FIX}"
         )
 
-    def creator(next_creator, shape, dtype, init, context):
+    def creator(
+        next_creator: object, shape: object, dtype: object, init: object, context: Any
+    ) -> None:
         refuse("parameter or state", context)
 
-    def getter(next_getter, value, context):
+    def getter(next_getter: object, value: object, context: Any) -> None:
         refuse("parameter or state", context)
 
-    def setter(next_setter, value, context):
+    def setter(next_setter: object, value: object, context: Any) -> None:
         refuse("state", context)
 
     with (
@@ -250,6 +266,6 @@ def haiku_guard(fn_name: str) -> Iterator[None]:
         )
 
 
-def _same_leaves(a: Any, b: Any) -> bool:
+def _same_leaves(a: object, b: object) -> bool:
     la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
     return len(la) == len(lb) and all(x is y for x, y in zip(la, lb))

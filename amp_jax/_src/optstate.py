@@ -4,15 +4,23 @@ random keys, and the check that an argument is an optax transformation."""
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
+
+if TYPE_CHECKING:
+    import optax
 
 T = TypeVar("T")
+#: an optimizer state class: a NamedTuple
+S = TypeVar("S", bound=tuple[Any, ...])
 
 
-def transformation(value: Any, caller: str, argname: str = "inner") -> Any:
+def transformation(
+    value: object, caller: str, argname: str = "inner"
+) -> optax.GradientTransformation:
     """``value`` if it is an optax GradientTransformation (has init and update)."""
     if callable(getattr(value, "init", None)) and callable(getattr(value, "update", None)):
         return value
@@ -29,16 +37,16 @@ def transformation(value: Any, caller: str, argname: str = "inner") -> Any:
     )
 
 
-def find_states(tree: Any, cls: type[T] | tuple[type, ...]) -> list[tuple[str, T]]:
+def find_states(tree: object, cls: type[S] | tuple[type[S], ...]) -> list[tuple[str, S]]:
     """All instances of ``cls`` inside ``tree``, with their key paths.
 
     Walks every pytree node (tuples, NamedTuples, lists, dicts, registered
     dataclasses, ...) and also looks inside the found states, so nested wrappers
     of the same kind are all reported.
     """
-    found: list[tuple[str, T]] = []
+    found: list[tuple[str, S]] = []
 
-    def visit(node: Any, prefix: str) -> None:
+    def visit(node: object, prefix: str) -> None:
         leaves = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda x: isinstance(x, cls))[0]
         for path, leaf in leaves:
             if isinstance(leaf, cls):
@@ -60,7 +68,7 @@ def find_states(tree: Any, cls: type[T] | tuple[type, ...]) -> list[tuple[str, T
 GOLDEN = 0x9E3779B9
 
 
-def _has_raw_keys(node: Any) -> bool:
+def _has_raw_keys(node: object) -> bool:
     return (
         isinstance(node, tuple)
         and hasattr(type(node), "_fields")
@@ -68,7 +76,7 @@ def _has_raw_keys(node: Any) -> bool:
     )
 
 
-def salt_keys(state: Any, salt: Any) -> Any:
+def salt_keys(state: T, salt: ArrayLike) -> T:
     """Gives a copy of an optimizer state its own random keys.
 
     ``salt`` (a uint32 scalar, or an array whose leading axes are the copies,
@@ -85,12 +93,12 @@ def salt_keys(state: Any, salt: Any) -> Any:
     salt give the same keys; different salts give different keys.
     """
 
-    def xor(data):
+    def xor(data: jax.Array) -> jax.Array:
         s = jnp.asarray(salt, jnp.uint32)
         s = s.reshape(s.shape + (1,) * (data.ndim - s.ndim))
         return (data ^ (s * jnp.uint32(GOLDEN))).astype(data.dtype)
 
-    def fix(node):
+    def fix(node: Any) -> Any:  # a pytree node or leaf
         if _has_raw_keys(node):
             names = type(node).raw_key_fields
             return type(node)(

@@ -28,7 +28,7 @@ import difflib
 import functools
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import jax
 import jax.numpy as jnp
@@ -284,7 +284,7 @@ RANGE_WIDENING: frozenset[str] = frozenset({"integer_pow", "square", "div", "mul
 """Follow ops whose result can leave their operands' range: float32 under a compute dtype with float16's small range."""
 
 
-def has_narrow_range(dtype: Any) -> bool:
+def has_narrow_range(dtype: DTypeLike) -> bool:
     """True for a compute dtype whose largest finite value is small (float16: 65504)."""
     return float(jnp.finfo(dtype).max) < 1e10
 
@@ -393,7 +393,7 @@ def scope_in(stack: str, scopes: Sequence[str]) -> str | None:
     return None
 
 
-def _as_dtype(value: Any, argname: str) -> np.dtype:
+def _as_dtype(value: DTypeLike, argname: str) -> np.dtype:
     try:
         dtype = np.dtype(value)
     except TypeError:
@@ -439,7 +439,7 @@ def _known_primitives() -> frozenset[str]:
     names = set().union(DEFAULT_ALLOW, DEFAULT_DENY, DEFAULT_FOLLOW, DEFAULT_CLEAR, DEFAULT_NEVER)
     for module in (primitives, jax.lax):
         for attr in dir(module):
-            prim = getattr(module, attr, None)
+            prim: Any = getattr(module, attr, None)
             if attr.endswith("_p") and isinstance(getattr(prim, "name", None), str):
                 names.add(prim.name)
     return frozenset(names)
@@ -560,14 +560,17 @@ class Policy:
       ('deny', 'allow')
     """
 
-    compute_dtype: DTypeLike | str = jnp.bfloat16
+    # The fields hold what `__post_init__` stores (a numpy dtype, frozensets, sorted
+    # tuples); the constructor takes more (the `__init__` below, for type checkers only:
+    # tests/test_typing.py keeps its parameters and defaults those of the fields).
+    compute_dtype: np.dtype = np.dtype(jnp.bfloat16)
     allow: frozenset[str] = DEFAULT_ALLOW
     deny: frozenset[str] = DEFAULT_DENY
     follow: frozenset[str] = DEFAULT_FOLLOW
     clear: frozenset[str] = DEFAULT_CLEAR
     never: frozenset[str] = DEFAULT_NEVER
-    overrides: Mapping[str, str] | tuple[tuple[str, str], ...] = ()
-    full_precision_scopes: Sequence[str] = ()
+    overrides: tuple[tuple[str, str], ...] = ()
+    full_precision_scopes: tuple[str, ...] = ()
     strict: bool = False
     backend_aware: bool = True
     allow_outputs: str = "auto"
@@ -577,7 +580,29 @@ class Policy:
     float8: str = "off"
     float8_min_flops: int = 2**20
 
-    def __post_init__(self):
+    if TYPE_CHECKING:
+
+        def __init__(
+            self,
+            compute_dtype: DTypeLike | str = jnp.bfloat16,
+            allow: Iterable[str] = DEFAULT_ALLOW,
+            deny: Iterable[str] = DEFAULT_DENY,
+            follow: Iterable[str] = DEFAULT_FOLLOW,
+            clear: Iterable[str] = DEFAULT_CLEAR,
+            never: Iterable[str] = DEFAULT_NEVER,
+            overrides: Mapping[str, str] | Iterable[tuple[str, str]] = (),
+            full_precision_scopes: str | Iterable[str] = (),
+            strict: bool = False,
+            backend_aware: bool = True,
+            allow_outputs: str = "auto",
+            attention: str = "auto",
+            min_low_contraction: int = 8,
+            min_low_flops: int = 256,
+            float8: str = "off",
+            float8_min_flops: int = 2**20,
+        ) -> None: ...
+
+    def __post_init__(self) -> None:
         if isinstance(self.compute_dtype, str):  # a policy name, as amp(policy=...) takes
             named = _named_fields(self.compute_dtype, "Policy(compute_dtype)")
             if self.float8 == "off" and "float8" in named:  # ("float8": bf16 + float8 matmuls)
@@ -605,6 +630,7 @@ class Policy:
         """The compute dtype and only the fields that differ from their defaults."""
         parts = [f"compute_dtype={self.compute_dtype.name}"]
         for field in dataclasses.fields(self)[1:]:
+            default: Any
             value, default = getattr(self, field.name), field.default
             if field.name in OP_CLASSES:
                 default = _name_set(default, field.name)
@@ -643,7 +669,7 @@ class Policy:
     def table(self) -> list[tuple[str, str]]:
         """``(primitive name, class)`` rows of the whole classification, sorted."""
         names = set(dict(self.overrides)).union(*(getattr(self, c) for c in OP_CLASSES))
-        rows = {n: self.class_of(n) for n in names}
+        rows: dict[str, Any] = {n: self.class_of(n) for n in names}  # each name has a class
         return sorted(rows.items(), key=lambda r: (OP_CLASSES.index(r[1]), r[0]))
 
 
@@ -652,7 +678,9 @@ _FLOAT8 = ("off", "tensorwise", "rowwise")
 _ATTENTION = ("auto", "off", "cudnn", "xla")
 
 
-def _checked_overrides(overrides: Any) -> tuple[tuple[str, str], ...]:
+def _checked_overrides(
+    overrides: Mapping[str, str] | Iterable[tuple[str, str]] | None,
+) -> tuple[tuple[str, str], ...]:
     """``Policy.overrides`` (a mapping or pairs) as sorted ``(name, class)`` pairs."""
     given = overrides
     if isinstance(overrides, Mapping):
@@ -687,7 +715,7 @@ def _check_disjoint(policy: Policy) -> None:
                 )
 
 
-def _checked_scopes(scopes: Any) -> tuple[str, ...]:
+def _checked_scopes(scopes: str | Iterable[str] | None) -> tuple[str, ...]:
     """``Policy.full_precision_scopes`` (a name or names) as a sorted tuple."""
     given = scopes
     if isinstance(scopes, str):
@@ -726,7 +754,7 @@ def _check_modes(policy: Policy) -> None:
         )
 
 
-def get_policy(policy: Policy | str | Any) -> Policy:
+def get_policy(policy: Policy | str | DTypeLike) -> Policy:
     """Resolves ``policy`` (a [`Policy`][amp_jax.Policy], a preset name or a dtype) to a Policy.
 
     Args:
@@ -764,7 +792,7 @@ def get_policy(policy: Policy | str | Any) -> Policy:
         ) from e
 
 
-def is_managed_float(dtype: Any) -> bool:
+def is_managed_float(dtype: DTypeLike | None) -> TypeGuard[DTypeLike]:
     """Floats amp may recast: float32, bfloat16, float16 (never f64, fp8, complex)."""
     try:
         return np.dtype(dtype) in _MANAGED

@@ -34,7 +34,7 @@ class InterpretedPolicy(Policy):
 #: the policy of `interpreted_float32`: no size threshold, so that every dot
 #: and convolution goes through its allow rule, however small
 INTERPRETED_FLOAT32 = InterpretedPolicy(
-    compute_dtype=np.float32, min_low_contraction=0, min_low_flops=0
+    compute_dtype=np.dtype(np.float32), min_low_contraction=0, min_low_flops=0
 )
 
 

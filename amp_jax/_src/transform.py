@@ -14,10 +14,11 @@ import contextvars
 import dataclasses
 import functools
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping
-from typing import Any, TypeVar, overload
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, Literal, TypeVar, cast, overload
 
 import jax
+from jax.typing import DTypeLike
 
 from amp_jax._src import backends, compat, mutation
 from amp_jax._src.calling import (
@@ -34,7 +35,7 @@ from amp_jax._src.calling import (
     unwrap_statics,
 )
 from amp_jax._src.interpreter import Interpreter, evaluate
-from amp_jax._src.planning import Config, plan
+from amp_jax._src.planning import Config, Plan, plan
 from amp_jax._src.policy import FULL_PRECISION_SCOPE, Policy, get_policy, scope_in
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -74,8 +75,8 @@ class Traced:
         than dispatching each op; None otherwise.
     """
 
-    plan: Any
-    out_tree: Any
+    plan: Plan
+    out_tree: compat.PyTreeDef
     ctx: Interpreter
     writes: mutation.Writes | None = None
     staged: Callable[..., list[Any]] | None = None
@@ -113,7 +114,9 @@ class AmpFunction:
         self._shared: TraceCache[Traced] = TraceCache()
         self._scopes = (FULL_PRECISION_SCOPE, *policy.full_precision_scopes)
 
-    def tree_flatten_with_keys(self):
+    def tree_flatten_with_keys(
+        self,
+    ) -> tuple[tuple[tuple[jax.tree_util.GetAttrKey, Callable[..., Any]]], tuple[Any, ...]]:
         return ((jax.tree_util.GetAttrKey("fn"), self.fn),), (
             self.policy,
             self.cache_size,
@@ -121,7 +124,9 @@ class AmpFunction:
         )
 
     @classmethod
-    def tree_unflatten(cls, aux, children):
+    def tree_unflatten(
+        cls, aux: tuple[Policy, int, TraceCache[Traced]], children: Sequence[Callable[..., Any]]
+    ) -> AmpFunction:
         new = cls.__new__(cls)
         functools.update_wrapper(new, children[0], updated=())
         new.policy, new.cache_size, new._shared = aux
@@ -142,10 +147,11 @@ class AmpFunction:
     def __repr__(self) -> str:
         return f"amp({getattr(self.fn, '__qualname__', self.fn)!r}, policy={self.policy.compute_dtype.name!r})"
 
-    def __get__(self, obj, objtype=None):  # behave like a function as a method
+    def __get__(self, obj: object, objtype: type | None = None) -> Callable[..., Any]:
+        # behave like a function as a method
         return self if obj is None else functools.partial(self, obj)
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: object, **kwargs: object) -> Any:
         if self.policy.is_identity:
             # float32 changes nothing: run the function itself, so that results,
             # gradients and state writes are bitwise its own, eagerly too, and
@@ -168,7 +174,7 @@ class AmpFunction:
         diagnostic that has just called it reads instead of tracing again."""
         return list(self._shared.entries.values())
 
-    def trace_for_inspection(self, *args: Any, **kwargs: Any) -> Traced:
+    def trace_for_inspection(self, *args: object, **kwargs: object) -> Traced:
         """The plan a call with these arguments evaluates, traced afresh (not
         cached): what [`explain`][amp_jax.explain] and the debug tools read."""
         call = Call.of(self.fn, args, kwargs)
@@ -193,7 +199,7 @@ class AmpFunction:
         jax.jit does, and plans the jaxpr."""
         found: list[mutation.Writes | None] = []
 
-        def traced_fn(*args, **kwargs):
+        def traced_fn(*args: object, **kwargs: object) -> Any:
             tree = unwrap_statics((args, kwargs))
             snap = mutation.Snapshot(tree)
             with mutation.haiku_guard(fn_name(self.fn)):
@@ -220,7 +226,7 @@ class AmpFunction:
         staged = None
         if name is not None:
 
-            def run(*args: Any) -> list[Any]:
+            def run(*args: object) -> list[Any]:
                 return evaluate(ctx, planned, args)
 
             run.__name__ = run.__qualname__ = name
@@ -242,7 +248,7 @@ class AmpFunction:
         return jax.tree.unflatten(traced.out_tree, outs)
 
 
-def _whole_jit_name(closed: Any) -> str | None:
+def _whole_jit_name(closed: compat.ClosedJaxpr) -> str | None:
     """The name of the ``jit`` that is the whole of ``closed`` (``fn`` is a
     jitted function: one jit eqn, fed the program's inputs, giving its
     outputs), unless JAX inlines that jit itself; else None."""
@@ -257,25 +263,7 @@ def _whole_jit_name(closed: Any) -> str | None:
     return str(eqn.params.get("name", "jit"))
 
 
-@overload
-def amp(
-    fn: F,
-    *,
-    policy: Policy | str | Any = "bfloat16",
-    strict: bool | None = None,
-    cache_size: int = 64,
-) -> F: ...
-@overload
-def amp(
-    fn: None = None,
-    *,
-    policy: Policy | str | Any = "bfloat16",
-    strict: bool | None = None,
-    cache_size: int = 64,
-) -> Callable[[F], F]: ...
-
-
-def _brief(value: Any, limit: int = 80) -> str:
+def _brief(value: object, limit: int = 80) -> str:
     """A short description of ``value`` for an error message (never a whole pytree)."""
     if isinstance(value, Mapping):
         keys = [repr(k) for k in list(value)[:4]]
@@ -296,16 +284,18 @@ class _Decorator:
     it raises a ``TypeError`` that shows the function form.
     """
 
-    def __init__(self, apply: Callable[[Any], Any], name: str, options: str = ""):
+    def __init__(
+        self, apply: Callable[[Callable[..., Any]], Any], name: str, options: str = ""
+    ) -> None:
         self._apply, self._name, self._options = apply, name, options
 
-    def __call__(self, fn: Any) -> Any:
+    def __call__(self, fn: Callable[..., Any]) -> Any:
         return self._apply(fn)
 
     def __repr__(self) -> str:
         return f"<decorator {self._name}({self._options})>"
 
-    def __enter__(self):
+    def __enter__(self) -> None:
         at = f"@{self._name}({self._options})" if self._options else f"@{self._name}"
         raise TypeError(
             f"{self._name}() is not a context manager: {self._name} transforms a function, "
@@ -314,15 +304,15 @@ class _Decorator:
             + (f", {self._options})." if self._options else ").")
         )
 
-    def __exit__(self, *exc: Any) -> bool:
+    def __exit__(self, *exc: object) -> Literal[False]:
         return False
 
 
-def _options_by_keyword(fn: Callable[..., Any]) -> Callable[..., Any]:
+def _options_by_keyword(fn: F) -> F:
     """amp(f, "float16") names the keyword rather than Python's positional-count error."""
 
     @functools.wraps(fn)
-    def checked(*args: Any, **kwargs: Any) -> Any:
+    def checked(*args: object, **kwargs: object) -> Any:
         if len(args) > 1:
             raise TypeError(
                 f"amp() takes its options by keyword: write amp(fn, policy={_brief(args[1])}) "
@@ -330,15 +320,33 @@ def _options_by_keyword(fn: Callable[..., Any]) -> Callable[..., Any]:
             )
         return fn(*args, **kwargs)
 
-    return checked
+    return cast(F, checked)  # same signature: it only refuses a second positional
 
 
+@overload
+def amp(
+    fn: F,
+    /,
+    *,
+    policy: Policy | str | DTypeLike = "bfloat16",
+    strict: bool | None = None,
+    cache_size: int = 64,
+) -> F: ...
+@overload
+def amp(
+    fn: None = None,
+    /,
+    *,
+    policy: Policy | str | DTypeLike = "bfloat16",
+    strict: bool | None = None,
+    cache_size: int = 64,
+) -> Callable[[F], F]: ...
 @_options_by_keyword
 def amp(
     fn: Callable[..., Any] | None = None,
     /,
     *,
-    policy: Policy | str | Any = "bfloat16",
+    policy: Policy | str | DTypeLike = "bfloat16",
     strict: bool | None = None,
     cache_size: int = 64,
 ) -> Any:
@@ -457,7 +465,7 @@ def full_precision(fn: Callable[..., Any] | None = None) -> Callable[..., Any]:
         )
 
     @functools.wraps(fn)
-    def wrapped(*args, **kwargs):
+    def wrapped(*args: object, **kwargs: object) -> Any:
         with jax.named_scope(FULL_PRECISION_SCOPE):
             return fn(*args, **kwargs)
 

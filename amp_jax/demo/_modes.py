@@ -189,11 +189,11 @@ class BuiltStep:
 
 def mode_loss(mode: Mode, cfg: _model.Config) -> Callable[..., jax.Array]:
     """``loss(params, tokens, targets)`` as ``mode`` computes it."""
-    loss = functools.partial(_model.loss_fn, heads=cfg.heads)
+    loss: Callable[..., jax.Array] = functools.partial(_model.loss_fn, heads=cfg.heads)
     if mode.cast_params is not None:
         base = loss
 
-        def loss(params, *args):
+        def loss(params: Any, *args: Any) -> jax.Array:
             return base(jax.tree.map(lambda p: p.astype(mode.cast_params), params), *args)
 
     return loss if mode.policy is None else amp(loss, policy=mode.policy)

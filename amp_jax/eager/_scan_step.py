@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +24,8 @@ from amp_jax.optim import (
 )
 
 _PARTS = ("embed", "blocks", "head")
+#: what `compat.vjp_residuals` finds: the residual arrays and their treedef
+_Residuals = tuple[list[Any], compat.PyTreeDef]
 
 
 class ScanStepState(NamedTuple):
@@ -68,7 +70,7 @@ def check_params(params: Any) -> int:
             "scan_step: `params['blocks']` has no array leaves; the "
             "block stack needs at least one parameter per layer."
         )
-    sizes = {}
+    sizes: dict[int, list[str]] = {}
     for path, x in leaves:
         shape = getattr(x, "shape", None)
         if shape is None or len(shape) == 0:
@@ -424,7 +426,8 @@ class ScanStep:
 
             def fwd(h, p):
                 h_next, vjp_fn = jax.vjp(self.block_fn, p, h)
-                leaves, _ = compat.vjp_residuals(vjp_fn)
+                # (mask is set only where vjp_residuals found the residuals)
+                leaves, _ = cast(_Residuals, compat.vjp_residuals(vjp_fn))
                 return h_next, [_as_bits(x) for x, m in zip(leaves, mask) if m]
 
         h_last, stored = lax.scan(fwd, h0, p_blocks)
@@ -451,7 +454,7 @@ class ScanStep:
         # p_i, the activation-dependent ones come from the forward pass; the
         # unused stub computations are dead code.
         _, stub = jax.vjp(self.block_fn, p_i, zeros_h)
-        leaves, treedef = compat.vjp_residuals(stub)
+        leaves, treedef = cast(_Residuals, compat.vjp_residuals(stub))
         it = iter(saved)
         leaves = [_as_float(next(it), x.dtype) if m else x for x, m in zip(leaves, mask)]
         return jax.tree.unflatten(treedef, leaves)
@@ -540,7 +543,8 @@ def _check_block_fn(block_fn: Callable, p_blocks: Any, h0: Any) -> tuple[Any, An
     layer_aval = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x)[1:], x.dtype), p_blocks)
     h_aval = _abstract(h0)
     out_aval = jax.eval_shape(block_fn, layer_aval, h_aval)
-    if jax.tree.structure(out_aval) != jax.tree.structure(h_aval) or any(
+    # (jaxlib's PyTreeDef has no stub: mypy sees an unknown type)
+    if jax.tree.structure(out_aval) != jax.tree.structure(h_aval) or any(  # type: ignore[operator]
         (a.shape, a.dtype) != (b.shape, b.dtype)
         for a, b in zip(jax.tree.leaves(out_aval), jax.tree.leaves(h_aval))
     ):
@@ -588,7 +592,9 @@ def _backward(
     carry_state = _carries_state()
     # the state update of the in-place order: traced once, called once per
     # state leaf (XLA keeps that leaf's part)
-    update_state = None if carry_state else jax.jit(lambda g, s, p, f: apply(g, s, p, finite=f)[1])
+    update_state: Any = (
+        None if carry_state else jax.jit(lambda g, s, p, f: apply(g, s, p, finite=f)[1])
+    )
 
     def bwd(carry, xs):
         ct, blocks, states, p_i, s_i = carry

@@ -78,7 +78,7 @@ def hyperparameter(
     return value
 
 
-def single_key(key: Any, caller: str) -> Any:
+def single_key(key: object, caller: str) -> jax.Array:
     """A single PRNG key (typed, raw uint32 data) or an int seed, as an array."""
     if isinstance(key, (bool, np.bool_)):
         raise TypeError(

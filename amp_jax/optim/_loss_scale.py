@@ -98,7 +98,8 @@ _KEY = "amp_jax_scaled_gradients"
 jax.tree_util.register_pytree_with_keys(
     ScaledGradients,
     lambda s: (((jax.tree_util.GetAttrKey(_KEY), s.grads),), None),
-    lambda _, children: ScaledGradients(children[0]),
+    # (JAX passes the children as a tuple; its stub says Iterable)
+    lambda _, children: ScaledGradients(children[0]),  # type: ignore[index]
     lambda s: ((s.grads,), None),
 )
 

@@ -21,13 +21,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
+from amp_jax._src.compat import PyTreeDef
 from amp_jax.optim import _check, _rounding, _tree
 
 StateFormat = Literal["8bit", "4bit", "float8"]
@@ -151,9 +152,10 @@ class _Codec:
                 codes = jnp.floor(norm * n - 1 + _rounding.unit(rand))
             codes = jnp.clip(codes, 0, n - 1).astype(jnp.uint8)
         else:
-            codes = _nearest(norm, self.table)
+            table = cast(np.ndarray, self.table)  # (dynamic, pow2: a table)
+            codes = _nearest(norm, table)
             if rand is not None:
-                codes = _stochastic_neighbour(norm, codes, self.table, _rounding.unit(rand))
+                codes = _stochastic_neighbour(norm, codes, table, _rounding.unit(rand))
         if self.bits == 4:  # first half of the block in the low nibbles
             half = codes.shape[-1] // 2
             codes = codes[..., :half] | (codes[..., half:] << 4)
@@ -165,7 +167,7 @@ class _Codec:
         absmax = jnp.zeros_like(blocks[..., 0])
         if self.kind == "float8":
             return jnp.zeros_like(blocks, dtype=jnp.uint8), absmax
-        _, mid = _buckets(self.table.tobytes())
+        _, mid = _buckets(cast(np.ndarray, self.table).tobytes())  # (not float8: a table)
         code = int(np.searchsorted(mid, np.float32(0)))
         if self.bits == 4:
             blocks, code = blocks[..., : blocks.shape[-1] // 2], code | code << 4
@@ -181,7 +183,7 @@ class _Codec:
             if self.kind == "linear":
                 x = (codes.astype(jnp.float32) + 1) * np.float32(2.0**-self.bits)
             else:
-                x = _lookup(self.table, codes.astype(jnp.int32))
+                x = _lookup(cast(np.ndarray, self.table), codes.astype(jnp.int32))
             x = x * absmax[..., None]
         return x * x if self.sqrt else x
 
@@ -386,7 +388,8 @@ class ScaleByQuantizedAdamState(NamedTuple):
       nu: second moments, laid out like ``mu``.
     """
 
-    count: jax.Array
+    # (a field named like tuple.count, as optax's ScaleByAdamState.count)
+    count: jax.Array  # type: ignore[assignment]
     mu: optax.Updates
     nu: optax.Updates
 
@@ -434,6 +437,7 @@ def dequantize(q: QuantizedArray, codec: _Codec, shape: tuple[int, ...]) -> jax.
 
 def _selection(mask: Any, params: Any) -> list[bool]:
     """Per parameter leaf: whether the mask allows quantized states."""
+    treedef: PyTreeDef
     leaves, treedef = jax.tree.flatten(params)
     if mask is None:
         return [True] * len(leaves)
@@ -611,8 +615,11 @@ def _init_state(
 ) -> ScaleByQuantizedAdamState:
     """Zero moments: quantized for the chosen float parameters, full precision otherwise."""
     mu_codec, nu_codec = codecs
+    treedef: PyTreeDef
     leaves, treedef = jax.tree.flatten(params)
     chosen = _selection(quantize_mask, params)
+    mu: list[QuantizedArray | jax.Array]
+    nu: list[QuantizedArray | jax.Array]
     mu, nu = [], []
     for p, q in zip(leaves, chosen):
         # zeros_like: the moments take the parameter's sharding; one buffer

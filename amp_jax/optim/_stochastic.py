@@ -25,9 +25,11 @@ class StochasticRoundingState(NamedTuple):
     key: jax.Array
     inner_state: optax.OptState
 
-    # Per-copy PRNG protocol (amp_jax.optim._tree.salt_keys): this field holds raw
-    # key data that must differ per copy of the state (per layer in eager updates).
-    raw_key_fields = ("key",)
+
+# Per-copy PRNG protocol (amp_jax.optim._tree.salt_keys): this field holds raw key data
+# that must differ per copy of the state (per layer in eager updates). A class attribute,
+# set here: type checkers read every assignment in a NamedTuple's body as a field.
+setattr(StochasticRoundingState, "raw_key_fields", ("key",))  # noqa: B010
 
 
 def _round_bf16(x: jax.Array, bits: jax.Array) -> jax.Array:

@@ -2,38 +2,43 @@
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar, overload
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.typing import ArrayLike, DTypeLike
 
+from amp_jax._src.compat import PyTreeDef
 from amp_jax._src.optstate import GOLDEN
 from amp_jax._src.optstate import find_states as find_states
 from amp_jax._src.optstate import salt_keys as salt_keys
 
-T = TypeVar("T")
+#: an optimizer state class: a NamedTuple
+S = TypeVar("S", bound=tuple[Any, ...])
+S2 = TypeVar("S2", bound=tuple[Any, ...])
 _GOLDEN = GOLDEN  # (the multiplier _quantized.py mixes its step counts with)
 
 
-def is_float(x: Any) -> bool:
+def is_float(x: object) -> bool:
     """Whether ``x`` is an array (or array-like) with a floating dtype."""
     dtype = getattr(x, "dtype", None)
     return dtype is not None and jnp.issubdtype(dtype, jnp.floating)
 
 
-def work_dtype(dtype: Any) -> Any:
+def work_dtype(dtype: DTypeLike) -> np.dtype:
     """The dtype used for the arithmetic on a ``dtype`` leaf: at least float32."""
     return jnp.promote_types(dtype, jnp.float32)
 
 
-def abs_sq(x: Any) -> Any:
+def abs_sq(x: jax.Array) -> jax.Array:
     """``|x|**2``: real for complex ``x`` (optax's second moment), ``x * x`` otherwise."""
     return jnp.real(x * jnp.conj(x)) if jnp.iscomplexobj(x) else x * x
 
 
-def update_dtype(grad: Any, param: Any) -> Any:
+def update_dtype(grad: jax.Array, param: ArrayLike) -> np.dtype:
     """The dtype of the update a parameter-rounding wrapper returns: the
     gradient's, as optax's transformations do.
 
@@ -45,22 +50,28 @@ def update_dtype(grad: Any, param: Any) -> Any:
     return jnp.dtype(grad.dtype)
 
 
-def cast_like_grads(updates: Any, grads: Any) -> Any:
+def cast_like_grads(updates: optax.Updates, grads: optax.Updates) -> optax.Updates:
     """``updates`` with every floating leaf cast to its gradient's dtype."""
 
-    def one(u, g):
+    def one(u: Any, g: Any) -> Any:
         return u.astype(g.dtype) if is_float(u) and is_float(g) else u
 
     return jax.tree.map(one, updates, grads, is_leaf=lambda x: x is None)
 
 
-def adam_counts(count: Any, b1: float, b2: float) -> tuple[Any, Any, Any]:
+def adam_counts(count: jax.Array, b1: float, b2: float) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Adam's next step count and its two bias corrections ``1 - b**count``."""
     count_inc = optax.safe_increment(count)
     return count_inc, 1 - b1**count_inc, 1 - b2**count_inc
 
 
-def map_unzip(fn: Any, n: int, tree: Any, *rest: Any, is_leaf: Any = None) -> tuple[Any, ...]:
+def map_unzip(
+    fn: Callable[..., tuple[Any, ...]],
+    n: int,
+    tree: Any,
+    *rest: Any,
+    is_leaf: Callable[[Any], bool] | None = None,
+) -> tuple[Any, ...]:
     """Map ``fn`` over the leaves of ``tree`` (and the matching subtrees of
     ``rest``) where ``fn`` returns ``n`` values; return ``n`` trees shaped like
     ``tree``.
@@ -70,13 +81,20 @@ def map_unzip(fn: Any, n: int, tree: Any, *rest: Any, is_leaf: Any = None) -> tu
     ``rest`` are flattened up to ``tree``'s leaves, so they may hold subtrees
     (``optax.MaskedNode``) where ``tree`` has a leaf.
     """
+    treedef: PyTreeDef
     flat, treedef = jax.tree.flatten(tree, is_leaf=is_leaf)
     others = [treedef.flatten_up_to(r) for r in rest]
     outs = [fn(*xs) for xs in zip(flat, *others)]
     return tuple(treedef.unflatten([o[i] for o in outs]) for i in range(n))
 
 
-def find_one(tree: Any, cls: type[T] | tuple[type, ...], *, caller: str, fix: str) -> T:
+@overload
+def find_one(tree: object, cls: type[S], *, caller: str, fix: str) -> S: ...
+@overload
+def find_one(tree: object, cls: tuple[type[S], type[S2]], *, caller: str, fix: str) -> S | S2: ...
+
+
+def find_one(tree: object, cls: type[Any] | tuple[type[Any], ...], *, caller: str, fix: str) -> Any:
     """The single instance of ``cls`` in ``tree``; ValueError otherwise."""
     found = find_states(tree, cls)
     names = " or ".join(c.__name__ for c in cls) if isinstance(cls, tuple) else cls.__name__
@@ -95,7 +113,7 @@ def find_one(tree: Any, cls: type[T] | tuple[type, ...], *, caller: str, fix: st
     return found[0][1]
 
 
-def state_bytes(tree: Any) -> int:
+def state_bytes(tree: object) -> int:
     """Total number of bytes held by the array leaves of a pytree.
 
     Works on concrete arrays (``jax.Array``, ``numpy.ndarray``, numpy scalars)
@@ -138,7 +156,7 @@ def state_bytes(tree: Any) -> int:
     return total
 
 
-def float_dtype(value, argname: str, fix: str = ""):
+def float_dtype(value: DTypeLike, argname: str, fix: str = "") -> np.dtype:
     """``value`` as a floating numpy dtype, or a ValueError naming ``argname``."""
     try:
         dtype = jnp.dtype(value)

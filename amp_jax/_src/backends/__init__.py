@@ -24,17 +24,27 @@ from typing import Any
 
 import jax
 from jax import lax
+from jax.typing import DTypeLike
 
+from amp_jax._src import compat
 from amp_jax._src.backends import cpu, gpu
+from amp_jax._src.backends.gpu import AttentionImpl as AttentionImpl
 
 
-def plain_dot(a: Any, b: Any, dims: Any, precision: Any, acc: Any, out_sharding: Any = None) -> Any:
+def plain_dot(
+    a: jax.Array,
+    b: jax.Array,
+    dims: lax.DotDimensionNumbers,
+    precision: lax.PrecisionLike,
+    acc: DTypeLike | None,
+    out_sharding: jax.sharding.Sharding | None = None,
+) -> jax.Array:
     """A lowered ``dot_general`` as written (backends without layout needs)."""
     extra = {} if out_sharding is None else {"out_sharding": out_sharding}
     return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=acc, **extra)
 
 
-def _always(eqn: Any) -> bool:
+def _always(eqn: compat.Eqn) -> bool:
     return True
 
 
@@ -42,7 +52,9 @@ def _never() -> bool:
     return False
 
 
-def _no_layouts(jaxpr: Any, lowered: Mapping[int, Any], skip: Collection[int] = ()) -> dict:
+def _no_layouts(
+    jaxpr: compat.Jaxpr, lowered: Mapping[int, Any], skip: Collection[int] = ()
+) -> dict[int, Any]:
     return {}
 
 
@@ -73,19 +85,19 @@ class Backend:
     low_outputs: bool = False
     slow_in_low_precision: frozenset[str] = frozenset()
     fused_attention: bool = False
-    runs_low: Callable[[Any], bool] = _always
+    runs_low: Callable[[compat.Eqn], bool] = _always
     dot: Callable[..., Any] = plain_dot
     plan_layouts: Callable[..., dict[int, Any]] = _no_layouts
     native_float8_matmul: Callable[[], bool] = _never
 
-    def has_low_kernel(self, eqn: Any) -> bool:
+    def has_low_kernel(self, eqn: compat.Eqn) -> bool:
         """Whether ``eqn`` (an ``allow`` op on managed floats) has a kernel here
         with compute-dtype operands: planning keeps it float32 if not."""
         return eqn.primitive.name != "dot_general" or self.runs_low(eqn)
 
     def attention(
-        self, head_dim: int, tq: int, tk: int, needs_even: bool, probe: Callable[[], Any]
-    ) -> tuple[str | None, str]:
+        self, head_dim: int, tq: int, tk: int, needs_even: bool, probe: Callable[[], object]
+    ) -> tuple[AttentionImpl | None, str]:
         """``(implementation or None, reason)`` for a recognised attention that
         the policy asks to fuse with cuDNN (``gpu.cudnn_attention``: its limits,
         then ``probe()``, which raises where cuDNN refuses the call at trace time)."""

@@ -19,6 +19,7 @@ from typing import Any
 import jax
 import numpy as np
 from jax import lax
+from jax.typing import DTypeLike
 
 from amp_jax._src import compat, jaxprs, mesh
 
@@ -30,7 +31,7 @@ _BF16 = np.dtype(jax.numpy.bfloat16)
 _F32 = np.dtype(np.float32)
 
 
-def runs_low(eqn: Any) -> bool:
+def runs_low(eqn: compat.Eqn) -> bool:
     """Whether XLA:CPU has a compute-dtype kernel for dot ``eqn``: not for a
     *batched* bf16 x bf16 -> f32 dot, which then stays float32."""
     (_, _), (xb, _) = eqn.params["dimension_numbers"]
@@ -44,7 +45,7 @@ def _split_factor(n: int) -> int:
     return 0
 
 
-def materialized_transpose(x: Any, perm: Sequence[int]) -> Any:
+def materialized_transpose(x: jax.Array, perm: Sequence[int]) -> jax.Array:
     """``lax.transpose(x, perm)`` in a form XLA keeps as a copy.
 
     XLA folds a plain ``transpose`` that feeds a ``dot`` back into the dot's
@@ -76,7 +77,14 @@ def materialized_transpose(x: Any, perm: Sequence[int]) -> Any:
     return lax.reshape(lax.transpose(lax.reshape(x, shape3), tuple(new_perm)), out_shape)
 
 
-def dot(a: Any, b: Any, dims: Any, precision: Any, acc: Any, out_sharding: Any = None) -> Any:
+def dot(
+    a: jax.Array,
+    b: jax.Array,
+    dims: lax.DotDimensionNumbers,
+    precision: lax.PrecisionLike,
+    acc: DTypeLike | None,
+    out_sharding: jax.sharding.Sharding | None = None,
+) -> jax.Array:
     """A lowered ``dot_general`` with the operand layouts XLA:CPU runs fast.
 
     An operand contracting other dims than the fast kernel wants is
@@ -130,7 +138,7 @@ def dot(a: Any, b: Any, dims: Any, precision: Any, acc: Any, out_sharding: Any =
     return _guarded(out, a, leading)
 
 
-def _guarded(out: Any, a: Any, leading: bool) -> Any:
+def _guarded(out: jax.Array, a: jax.Array, leading: bool) -> jax.Array:
     """``out`` behind a barrier where the rhs contracted its leading dims.
 
     XLA's algebraic simplifier rewrites transpose(dot(a, b)) as dot(b, a),
@@ -150,7 +158,9 @@ def _guarded(out: Any, a: Any, leading: bool) -> Any:
     return out
 
 
-def _merged_dims(a: Any, b: Any, k: int, leading: bool) -> tuple[Any, Any, Any, Any]:
+def _merged_dims(
+    a: jax.Array, b: jax.Array, k: int, leading: bool
+) -> tuple[jax.Array, jax.Array, tuple[int], tuple[int]]:
     """``a`` (contracting its ``k`` trailing dims) and ``b`` (its ``k`` leading
     dims if ``leading``, else its ``k`` trailing ones, in the same order) with
     the contracting dims merged into one and ``b``'s kept dims into one, and the
@@ -187,12 +197,12 @@ class DotLayout:
     """
 
     dot: int
-    through: tuple[int | None, int | None]
-    dims: Any
+    through: tuple[int | None, ...]
+    dims: lax.DotDimensionNumbers
     swapped: bool
-    operands: tuple[Any, Any] = dataclasses.field(compare=False)
-    out_dtype: Any = dataclasses.field(default=None, compare=False)
-    eqn: Any = dataclasses.field(default=None, compare=False)
+    operands: tuple[Any, ...] = dataclasses.field(compare=False)  # (Atom: None in tests)
+    out_dtype: np.dtype | None = dataclasses.field(default=None, compare=False)
+    eqn: Any = dataclasses.field(default=None, compare=False)  # an Eqn (None in tests)
 
     def __repr__(self) -> str:
         via = [
@@ -203,7 +213,7 @@ class DotLayout:
 
 
 def plan_layouts(
-    jaxpr: Any, lowered: Mapping[int, Any], skip: Collection[int] = ()
+    jaxpr: compat.Jaxpr, lowered: Mapping[int, np.dtype], skip: Collection[int] = ()
 ) -> dict[int, DotLayout]:
     """XLA:CPU's layout choices for the lowered dots of ``jaxpr``, by eqn index.
 
@@ -219,10 +229,10 @@ def plan_layouts(
         lowers to the compute dtype (operands: floats amp manages).
       skip: the eqns no rule evaluates (computed by a fused attention).
     """
-    transposes: dict[Any, tuple[int, Any, tuple[int, ...]]] = {}
-    dots: dict[Any, DotLayout] = {}
+    transposes: dict[compat.Var, tuple[int, compat.Var, tuple[int, ...]]] = {}
+    dots: dict[compat.Atom, DotLayout] = {}
     out: dict[int, DotLayout] = {}
-    single_use: frozenset[Any] | None = None
+    single_use: frozenset[compat.Var] | None = None
     for i, eqn in enumerate(jaxpr.eqns):
         if i in skip:
             continue
@@ -244,7 +254,7 @@ def plan_layouts(
     return out
 
 
-def _single_use(jaxpr: Any) -> frozenset[Any]:
+def _single_use(jaxpr: compat.Jaxpr) -> frozenset[compat.Var]:
     """The vars of ``jaxpr`` that exactly one eqn reads, and no output."""
     _, consumers = jaxprs.def_use(jaxpr)
     outs = {v for v in jaxpr.outvars if not isinstance(v, compat.Literal)}
@@ -283,7 +293,10 @@ def _swapped(lay: DotLayout, perm: tuple[int, ...]) -> DotLayout | None:
 
 
 def _through_transposes(
-    i: int, eqn: Any, transposes: Mapping[Any, tuple[int, Any, tuple[int, ...]]], out_dtype: Any
+    i: int,
+    eqn: compat.Eqn,
+    transposes: Mapping[compat.Var, tuple[int, compat.Var, tuple[int, ...]]],
+    out_dtype: np.dtype,
 ) -> DotLayout:
     """Dot eqn ``i`` with the ``transpose`` eqns that produced its operands
     undone, and the dimension numbers that contract them the same way (none
@@ -293,6 +306,9 @@ def _through_transposes(
     if eqn.params.get("out_sharding") is not None:
         return plain
     (ca, cb), (ba, bb) = dims
+    read: list[compat.Atom]
+    through: list[int | None]
+    new: list[tuple[tuple[int, ...], tuple[int, ...]]]
     read, through, new = [], [], []
     for v, c, b in ((eqn.invars[0], ca, ba), (eqn.invars[1], cb, bb)):
         hit = None if isinstance(v, compat.Literal) else transposes.get(v)

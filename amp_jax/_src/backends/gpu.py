@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Literal
 
 import jax
+
+#: a fused attention's implementation (``jax.nn.dot_product_attention``'s)
+AttentionImpl = Literal["xla", "cudnn"]
 
 #: devices whose cuDNN flash attention takes head dims up to 256 (backward
 #: included); older ones (Ampere) stop at 128
@@ -74,8 +77,8 @@ def cudnn_attention(
     tq: int,
     tk: int,
     needs_even: bool,
-    probe: Callable[[], Any],
-) -> tuple[str | None, str]:
+    probe: Callable[[], object],
+) -> tuple[AttentionImpl | None, str]:
     """``(implementation or None, reason)``: whether cuDNN's flash attention
     takes an attention of head dim ``head_dim`` (the larger of the query/key
     and value dims; the smaller is zero-padded) and lengths ``tq``/``tk``

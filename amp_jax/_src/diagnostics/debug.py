@@ -21,10 +21,12 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike, DTypeLike
 
 from amp_jax._src import compat, jaxprs
 from amp_jax._src.calling import Call
 from amp_jax._src.diagnostics.reasons import (
+    Decisions,
     decisions_of,
     full_stack,
     is_backward,
@@ -33,7 +35,7 @@ from amp_jax._src.diagnostics.reasons import (
     scope_of,
 )
 from amp_jax._src.diagnostics.tracing import check_grad, loss_of, program, split_fn
-from amp_jax._src.policy import is_managed_float
+from amp_jax._src.policy import Policy, is_managed_float
 from amp_jax._src.transform import AmpFunction
 
 
@@ -41,11 +43,11 @@ class _Stop(Exception):
     pass
 
 
-def _is_float_array(x: Any) -> bool:
+def _is_float_array(x: object) -> bool:
     return hasattr(x, "dtype") and is_managed_float(x.dtype)
 
 
-def _finite(x: Any) -> bool:
+def _finite(x: jax.Array) -> bool:
     return bool(jnp.all(jnp.isfinite(x)))
 
 
@@ -83,7 +85,9 @@ class _Probe:
         #: identity through calls and bodies; the value is kept alive with it)
         self.producer: dict[int, tuple[Any, Any]] = {}
 
-    def check(self, eqn: Any, stack: str, invals: Sequence[Any], outs: Sequence[Any]) -> None:
+    def check(
+        self, eqn: compat.Eqn, stack: str, invals: Sequence[Any], outs: Sequence[Any]
+    ) -> None:
         floats = [o for o in outs if _is_float_array(o)]
         if not floats:
             return
@@ -114,12 +118,12 @@ class _Probe:
 
 
 def _run_closed(
-    closed: Any, args: Sequence[Any], stack: tuple[str, ...], probe: _Probe
+    closed: compat.ClosedJaxpr, args: Sequence[Any], stack: tuple[str, ...], probe: _Probe
 ) -> list[Any]:
     """``closed`` evaluated eagerly on ``args``, every first-order eqn's outputs
     checked by ``probe`` (``stack``: the name stacks of the enclosing eqns)."""
 
-    def probing(i: int, eqn: Any, env: jaxprs.Env) -> Sequence[Any]:
+    def probing(i: int, eqn: compat.Eqn, env: jaxprs.Env) -> Sequence[Any]:
         invals = env.operands(eqn)
         outs = _unrolled(eqn, invals, (*stack, str(eqn.source_info.name_stack)), probe)
         if outs is None:
@@ -134,7 +138,7 @@ def _run_closed(
 
 
 def _unrolled(
-    eqn: Any, invals: list[Any], stack: tuple[str, ...], probe: _Probe
+    eqn: compat.Eqn, invals: list[Any], stack: tuple[str, ...], probe: _Probe
 ) -> list[Any] | None:
     """A higher-order eqn evaluated eagerly by running its bodies through
     `_run_closed` (a loop's body once per iteration, the taken branch of a
@@ -281,7 +285,7 @@ def _fix_text(
 def first_nonfinite(
     fn: Callable[..., Any],
     *args: Any,
-    policy: Any = None,
+    policy: Policy | str | DTypeLike | None = None,
     grad: bool | int | tuple[int, ...] = False,
     has_aux: bool = False,
     **kwargs: Any,
@@ -352,7 +356,9 @@ def first_nonfinite(
     return _found(probe.first, ref, decisions)
 
 
-def _nonfinite_input(fn: Callable[..., Any], args: tuple, kwargs: dict) -> FirstNonfinite | None:
+def _nonfinite_input(
+    fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> FirstNonfinite | None:
     """The report of the first argument leaf that holds an inf or NaN, or None.
 
     NaN in the data is among the commonest causes of a NaN loss, and no op
@@ -400,7 +406,7 @@ def _float32_range(ref: _Probe, key: tuple[str, str]) -> tuple[float | None, boo
     return (same[0], not same[1]) if same else (None, True)
 
 
-def _found(hit: _Hit, ref: _Probe, decisions: Any) -> FirstNonfinite:
+def _found(hit: _Hit, ref: _Probe, decisions: Decisions) -> FirstNonfinite:
     """The report of ``hit``, beside the float32 run ``ref`` and amp's decisions."""
     eqn, stack, src = hit.eqn, hit.stack, hit.src
     where, prim = compat.source_line(eqn), eqn.primitive.name
@@ -413,7 +419,7 @@ def _found(hit: _Hit, ref: _Probe, decisions: Any) -> FirstNonfinite:
     dtype_max = float(jnp.finfo(hit.out_dtype).max)
     backward = is_backward(stack)
     dtype = ran_in(eqn)
-    empty = collections.Counter()
+    empty: collections.Counter[tuple[Any, ...]] = collections.Counter()
     decided = row_reason(decisions, eqn if src is None else src, stack, empty, empty)
     if src is not None:
         low = dtype.split("->")[-1]
@@ -522,7 +528,9 @@ class _LeafCounts(NamedTuple):
         )
 
 
-def _leaf_counts(path: Any, a: Any, b: Any, scale: float, low: Any, tiny: float) -> _LeafCounts:
+def _leaf_counts(
+    path: compat.KeyPath, a: ArrayLike, b: ArrayLike, scale: float, low: DTypeLike, tiny: float
+) -> _LeafCounts:
     """Counts of float32 gradient ``a`` against its ``low`` storage (scaled by
     ``scale``) and against the amp program's gradient ``b``."""
     a32 = jnp.asarray(a, jnp.float32)
@@ -543,7 +551,7 @@ def underflow_report(
     loss_fn: Callable[..., Any],
     params: Any,
     *args: Any,
-    policy: Any = "float16",
+    policy: Policy | str | DTypeLike = "float16",
     loss_scale: float = 1.0,
     **kwargs: Any,
 ) -> UnderflowReport:

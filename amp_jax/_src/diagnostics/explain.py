@@ -30,6 +30,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 from jax.extend import core as jex_core
+from jax.typing import DTypeLike
 
 from amp_jax._src import compat, jaxprs
 from amp_jax._src.diagnostics.reasons import (
@@ -105,11 +106,11 @@ MATMULS = DEFAULT_ALLOW
 # -- per-eqn measures -----------------------------------------------------------------
 
 
-def _size(aval: Any) -> int:
+def _size(aval: compat.AbstractValue | None) -> int:
     return int(math.prod(getattr(aval, "shape", ())))
 
 
-def _nbytes(aval: Any) -> int:
+def _nbytes(aval: compat.AbstractValue) -> int:
     dtype = getattr(aval, "dtype", None)
     try:
         return _size(aval) * np.dtype(dtype).itemsize
@@ -117,7 +118,7 @@ def _nbytes(aval: Any) -> int:
         return 0
 
 
-def _eqn_bytes(eqn: Any, memo: dict[Any, int]) -> int:
+def _eqn_bytes(eqn: compat.Eqn, memo: dict[Any, int]) -> int:
     """Bytes ``eqn`` reads and writes once (``memo``: by aval, for a whole program)."""
     total = 0
     for v in (*eqn.invars, *eqn.outvars):
@@ -132,7 +133,7 @@ def _eqn_bytes(eqn: Any, memo: dict[Any, int]) -> int:
     return total
 
 
-def eqn_flops(eqn: Any) -> int:
+def eqn_flops(eqn: compat.Eqn) -> int:
     """Floating-point operations of one first-order eqn (a multiply-add is 2)."""
     name = eqn.primitive.name
     out = eqn.outvars[0].aval if eqn.outvars else None
@@ -147,7 +148,7 @@ def eqn_flops(eqn: Any) -> int:
     return _size(out)
 
 
-def _touches_float(eqn: Any) -> bool:
+def _touches_float(eqn: compat.Eqn) -> bool:
     return bool(float_dtypes(eqn.invars) or float_dtypes(eqn.outvars))
 
 
@@ -452,14 +453,14 @@ class _Measured(NamedTuple):
     unused: frozenset[int] = frozenset()  # ids of the eqns nothing reads (`unused_eqns`)
 
 
-def unused_eqns(jaxpr: Any) -> frozenset[int]:
+def unused_eqns(jaxpr: compat.ClosedJaxpr | compat.Jaxpr) -> frozenset[int]:
     """The ids of the eqns of ``jaxpr`` and its sub-jaxprs whose results nothing
     reads (no effects either): XLA removes them. A sub-jaxpr of a used eqn has
     all its outputs read; every eqn of an unused one is unused."""
     unused: set[int] = set()
     used: set[int] = set()
 
-    def walk(j: Any, alive: bool) -> None:
+    def walk(j: compat.ClosedJaxpr | compat.Jaxpr, alive: bool) -> None:
         needed = {v for v in j.outvars if not isinstance(v, compat.Literal)} if alive else set()
         for eqn in reversed(j.eqns):
             live = alive and (
@@ -476,7 +477,7 @@ def unused_eqns(jaxpr: Any) -> frozenset[int]:
     return frozenset(unused - used)
 
 
-def _measure(jaxpr: Any) -> _Measured:
+def _measure(jaxpr: compat.ClosedJaxpr) -> _Measured:
     """The floating eqns of ``jaxpr`` with their run counts, bytes moved and casts."""
     eqns, nbytes, casts, casts_run = [], 0, 0, 0
     memo: dict[Any, int] = {}
@@ -500,11 +501,11 @@ _SERVING = frozenset(
 )
 
 
-def _cast_keys(m: _Measured) -> collections.Counter:
+def _cast_keys(m: _Measured) -> collections.Counter[tuple[Any, ...]]:
     """The floating casts of a measured program, and its ops of the kinds amp
     adds around an op (`_SERVING`), by (source line, primitive, backward) for those."""
     lines = SourceLines()
-    out = collections.Counter(
+    out: collections.Counter[tuple[Any, ...]] = collections.Counter(
         (lines(site), e.primitive.name) for e, _, _, site, _ in m.eqns if is_float_cast(e)
     )
     out.update(
@@ -513,6 +514,10 @@ def _cast_keys(m: _Measured) -> collections.Counter:
         if e.primitive.name in _SERVING
     )
     return out
+
+
+#: what an `ExplainRow` groups by: where, scope, backward, primitive, dtype, reason
+_RowKey = tuple[str, str, bool, str, str, str]
 
 
 class _Grouped(NamedTuple):
@@ -532,18 +537,20 @@ def _group(
     (``orig_keys``: the original program's casts and data movement, by
     `_cast_keys`, tell amp's apart)."""
     lines = SourceLines()
-    every: dict[tuple, list[int]] = {}  # each op in its own group
-    shown: dict[tuple, list[int]] = {}  # amp's own ops in the group of the op they serve
+    every: dict[_RowKey, list[int]] = {}  # each op in its own group
+    shown: dict[_RowKey, list[int]] = {}  # amp's own ops in the group of the op they serve
     flops_by: collections.Counter = collections.Counter()
     mm_by: collections.Counter = collections.Counter()
     seen: collections.Counter = collections.Counter()
     own_seen: collections.Counter = collections.Counter()
     derived: dict[str, str] = {}
-    pending: list[tuple[tuple, int, int, int]] = []  # amp's own ops before the op they serve
-    last: tuple | None = None  # the group of the last op they could serve
+    pending: list[tuple[_RowKey, int, int, int]] = []  # amp's own ops before the op they serve
+    last: _RowKey | None = None  # the group of the last op they could serve
     cast_bytes = own_bytes = 0
 
-    def add(groups: dict, key: tuple, count: int, flops: int, nbytes: int) -> None:
+    def add(
+        groups: dict[_RowKey, list[int]], key: _RowKey, count: int, flops: int, nbytes: int
+    ) -> None:
         acc = groups.setdefault(key, [0, 0, 0])
         acc[0] += count
         acc[1] += flops
@@ -569,7 +576,7 @@ def _group(
             compute_dtype=compute_dtype,
             dead=id(eqn) in new.unused,
         )
-        key = (line, scope_of(stack), backward, name, dtype, reason)
+        key: _RowKey = (line, scope_of(stack), backward, name, dtype, reason)
         add(every, key, times, flops, nbytes)
         if reason == "cast inserted by amp":
             cast_bytes += nbytes
@@ -595,7 +602,14 @@ def _group(
     return _Grouped(_rows(shown), _rows(every), flops_by, mm_by, cast_bytes, own_bytes)
 
 
-def _fold(shown: dict, own: tuple, count: int, flops: int, nbytes: int, into: tuple | None):
+def _fold(
+    shown: dict[_RowKey, list[int]],
+    own: _RowKey,
+    count: int,
+    flops: int,
+    nbytes: int,
+    into: _RowKey | None,
+) -> None:
     """Adds one of amp's own ops to the group ``into`` (an op of its source line and
     pass), else to a group of its own."""
     if into is not None and (into[0], into[2]) == (own[0], own[2]):
@@ -607,7 +621,7 @@ def _fold(shown: dict, own: tuple, count: int, flops: int, nbytes: int, into: tu
     acc[2] += nbytes
 
 
-def _rows(groups: dict[tuple, list[int]]) -> list[ExplainRow]:
+def _rows(groups: dict[_RowKey, list[int]]) -> list[ExplainRow]:
     rows = [ExplainRow(*k, count=c, flops=f, bytes=b) for k, (c, f, b) in groups.items()]
     rows.sort(key=lambda r: (-r.flops, -r.bytes, r.where, r.primitive))
     return rows
@@ -645,7 +659,7 @@ def _summary(
 def explain(
     fn: Callable[..., Any],
     *args: Any,
-    policy: Policy | str | Any = None,
+    policy: Policy | str | DTypeLike | None = None,
     grad: bool | int | tuple[int, ...] = False,
     has_aux: bool = False,
     **kwargs: Any,

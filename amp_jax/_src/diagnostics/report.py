@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+from jax.typing import DTypeLike
 
 from amp_jax._src import backends, compat, decision
 from amp_jax._src.diagnostics.explain import unused_eqns
@@ -21,11 +22,16 @@ from amp_jax._src.diagnostics.reasons import (
 )
 from amp_jax._src.diagnostics.tracing import check_grad, flat_call, loss_of, split_fn
 from amp_jax._src.jaxprs import iter_eqns
+from amp_jax._src.policy import Policy
 from amp_jax._src.transform import AmpFunction, recording_traces
 
 
 def _walk(
-    jaxpr: Any, counts: collections.Counter, path: str, decisions: Decisions, compute: str | None
+    jaxpr: compat.ClosedJaxpr,
+    counts: collections.Counter[tuple[str, str, str, str, str]],
+    path: str,
+    decisions: Decisions,
+    compute: str | None,
 ) -> None:
     lines = SourceLines()
     unused = unused_eqns(jaxpr) if decisions else frozenset()
@@ -56,14 +62,14 @@ def _walk(
         counts[(name, ins, outs, where or "-", why)] += 1
 
 
-def _is_float(eqn: Any) -> bool:
+def _is_float(eqn: compat.Eqn) -> bool:
     return is_float_cast(eqn) or bool(float_dtypes(eqn.invars) or float_dtypes(eqn.outvars))
 
 
 def dtype_report(
     fn: Callable[..., Any],
     *args: Any,
-    policy: Any = None,
+    policy: Policy | str | DTypeLike | None = None,
     grad: bool | int | tuple[int, ...] = False,
     has_aux: bool = False,
     **kwargs: Any,

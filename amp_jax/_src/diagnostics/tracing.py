@@ -13,13 +13,15 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+from jax.typing import DTypeLike
 
+from amp_jax._src import compat
 from amp_jax._src.calling import is_dynamic
 from amp_jax._src.policy import Policy, get_policy
 from amp_jax._src.transform import AmpFunction
 
 
-def check_grad(grad: Any) -> Any:
+def check_grad(grad: object) -> int | tuple[int, ...] | None:
     """``grad`` as argnums (an int or a tuple of ints), or None for no gradient."""
     if grad is False or grad is None:
         return None
@@ -34,7 +36,7 @@ def check_grad(grad: Any) -> Any:
 
 
 def split_fn(
-    fn: Callable[..., Any], policy: Any, default: str = "bfloat16"
+    fn: Callable[..., Any], policy: Policy | str | DTypeLike | None, default: str = "bfloat16"
 ) -> tuple[Callable[..., Any], Policy]:
     """``(the float32 function, the policy)``: an amp function's own unless
     ``policy`` is given; for a plain function ``policy``, else ``default``."""
@@ -45,7 +47,7 @@ def split_fn(
     return fn, get_policy(default if policy is None else policy)
 
 
-def loss_of(fn: Callable[..., Any], has_aux: Any, caller: str, grad: bool) -> Callable[..., Any]:
+def loss_of(fn: Callable[..., Any], has_aux: object, caller: str, grad: bool) -> Callable[..., Any]:
     """``fn`` itself, or with ``has_aux=True`` the function returning only the
     first element of ``fn``'s ``(loss, aux)`` output (aux is not analysed);
     differentiating a pair without ``has_aux`` raises an error naming it."""
@@ -55,7 +57,7 @@ def loss_of(fn: Callable[..., Any], has_aux: Any, caller: str, grad: bool) -> Ca
         return fn
 
     @functools.wraps(fn)
-    def loss_only(*args, **kwargs):
+    def loss_only(*args: object, **kwargs: object) -> Any:
         out = fn(*args, **kwargs)
         pair = isinstance(out, (tuple, list))
         if has_aux and not (pair and len(out) == 2):
@@ -75,7 +77,12 @@ def loss_of(fn: Callable[..., Any], has_aux: Any, caller: str, grad: bool) -> Ca
     return loss_only
 
 
-def flat_call(fn: Callable[..., Any], args: tuple, kwargs: dict, grad: Any):
+def flat_call(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    grad: int | tuple[int, ...] | None,
+) -> tuple[Callable[..., Any], list[Any]]:
     """``(flat function of the dynamic leaves, those leaves)``; with ``grad``, the
     function returns the gradient w.r.t. the floating leaves of ``args[grad...]``."""
     leaves, treedef = jax.tree.flatten((args, kwargs))
@@ -83,7 +90,7 @@ def flat_call(fn: Callable[..., Any], args: tuple, kwargs: dict, grad: Any):
     static = [x for x, d in zip(leaves, dyn_mask) if not d]
     dyn = [x for x, d in zip(leaves, dyn_mask) if d]
 
-    def call(*dyn_vals):
+    def call(*dyn_vals: Any) -> Any:
         it_dyn, it_static = iter(dyn_vals), iter(static)
         full = [next(it_dyn) if d else next(it_static) for d in dyn_mask]
         a, k = jax.tree.unflatten(treedef, full)
@@ -99,8 +106,8 @@ def flat_call(fn: Callable[..., Any], args: tuple, kwargs: dict, grad: Any):
             "array to differentiate; pass grad=None or the index of the parameters."
         )
 
-    def grad_call(*dyn_vals):
-        def of(diff):
+    def grad_call(*dyn_vals: Any) -> tuple[jax.Array, list[Any]]:
+        def of(diff: list[Any]) -> jax.Array:
             vals = list(dyn_vals)
             for j, v in zip(wrt, diff):
                 vals[j] = v
@@ -112,7 +119,13 @@ def flat_call(fn: Callable[..., Any], args: tuple, kwargs: dict, grad: Any):
     return grad_call, dyn
 
 
-def _differentiated(args: tuple, leaves: list, dyn_mask: list, dyn: list, argnums: tuple) -> list:
+def _differentiated(
+    args: tuple[Any, ...],
+    leaves: list[Any],
+    dyn_mask: list[bool],
+    dyn: list[Any],
+    argnums: tuple[int, ...],
+) -> list[int]:
     """The indices (among the dynamic leaves) of the floating leaves of ``args[argnums]``."""
     owner = []
     for i, a in enumerate(args):
@@ -126,7 +139,12 @@ def _differentiated(args: tuple, leaves: list, dyn_mask: list, dyn: list, argnum
     ]
 
 
-def program(fn: Callable[..., Any], args: tuple, kwargs: dict, grad: Any) -> tuple[Any, list[Any]]:
+def program(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    grad: int | tuple[int, ...] | None,
+) -> tuple[compat.ClosedJaxpr, list[Any]]:
     """``(closed jaxpr, its inputs)`` of ``fn(*args, **kwargs)`` (with ``grad``:
     its ``value_and_grad``): of the original function, or of its
     `AmpFunction` for the program amp runs (whose trace it then keeps, for
