@@ -24,11 +24,6 @@ def dtype_of(atom: compat.Atom) -> Any:
     return getattr(atom.aval, "dtype", None)
 
 
-def shape_of(atom: compat.Atom) -> tuple[int, ...]:
-    """The shape of a jaxpr variable or literal (``()`` for tokens and the like)."""
-    return tuple(getattr(atom.aval, "shape", ()))
-
-
 def narrowed(dtype: DTypeLike, compute_dtype: np.dtype) -> np.dtype:
     """``dtype`` read in ``compute_dtype``: the narrower of the two (a
     float16 value under a bfloat16 policy stays float16)."""

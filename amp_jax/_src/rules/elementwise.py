@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from amp_jax._src import casting, compat
+from amp_jax._src import casting, compat, jaxprs
 from amp_jax._src.decision import Color, Decision
 from amp_jax._src.policy import is_managed_float
 from amp_jax._src.rules.base import CastingEnv, EqnRule, RuleContext
@@ -41,7 +41,7 @@ class BroadcastRule(EqnRule):
         if any(_held_wide(env, v, cd) for v in eqn.invars):
             outs = compat.bind_eqn(eqn, [env.read(v, casting.dtype_of(v)) for v in eqn.invars])
             return [casting.lower(o, cd) for o in outs]
-        shape = casting.shape_of(eqn.outvars[0])
+        shape = jaxprs.shape_of(eqn.outvars[0])
         return compat.bind_eqn(
             eqn,
             [
@@ -54,7 +54,7 @@ class BroadcastRule(EqnRule):
         # (an operand wider than the compute dtype makes the op compute in it)
         dtype = casting.dtype_of(atom)
         narrow = casting.target(dtype, Color.LOW, ctx.policy.compute_dtype) in (None, dtype)
-        same_shape = casting.shape_of(atom) == casting.shape_of(eqn.outvars[0])
+        same_shape = jaxprs.shape_of(atom) == jaxprs.shape_of(eqn.outvars[0])
         return d.color is Color.LOW and same_shape and narrow
 
 
@@ -116,7 +116,7 @@ class ExpandRule(EqnRule):
             return False
         if eqn.primitive.name in cls.ALWAYS:
             return True
-        x, out = casting.shape_of(eqn.invars[0]), casting.shape_of(eqn.outvars[0])
+        x, out = jaxprs.shape_of(eqn.invars[0]), jaxprs.shape_of(eqn.outvars[0])
         return int(np.prod(out)) > int(np.prod(x))
 
     def reads_low(self, ctx: RuleContext, eqn: compat.Eqn, d: Decision, atom: compat.Atom) -> bool:
