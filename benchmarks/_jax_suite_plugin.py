@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
 import json
 import os
 import sys
@@ -139,9 +140,14 @@ def pytest_configure(config: Any) -> None:
     dirs = {os.path.dirname(os.path.abspath(str(a).split("::")[0])) + os.sep for a in config.args}
     if HELPERS:
         # JAX's test helpers jit and differentiate the function a test hands them
-        # (_CompileAndCheck, check_grads): calls from them are the tests' calls too
+        # (_CompileAndCheck, check_grads): calls from them are the tests' calls too.
+        # Their file is found without importing them: test_util binds sys.stdout
+        # at import (capture_stdout), and imported here, before pytest's capture,
+        # its capture_stdout would read the wrong stream
         for name in ("jax._src.test_util", "jax._src.public_test_util"):
-            dirs.add(importlib.import_module(name).__file__)
+            spec = importlib.util.find_spec(name)
+            assert spec is not None and spec.origin is not None, name
+            dirs.add(spec.origin)
     _test_dirs = tuple(sorted(dirs))
     if MODE == "off":
         return

@@ -93,7 +93,7 @@ def _amp_identity():
 def _hoisting_off():
     from amp_jax._src.rules import higher_order
 
-    _patch(higher_order, "_plan_hoisted_casts", lambda ctx, eqn, hints: None)
+    _patch(higher_order, "_plan_hoisted_casts", lambda ctx, eqn, d: None)
 
 
 def _broadcast_reads_off():
@@ -175,9 +175,9 @@ def _thresholds_off():
 
 
 def _decisions_off():
-    from amp_jax._src import painting
+    from amp_jax._src import planning
 
-    _patch(painting, "decision_slice", lambda *args, **kwargs: (set(), set(), set()))
+    _patch(planning, "decision_slice", lambda *args, **kwargs: (set(), set(), set()))
 
 
 def _attention_off():
@@ -234,11 +234,11 @@ def _backend_from_process():
 
 
 def _body_hints_off():
+    from amp_jax._src import planning
     from amp_jax._src.decision import NO_HINTS
-    from amp_jax._src.rules import higher_order
 
-    # sub-jaxprs rewritten without what their parent's plan says of their outputs
-    _patch(higher_order, "body_hints", lambda eqn, d, sub: NO_HINTS)
+    # sub-jaxprs planned without what their parent's plan says of their outputs
+    _patch(planning, "body_hints", lambda eqn, d, sub: NO_HINTS)
 
 
 def _eager_state_carried():

@@ -289,3 +289,24 @@ def test_the_rule_base_is_a_package_with_its_table():
     assert "amp_jax/_src/rules/higher_order.py:1: imports amp_jax._src.planning" in found, found
     assert any("higher_order.py: does not define" in f for f in found), found
     assert "amp_jax/_src/elementwise.py: belongs in amp_jax/_src/rules/" in found, found
+
+
+# -- the plan is one module's: the decision slice and the loop fixed point ------------------
+
+
+def test_the_decision_slice_and_loop_fixed_point_live_in_planning():
+    """painting.py is pure painting: it takes no function to call back (planning's
+    loop reads), and what decides control flow is planning's, beside its loop
+    fixed point."""
+    src = ROOT / "amp_jax" / "_src"
+    painting = ast.parse((src / "painting.py").read_text())
+    planning_defs = _defined(ast.parse((src / "planning.py").read_text()))
+    assert {"decision_seeds", "decision_slice", "_loop_reads"} <= planning_defs
+    assert not {"decision_seeds", "decision_slice", "_loop_reads"} & _defined(painting)
+    imported = {n.module or "" for n in ast.walk(painting) if isinstance(n, ast.ImportFrom)} | {
+        a.name for n in ast.walk(painting) if isinstance(n, ast.ImportFrom) for a in n.names
+    }
+    assert "planning" not in imported and "amp_jax._src.planning" not in imported
+    for fn in (n for n in painting.body if isinstance(n, ast.FunctionDef)):
+        for a in fn.args.args:
+            assert "Callable" not in ast.unparse(a.annotation or ast.Constant("")), (fn.name, a.arg)

@@ -73,6 +73,21 @@ def test_jvp_is_the_product_of_each_tangent():
     assert names.count("amp_linear_dot") == 2, names
 
 
+def test_the_jvp_rule_of_two_zero_tangents_is_a_zero_of_the_output():
+    """JAX skips a rule whose tangents are all symbolic zeros; called directly,
+    the rule answers a zero tangent of the output's shape and float32 dtype
+    (it called a `Zero.from_primal_value` no JAX version has)."""
+    from jax.interpreters import ad
+
+    from amp_jax._src import lowdot
+
+    prim, params = _lowdot()
+    zeros = tuple(ad.Zero(jax.typeof(a).to_tangent_aval()) for a in (T, O))
+    out, tan = lowdot._jvp((T, O), zeros, **params)
+    assert type(tan) is ad.Zero
+    assert (tan.aval.shape, tan.aval.dtype) == (out.shape, out.dtype) == ((4, 3), F32)
+
+
 def test_transpose_writes_compute_dtype_products_with_float32_accumulation():
     prim, params = _lowdot()
     ct = jax.random.normal(jax.random.PRNGKey(4), (4, 3))

@@ -287,7 +287,7 @@ def test_a_plan_prints_its_decisions_and_hints():
     x = jnp.ones((64, 64))
     text = str(planning.plan(_ctx(), jax.make_jaxpr(_while_converging)(x, x)))
     lines = text.splitlines()
-    (line,) = [s for s in lines if " while " in s]
+    (line,) = [s for s in lines if s.split()[:2] == ["1", "while"]]
     assert line.split()[:4] == ["1", "while", "nested", "orig"] and "higher_order:" in line
     assert "cond_jaxpr: decides={0} exits={0}" in lines[lines.index(line) + 1]
     assert "body_jaxpr: decides={0, 1, 2} exits={0, 1, 2} carries={0, 1, 2}" in text
@@ -329,3 +329,89 @@ def test_a_plan_lists_its_attentions_and_the_trace_log_is_read_from_the_plans():
     assert f"attention at {line}: xla (" in str(p)
     assert ctx.memo.attention_log == list(p.attentions)
     assert planning.plan(_ctx(Policy(jnp.bfloat16, attention="off")), p.closed).attentions == ()
+
+
+# -- the plan is a tree: each higher-order eqn's decision holds its bodies' plans ----------
+
+
+def _scan_of_cond(h, ws):
+    def step(h, w):
+        return lax.cond(jnp.sum(h) > 0, lambda a: a + jnp.tanh(a @ w), lambda a: a - 1.0, h), None
+
+    return jnp.sum(lax.scan(step, h, ws)[0] ** 2)
+
+
+_H, _WS = jnp.ones((64, 64)), jnp.ones((3, 64, 64))
+
+
+def test_format_plan_prints_the_bodies_of_a_scan_and_a_cond():
+    p = planning.plan(_ctx(), jax.make_jaxpr(_scan_of_cond)(_H, _WS))
+    text = planning.format_plan(p)
+    lines = text.splitlines()
+    (scan,) = [s for s in lines if s.split()[1:2] == ["scan"]]
+    body = lines[lines.index(scan) + 1 :]
+    assert body[0].strip() == "jaxpr: decides={0} carries={0}", text
+    # the scan body's eqns, indented once; the cond's branches' eqns, twice
+    indent = lambda s: len(s) - len(s.lstrip())  # noqa: E731
+    (cond,) = [s for s in body if s.split()[1:2] == ["cond"]]
+    (dot,) = [s for s in body if s.split()[1:2] == ["dot_general"]]
+    assert indent(cond) == indent(scan) + 9 and indent(dot) == indent(scan) + 18, text
+    assert dot.split()[2:4] == ["allow", "low"], text
+    assert any(s.strip().startswith("branches[0]: carries={0}") for s in body), text
+
+
+def test_the_plan_trees_scan_body_is_the_plan_of_that_body():
+    ctx = _ctx(backend="gpu")
+    p = planning.plan(ctx, jax.make_jaxpr(_scan_of_cond)(_H, _WS))
+    eqn, d, body = _higher_order(p, "scan", "jaxpr")
+    (held,) = [b for b in d.bodies if b.where == "jaxpr"]
+    assert held.source is body and held.plan is decision.body_plan(d, body)
+    # planned afresh, in a context of its own (no memo shared), it decides the same
+    direct = planning.plan(_ctx(backend="gpu"), body, body_hints(eqn, d, body))
+    assert planning.format_plan(held.plan) == planning.format_plan(direct)
+    assert [dataclasses.replace(x, bodies=()) for x in held.plan.decisions] == [
+        dataclasses.replace(x, bodies=()) for x in direct.decisions
+    ]
+    # and the cond inside holds its branches' plans too
+    _, dc, branch = _higher_order(held.plan, "cond", "branches")
+    assert decision.body_plan(dc, branch) is not None
+
+
+def test_custom_derivative_rules_are_the_only_lazy_bodies():
+    @jax.custom_vjp
+    def f(x, w):
+        return jnp.tanh(x @ w)
+
+    f.defvjp(lambda x, w: (f(x, w), (x, w)), lambda r, g: (g @ r[1].T, r[0].T @ g))
+    p = _plan(lambda x, w: jnp.sum(f(x, w)), _H, _H)
+    ((eqn, d),) = [(e, d) for e, d in zip(p.jaxpr.eqns, p.decisions) if d.bodies]
+    lazy = {b.where for b in d.bodies if isinstance(b.plan, decision.LazyBody)}
+    assert lazy == {"fwd_jaxpr_thunk", "bwd"}, d.bodies
+    assert all(isinstance(b.plan, planning.Plan) for b in d.bodies if b.where not in lazy)
+    assert "bwd: planned when traced (custom_vjp backward rule" in planning.format_plan(p)
+
+
+def test_the_diagnostics_read_the_plan_tree_and_never_plan(monkeypatch):
+    from amp_jax._src import transform
+    from amp_jax._src.diagnostics import reasons
+
+    entry, made, traces = [], [], []
+    plan_, inner, trace = transform.plan, planning._plan, transform.AmpFunction._trace
+    monkeypatch.setattr(transform, "plan", lambda *a, **k: entry.append(1) or plan_(*a, **k))
+    monkeypatch.setattr(planning, "_plan", lambda *a, **k: made.append(1) or inner(*a, **k))
+    monkeypatch.setattr(
+        transform.AmpFunction, "_trace", lambda self, call: traces.append(1) or trace(self, call)
+    )
+    text = str(amp_jax.explain(_scan_of_cond, _H, _WS, grad=True))
+    assert "dot_general" in text and traces and len(entry) == len(traces)
+    entry.clear(), traces.clear()
+    report = dtype_report(jax.grad(amp(_scan_of_cond)), _H, _WS)
+    assert report and traces and len(entry) == len(traces)
+    # reading the reasons of a trace, and printing its plan, plan nothing
+    traced = transform.AmpFunction(_scan_of_cond, amp_jax.get_policy("bfloat16"))
+    traced = traced.trace_for_inspection(_H, _WS)
+    n = len(made)
+    assert n > 1  # the top level and its bodies, planned with the trace
+    reasons.decisions_of_traces([traced])
+    planning.format_plan(traced.plan)
+    assert len(made) == n

@@ -29,8 +29,6 @@ MYPY_PENDING = frozenset(
     {
         "amp_jax/_src/diagnostics/reasons.py",
         "amp_jax/_src/interpreter.py",
-        "amp_jax/_src/jaxprs.py",
-        "amp_jax/_src/lowdot.py",
         "amp_jax/_src/planning.py",
         "amp_jax/_src/rules/base.py",
         "amp_jax/_src/rules/higher_order.py",

@@ -6,7 +6,10 @@ bodies are rewritten or one bound as written), its policy `OpClass`,
 its `Color` (the dtype its operands are read in), the dtype an
 ``allow`` op writes and the function it runs (`Variant`), the
 attention it belongs to, and the `Reason` for all of it, recorded
-where the decision is made. The rules (``rules/``) bind the eqn as its
+where the decision is made. A higher-order eqn's decision holds the plans
+of its sub-jaxprs (`BodyPlan`): a plan is a tree, complete when it is made;
+only a body that JAX traces later (a custom derivative rule) is a
+`LazyBody`, planned when its rule has its jaxpr. The rules (``rules/``) bind the eqn as its
 decision says, and ``explain`` shows the reason: neither decides again.
 
 A reason also travels with the ops amp emits, through ``jax.grad`` into the
@@ -21,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -191,6 +194,56 @@ class BodyHints:
 NO_HINTS = BodyHints()
 
 
+class PlansBodies(Protocol):
+    """What a `LazyBody` plans under: a planning context (``planning.Context``,
+    or the rules' ``RuleContext``)."""
+
+    @property
+    def linear(self) -> PlansBodies: ...
+
+    def plan_lazy(self, closed: Any, hints: BodyHints = ...) -> Any: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class LazyBody:
+    """A sub-jaxpr of a higher-order eqn that exists only when JAX traces it,
+    after planning: a ``custom_jvp`` rule (traced when JAX differentiates the
+    call), a ``custom_vjp``'s forward under differentiation and its backward
+    rule, a ``scan`` body retraced with the loop's concrete masks. Its rule
+    plans it then (`plan`), under the same context; the only body a plan does
+    not hold.
+
+    Attributes:
+      what: what the body is, for `planning.format_plan`.
+      linear: planned without the custom_vjp rules (code JAX transposes).
+    """
+
+    what: str
+    linear: bool = False
+
+    def plan(self, ctx: PlansBodies, closed: Any, hints: BodyHints = NO_HINTS) -> Any:
+        """The plan of ``closed``, this body's jaxpr now that it is traced."""
+        return (ctx.linear if self.linear else ctx).plan_lazy(closed, hints)
+
+
+@dataclasses.dataclass(frozen=True)
+class BodyPlan:
+    """One sub-jaxpr of a higher-order eqn and its plan, made with the eqn's.
+
+    Attributes:
+      where: the param that holds it (``"body_jaxpr"``, ``"branches[1]"``,
+        ``"jvp_jaxpr_fun"``, ...).
+      plan: its ``planning.Plan`` (a tree: its own decisions hold their
+        bodies), or a `LazyBody` for one traced after planning.
+      source: the closed jaxpr planned (the param's, or the open one closed),
+        to find the plan of a sub-jaxpr by (`body_plan`); None for a lazy body.
+    """
+
+    where: str
+    plan: Any
+    source: Any = dataclasses.field(default=None, compare=False, repr=False)
+
+
 @dataclasses.dataclass(frozen=True)
 class Decision:
     """What amp does with one eqn, and why.
@@ -208,6 +261,9 @@ class Decision:
       hints: for a higher-order eqn, the `BodyHints` of its sub-jaxprs, as
         ``(param, hints)`` pairs (``param``: ``"body_jaxpr"``,
         ``"branches[1]"``, ...); sub-jaxprs not named have none.
+      bodies: for a higher-order eqn whose sub-jaxprs amp rewrites, their
+        plans (`BodyPlan`), each made with the hints it gets, in the order of
+        the eqn's params; a body JAX traces later is a `LazyBody`.
     """
 
     kind: Kind
@@ -219,6 +275,7 @@ class Decision:
     attention: AttentionPath | None = None
     fused: Fused = Fused.NO
     hints: tuple[tuple[str, BodyHints], ...] = ()
+    bodies: tuple[BodyPlan, ...] = dataclasses.field(default=(), repr=False)
 
     @property
     def lowered(self) -> bool:
@@ -241,6 +298,24 @@ def body_hints(eqn: Any, d: Decision, sub: Any) -> BodyHints:
         if compat.jaxpr_of(param) is jaxpr:
             found |= hints
     return found
+
+
+def body_plan(d: Decision, sub: Any) -> Any:
+    """The plan ``d`` holds of sub-jaxpr ``sub`` (a closed jaxpr of its eqn's
+    params, or an open one closed again), else None."""
+    jaxpr = compat.jaxpr_of(sub)
+    for b in d.bodies:
+        if b.source is not None and (b.source is sub or compat.jaxpr_of(b.source) is jaxpr):
+            return b.plan
+    return None
+
+
+def lazy_body(d: Decision, where: str) -> LazyBody | None:
+    """The `LazyBody` ``d`` holds at param ``where``, else None."""
+    for b in d.bodies:
+        if b.where == where and isinstance(b.plan, LazyBody):
+            return b.plan
+    return None
 
 
 # -- how a reason travels through grad: named scopes -----------------------------------------

@@ -9,8 +9,9 @@ reason (``decision.scopes``). A rule casts its operands (`casting`:
 each (value, dtype) cast is made once and shared) and says which operands it
 reads only in the compute dtype. Higher-order primitives get their
 sub-jaxprs rewritten with the same policy and keep their boundary dtypes:
-their rules (``rules/higher_order.py``) call back through the
-`Interpreter` (``ctx.plan``, ``ctx.rewrite``, ``ctx.evaluate``).
+their rules (``rules/higher_order.py``) rewrite the plans of those bodies
+that the eqn's decision holds (the plan is a tree) through the
+`Interpreter` (``ctx.rewrite``, ``ctx.evaluate``).
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ from typing import Any
 import jax
 
 from amp_jax._src import casting, compat, decision, jaxprs
-from amp_jax._src.decision import NO_HINTS, BodyHints, Color, Fused, OpClass
-from amp_jax._src.planning import Context, Plan, plan
+from amp_jax._src.decision import Color, Fused, OpClass
+from amp_jax._src.planning import Context, Plan
 from amp_jax._src.rules import table
 from amp_jax._src.rules.base import CastingEnv
 
@@ -37,10 +38,8 @@ class Interpreter(Context):
     (`RuleContext`, ``rules/base.py``) are handed, for the rules of higher-order
     primitives (``rules/higher_order.py``) to rewrite their sub-jaxprs."""
 
-    def rewrite(
-        self, closed: Any, in_avals: Sequence[Any] | None = None, hints: BodyHints = NO_HINTS
-    ) -> Any:
-        return rewrite(self, closed, in_avals, hints)
+    def rewrite(self, plan_: Plan, in_avals: Sequence[Any] | None = None) -> Any:
+        return rewrite(self, plan_, in_avals)
 
     def evaluate(self, plan_: Plan, args: Sequence[Any], cast_outputs: bool = True) -> list[Any]:
         return evaluate(self, plan_, args, cast_outputs)
@@ -50,23 +49,17 @@ class Interpreter(Context):
         return table.rule_for(eqn, op_class)
 
 
-def rewrite(
-    ctx: Context,
-    closed: Any,
-    in_avals: Sequence[Any] | None = None,
-    hints: BodyHints = NO_HINTS,
-) -> Any:
-    """``closed`` rewritten under ``ctx``: a closed jaxpr with the same output
-    avals, taking ``in_avals`` (default: ``closed``'s own), planned with
-    ``hints`` (`planning.plan`). Once per context."""
+def rewrite(ctx: Context, plan_: Plan, in_avals: Sequence[Any] | None = None) -> Any:
+    """The jaxpr ``plan_`` is of (a body's, from its eqn's decision) rewritten
+    under ``ctx``: a closed jaxpr with the same output avals, taking
+    ``in_avals`` (default: the jaxpr's own). Once per plan and context."""
 
     def make() -> Any:
-        plan_ = plan(ctx, closed, hints)
-        avals = compat.in_avals(closed) if in_avals is None else in_avals
+        avals = compat.in_avals(plan_.closed) if in_avals is None else in_avals
         return compat.trace_to_closed_jaxpr(lambda *a: evaluate(ctx, plan_, a), avals)
 
-    key = ("rewrite", hints) if in_avals is None else ("rewrite", hints, tuple(in_avals))
-    return ctx.cached(key, closed, make)
+    key = "rewrite" if in_avals is None else ("rewrite", tuple(in_avals))
+    return ctx.cached(key, plan_, make)
 
 
 def evaluate(

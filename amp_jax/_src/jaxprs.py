@@ -10,22 +10,25 @@ instead of their own.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import numpy as np
 from jax.extend import core as jex_core
 
 from amp_jax._src import compat
 
+#: a name stack (``eqn.source_info.name_stack``)
+NameStack = Any
 
-def open_jaxpr(sub: Any) -> tuple[Any, list[Any]]:
+
+def open_jaxpr(sub: compat.Jaxpr | compat.ClosedJaxpr) -> tuple[compat.Jaxpr, list[Any]]:
     """``(jaxpr, consts)`` of a sub-jaxpr found in an eqn's params (closed or not)."""
     if compat.is_closed_jaxpr(sub):
         return compat.jaxpr_of(sub), list(compat.consts_of(sub))
     return sub, []
 
 
-def closed_subjaxprs(eqn: Any) -> list[Any]:
+def closed_subjaxprs(eqn: compat.Eqn) -> list[compat.ClosedJaxpr]:
     """The sub-jaxprs of ``eqn``, each as a closed jaxpr."""
     return [
         s if compat.is_closed_jaxpr(s) else compat.close(s, [])
@@ -38,7 +41,7 @@ def closed_subjaxprs(eqn: Any) -> list[Any]:
 _CALLS = compat.JIT_NAMES | compat.CUSTOM_JVP_NAMES | compat.CUSTOM_VJP_NAMES
 
 
-def line_site(eqn: Any, site: Any = None) -> Any:
+def line_site(eqn: compat.Eqn, site: compat.Eqn | None = None) -> compat.Eqn | None:
     """The eqn whose source line the eqns of ``eqn``'s sub-jaxprs have
     (`iter_eqns`): ``site`` (an enclosing call's), else ``eqn`` if it is a
     call, else None (their own)."""
@@ -46,12 +49,12 @@ def line_site(eqn: Any, site: Any = None) -> Any:
 
 
 def iter_eqns(
-    jaxpr: Any,
+    jaxpr: compat.Jaxpr,
     path: str = "",
     times: int = 1,
     stack: tuple[str, ...] = (),
-    site: Any = None,
-) -> Iterator[tuple[Any, str, int, tuple[str, ...], Any]]:
+    site: compat.Eqn | None = None,
+) -> Iterator[tuple[compat.Eqn, str, int, tuple[str, ...], compat.Eqn]]:
     """``(eqn, enclosing primitives, times it runs, enclosing eqns' name
     stacks, the eqn whose source line it has)`` for every first-order eqn of
     ``jaxpr`` and of its sub-jaxprs (a ``scan`` body runs ``length`` times; a
@@ -76,21 +79,26 @@ def iter_eqns(
         yield eqn, path, times, stack, (eqn if site is None else site)
 
 
-def def_use(jaxpr: Any) -> tuple[dict[Any, int], dict[Any, list[int]]]:
+def def_use(jaxpr: compat.Jaxpr) -> tuple[dict[compat.Var, int], dict[compat.Var, list[int]]]:
     """``(producer, consumers)``: the index of the eqn that writes each var, and
     the indices of the eqns that read it (literals are nobody's)."""
-    producer: dict[Any, int] = {}
-    consumers: dict[Any, list[int]] = {}
+    producer: dict[compat.Var, int] = {}
+    consumers: dict[compat.Var, list[int]] = {}
     for i, e in enumerate(jaxpr.eqns):
         for v in e.outvars:
             producer[v] = i
-        for v in e.invars:
-            if not isinstance(v, compat.Literal):
-                consumers.setdefault(v, []).append(i)
+        for a in e.invars:
+            if not isinstance(a, compat.Literal):
+                consumers.setdefault(a, []).append(i)
     return producer, consumers
 
 
-def read(env: dict[Any, Any], atom: Any) -> Any:
+def shape_of(atom: compat.Atom) -> tuple[int, ...]:
+    """The shape of a jaxpr variable or literal (``()`` for tokens and the like)."""
+    return tuple(getattr(atom.aval, "shape", ()))
+
+
+def read(env: dict[compat.Var, Any], atom: compat.Atom) -> Any:
     """The value of a var in ``env``, or of a literal."""
     return compat.literal_value(atom) if isinstance(atom, compat.Literal) else env[atom]
 
@@ -99,9 +107,12 @@ def read(env: dict[Any, Any], atom: Any) -> Any:
 
 
 class Values(Protocol):
-    """What `eval_jaxpr` needs of an environment: writing a var's value."""
+    """What `eval_jaxpr` needs of an environment: writing a var's value, and
+    reading the outputs (unless an ``output`` function reads them)."""
 
-    def write(self, var: Any, value: Any) -> None: ...
+    def read(self, atom: compat.Atom) -> Any: ...
+
+    def write(self, var: compat.Var, value: Any) -> None: ...
 
 
 class Env:
@@ -113,20 +124,20 @@ class Env:
 
     def __init__(
         self,
-        literal: Callable[[Any], Any] = compat.literal_value,
-        vals: dict[Any, Any] | None = None,
+        literal: Callable[[compat.Literal], Any] = compat.literal_value,
+        vals: dict[compat.Var, Any] | None = None,
     ):
-        self.vals: dict[Any, Any] = {} if vals is None else vals
+        self.vals: dict[compat.Var, Any] = {} if vals is None else vals
         self.literal = literal
 
-    def read(self, atom: Any) -> Any:
+    def read(self, atom: compat.Atom) -> Any:
         return self.literal(atom) if isinstance(atom, compat.Literal) else self.vals[atom]
 
-    def write(self, var: Any, value: Any) -> None:
+    def write(self, var: compat.Var, value: Any) -> None:
         if not compat.is_drop_var(var):
             self.vals[var] = value
 
-    def operands(self, eqn: Any) -> list[Any]:
+    def operands(self, eqn: compat.Eqn) -> list[Any]:
         """The values of ``eqn``'s operands."""
         return [self.read(v) for v in eqn.invars]
 
@@ -134,16 +145,16 @@ class Env:
 #: ``hook(i, eqn, env)``: the results of ``eqn``, the ``i``-th eqn of its jaxpr,
 #: read from ``env`` (the hook decides how: bind it, bind it through a rule,
 #: inline it, probe it, propagate an abstract value)
-Hook = Callable[[int, Any, Any], Sequence[Any]]
+Hook = Callable[[int, compat.Eqn, Any], Sequence[Any]]
 
 
-def bind(i: int, eqn: Any, env: Env) -> list[Any]:
+def bind(i: int, eqn: compat.Eqn, env: Env) -> list[Any]:
     """The default `Hook`: binds ``eqn`` as it is, on its operands' values."""
     del i
     return compat.bind_eqn(eqn, env.operands(eqn))
 
 
-def _run(eqns: Iterable[Any], env: Values, hook: Hook) -> None:
+def _run(eqns: Iterable[compat.Eqn], env: Values, hook: Hook) -> None:
     for i, eqn in enumerate(eqns):
         source, ctx = compat.eqn_context(eqn)  # its source line and name stack; its ctx
         with source, ctx:
@@ -153,12 +164,12 @@ def _run(eqns: Iterable[Any], env: Values, hook: Hook) -> None:
 
 
 def eval_jaxpr(
-    jaxpr: Any,
+    jaxpr: compat.Jaxpr,
     consts: Sequence[Any],
     args: Sequence[Any],
     hook: Hook = bind,
     env: Values | None = None,
-    output: Callable[[Any], Any] | None = None,
+    output: Callable[[compat.Atom], Any] | None = None,
 ) -> list[Any]:
     """``jaxpr`` evaluated on ``args``: the one walk of a jaxpr in amp.
 
@@ -178,14 +189,18 @@ def eval_jaxpr(
     return [output(v) for v in jaxpr.outvars]
 
 
-def run_eqns(eqns: Iterable[Any], env: dict[Any, Any], hook: Hook = bind) -> None:
+def run_eqns(eqns: Iterable[compat.Eqn], env: dict[compat.Var, Any], hook: Hook = bind) -> None:
     """Evaluates ``eqns`` (a slice of a jaxpr) in order as `eval_jaxpr` does,
     reading their operands from the plain dict ``env`` and writing their
     results there."""
     _run(eqns, Env(vals=env), hook)
 
 
-def inline(closed: Any, inlinable: Callable[[Any], bool], body: Callable[[Any], Any]) -> Any:
+def inline(
+    closed: compat.ClosedJaxpr,
+    inlinable: Callable[[compat.Eqn], bool],
+    body: Callable[[compat.Eqn], compat.ClosedJaxpr],
+) -> compat.ClosedJaxpr:
     """``closed`` with every eqn that ``inlinable`` accepts replaced by the eqns
     of its closed jaxpr ``body(eqn)`` (recursively), spliced in place.
 
@@ -200,19 +215,22 @@ def inline(closed: Any, inlinable: Callable[[Any], bool], body: Callable[[Any], 
     if not any(inlinable(e) for e in jaxpr.eqns):
         return closed
     constvars, consts = list(jaxpr.constvars), list(compat.consts_of(closed))
-    eqns: list[Any] = []
+    eqns: list[compat.Eqn] = []
 
-    def splice(src: Any, sub: dict[Any, Any], stack: Any) -> None:
-        def atom(a: Any) -> Any:
+    def splice(
+        src: Iterable[compat.Eqn], sub: dict[compat.Var, compat.Atom], stack: NameStack | None
+    ) -> None:
+        def atom(a: compat.Atom) -> compat.Atom:
             return a if isinstance(a, compat.Literal) else sub.get(a, a)
 
-        def results(e: Any) -> list[Any]:  # its result vars here: own ones at the top
+        def results(e: compat.Eqn) -> list[compat.Var]:
+            # its result vars here: own ones at the top (a result var maps to a var)
             if stack is None:
                 return list(e.outvars)
             for v in e.outvars:
                 if v not in sub and not compat.is_drop_var(v):
                     sub[v] = jex_core.Var(v.aval)
-            return [sub.get(v, v) for v in e.outvars]
+            return [cast(compat.Var, sub.get(v, v)) for v in e.outvars]
 
         for e in src:
             invars = [atom(v) for v in e.invars]
@@ -220,8 +238,9 @@ def inline(closed: Any, inlinable: Callable[[Any], bool], body: Callable[[Any], 
                 inner, bconsts = open_jaxpr(body(e))
                 own = dict(zip(inner.invars, invars))
                 for cv, c in zip(inner.constvars, bconsts):
-                    own[cv] = jex_core.Var(cv.aval)
-                    constvars.append(own[cv])
+                    fresh = jex_core.Var(cv.aval)
+                    own[cv] = fresh
+                    constvars.append(fresh)
                     consts.append(c)
                 made = {v for be in inner.eqns for v in be.outvars}
                 outs = results(e)
@@ -249,21 +268,21 @@ def inline(closed: Any, inlinable: Callable[[Any], bool], body: Callable[[Any], 
             info = e.source_info.replace(name_stack=stack + e.source_info.name_stack)
             eqns.append(e.replace(invars=invars, outvars=results(e), source_info=info))
 
-    top: dict[Any, Any] = {}
+    top: dict[compat.Var, compat.Atom] = {}
     splice(jaxpr.eqns, top, None)
     outvars = [v if isinstance(v, compat.Literal) else top.get(v, v) for v in jaxpr.outvars]
     new = jex_core.Jaxpr(constvars, jaxpr.invars, outvars, eqns, jaxpr.effects, jaxpr.debug_info)
     return compat.close(new, consts)
 
 
-def _folded(eqn: Any, invars: list[Any]) -> list[Any] | None:
+def _folded(eqn: compat.Eqn, invars: list[compat.Atom]) -> list[compat.Atom] | None:
     """The literal results of ``eqn`` on ``invars`` when all are literals and
     JAX's tracing folds it (a ``convert_element_type`` of a constant), else None."""
     if not invars or not all(isinstance(v, compat.Literal) for v in invars):
         return None
     if eqn.effects or any(True for _ in jex_core.jaxprs_in_params(eqn.params)):
         return None
-    vals = [compat.literal_value(v) for v in invars]
+    vals = [compat.literal_value(v) for v in invars if isinstance(v, compat.Literal)]
     staged = compat.trace_to_closed_jaxpr(lambda: compat.bind_eqn(eqn, vals), [])
     outs = compat.jaxpr_of(staged).outvars
     if compat.jaxpr_of(staged).eqns or not all(isinstance(v, compat.Literal) for v in outs):
@@ -271,7 +290,7 @@ def _folded(eqn: Any, invars: list[Any]) -> list[Any] | None:
     return list(outs)
 
 
-def called_jaxpr(eqn: Any) -> Any | None:
+def called_jaxpr(eqn: compat.Eqn) -> compat.Jaxpr | compat.ClosedJaxpr | None:
     """The one sub-jaxpr that ``eqn`` runs once on its operands, giving its
     results (``jit``, ``checkpoint``, a ``custom_jvp``/``custom_vjp`` call),
     else None."""
@@ -284,18 +303,18 @@ def called_jaxpr(eqn: Any) -> Any | None:
     return None
 
 
-def contraction_and_flops(eqn: Any) -> tuple[int, int] | None:
+def contraction_and_flops(eqn: compat.Eqn) -> tuple[int, int] | None:
     """``(contraction length, FLOPs)`` of a ``dot_general`` or convolution eqn, else None."""
     name = eqn.primitive.name
-    out = eqn.outvars[0].aval
     if name == "dot_general":
         (lc, _), _ = eqn.params["dimension_numbers"]
-        k = int(np.prod([eqn.invars[0].aval.shape[d] for d in lc], dtype=np.int64))
+        lhs = shape_of(eqn.invars[0])
+        k = int(np.prod([lhs[d] for d in lc], dtype=np.int64))
     elif name == "conv_general_dilated":
-        w = eqn.invars[1].aval.shape
+        w = shape_of(eqn.invars[1])
         dn = eqn.params.get("dimension_numbers")
         out_dim = dn.rhs_spec[0] if dn is not None and hasattr(dn, "rhs_spec") else 0
         k = int(np.prod(w, dtype=np.int64)) // max(int(w[out_dim]), 1)  # in-features x window
     else:
         return None
-    return k, 2 * k * int(np.prod(out.shape, dtype=np.int64))
+    return k, 2 * k * int(np.prod(shape_of(eqn.outvars[0]), dtype=np.int64))

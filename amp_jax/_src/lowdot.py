@@ -19,16 +19,18 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 import numpy as np
+from jax import lax
 from jax.extend.core import Primitive
 from jax.extend.core.primitives import dot_general_p
 from jax.interpreters import ad, batching, mlir
+from jax.typing import DTypeLike
 
 from amp_jax._src import casting, compat
-from amp_jax._src.backends import plain_dot
+from amp_jax._src.backends import Backend, plain_dot
 
 linear_dot_p = Primitive("amp_linear_dot")
 
@@ -48,7 +50,7 @@ class DotDims(NamedTuple):
       rhs_ndim: the rank of the rhs.
     """
 
-    dimension_numbers: Any
+    dimension_numbers: lax.DotDimensionNumbers
     lhs_ndim: int
     rhs_ndim: int
 
@@ -64,15 +66,15 @@ class DotDims(NamedTuple):
 
 
 def dot_transpose(
-    ct: Any,
-    other: Any,
+    ct: jax.Array,
+    other: jax.Array,
     dims: DotDims,
     wrt_lhs: bool,
-    precision: Any,
-    acc: Any,
-    like: Any = None,
-    dot: Callable[..., Any] = plain_dot,
-) -> Any:
+    precision: lax.PrecisionLike,
+    acc: DTypeLike | None,
+    like: compat.ShapedArray | jax.Array | None = None,
+    dot: Callable[..., jax.Array] = plain_dot,
+) -> jax.Array:
     """Cotangent of one operand ``a`` of the dot ``dims`` (its lhs when
     ``wrt_lhs``) given the ``other`` operand. ``ct`` has dims [batch, lhs kept,
     rhs kept]; ``like``: an operand of the result's shape (explicit-sharding
@@ -106,11 +108,13 @@ def dot_transpose(
     return out if perm1 == ident else jax.lax.transpose(out, perm1)
 
 
-def _explicit_out(like: Any, order: Sequence[int]) -> Any:
+def _explicit_out(
+    like: compat.ShapedArray | jax.Array | None, order: Sequence[int]
+) -> jax.sharding.Sharding | None:
     return None if like is None else compat.explicit_sharding_in_order(like, order)
 
 
-def linear_dot(t: Any, o: Any, *, t_is_lhs: bool, **params: Any) -> Any:
+def linear_dot(t: jax.Array, o: jax.Array, *, t_is_lhs: bool, **params: Any) -> jax.Array:
     """``dot(cast(t), o)`` (``dot(o, cast(t))`` when not ``t_is_lhs``), ``o`` low.
 
     ``params``: ``dimension_numbers`` (the dot's dimension numbers, lhs first),
@@ -122,16 +126,34 @@ def linear_dot(t: Any, o: Any, *, t_is_lhs: bool, **params: Any) -> Any:
 
 
 def _impl(
-    t, o, *, t_is_lhs, dimension_numbers, precision, acc, out_sharding, compute_dtype, backend
-):
+    t: jax.Array,
+    o: jax.Array,
+    *,
+    t_is_lhs: bool,
+    dimension_numbers: lax.DotDimensionNumbers,
+    precision: lax.PrecisionLike,
+    acc: DTypeLike | None,
+    out_sharding: jax.sharding.Sharding | None,
+    compute_dtype: np.dtype,
+    backend: Backend,
+) -> jax.Array:
     tl = casting.lower(t, compute_dtype)
     a, b = (tl, o) if t_is_lhs else (o, tl)
     return backend.dot(a, b, dimension_numbers, precision, acc, out_sharding)
 
 
 def _abstract_eval(
-    t, o, *, t_is_lhs, dimension_numbers, precision, acc, out_sharding, compute_dtype, **_
-):
+    t: compat.ShapedArray,
+    o: compat.ShapedArray,
+    *,
+    t_is_lhs: bool,
+    dimension_numbers: lax.DotDimensionNumbers,
+    precision: lax.PrecisionLike,
+    acc: DTypeLike | None,
+    out_sharding: jax.sharding.Sharding | None,
+    compute_dtype: np.dtype,
+    **_: object,
+) -> compat.ShapedArray:
     # (the plain dot's own rule: shapes, shardings, shard_map's varying axes)
     tl = t.update(dtype=np.dtype(compute_dtype), weak_type=False)
     a, b = (tl, o) if t_is_lhs else (o, tl)
@@ -146,25 +168,37 @@ def _abstract_eval(
     return out
 
 
-def _jvp(primals, tangents, **params):
+def _jvp(
+    primals: Sequence[jax.Array], tangents: Sequence[jax.Array | ad.Zero], **params: Any
+) -> tuple[jax.Array, jax.Array | ad.Zero]:
     t, o = primals
     dt, do = tangents
     out = linear_dot(t, o, **params)
-    parts = []
-    if type(dt) is not ad.Zero:
+    parts: list[jax.Array] = []
+    if not isinstance(dt, ad.Zero):
         parts.append(linear_dot(dt, o, **params))
-    if type(do) is not ad.Zero:
+    if not isinstance(do, ad.Zero):
         parts.append(linear_dot(t, do, **params))
-    if not parts:
-        return out, ad.Zero.from_primal_value(out)
+    if not parts:  # (JAX skips a rule whose tangents are all zero; kept for a direct call)
+        return out, ad.Zero(compat.aval_of(out).to_tangent_aval())
     return out, functools.reduce(lambda a, b: a + b, parts)
 
 
 def _transpose(
-    ct, t, o, *, t_is_lhs, dimension_numbers, precision, acc, compute_dtype, backend, **_
-):
+    ct: jax.Array | ad.Zero,
+    t: Any,
+    o: Any,
+    *,
+    t_is_lhs: bool,
+    dimension_numbers: lax.DotDimensionNumbers,
+    precision: lax.PrecisionLike,
+    acc: DTypeLike | None,
+    compute_dtype: np.dtype,
+    backend: Backend,
+    **_: object,
+) -> list[jax.Array | None]:
     dot = backend.dot
-    if type(ct) is ad.Zero:
+    if isinstance(ct, ad.Zero):
         return [None, None]
     ctl = casting.lower(ct, compute_dtype)
     undefined_t = ad.is_undefined_primal(t)
@@ -176,11 +210,11 @@ def _transpose(
     lhs_aval, rhs_aval = (t_aval, o_aval) if t_is_lhs else (o_aval, t_aval)
     dims = DotDims(dimension_numbers, lhs_aval.ndim, rhs_aval.ndim)
 
-    def d_lhs():
-        return dot_transpose(ctl, rhs, dims, True, precision, acc, lhs_aval, dot)
+    def d_lhs() -> jax.Array:
+        return dot_transpose(ctl, cast(jax.Array, rhs), dims, True, precision, acc, lhs_aval, dot)
 
-    def d_rhs():
-        return dot_transpose(ctl, lhs, dims, False, precision, acc, rhs_aval, dot)
+    def d_rhs() -> jax.Array:
+        return dot_transpose(ctl, cast(jax.Array, lhs), dims, False, precision, acc, rhs_aval, dot)
 
     if t_is_lhs:
         ct_t = d_lhs() if undefined_t else None
@@ -194,7 +228,14 @@ def _transpose(
     ]
 
 
-def _batch(args, bdims, *, t_is_lhs, dimension_numbers, **params):
+def _batch(
+    args: Sequence[jax.Array],
+    bdims: Sequence[int | None],
+    *,
+    t_is_lhs: bool,
+    dimension_numbers: lax.DotDimensionNumbers,
+    **params: Any,
+) -> tuple[jax.Array, int]:
     """vmap: a batch dim on both operands becomes a dot batch dim; on one
     operand, a kept dim of it (no broadcast of the other operand)."""
     t, o = args
@@ -203,10 +244,10 @@ def _batch(args, bdims, *, t_is_lhs, dimension_numbers, **params):
     bl, br = (bt, bo) if t_is_lhs else (bo, bt)
     (lc, rc), (lb, rb) = dimension_numbers
 
-    def front(x, b):
+    def front(x: jax.Array, b: int | None) -> jax.Array:
         return x if b is None else jax.numpy.moveaxis(x, b, 0)
 
-    def shift(ds, b):
+    def shift(ds: Sequence[int], b: int | None) -> tuple[int, ...]:
         return tuple(d + (b is not None) for d in ds)
 
     lhs, rhs = front(lhs, bl), front(rhs, br)

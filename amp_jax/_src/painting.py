@@ -4,22 +4,19 @@ of a jaxpr's graph and the classes of its eqns (no tracing, no policy).
 ``paint`` follows TensorFlow's auto-mixed-precision passes: allow ops are low;
 deny ops are high; deny propagates forward through follow ops (and through
 clear ops that lead to one); follow/clear ops on a path between two allow ops
-are low; clear ops next to a low op are low.
-
-``decision_slice`` finds what decides control flow (a ``cond``/``switch``
-index, a ``while`` predicate, and loop-carried values that feed one): those
-eqns are kept out of the compute dtype, and the matmuls whose results reach a
-decision write float32. See "How amp works: decisions".
+are low; clear ops next to a low op are low. ``matmuls_around`` finds the
+matmuls next to given eqns (a solve's). What decides control flow, and the
+loop fixed point, are planning's (``planning.decision_slice``).
 """
 
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from amp_jax._src import compat, jaxprs
-from amp_jax._src.decision import Color, Kind, OpClass
+from amp_jax._src.decision import Color, OpClass
 from amp_jax._src.policy import is_managed_float
 
 LOW, HIGH, ORIG = Color.LOW, Color.HIGH, Color.ORIG
@@ -102,77 +99,6 @@ def paint(classes: Sequence[OpClass | None], jaxpr: Any) -> list[Color]:
         up -= drop
     low |= up
     return [LOW if i in low else HIGH if i in deny else ORIG for i in range(len(classes))]
-
-
-# -- decisions ----------------------------------------------------------------
-
-
-def decision_seeds(
-    jaxpr: Any, decide_outs: Iterable[int], loop_reads: Callable[[Any], Iterable[int]]
-) -> list[Any]:
-    """The vars of ``jaxpr`` whose values decide control flow: the outputs at
-    ``decide_outs`` (a while predicate, or a loop body's carry that feeds one),
-    every ``cond`` index, and the operands at ``loop_reads(eqn)`` of each loop
-    (the initial carry and consts its decisions read)."""
-    seeds = [jaxpr.outvars[k] for k in decide_outs]
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "cond":
-            seeds.append(eqn.invars[0])
-        elif eqn.primitive.name in ("while", "scan"):
-            seeds.extend(eqn.invars[k] for k in loop_reads(eqn))
-    return seeds
-
-
-def decision_slice(
-    jaxpr: Any,
-    kinds: Sequence[Kind],
-    classes: Sequence[OpClass | None],
-    colors: Sequence[Color],
-    seeds: Iterable[Any],
-    stops: list[tuple[int, int]] | None = None,
-    keep_matmuls: bool = False,
-) -> tuple[set[int], set[int], set[int]]:
-    """What the values ``seeds`` are computed from, back to the matmuls.
-
-    Returns ``(kept, f32_out, reached)``: the eqns on the way (to be computed
-    in their original precision), the low ``allow`` eqns where the slice stops
-    (their operands stay low -- that is where the speed is -- but they write
-    float32), and the positions of ``jaxpr.invars`` reached. The slice also
-    stops at higher-order eqns (whose outputs keep their original dtype);
-    ``stops``, if given, collects ``(eqn index, output position)`` of each.
-
-    With ``keep_matmuls`` the low ``allow`` eqns are kept whole too (operands
-    included) and the slice goes on through their operands: what a
-    convergence test reads must not carry the compute dtype's rounding.
-    """
-    todo = collections.deque(v for v in seeds if not isinstance(v, compat.Literal))
-    if not todo:  # (most jaxprs decide nothing: no def-use map of a whole program for that)
-        return set(), set(), set()
-    producer, _ = jaxprs.def_use(jaxpr)
-    position = {v: k for k, v in enumerate(jaxpr.invars)}
-    kept: set[int] = set()
-    f32_out: set[int] = set()
-    reached: set[int] = set()
-    seen: set[Any] = set()
-    while todo:
-        v = todo.popleft()
-        if v in seen:
-            continue
-        seen.add(v)
-        if v in position:
-            reached.add(position[v])
-        i = producer.get(v)
-        if i is None:
-            continue
-        if colors[i] is LOW and classes[i] is OpClass.ALLOW and not keep_matmuls:
-            f32_out.add(i)
-        elif kinds[i] is Kind.NESTED:
-            if stops is not None:
-                stops.append((i, jaxpr.eqns[i].outvars.index(v)))
-        elif kinds[i] is not Kind.AS_WRITTEN and i not in kept:
-            kept.add(i)
-            todo.extend(a for a in jaxpr.eqns[i].invars if not isinstance(a, compat.Literal))
-    return kept, f32_out, reached
 
 
 def matmuls_around(

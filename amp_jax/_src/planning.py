@@ -21,15 +21,24 @@ Every reason is recorded where its decision is made; the `Plan` is
 then read by the interpreter and its rules, by ``explain`` and (through the
 named scopes of ``decision.py``) by ``dtype_report``. A higher-order eqn's
 decision carries the `BodyHints` of its sub-jaxprs (which outputs decide a
-loop, which it carries), that their plans take as input: a plan is data,
-printed by `format_plan` without tracing.
+loop, which it carries) and the plans of those sub-jaxprs, made with those
+hints when the eqn is planned (`BodyPlan`): the plan is a tree, a complete
+value, printed whole by `format_plan` without tracing. Only a body that
+exists after planning (a custom derivative rule JAX traces later, a ``scan``
+body retraced with the loop's concrete masks) is a `LazyBody`, planned by its
+rule when it has the jaxpr (`Context.plan_lazy`).
+
+What decides control flow (`decision_seeds`, `decision_slice`) and the loop
+fixed point that follows it through a loop's carry (`_loop_reads`) live here,
+beside the painting they start from.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import jax.numpy as jnp
@@ -41,14 +50,17 @@ from amp_jax._src.decision import (
     NO_HINTS,
     AttentionPath,
     BodyHints,
+    BodyPlan,
     Color,
     Decision,
     Fused,
     Kind,
+    LazyBody,
     OpClass,
     Reason,
     Variant,
     Why,
+    body_hints,
 )
 from amp_jax._src.policy import (
     FULL_PRECISION_SCOPE,
@@ -123,11 +135,14 @@ class Memo:
 
     def __init__(self) -> None:
         self.table: dict[tuple[Any, int], tuple[Any, Any]] = {}
+        #: every plan made in this trace, in the order its planning began (a
+        #: parent before its bodies); None while it is being made
+        self.plans: list[Plan | None] = []
 
     @property
     def attention_log(self) -> list[tuple[str, str | None, str]]:
         """`Plan.attentions` of every plan made in this trace, in order."""
-        return [a for _, v in self.table.values() if isinstance(v, Plan) for a in v.attentions]
+        return [a for p in self.plans if p is not None for a in p.attentions]
 
     def get(self, key: Any, obj: Any, make: Callable[[], Any]) -> Any:
         """``make()``, computed once per ``obj`` (by identity) and ``key``."""
@@ -192,6 +207,10 @@ class Context:
     def plan(self, closed: Any, hints: BodyHints = NO_HINTS) -> Plan:
         """The plan of closed jaxpr ``closed`` under this context (`plan`)."""
         return plan(self, closed, hints)
+
+    def plan_lazy(self, closed: Any, hints: BodyHints = NO_HINTS) -> Plan:
+        """The plan of a `LazyBody`'s jaxpr, traced after planning (`LazyBody.plan`)."""
+        return _plan(self, closed, hints)
 
     def all_low(self, closed: Any) -> Plan:
         """The plan of a transparent function painted low (`all_low`), prepared."""
@@ -371,9 +390,12 @@ def stays_high(eqn: Any, policy: Policy) -> Why | None:
 # -- the plan -------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class Plan:
-    """What amp decided for one (prepared) closed jaxpr, eqn by eqn."""
+    """What amp decided for one (prepared) closed jaxpr, eqn by eqn: a tree,
+    whose higher-order eqns' decisions hold the plans of their bodies
+    (`Decision.bodies`). Compared by identity (one per jaxpr, hints and
+    context in a trace)."""
 
     closed: Any
     decisions: tuple[Decision, ...]
@@ -394,34 +416,56 @@ class Plan:
 
 
 def format_plan(p: Plan) -> str:
-    """The plan as text: a line per eqn (index, primitive, class, color, what
-    an allow op writes, variant and fused part where not the default, the
-    reason), under a higher-order eqn the hints of its sub-jaxprs, under a
-    dot or transpose the backend's layout record; then the attentions found."""
-    lines = []
+    """The plan tree as text: a line per eqn (index, primitive, class, color,
+    what an allow op writes, variant and fused part where not the default, the
+    reason), under a higher-order eqn the hints of its sub-jaxprs and each
+    sub-jaxpr's plan, indented (a body JAX traces later, `LazyBody`, as one
+    line), under a dot or transpose the backend's layout record; then the
+    attentions found."""
+    return "\n".join(_plan_lines(p, ""))
+
+
+def _plan_lines(p: Plan, indent: str) -> Iterator[str]:
     for i, (eqn, d) in enumerate(zip(p.jaxpr.eqns, p.decisions)):
         what = d.op_class.value if d.op_class is not None else d.kind.value
         out = "" if d.out_dtype is None else f"-> {np.dtype(d.out_dtype).name}"
         extra = [f"variant={d.variant.value}"] if d.variant is not Variant.COMPUTE else []
         extra += [f"fused={d.fused.value}"] if d.fused is not Fused.NO else []
-        lines.append(
-            f"{i:>4} {eqn.primitive.name:<22} {what:<10} {d.color.value:<4} {out:<11} "
+        yield (
+            f"{indent}{i:>4} {eqn.primitive.name:<22} {what:<10} {d.color.value:<4} {out:<11} "
             + " ".join([*extra, f"{d.reason.why.value}: {d.reason.text}"])
         )
-        lines += [f"{'':>9}{where}: {hints}" for where, hints in d.hints]
+        hints = dict(d.hints)
+        planned = {b.where for b in d.bodies}
+        for where, h in d.hints:
+            if where not in planned:
+                yield f"{indent}{'':>9}{where}: {h}"
         if i in p.layouts:
-            lines.append(f"{'':>9}layout: {p.layouts[i]}")
+            yield f"{indent}{'':>9}layout: {p.layouts[i]}"
+        for b in d.bodies:
+            if isinstance(b.plan, LazyBody):
+                yield f"{indent}{'':>9}{b.where}: planned when traced ({b.plan.what})"
+                continue
+            head = f"{indent}{'':>9}{b.where}:"
+            yield f"{head} {hints[b.where]}" if b.where in hints else head
+            yield from _plan_lines(b.plan, indent + " " * 9)
     for line, impl, why in p.attentions:
-        lines.append(f"attention at {line}: {impl or 'left as written'} ({why})")
-    return "\n".join(lines)
+        yield f"{indent}attention at {line}: {impl or 'left as written'} ({why})"
 
 
 def plan(ctx: Context, closed: Any, hints: BodyHints = NO_HINTS) -> Plan:
-    """The plan of closed jaxpr ``closed`` (prepared, painted, attention found),
-    once per context and ``hints`` (what its parent's plan says of its outputs,
-    for a sub-jaxpr: `BodyHints`)."""
+    """The plan tree of closed jaxpr ``closed`` (prepared, painted, attention
+    found, the plans of its sub-jaxprs in the decisions of their eqns), once
+    per context and ``hints`` (what its parent's plan says of its outputs, for
+    a sub-jaxpr: `BodyHints`). The planner's entry: amp plans each trace once,
+    and the interpreter, ``explain`` and ``dtype_report`` read the tree."""
+    return _plan(ctx, closed, hints)
 
+
+def _plan(ctx: Context, closed: Any, hints: BodyHints) -> Plan:
     def make() -> Plan:
+        slot = len(ctx.memo.plans)
+        ctx.memo.plans.append(None)
         flat = ctx.prepare(closed)
         draft = _paint(ctx, compat.jaxpr_of(flat), hints)
         att = _plan_attention(ctx, flat)
@@ -429,9 +473,53 @@ def plan(ctx: Context, closed: Any, hints: BodyHints = NO_HINTS) -> Plan:
         layouts = dots.plan_layouts(
             compat.jaxpr_of(flat), decisions, backend=ctx.backend, vjp_rules=ctx.vjp_rules
         )
-        return Plan(flat, decisions, att.fused, layouts, tuple(att.log))
+        made = ctx.memo.plans[slot] = Plan(flat, decisions, att.fused, layouts, tuple(att.log))
+        return made
 
     return ctx.cached(("plan", hints), closed, make)
+
+
+#: the sub-jaxprs of custom derivative calls that JAX traces after planning
+_JVP_RULE = LazyBody("custom_jvp rule, traced when JAX differentiates the call", linear=True)
+_VJP_FWD = LazyBody("custom_vjp forward, traced when JAX differentiates the call")
+_VJP_BWD = LazyBody("custom_vjp backward rule, traced when JAX transposes the call")
+
+
+def subjaxprs(eqn: Any) -> Iterator[tuple[str, Any]]:
+    """``(param, closed jaxpr)`` of each sub-jaxpr of ``eqn``'s params (an
+    open one closed, but for an open one with constvars: values of the
+    enclosing trace), in the order of the params (``jaxprs_in_params``'s)."""
+    for k, v in eqn.params.items():
+        vals = v if isinstance(v, tuple) else (v,)
+        for j, x in enumerate(vals):
+            where = f"{k}[{j}]" if isinstance(v, tuple) else k
+            if compat.is_closed_jaxpr(x):
+                yield where, x
+            elif compat.is_open_jaxpr(x) and not x.constvars:
+                yield where, compat.close(x, [])
+
+
+def _bodies(ctx: Context, eqn: Any, d: Decision) -> tuple[BodyPlan, ...]:
+    """The plans of ``eqn``'s sub-jaxprs that its rule rewrites as ``d``
+    says, made now: each with the hints ``d`` gives it; a transparent
+    ``custom_jvp`` function painted low, its body with every op low
+    (`all_low`); the bodies of custom derivative rules, lazy."""
+    name = eqn.primitive.name
+    # (higher-order eqns are NESTED, or a transparent custom_jvp function an OP)
+    if d.kind is not Kind.NESTED and not (d.kind is Kind.OP and name in compat.CUSTOM_JVP_NAMES):
+        return ()
+    if d.color is Color.LOW and name in compat.CUSTOM_JVP_NAMES:
+        body = compat.custom_jvp_parts(eqn)[0]
+        out = [BodyPlan("call_jaxpr", ctx.all_low(body), body)]
+    elif d.color is Color.ORIG:
+        out = [BodyPlan(w, _plan(ctx, s, body_hints(eqn, d, s)), s) for w, s in subjaxprs(eqn)]
+    else:
+        return ()
+    if name in compat.CUSTOM_JVP_NAMES:
+        out.append(BodyPlan("jvp_jaxpr_fun", _JVP_RULE))
+    if name in compat.CUSTOM_VJP_NAMES:
+        out += [BodyPlan("fwd_jaxpr_thunk", _VJP_FWD), BodyPlan("bwd", _VJP_BWD)]
+    return tuple(out)
 
 
 def all_low(ctx: Context, closed: Any) -> Plan:
@@ -501,6 +589,9 @@ class _Draft:
                 fused,
                 tuple(self.bodies.get(i, {}).items()),
             )
+            bodies = _bodies(ctx, eqn, d)
+            if bodies:
+                d = dataclasses.replace(d, bodies=bodies)
             out.append(seen.setdefault(d, d))
         return tuple(out)
 
@@ -571,7 +662,7 @@ def _paint(ctx: Context, jaxpr: Any, hints: BodyHints = NO_HINTS) -> _Draft:
     # What a factorization or solve reads stays out of the compute dtype back
     # to the matmuls (those next to the solve were kept by _painted).
     _keep_slice(draft, jaxpr, _solve_operands(jaxpr), Why.FEEDS_SOLVE)
-    seeds = painting.decision_seeds(jaxpr, hints.decides, lambda e: _loop_reads(ctx, e).operands)
+    seeds = decision_seeds(ctx, jaxpr, hints.decides)
     _keep_slice(draft, jaxpr, seeds, Why.DECIDES_CONTROL)
     for i, eqn in enumerate(jaxpr.eqns):
         if eqn.primitive.name in ("while", "scan"):
@@ -619,6 +710,75 @@ def _painted(ctx: Context, jaxpr: Any) -> tuple[tuple[Classified, ...], tuple[Co
     return ctx.cached("painted", jaxpr, make)
 
 
+# -- what decides control flow: the slice, and the loop fixed point -----------------------
+
+
+def decision_seeds(ctx: Context, jaxpr: Any, decide_outs: Iterable[int]) -> list[Any]:
+    """The vars of ``jaxpr`` whose values decide control flow: the outputs at
+    ``decide_outs`` (a while predicate, or a loop body's carry that feeds one),
+    every ``cond`` index, and the operands of each loop that its decisions
+    read (the initial carry and consts: `_loop_reads`)."""
+    seeds = [jaxpr.outvars[k] for k in decide_outs]
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "cond":
+            seeds.append(eqn.invars[0])
+        elif eqn.primitive.name in ("while", "scan"):
+            seeds.extend(eqn.invars[k] for k in _loop_reads(ctx, eqn).operands)
+    return seeds
+
+
+def decision_slice(
+    jaxpr: Any,
+    kinds: Sequence[Kind],
+    classes: Sequence[OpClass | None],
+    colors: Sequence[Color],
+    seeds: Iterable[Any],
+    stops: list[tuple[int, int]] | None = None,
+    keep_matmuls: bool = False,
+) -> tuple[set[int], set[int], set[int]]:
+    """What the values ``seeds`` are computed from, back to the matmuls.
+
+    Returns ``(kept, f32_out, reached)``: the eqns on the way (to be computed
+    in their original precision), the low ``allow`` eqns where the slice stops
+    (their operands stay low -- that is where the speed is -- but they write
+    float32), and the positions of ``jaxpr.invars`` reached. The slice also
+    stops at higher-order eqns (whose outputs keep their original dtype);
+    ``stops``, if given, collects ``(eqn index, output position)`` of each.
+
+    With ``keep_matmuls`` the low ``allow`` eqns are kept whole too (operands
+    included) and the slice goes on through their operands: what a
+    convergence test reads must not carry the compute dtype's rounding.
+    """
+    todo = collections.deque(v for v in seeds if not isinstance(v, compat.Literal))
+    if not todo:  # (most jaxprs decide nothing: no def-use map of a whole program for that)
+        return set(), set(), set()
+    producer, _ = jaxprs.def_use(jaxpr)
+    position = {v: k for k, v in enumerate(jaxpr.invars)}
+    kept: set[int] = set()
+    f32_out: set[int] = set()
+    reached: set[int] = set()
+    seen: set[Any] = set()
+    while todo:
+        v = todo.popleft()
+        if v in seen:
+            continue
+        seen.add(v)
+        if v in position:
+            reached.add(position[v])
+        i = producer.get(v)
+        if i is None:
+            continue
+        if colors[i] is Color.LOW and classes[i] is OpClass.ALLOW and not keep_matmuls:
+            f32_out.add(i)
+        elif kinds[i] is Kind.NESTED:
+            if stops is not None:
+                stops.append((i, jaxpr.eqns[i].outvars.index(v)))
+        elif kinds[i] is not Kind.AS_WRITTEN and i not in kept:
+            kept.add(i)
+            todo.extend(a for a in jaxpr.eqns[i].invars if not isinstance(a, compat.Literal))
+    return kept, f32_out, reached
+
+
 def _keep_slice(
     draft: _Draft, jaxpr: Any, seeds: list[Any], why: Why, keep_matmuls: bool = False
 ) -> list[tuple[int, int]]:
@@ -627,7 +787,7 @@ def _keep_slice(
     them, kept whole), recording ``why`` as the reason.
     Returns the (eqn index, output position) of the higher-order eqns reached."""
     stops: list[tuple[int, int]] = []
-    kept, f32_out, _ = painting.decision_slice(
+    kept, f32_out, _ = decision_slice(
         jaxpr, draft.kinds, draft.classes, draft.colors, seeds, stops, keep_matmuls
     )
     for i in kept:
@@ -669,9 +829,9 @@ def _reached_inputs(ctx: Context, closed: Any, outs: Iterable[int], exit: bool) 
     reached = set()
     if exit:
         exits = [jaxpr.outvars[k] for k in outs]
-        reached = painting.decision_slice(jaxpr, kinds, classes, colors, exits, None, True)[2]
-    seeds = painting.decision_seeds(jaxpr, outs, lambda e: _loop_reads(ctx, e).operands)
-    return reached | painting.decision_slice(jaxpr, kinds, classes, colors, seeds)[2]
+        reached = decision_slice(jaxpr, kinds, classes, colors, exits, None, True)[2]
+    seeds = decision_seeds(ctx, jaxpr, outs)
+    return reached | decision_slice(jaxpr, kinds, classes, colors, seeds)[2]
 
 
 def _solve_operands(jaxpr: Any) -> list[Any]:

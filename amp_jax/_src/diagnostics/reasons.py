@@ -22,8 +22,7 @@ import numpy as np
 from jax.extend import core as jex_core
 
 from amp_jax._src import compat, jaxprs
-from amp_jax._src.decision import Color, Decision, Kind, attention_from_stack, body_hints
-from amp_jax._src.planning import Context, plan
+from amp_jax._src.decision import Color, Decision, Kind, attention_from_stack, body_plan
 from amp_jax._src.policy import Policy, is_managed_float
 from amp_jax._src.transform import AmpFunction, Traced
 
@@ -140,12 +139,11 @@ def decisions_of_traces(traces: Sequence[Traced]) -> Decisions:
     for traced in traces:
         if id(traced) not in seen:
             seen.add(id(traced))
-            _decide(traced.ctx, traced.plan.jaxpr, traced.plan.decisions, out, None)
+            _decide(traced.plan.jaxpr, traced.plan.decisions, out, None)
     return out
 
 
 def _decide(
-    ctx: Context,
     jaxpr: Any,
     decisions: Sequence[Decision],
     out: Decisions,
@@ -154,7 +152,8 @@ def _decide(
     site: Any = None,
 ) -> None:
     """Fills ``out[(source line, primitive)][named_scope path]`` with a Counter
-    of the reasons of the plan's decisions (the sub-jaxprs' plans included).
+    of the reasons of the plan's decisions (the sub-jaxprs' plans included:
+    the tree's, read, never planned again).
 
     The scope tells apart the ops of one source line called under different
     ``named_scope`` s (a library layer used twice: one Dense in a
@@ -175,13 +174,13 @@ def _decide(
         for sub in _plannable_subjaxprs(eqn):
             if d.kind is Kind.AS_WRITTEN or inherited is not None:
                 body = compat.jaxpr_of(sub)
-                _decide(ctx, body, [d] * len(body.eqns), out, reason, inner, at)
+                _decide(body, [d] * len(body.eqns), out, reason, inner, at)
             elif d.color is Color.LOW:  # a transparent custom_jvp function: all of it low
-                body = compat.jaxpr_of(ctx.prepare(sub))
-                _decide(ctx, body, [d] * len(body.eqns), out, reason, inner, at)
+                body = body_plan(d, sub).jaxpr
+                _decide(body, [d] * len(body.eqns), out, reason, inner, at)
             else:
-                sub_plan = plan(ctx, sub, body_hints(eqn, d, sub))
-                _decide(ctx, sub_plan.jaxpr, sub_plan.decisions, out, None, inner, at)
+                sub_plan = body_plan(d, sub)
+                _decide(sub_plan.jaxpr, sub_plan.decisions, out, None, inner, at)
 
 
 def _plannable_subjaxprs(eqn: Any) -> list[Any]:

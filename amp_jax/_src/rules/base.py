@@ -3,7 +3,7 @@
 An `EqnRule` binds one primitive (the default: on operands cast to its
 color's dtype), reading its operands from a `CastingEnv` (the values of the
 jaxpr being rewritten, each cast made once), under a `RuleContext` (the
-policy, the backend, and the planning and rewriting of sub-jaxprs). An
+policy, the backend, and the rewriting of the plans of sub-jaxprs). An
 ``allow`` primitive runs the low-precision *function* of its `AllowRule`
 (a `Rule`: ``default_allow_rule`` unless one is registered). The table of
 rules by primitive is ``table.py``; the rules of each family are beside it
@@ -30,8 +30,10 @@ Rule = Callable[[Any, Sequence[Any], np.dtype, np.dtype], list[Any]]
 
 class RuleContext(Protocol):
     """What a rule reads of the context it binds under (``interpreter.Interpreter``):
-    the configuration, the trace's memo, and the planning, rewriting and
-    evaluation of sub-jaxprs (for the rules of higher-order primitives)."""
+    the configuration, the trace's memo, and the rewriting and evaluation of
+    the plans of sub-jaxprs (for the rules of higher-order primitives, whose
+    decisions hold those plans); a body JAX traces after planning is planned
+    through its `LazyBody` (``plan_lazy``)."""
 
     @property
     def policy(self) -> Policy: ...
@@ -50,13 +52,9 @@ class RuleContext(Protocol):
 
     def cached(self, kind: Any, obj: Any, make: Callable[[], Any]) -> Any: ...
 
-    def plan(self, closed: Any, hints: BodyHints = ...) -> Any: ...
+    def plan_lazy(self, closed: Any, hints: BodyHints = ...) -> Any: ...
 
-    def all_low(self, closed: Any) -> Any: ...
-
-    def rewrite(
-        self, closed: Any, in_avals: Sequence[Any] | None = None, hints: BodyHints = ...
-    ) -> Any: ...
+    def rewrite(self, plan_: Any, in_avals: Sequence[Any] | None = None) -> Any: ...
 
     def evaluate(self, plan_: Any, args: Sequence[Any], cast_outputs: bool = True) -> list[Any]: ...
 

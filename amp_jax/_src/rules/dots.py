@@ -17,8 +17,10 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax import lax
 from jax.custom_derivatives import SymbolicZero
 from jax.extend.core import primitives as P
+from jax.typing import DTypeLike
 
 from amp_jax._src import casting, compat, lowdot, mesh
 from amp_jax._src.backends import Backend
@@ -46,13 +48,15 @@ class DotRule(AllowRule):
     so that the weight gradient comes out in the weight's own layout.
     """
 
-    def evaluate(self, ctx: RuleContext, eqn: Any, d: Decision, env: CastingEnv) -> list[Any]:
+    def evaluate(
+        self, ctx: RuleContext, eqn: compat.Eqn, d: Decision, env: CastingEnv
+    ) -> list[Any]:
         lay = _layout(eqn, env)
         if lay is not None:
             return _layout_dot(ctx, lay, env)
         return super().evaluate(ctx, eqn, d, env)
 
-    def low_fn(self, ctx: RuleContext, eqn: Any) -> Rule:
+    def low_fn(self, ctx: RuleContext, eqn: compat.Eqn) -> Rule:
         if not ctx.vjp_rules:
             return default_allow_rule
         return functools.partial(dot_general_rule, backend=ctx.backend)
@@ -63,7 +67,9 @@ class TransposeRule(EqnRule):
     dot with its operands swapped (`Plan.layouts`: the transpose of the dot's
     result, on XLA:CPU) and amp's own rule binds that dot."""
 
-    def evaluate(self, ctx: RuleContext, eqn: Any, d: Decision, env: CastingEnv) -> list[Any]:
+    def evaluate(
+        self, ctx: RuleContext, eqn: compat.Eqn, d: Decision, env: CastingEnv
+    ) -> list[Any]:
         lay = _layout(eqn, env)
         if lay is None or not isinstance(ctx.rule_for(lay.eqn, OpClass.ALLOW), DotRule):
             return super().evaluate(ctx, eqn, d, env)  # (or the user's own dot rule)
@@ -72,7 +78,7 @@ class TransposeRule(EqnRule):
         return [out if want is None else casting.cast(out, want)]
 
 
-def _layout(eqn: Any, env: CastingEnv) -> Any:
+def _layout(eqn: compat.Eqn, env: CastingEnv) -> Any:
     """The plan's layout record of ``eqn``, if any, unless the trace is
     partitioned by a mesh (jit's partitioner then chooses the layouts)."""
     lay = env.layouts.get(eqn.outvars[0])
@@ -92,7 +98,7 @@ def _layout_dot(ctx: RuleContext, lay: Any, env: CastingEnv) -> list[Any]:
 
 
 def plan_layouts(
-    jaxpr: Any, decisions: Sequence[Decision], *, backend: Backend, vjp_rules: bool
+    jaxpr: compat.Jaxpr, decisions: Sequence[Decision], *, backend: Backend, vjp_rules: bool
 ) -> dict[int, Any]:
     """The backend's layout records of a plan's lowered dots (`Backend.plan_layouts`),
     by eqn index: for the dots amp's dot rule lowers to the compute dtype (none
@@ -114,7 +120,11 @@ def plan_layouts(
     return backend.plan_layouts(jaxpr, lowered, skip)
 
 
-def _tangent_sum(out: Any, parts: list[Any]) -> Any:
+#: a tangent a custom JVP rule with ``symbolic_zeros=True`` is handed
+Tangent = jax.Array | SymbolicZero
+
+
+def _tangent_sum(out: jax.Array, parts: list[jax.Array]) -> jax.Array:
     """The tangent of a bilinear op: the sum of its products (zeros when no
     operand has a tangent; JAX skips the rule then, this is for safety)."""
     return functools.reduce(lambda a, b: a + b, parts) if parts else jax.numpy.zeros_like(out)
@@ -122,21 +132,21 @@ def _tangent_sum(out: Any, parts: list[Any]) -> Any:
 
 @functools.cache
 def _amp_dot(
-    dims: Any,
-    precision: Any,
-    acc: Any,
-    out_sharding: Any,
+    dims: lax.DotDimensionNumbers,
+    precision: lax.PrecisionLike,
+    acc: DTypeLike | None,
+    out_sharding: jax.sharding.Sharding | None,
     compute_dtype: np.dtype,
     x_dtype: np.dtype,
     y_dtype: np.dtype,
     backend: Backend,
-) -> Callable:
+) -> Callable[[jax.Array, jax.Array], jax.Array]:
     dot = backend.dot
 
-    def cast(v: Any) -> Any:
+    def cast(v: jax.Array) -> jax.Array:
         return casting.lower(v, compute_dtype)
 
-    def amp_dot(x, y):
+    def amp_dot(x: jax.Array, y: jax.Array) -> jax.Array:
         return dot(cast(x), cast(y), dims, precision, acc, out_sharding)
 
     # A custom JVP (not VJP) rule, so forward mode works too: the tangent
@@ -152,7 +162,9 @@ def _amp_dot(
         backend=backend,
     )
 
-    def jvp(primals, tangents):
+    def jvp(
+        primals: Sequence[jax.Array], tangents: Sequence[Tangent]
+    ) -> tuple[jax.Array, jax.Array]:
         x, y = primals
         tx, ty = tangents
         xl, yl = cast(x), cast(y)
@@ -169,14 +181,14 @@ def _amp_dot(
     return _jitted(f)
 
 
-def _jitted(f: Callable) -> Callable:
+def _jitted(f: Callable[..., jax.Array]) -> Callable[[jax.Array, jax.Array], jax.Array]:
     """``f`` jitted (and inlined by JAX where it stages it), once per caller's
     source line: JAX linearizes, transposes and lowers it once per signature
     and line instead of once per call (a layer's dots, called once per layer,
     share a line), and the eqns of the trace it reuses name the line they
     are run for (what ``explain`` and profilers read)."""
 
-    def amp_call(x: Any, y: Any, line: str) -> Any:
+    def amp_call(x: jax.Array, y: jax.Array, line: str) -> jax.Array:
         del line  # (a static argument: a trace of its own per line)
         return f(x, y)
 
@@ -185,13 +197,13 @@ def _jitted(f: Callable) -> Callable:
 
 
 def dot_general_rule(
-    eqn: Any,
-    invals: Sequence[Any],
+    eqn: compat.Eqn,
+    invals: Sequence[jax.Array],
     compute_dtype: np.dtype,
     out_dtype: np.dtype = HIGH_DTYPE,
     *,
     backend: Backend,
-    dims: Any = None,
+    dims: lax.DotDimensionNumbers | None = None,
 ) -> list[Any]:
     """``dims``: dimension numbers that replace ``eqn``'s (for operands read
     through their transposes, or swapped: `Plan.layouts`)."""
@@ -224,16 +236,16 @@ def _freeze(params: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
 @functools.cache
 def _amp_conv(
     frozen: tuple[tuple[str, Any], ...],
-    acc: Any,
+    acc: DTypeLike | None,
     compute_dtype: np.dtype,
-) -> Callable:
+) -> Callable[[jax.Array, jax.Array], jax.Array]:
     params = dict(frozen)
     prim = P.conv_general_dilated_p
 
-    def conv(x, w, out_dtype):
+    def conv(x: jax.Array, w: jax.Array, out_dtype: DTypeLike | None) -> jax.Array:
         return prim.bind(x, w, **{**params, "preferred_element_type": out_dtype})
 
-    def amp_conv(x, w):
+    def amp_conv(x: jax.Array, w: jax.Array) -> jax.Array:
         return conv(casting.lower(x, compute_dtype), casting.lower(w, compute_dtype), acc)
 
     # A custom JVP (so forward mode works): the tangent convolutions take
@@ -242,12 +254,14 @@ def _amp_conv(
     # cotangent rounded to the compute dtype first: the transpose of the cast).
     f = jax.custom_jvp(amp_conv)
 
-    def jvp(primals, tangents):
+    def jvp(
+        primals: Sequence[jax.Array], tangents: Sequence[Tangent]
+    ) -> tuple[jax.Array, jax.Array]:
         x, w = primals
         tx, tw = tangents
         xl, wl = casting.lower(x, compute_dtype), casting.lower(w, compute_dtype)
         out = conv(xl, wl, acc)
-        parts = []
+        parts: list[jax.Array] = []
         if not isinstance(tx, SymbolicZero):
             parts.append(conv(casting.lower(tx, compute_dtype), wl, None).astype(out.dtype))
         if not isinstance(tw, SymbolicZero):
@@ -259,7 +273,10 @@ def _amp_conv(
 
 
 def conv_rule(
-    eqn: Any, invals: Sequence[Any], compute_dtype: np.dtype, out_dtype: np.dtype = HIGH_DTYPE
+    eqn: compat.Eqn,
+    invals: Sequence[jax.Array],
+    compute_dtype: np.dtype,
+    out_dtype: np.dtype = HIGH_DTYPE,
 ) -> list[Any]:
     x, w = invals
     if not (is_managed_float(x.dtype) and is_managed_float(w.dtype)):

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from amp_jax._src import casting, compat
+from amp_jax._src import casting, compat, jaxprs
 from amp_jax._src.decision import Color, Decision
 from amp_jax._src.policy import is_managed_float
 from amp_jax._src.rules.base import CastingEnv, EqnRule, RuleContext
@@ -32,14 +32,16 @@ class BroadcastRule(EqnRule):
     reads a size-1-broadcast operand (a bias of shape [1, n] added to
     [b, n]) broadcast *before* the cast, for the same reason."""
 
-    def evaluate(self, ctx: RuleContext, eqn: Any, d: Decision, env: CastingEnv) -> list[Any]:
+    def evaluate(
+        self, ctx: RuleContext, eqn: compat.Eqn, d: Decision, env: CastingEnv
+    ) -> list[Any]:
         if d.color is not Color.LOW:
             return super().evaluate(ctx, eqn, d, env)
         cd = ctx.policy.compute_dtype
         if any(_held_wide(env, v, cd) for v in eqn.invars):
             outs = compat.bind_eqn(eqn, [env.read(v, casting.dtype_of(v)) for v in eqn.invars])
             return [casting.lower(o, cd) for o in outs]
-        shape = tuple(getattr(eqn.outvars[0].aval, "shape", ()))
+        shape = jaxprs.shape_of(eqn.outvars[0])
         return compat.bind_eqn(
             eqn,
             [
@@ -48,15 +50,15 @@ class BroadcastRule(EqnRule):
             ],
         )
 
-    def reads_low(self, ctx: RuleContext, eqn: Any, d: Decision, atom: Any) -> bool:
+    def reads_low(self, ctx: RuleContext, eqn: compat.Eqn, d: Decision, atom: compat.Atom) -> bool:
         # (an operand wider than the compute dtype makes the op compute in it)
-        out_shape = tuple(getattr(eqn.outvars[0].aval, "shape", ()))
         dtype = casting.dtype_of(atom)
         narrow = casting.target(dtype, Color.LOW, ctx.policy.compute_dtype) in (None, dtype)
-        return d.color is Color.LOW and tuple(atom.aval.shape) == out_shape and narrow
+        same_shape = jaxprs.shape_of(atom) == jaxprs.shape_of(eqn.outvars[0])
+        return d.color is Color.LOW and same_shape and narrow
 
 
-def _held_wide(env: CastingEnv, atom: Any, compute_dtype: np.dtype) -> bool:
+def _held_wide(env: CastingEnv, atom: compat.Atom, compute_dtype: np.dtype) -> bool:
     """Whether ``env`` holds variable ``atom`` in a float dtype wider than the
     one a low op reads it in (a float32 value it would cast down)."""
     if isinstance(atom, compat.Literal):
@@ -99,7 +101,9 @@ class ExpandRule(EqnRule):
         }
     )
 
-    def evaluate(self, ctx: RuleContext, eqn: Any, d: Decision, env: CastingEnv) -> list[Any]:
+    def evaluate(
+        self, ctx: RuleContext, eqn: compat.Eqn, d: Decision, env: CastingEnv
+    ) -> list[Any]:
         if d.color is not Color.LOW or not self.sums_in_transpose(eqn):
             return super().evaluate(ctx, eqn, d, env)
         cd = ctx.policy.compute_dtype
@@ -107,15 +111,15 @@ class ExpandRule(EqnRule):
         return [casting.lower(o, cd) for o in outs]
 
     @classmethod
-    def sums_in_transpose(cls, eqn: Any) -> bool:
+    def sums_in_transpose(cls, eqn: compat.Eqn) -> bool:
         if not any(is_managed_float(casting.dtype_of(v)) for v in eqn.invars):
             return False
         if eqn.primitive.name in cls.ALWAYS:
             return True
-        x, out = eqn.invars[0].aval, eqn.outvars[0].aval
-        return int(np.prod(out.shape)) > int(np.prod(x.shape))
+        x, out = jaxprs.shape_of(eqn.invars[0]), jaxprs.shape_of(eqn.outvars[0])
+        return int(np.prod(out)) > int(np.prod(x))
 
-    def reads_low(self, ctx: RuleContext, eqn: Any, d: Decision, atom: Any) -> bool:
+    def reads_low(self, ctx: RuleContext, eqn: compat.Eqn, d: Decision, atom: compat.Atom) -> bool:
         return d.color is Color.LOW and not self.sums_in_transpose(eqn)
 
 

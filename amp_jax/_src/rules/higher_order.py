@@ -1,9 +1,12 @@
 """The rules of higher-order primitives (``cond``, ``while``, ``scan``, ``jit``,
 ``remat``, ``shard_map``, ``custom_jvp_call``, ``custom_vjp_call``, ...).
 
-Their sub-jaxprs are planned and evaluated by the context (``ctx.plan``,
-``ctx.rewrite``, ``ctx.evaluate``: ``interpreter.Interpreter``) with the same
-policy; a ``scan``'s casts of stacked weights are hoisted out of the loop, a
+The plans of their sub-jaxprs are in their eqn's decision (`Decision.bodies`,
+made when the eqn was planned); the rules rewrite and evaluate them through
+the context (``ctx.rewrite``, ``ctx.evaluate``: ``interpreter.Interpreter``).
+Only a body JAX traces later -- a custom derivative rule, a ``scan`` body
+retraced with its concrete masks -- is planned here, through its `LazyBody`.
+A ``scan``'s casts of stacked weights are hoisted out of the loop, a
 ``shard_map`` is rebuilt as a public one, a transparent ``custom_jvp_call``
 runs its body low and keeps the user's JVP rule.
 """
@@ -20,7 +23,16 @@ import numpy as np
 from jax.extend.core import primitives as P
 
 from amp_jax._src import casting, compat
-from amp_jax._src.decision import BodyHints, Color, Decision, Kind, body_hints
+from amp_jax._src.decision import (
+    BodyPlan,
+    Color,
+    Decision,
+    Kind,
+    LazyBody,
+    body_hints,
+    body_plan,
+    lazy_body,
+)
 from amp_jax._src.rules.base import CastingEnv, EqnRule, RuleContext
 
 
@@ -42,22 +54,48 @@ class HigherOrderRule(EqnRule):
     def bind_rewritten(
         self, ctx: RuleContext, eqn: Any, d: Decision, invals: list[Any]
     ) -> list[Any]:
-        """Binds ``eqn`` on ``invals`` with its sub-jaxprs rewritten, each
-        planned with the hints ``d`` gives it (`decision.body_hints`)."""
+        """Binds ``eqn`` on ``invals`` with its sub-jaxprs rewritten as their
+        plans in ``d`` say (`decision.body_plan`); the bodies of a custom
+        derivative rule are planned when JAX traces them (their `LazyBody`)."""
+
+        def rewrite(sub: Any) -> Any:
+            found = body_plan(d, sub)
+            if found is None:  # a custom_vjp's forward, traced under differentiation
+                found = _lazy(d, "fwd_jaxpr_thunk", eqn).plan(ctx, sub)
+            return ctx.rewrite(found)
+
+        def rewrite_jvp_rule(rule: Any) -> Any:
+            return ctx.linear.rewrite(_lazy(d, "jvp_jaxpr_fun", eqn).plan(ctx, rule))
+
         params = ctx.cached(
             ("params", d.hints),  # (a body planned twice, with two hints, has two)
             eqn,
             lambda: compat.map_subjaxprs(
                 eqn,
-                lambda sub: ctx.rewrite(sub, hints=body_hints(eqn, d, sub)),
-                ctx.linear.rewrite,
-                functools.partial(_run_bwd, ctx),
+                rewrite,
+                rewrite_jvp_rule,
+                functools.partial(_run_bwd, ctx, lazy_body(d, "bwd")),
             ),
         )
         return compat.bind_eqn(eqn, invals, params)
 
     def reads_low(self, ctx: RuleContext, eqn: Any, d: Decision, atom: Any) -> bool:
         return False
+
+
+#: a ``scan`` body retraced with the loop's concrete boolean constants
+_MASKED_BODY = LazyBody("scan body with its concrete boolean constants (masks) made constants")
+
+
+def _lazy(d: Decision, where: str, eqn: Any) -> LazyBody:
+    """The `LazyBody` ``d`` holds at ``where``."""
+    lazy = lazy_body(d, where)
+    if lazy is None:
+        raise AssertionError(
+            f"amp_jax: the plan of {eqn.primitive.name!r} holds no body {where!r}; "
+            "planning._bodies and the rules of higher_order.py disagree."
+        )
+    return lazy
 
 
 class ScanRule(HigherOrderRule):
@@ -71,10 +109,13 @@ class ScanRule(HigherOrderRule):
         if masked is not eqn:
             # (its body, retraced with the masks as constants, is planned
             # without the scan's hints: the loop carry is not kept)
-            d = dataclasses.replace(d, hints=())
+            body = masked.params["jaxpr"]
+            d = dataclasses.replace(
+                d, hints=(), bodies=(BodyPlan("jaxpr", _MASKED_BODY.plan(ctx, body), body),)
+            )
         eqn = masked
         hints = body_hints(eqn, d, eqn.params["jaxpr"])
-        hoisted = ctx.cached(("hoist", hints), eqn, lambda: _plan_hoisted_casts(ctx, eqn, hints))
+        hoisted = ctx.cached(("hoist", hints), eqn, lambda: _plan_hoisted_casts(ctx, eqn, d))
         if not hoisted:
             return super().bind_rewritten(ctx, eqn, d, invals)
         hoist, new_params = hoisted
@@ -112,7 +153,7 @@ class ShardMapRule(HigherOrderRule):
     def bind_rewritten(
         self, ctx: RuleContext, eqn: Any, d: Decision, invals: list[Any]
     ) -> list[Any]:
-        return ctx.cached("shard_map", eqn, lambda: _shard_map_fn(ctx, eqn))(*invals)
+        return ctx.cached("shard_map", eqn, lambda: _shard_map_fn(ctx, eqn, d))(*invals)
 
 
 class CustomJvpRule(HigherOrderRule):
@@ -129,7 +170,7 @@ class CustomJvpRule(HigherOrderRule):
         ]
         avals = tuple(compat.aval_of(x) for x in invals)
         params = ctx.cached(
-            ("custom_jvp_low", avals), eqn, lambda: _custom_jvp_low(ctx, eqn, avals)
+            ("custom_jvp_low", avals), eqn, lambda: _custom_jvp_low(ctx, eqn, d, avals)
         )
         return compat.bind_eqn(eqn, invals, params)
 
@@ -137,7 +178,9 @@ class CustomJvpRule(HigherOrderRule):
         return d.color is Color.LOW
 
 
-def _custom_jvp_low(ctx: RuleContext, eqn: Any, low_avals: Sequence[Any]) -> dict[str, Any]:
+def _custom_jvp_low(
+    ctx: RuleContext, eqn: Any, d: Decision, low_avals: Sequence[Any]
+) -> dict[str, Any]:
     """Params to bind a transparent ``custom_jvp_call`` on compute-dtype operands.
 
     The body is evaluated with every op low. The JVP rule is the user's,
@@ -147,7 +190,8 @@ def _custom_jvp_low(ctx: RuleContext, eqn: Any, low_avals: Sequence[Any]) -> dic
     are the same with and without differentiation.
     """
     call_jaxpr, rule_fun, _ = compat.custom_jvp_parts(eqn)
-    low = ctx.all_low(call_jaxpr)
+    low = body_plan(d, call_jaxpr)  # (its plan with every op low, `planning.all_low`)
+    jvp_rule = _lazy(d, "jvp_jaxpr_fun", eqn)
     orig_avals = [v.aval for v in eqn.invars]
 
     def primal(*xs):
@@ -169,7 +213,7 @@ def _custom_jvp_low(ctx: RuleContext, eqn: Any, low_avals: Sequence[Any]) -> dic
             p_out = primal(*prims)
             up = [casting.cast(x, hi.dtype) for x, hi in zip(prims, orig_avals)]
             up += [casting.cast(t, hi.dtype) for t, (_, hi) in zip(tans, tan_in)]
-            t_out = ctx.linear.evaluate(ctx.linear.plan(rule), up)[len(out_zeros) :]
+            t_out = ctx.linear.evaluate(jvp_rule.plan(ctx, rule), up)[len(out_zeros) :]
             nz = [p for p, z in zip(p_out, out_zeros) if not z]
             return [
                 *p_out,
@@ -190,8 +234,11 @@ _ARRAYS = (jax.Array, compat.Tracer, np.ndarray, np.generic)
 _SCALARS = (bool, int, float, complex)
 
 
-def _run_bwd(ctx: RuleContext, key: Any, bwd: Any, args: Sequence[Any]) -> Any:
-    """A ``custom_vjp`` backward rule ``bwd(*args)`` run under ``ctx``'s policy.
+def _run_bwd(
+    ctx: RuleContext, lazy: LazyBody | None, key: Any, bwd: Any, args: Sequence[Any]
+) -> Any:
+    """A ``custom_vjp`` backward rule ``bwd(*args)`` run under ``ctx``'s policy,
+    planned (``lazy``: the decision's `LazyBody` of it) when JAX runs it.
 
     A rule that recomputes primal values (diffrax's checkpointed adjoint
     re-runs the solver's steps) must see the policy its forward ran under,
@@ -233,7 +280,9 @@ def _run_bwd(ctx: RuleContext, key: Any, bwd: Any, args: Sequence[Any]) -> Any:
             return arrays
 
         closed = compat.trace_to_closed_jaxpr(traced, avals)
-        return ctx.plan(closed), zeros, tree[0]
+        if lazy is None:
+            raise AssertionError("amp_jax: a custom_vjp_call's plan holds no 'bwd' body")
+        return lazy.plan(ctx, closed), zeros, tree[0]
 
     # (a Python scalar -- a cotangent ``vjp`` was handed as a float -- is baked
     # into the trace: keyed by its value, or the next call's would get this one's)
@@ -250,14 +299,15 @@ def _run_bwd(ctx: RuleContext, key: Any, bwd: Any, args: Sequence[Any]) -> Any:
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
-def _shard_map_fn(ctx: RuleContext, eqn: Any) -> Any:
-    """The public ``jax.shard_map`` of ``eqn``'s body, evaluated under the policy."""
-    plan_ = ctx.plan(compat.shard_map_body(eqn))
+def _shard_map_fn(ctx: RuleContext, eqn: Any, d: Decision) -> Any:
+    """The public ``jax.shard_map`` of ``eqn``'s body, evaluated under the
+    policy as its plan in ``d`` says."""
+    plan_ = body_plan(d, compat.shard_map_body(eqn))
     return compat.shard_map_of(eqn, lambda *a: ctx.evaluate(plan_, a))
 
 
 def _plan_hoisted_casts(
-    ctx: RuleContext, eqn: Any, hints: BodyHints
+    ctx: RuleContext, eqn: Any, d: Decision
 ) -> tuple[list[int], dict[str, Any]] | None:
     """For a ``scan`` whose scanned-over inputs are read only in the compute
     dtype (stacked per-layer weights): the indices of those inputs, to be cast
@@ -270,14 +320,14 @@ def _plan_hoisted_casts(
     gradient then leaves its matmul rounded to the compute dtype before it is
     cast back to the parameter's dtype. None when nothing can be hoisted
     (the caller then rewrites the body as for any higher-order primitive).
-    ``hints``: the body's, from the scan's decision.
+    ``d``: the scan's decision, which holds the body's plan.
     """
     found = compat.scan_xs(eqn)
     if found is None or ctx.policy.is_identity:
         return None
     body, xs = found
-    body_plan = ctx.plan(body, hints)
-    bj = body_plan.jaxpr
+    planned = body_plan(d, body)
+    bj = planned.jaxpr
     cd = ctx.policy.compute_dtype
     hoist = []
     for i in xs:
@@ -289,15 +339,15 @@ def _plan_hoisted_casts(
         ):
             continue
         uses = [
-            (e, d) for e, d in zip(bj.eqns, body_plan.decisions) if any(v is a for a in e.invars)
+            (e, de) for e, de in zip(bj.eqns, planned.decisions) if any(v is a for a in e.invars)
         ]
-        if uses and all(ctx.rule_for(e, d.op_class).reads_low(ctx, e, d, v) for e, d in uses):
+        if uses and all(ctx.rule_for(e, de.op_class).reads_low(ctx, e, de, v) for e, de in uses):
             hoist.append(i)
     if not hoist:
         return None
     avals = compat.in_avals(body)
     avals = [a.update(dtype=cd) if i in hoist else a for i, a in enumerate(avals)]
-    return hoist, compat.scan_params_with_body(eqn, ctx.rewrite(body, avals, hints))
+    return hoist, compat.scan_params_with_body(eqn, ctx.rewrite(planned, avals))
 
 
 #: the rule of higher-order primitives without one of their own

@@ -40,7 +40,7 @@ _BIND = EqnRule()
 _ALLOW = AllowRule()
 
 
-def rule_for(eqn: Any, op_class: OpClass | None) -> EqnRule:
+def rule_for(eqn: compat.Eqn, op_class: OpClass | None) -> EqnRule:
     """The rule that binds ``eqn`` (of class ``op_class``): its primitive's entry
     in `TABLE`, else the generic rule of higher-order primitives, the
     default ``allow`` rule, or the plain bind."""
