@@ -93,36 +93,55 @@ def _digest(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None) -> str:
+    """Runs the tool; returns its report (a table of the hashes and, with
+    ``--check``, what changed). Exits 1 when ``--check`` finds a change, 2
+    when the baseline is of another JAX."""
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument("--write", type=pathlib.Path, help="write the hashes to this JSON file")
     mode.add_argument("--check", type=pathlib.Path, help="compare with this JSON file")
+    mode.add_argument("--smoke", action="store_true", help="the mlp case, printed only (CI)")
     parser.add_argument("--only", help="comma-separated case names")
     parser.add_argument("--dump", type=pathlib.Path, help="also write each text to this folder")
     args = parser.parse_args(argv)
-    found = texts(args.only)
+    found = texts("mlp" if args.smoke else args.only)
     hashes = {k: _digest(v) for k, v in found.items()}
     if args.dump:
         args.dump.mkdir(parents=True, exist_ok=True)
         for k, v in found.items():
             (args.dump / k).write_text(v)
-    versions = {"jax": jax.__version__, "amp_jax": amp_jax.__file__}
+    before: dict[str, str] = {}
+    if args.check:
+        baseline = json.loads(args.check.read_text())
+        if baseline["versions"]["jax"] != jax.__version__:
+            print(
+                f"the baseline is of JAX {baseline['versions']['jax']}, this is {jax.__version__}"
+            )
+            sys.exit(2)
+        before = baseline["hashes"]
+    rows = ["| entry | sha256[:16] | unchanged |", "|---|---|---|"]
+    rows += [
+        f"| {k} | {v} | {'-' if not args.check else before.get(k) == v} |"
+        for k, v in hashes.items()
+    ]
+    changed = [k for k in hashes if args.check and before.get(k) != hashes[k]]
+    summary = (
+        f"{len(hashes) - len(changed)} of {len(hashes)} unchanged (JAX {jax.__version__})"
+        if args.check
+        else f"{len(hashes)} hashes (JAX {jax.__version__})"
+    )
+    text = "\n".join([*rows, "", *(f"changed: {k}" for k in changed), summary]) + "\n"
+    print(text)
     if args.write:
+        versions = {"jax": jax.__version__, "amp_jax": amp_jax.__file__}
         args.write.parent.mkdir(parents=True, exist_ok=True)
         args.write.write_text(json.dumps({"versions": versions, "hashes": hashes}, indent=1))
-        print(f"{len(hashes)} hashes written to {args.write} (JAX {jax.__version__})")
-        return 0
-    before = json.loads(args.check.read_text())
-    if before["versions"]["jax"] != jax.__version__:
-        print(f"the baseline is of JAX {before['versions']['jax']}, this is {jax.__version__}")
-        return 2
-    changed = [k for k in hashes if before["hashes"].get(k) != hashes[k]]
-    for k in changed:
-        print(f"changed: {k}")
-    print(f"{len(hashes) - len(changed)} of {len(hashes)} unchanged (JAX {jax.__version__})")
-    return 1 if changed else 0
+        print(f"written to {args.write}")
+    if changed:
+        sys.exit(1)
+    return text
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -126,6 +126,12 @@ def test_eager_memory():
 
 
 @heavy
+def test_plan_hash():
+    t = table_with(run("plan_hash"), "entry", "sha256[:16]", "unchanged")
+    assert first_column(t) == ["mlp.hlo", "mlp.jaxpr", "mlp.explain", "mlp.report"]
+
+
+@heavy
 def test_dot_thresholds():
     text = run("dot_thresholds")
     t = table_with(text, "m", "n = 2")
