@@ -8,8 +8,9 @@ and ``async def`` (methods and nested functions included; lambdas have no
 annotations), ``*args`` and ``**kwargs`` included, ``self`` and ``cls`` left
 out. A parameter counts as ``Any`` when its annotation is exactly ``Any`` (or
 ``typing.Any``, or the string ``"Any"``); ``dict[str, Any]`` and
-``Callable[..., Any]`` say something about the value and are not counted, nor is a
-parameter without an annotation (column ``bare``).
+``Callable[..., Any]`` say something about the value and are not counted. A
+parameter without an annotation is counted apart (column ``bare``); the
+share is ``(Any + bare) / params``, as both are ``Any`` to a type checker.
 
 tests/test_typing.py holds the share in amp_jax/_src under a ceiling.
 """
@@ -36,8 +37,9 @@ class Count(NamedTuple):
 
     @property
     def share(self) -> float:
-        """``any / params`` (0 for a file without parameters)."""
-        return self.any / self.params if self.params else 0.0
+        """``(any + bare) / params``: a parameter without an annotation is
+        ``Any`` to a type checker too (0 for a file without parameters)."""
+        return (self.any + self.bare) / self.params if self.params else 0.0
 
 
 def _is_any(annotation: ast.expr | None) -> bool:
@@ -110,14 +112,14 @@ def total(counts: dict[str, Count]) -> Count:
 def table(counts: dict[str, Count]) -> str:
     """The per-file rows (files with parameters), then the total."""
     width = max([len(n) for n in counts] + [5])
-    lines = [f"{'file':<{width}}  {'params':>6}  {'Any':>5}  {'share':>6}  {'bare':>5}"]
+    lines = [f"{'file':<{width}}  {'params':>6}  {'Any':>5}  {'bare':>5}  {'share':>6}"]
     for name, c in counts.items():
         if c.params:
             lines.append(
-                f"{name:<{width}}  {c.params:>6}  {c.any:>5}  {c.share:>6.1%}  {c.bare:>5}"
+                f"{name:<{width}}  {c.params:>6}  {c.any:>5}  {c.bare:>5}  {c.share:>6.1%}"
             )
     t = total(counts)
-    lines.append(f"{'total':<{width}}  {t.params:>6}  {t.any:>5}  {t.share:>6.1%}  {t.bare:>5}")
+    lines.append(f"{'total':<{width}}  {t.params:>6}  {t.any:>5}  {t.bare:>5}  {t.share:>6.1%}")
     return "\n".join(lines)
 
 

@@ -201,7 +201,7 @@ class PlansBodies(Protocol):
     @property
     def linear(self) -> PlansBodies: ...
 
-    def plan_lazy(self, closed: Any, hints: BodyHints = ...) -> Any: ...
+    def plan_lazy(self, closed: compat.ClosedJaxpr, hints: BodyHints = ...) -> Any: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,7 +221,9 @@ class LazyBody:
     what: str
     linear: bool = False
 
-    def plan(self, ctx: PlansBodies, closed: Any, hints: BodyHints = NO_HINTS) -> Any:
+    def plan(
+        self, ctx: PlansBodies, closed: compat.ClosedJaxpr, hints: BodyHints = NO_HINTS
+    ) -> Any:
         """The plan of ``closed``, this body's jaxpr now that it is traced."""
         return (ctx.linear if self.linear else ctx).plan_lazy(closed, hints)
 
@@ -283,7 +285,7 @@ class Decision:
         return self.color is Color.LOW and self.op_class is OpClass.ALLOW
 
 
-def body_hints(eqn: Any, d: Decision, sub: Any) -> BodyHints:
+def body_hints(eqn: compat.Eqn, d: Decision, sub: Any) -> BodyHints:
     """The hints ``d`` (the decision of higher-order ``eqn``) gives its sub-jaxpr
     ``sub``: a closed jaxpr of ``eqn``'s params, or one closed again."""
     if not d.hints:

@@ -44,12 +44,12 @@ class Interpreter(Context):
     def evaluate(self, plan_: Plan, args: Sequence[Any], cast_outputs: bool = True) -> list[Any]:
         return evaluate(self, plan_, args, cast_outputs)
 
-    def rule_for(self, eqn: Any, op_class: OpClass | None) -> Any:
+    def rule_for(self, eqn: compat.Eqn, op_class: OpClass | None) -> Any:
         """The rule that binds ``eqn`` (`table.rule_for`)."""
         return table.rule_for(eqn, op_class)
 
 
-def rewrite(ctx: Context, plan_: Plan, in_avals: Sequence[Any] | None = None) -> Any:
+def rewrite(ctx: Interpreter, plan_: Plan, in_avals: Sequence[Any] | None = None) -> Any:
     """The jaxpr ``plan_`` is of (a body's, from its eqn's decision) rewritten
     under ``ctx``: a closed jaxpr with the same output avals, taking
     ``in_avals`` (default: the jaxpr's own). Once per plan and context."""
@@ -63,7 +63,7 @@ def rewrite(ctx: Context, plan_: Plan, in_avals: Sequence[Any] | None = None) ->
 
 
 def evaluate(
-    ctx: Context, plan_: Plan, args: Sequence[Any], cast_outputs: bool = True
+    ctx: Interpreter, plan_: Plan, args: Sequence[Any], cast_outputs: bool = True
 ) -> list[Any]:
     """Evaluates a planned jaxpr on ``args`` under the caller's trace; outputs
     keep their dtypes (unless ``cast_outputs`` is false: then as computed)."""
@@ -71,13 +71,13 @@ def evaluate(
     env = CastingEnv({jaxpr.eqns[i].outvars[0]: lay for i, lay in plan_.layouts.items()})
     cd = ctx.policy.compute_dtype
 
-    def bind(i: int, eqn: Any, d: decision.Decision, env: CastingEnv) -> Sequence[Any]:
+    def bind(i: int, eqn: compat.Eqn, d: decision.Decision, env: CastingEnv) -> Sequence[Any]:
         if d.fused is Fused.HERE:
             match, impl = plan_.fused[i]
             return [match.evaluate(env.read, cd, impl)]
         return table.rule_for(eqn, d.op_class).evaluate(ctx, eqn, d, env)
 
-    def by_decision(i: int, eqn: Any, env: CastingEnv) -> Sequence[Any]:
+    def by_decision(i: int, eqn: compat.Eqn, env: CastingEnv) -> Sequence[Any]:
         d = plan_.decisions[i]
         if d.fused is Fused.INSIDE:
             return ()  # computed by the fused attention

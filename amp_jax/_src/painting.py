@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Iterable, Sequence
-from typing import Any
 
 from amp_jax._src import compat, jaxprs
 from amp_jax._src.decision import Color, OpClass
@@ -22,7 +21,7 @@ from amp_jax._src.policy import is_managed_float
 LOW, HIGH, ORIG = Color.LOW, Color.HIGH, Color.ORIG
 
 
-def _graph(jaxpr: Any) -> tuple[list[list[int]], list[list[int]]]:
+def _graph(jaxpr: compat.Jaxpr) -> tuple[list[list[int]], list[list[int]]]:
     """Producer/consumer eqn indices over managed-float vars."""
     producer, _ = jaxprs.def_use(jaxpr)
     preds: list[list[int]] = [[] for _ in jaxpr.eqns]
@@ -54,7 +53,7 @@ def _reach(starts: Sequence[int], edges: list[list[int]], allowed: set[int]) -> 
     return seen
 
 
-def paint(classes: Sequence[OpClass | None], jaxpr: Any) -> list[Color]:
+def paint(classes: Sequence[OpClass | None], jaxpr: compat.Jaxpr) -> list[Color]:
     """Colors for each eqn, from their classes (None: not painted, as written)."""
     preds, succs = _graph(jaxpr)
     idx = {
@@ -102,7 +101,7 @@ def paint(classes: Sequence[OpClass | None], jaxpr: Any) -> list[Color]:
 
 
 def matmuls_around(
-    jaxpr: Any, classes: Sequence[OpClass | None], starts: Iterable[int]
+    jaxpr: compat.Jaxpr, classes: Sequence[OpClass | None], starts: Iterable[int]
 ) -> set[int]:
     """The ``allow`` eqns nearest to eqns ``starts`` through other ops, both
     ways: those whose results reach them, and those that read their results."""

@@ -39,7 +39,7 @@ import collections
 import dataclasses
 import functools
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, Self
 
 import jax.numpy as jnp
 import numpy as np
@@ -188,15 +188,16 @@ class Context:
         return self.config.identity
 
     @property
-    def linear(self) -> Context:
-        """This context without the custom_vjp rules, sharing its memo."""
+    def linear(self) -> Self:
+        """This context without the custom_vjp rules, sharing its memo (of the
+        same class: an interpreter's is an interpreter)."""
         return self if not self.vjp_rules else dataclasses.replace(self, config=self.config.linear)
 
     def cached(self, kind: Any, obj: Any, make: Callable[[], Any]) -> Any:
         """``make()``, computed once per ``obj`` (by identity) and ``kind`` in this trace."""
         return self.memo.get((self.vjp_rules, kind), obj, make)
 
-    def prepare(self, closed: Any) -> Any:
+    def prepare(self, closed: compat.ClosedJaxpr) -> Any:
         """Inlines sharding-free jits (not under the identity policy, which keeps
         the structure exactly so that results stay bitwise equal). Once per
         ``closed``: the eqns keep their identity for the per-eqn records."""
@@ -204,25 +205,25 @@ class Context:
             return closed
         return self.cached("prepare", closed, lambda: inline_jits(closed))
 
-    def plan(self, closed: Any, hints: BodyHints = NO_HINTS) -> Plan:
+    def plan(self, closed: compat.ClosedJaxpr, hints: BodyHints = NO_HINTS) -> Plan:
         """The plan of closed jaxpr ``closed`` under this context (`plan`)."""
         return plan(self, closed, hints)
 
-    def plan_lazy(self, closed: Any, hints: BodyHints = NO_HINTS) -> Plan:
+    def plan_lazy(self, closed: compat.ClosedJaxpr, hints: BodyHints = NO_HINTS) -> Plan:
         """The plan of a `LazyBody`'s jaxpr, traced after planning (`LazyBody.plan`)."""
         return _plan(self, closed, hints)
 
-    def all_low(self, closed: Any) -> Plan:
+    def all_low(self, closed: compat.ClosedJaxpr) -> Plan:
         """The plan of a transparent function painted low (`all_low`), prepared."""
         return all_low(self, self.prepare(closed))
 
     # -- classification -------------------------------------------------
-    def classify(self, eqn: Any) -> Classified:
+    def classify(self, eqn: compat.Eqn) -> Classified:
         """What ``eqn`` is under this context (its callers keep the results:
         the painting once per jaxpr, not a memo entry per eqn)."""
         return _classify(self, eqn)
 
-    def is_transparent(self, eqn: Any) -> bool:
+    def is_transparent(self, eqn: compat.Eqn) -> bool:
         """A ``custom_jvp_call`` whose body only has follow/clear ops (``jax.nn.relu``).
 
         Such a call is painted like a follow op, so an activation between two
@@ -242,15 +243,15 @@ class Context:
             ),
         )
 
-    def in_full_precision(self, eqn: Any) -> bool:
+    def in_full_precision(self, eqn: compat.Eqn) -> bool:
         return self.scope_of(eqn) is not None
 
-    def scope_of(self, eqn: Any) -> str | None:
+    def scope_of(self, eqn: compat.Eqn) -> str | None:
         """The full-precision scope (whole name) ``eqn`` is traced in, or None."""
         return scope_in(compat.name_stack_str(eqn), self.config.scopes)
 
 
-def _classify(ctx: Context, eqn: Any) -> Classified:
+def _classify(ctx: Context, eqn: compat.Eqn) -> Classified:
     sub = compat.has_subjaxprs(eqn)
     if ctx.identity:
         why = Reason(Why.IDENTITY, "float32 policy: identity, nothing rewritten")
@@ -291,9 +292,9 @@ def _classify(ctx: Context, eqn: Any) -> Classified:
         return Classified(Kind.OP, OpClass.DENY, Reason.kept(Why.FLOAT16_RANGE))
     if cls != "allow":
         return Classified(Kind.OP, OpClass(cls))
-    why = stays_high(eqn, ctx.policy)
-    if why is not None:
-        return Classified(Kind.OP, OpClass.NEVER, Reason.kept(why))
+    kept = stays_high(eqn, ctx.policy)
+    if kept is not None:
+        return Classified(Kind.OP, OpClass.NEVER, Reason.kept(kept))
     floats = all(is_managed_float(casting.dtype_of(v)) for v in eqn.invars)
     if floats and not ctx.backend.has_low_kernel(eqn):
         # its rule runs it in float32 on this backend (XLA:CPU's batched dots)
@@ -326,7 +327,7 @@ def allow_output_dtype(policy: Policy, backend: Backend) -> np.dtype:
     return policy.compute_dtype if low else HIGH_DTYPE
 
 
-def _leaves_range(policy: Policy, eqn: Any) -> bool:
+def _leaves_range(policy: Policy, eqn: compat.Eqn) -> bool:
     """A follow eqn whose result can leave the range its operands came in,
     under a compute dtype with float16's range (not a policy override): a
     power or reciprocal (``integer_pow``, ``square``), a division by anything
@@ -354,7 +355,7 @@ def _leaves_range(policy: Policy, eqn: Any) -> bool:
 # -- allow ops that stay in float32 ---------------------------------------------
 
 
-def stays_high(eqn: Any, policy: Policy) -> Why | None:
+def stays_high(eqn: compat.Eqn, policy: Policy) -> Why | None:
     """Why an ``allow`` eqn stays in its original precision, or None to lower it."""
     dtypes = [getattr(v.aval, "dtype", None) for v in eqn.invars]
     if any(
@@ -372,16 +373,9 @@ def stays_high(eqn: Any, policy: Policy) -> Why | None:
         return Why.TOO_SMALL
     if eqn.primitive.name == "dot_general" and policy.min_low_flops:
         (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-        free = [
-            eqn.invars[0].aval.shape[d]
-            for d in range(eqn.invars[0].aval.ndim)
-            if d not in (*lc, *lb)
-        ]
-        free += [
-            eqn.invars[1].aval.shape[d]
-            for d in range(eqn.invars[1].aval.ndim)
-            if d not in (*rc, *rb)
-        ]
+        lhs, rhs = jaxprs.shape_of(eqn.invars[0]), jaxprs.shape_of(eqn.invars[1])
+        free = [n for d, n in enumerate(lhs) if d not in (*lc, *lb)]
+        free += [n for d, n in enumerate(rhs) if d not in (*rc, *rb)]
         if int(np.prod(free, dtype=np.int64)) == 1:  # a (batch of) vector-vector dot product(s)
             return Why.TOO_SMALL
     return None
@@ -397,7 +391,7 @@ class Plan:
     (`Decision.bodies`). Compared by identity (one per jaxpr, hints and
     context in a trace)."""
 
-    closed: Any
+    closed: compat.ClosedJaxpr
     decisions: tuple[Decision, ...]
     #: the fused attentions, by the index of the eqn that computes each one
     fused: dict[int, tuple[attention.Match, str]] = dataclasses.field(default_factory=dict)
@@ -453,7 +447,7 @@ def _plan_lines(p: Plan, indent: str) -> Iterator[str]:
         yield f"{indent}attention at {line}: {impl or 'left as written'} ({why})"
 
 
-def plan(ctx: Context, closed: Any, hints: BodyHints = NO_HINTS) -> Plan:
+def plan(ctx: Context, closed: compat.ClosedJaxpr, hints: BodyHints = NO_HINTS) -> Plan:
     """The plan tree of closed jaxpr ``closed`` (prepared, painted, attention
     found, the plans of its sub-jaxprs in the decisions of their eqns), once
     per context and ``hints`` (what its parent's plan says of its outputs, for
@@ -462,7 +456,7 @@ def plan(ctx: Context, closed: Any, hints: BodyHints = NO_HINTS) -> Plan:
     return _plan(ctx, closed, hints)
 
 
-def _plan(ctx: Context, closed: Any, hints: BodyHints) -> Plan:
+def _plan(ctx: Context, closed: compat.ClosedJaxpr, hints: BodyHints) -> Plan:
     def make() -> Plan:
         slot = len(ctx.memo.plans)
         ctx.memo.plans.append(None)
@@ -485,7 +479,7 @@ _VJP_FWD = LazyBody("custom_vjp forward, traced when JAX differentiates the call
 _VJP_BWD = LazyBody("custom_vjp backward rule, traced when JAX transposes the call")
 
 
-def subjaxprs(eqn: Any) -> Iterator[tuple[str, Any]]:
+def subjaxprs(eqn: compat.Eqn) -> Iterator[tuple[str, Any]]:
     """``(param, closed jaxpr)`` of each sub-jaxpr of ``eqn``'s params (an
     open one closed, but for an open one with constvars: values of the
     enclosing trace), in the order of the params (``jaxprs_in_params``'s)."""
@@ -499,7 +493,7 @@ def subjaxprs(eqn: Any) -> Iterator[tuple[str, Any]]:
                 yield where, compat.close(x, [])
 
 
-def _bodies(ctx: Context, eqn: Any, d: Decision) -> tuple[BodyPlan, ...]:
+def _bodies(ctx: Context, eqn: compat.Eqn, d: Decision) -> tuple[BodyPlan, ...]:
     """The plans of ``eqn``'s sub-jaxprs that its rule rewrites as ``d``
     says, made now: each with the hints ``d`` gives it; a transparent
     ``custom_jvp`` function painted low, its body with every op low
@@ -522,7 +516,7 @@ def _bodies(ctx: Context, eqn: Any, d: Decision) -> tuple[BodyPlan, ...]:
     return tuple(out)
 
 
-def all_low(ctx: Context, closed: Any) -> Plan:
+def all_low(ctx: Context, closed: compat.ClosedJaxpr) -> Plan:
     """The plan of a transparent function painted low (``custom_jvp``'s body):
     every op low."""
     eqns = compat.jaxpr_of(closed).eqns
@@ -564,11 +558,12 @@ class _Draft:
         return [c.kind for c in self.classified]
 
     def decisions(
-        self, ctx: Context, jaxpr: Any, att: attention.AttentionPlan
+        self, ctx: Context, jaxpr: compat.Jaxpr, att: attention.AttentionPlan
     ) -> tuple[Decision, ...]:
         """One per eqn; equal decisions (the same op in every layer) are one
         object: a plan holds as many objects as it has different decisions."""
-        out, seen = [], {}
+        out: list[Decision] = []
+        seen: dict[Decision, Decision] = {}
         for i, (eqn, c, color) in enumerate(zip(jaxpr.eqns, self.classified, self.colors)):
             fused = Fused.HERE if i in att.fused else Fused.INSIDE if i in att.skip else Fused.NO
             reason = self.kept.get(i) or c.reason
@@ -596,7 +591,7 @@ class _Draft:
         return tuple(out)
 
 
-def _reason(ctx: Context, eqn: Any, c: Classified, color: Color) -> Reason:
+def _reason(ctx: Context, eqn: compat.Eqn, c: Classified, color: Color) -> Reason:
     """Why an eqn that nothing kept as written got ``color``: its class and the painting."""
     if c.kind is Kind.NO_FLOAT:
         return Reason(Why.NO_FLOAT, "no floating operand")
@@ -629,7 +624,7 @@ def _reason(ctx: Context, eqn: Any, c: Classified, color: Color) -> Reason:
     return Reason(Why.POLICY_CLASS, f"{base} class, kept as written")
 
 
-def _low_text(ctx: Context, eqn: Any) -> str:
+def _low_text(ctx: Context, eqn: compat.Eqn) -> str:
     pol, name = ctx.policy, eqn.primitive.name
     cd = pol.compute_dtype.name
     base = pol.class_of(name)
@@ -645,7 +640,7 @@ def _low_text(ctx: Context, eqn: Any) -> str:
     return f"painting: {base} op on a path between two {cd} ops"
 
 
-def _paint(ctx: Context, jaxpr: Any, hints: BodyHints = NO_HINTS) -> _Draft:
+def _paint(ctx: Context, jaxpr: compat.Jaxpr, hints: BodyHints = NO_HINTS) -> _Draft:
     """Classes and colors of ``jaxpr``'s eqns, and the hints of their
     sub-jaxprs; ``hints``: what ``jaxpr``'s outputs are to its parent (it is
     a loop body, a while predicate, a cond branch)."""
@@ -680,7 +675,7 @@ def _paint(ctx: Context, jaxpr: Any, hints: BodyHints = NO_HINTS) -> _Draft:
     return draft
 
 
-def _painted(ctx: Context, jaxpr: Any) -> tuple[tuple[Classified, ...], tuple[Color, ...]]:
+def _painted(ctx: Context, jaxpr: compat.Jaxpr) -> tuple[tuple[Classified, ...], tuple[Color, ...]]:
     """The classes of ``jaxpr``'s eqns (an op reading a constant the compute
     dtype cannot hold is kept as written) and their painting, before any
     decision or carry is kept; once per jaxpr (the plan and the loop-decision
@@ -701,7 +696,8 @@ def _painted(ctx: Context, jaxpr: Any) -> tuple[tuple[Classified, ...], tuple[Co
         # amplifies rounding by the matrix's condition number.
         solves = [i for i, e in enumerate(jaxpr.eqns) if e.primitive.name in SOLVES]
         for i in painting.matmuls_around(jaxpr, [c.op_class for c in classified], solves):
-            if classified[i].reason is None or not classified[i].reason.keeps_high:
+            reason = classified[i].reason
+            if reason is None or not reason.keeps_high:
                 c = classified[i]
                 classified[i] = Classified(c.kind, OpClass.NEVER, Reason.kept(Why.FEEDS_SOLVE))
         colors = painting.paint([c.op_class for c in classified], jaxpr)
@@ -713,7 +709,7 @@ def _painted(ctx: Context, jaxpr: Any) -> tuple[tuple[Classified, ...], tuple[Co
 # -- what decides control flow: the slice, and the loop fixed point -----------------------
 
 
-def decision_seeds(ctx: Context, jaxpr: Any, decide_outs: Iterable[int]) -> list[Any]:
+def decision_seeds(ctx: Context, jaxpr: compat.Jaxpr, decide_outs: Iterable[int]) -> list[Any]:
     """The vars of ``jaxpr`` whose values decide control flow: the outputs at
     ``decide_outs`` (a while predicate, or a loop body's carry that feeds one),
     every ``cond`` index, and the operands of each loop that its decisions
@@ -728,7 +724,7 @@ def decision_seeds(ctx: Context, jaxpr: Any, decide_outs: Iterable[int]) -> list
 
 
 def decision_slice(
-    jaxpr: Any,
+    jaxpr: compat.Jaxpr,
     kinds: Sequence[Kind],
     classes: Sequence[OpClass | None],
     colors: Sequence[Color],
@@ -780,7 +776,7 @@ def decision_slice(
 
 
 def _keep_slice(
-    draft: _Draft, jaxpr: Any, seeds: list[Any], why: Why, keep_matmuls: bool = False
+    draft: _Draft, jaxpr: compat.Jaxpr, seeds: list[Any], why: Why, keep_matmuls: bool = False
 ) -> list[tuple[int, int]]:
     """Keeps what ``seeds`` are computed from out of the compute dtype (back
     to the matmuls, which write float32, or with ``keep_matmuls`` through
@@ -807,7 +803,7 @@ def _keep(draft: _Draft, i: int, why: Why) -> None:
         draft.kept[i] = Reason.kept(why)
 
 
-def _carry_bodies(eqn: Any) -> list[str]:
+def _carry_bodies(eqn: compat.Eqn) -> list[str]:
     """The params of ``eqn`` holding the closed sub-jaxprs whose outputs are
     ``eqn``'s outputs (``cond`` branches, a ``jit``'s body); none for loops and
     custom rules."""
@@ -818,7 +814,9 @@ def _carry_bodies(eqn: Any) -> list[str]:
     return []
 
 
-def _reached_inputs(ctx: Context, closed: Any, outs: Iterable[int], exit: bool) -> set[int]:
+def _reached_inputs(
+    ctx: Context, closed: compat.ClosedJaxpr, outs: Iterable[int], exit: bool
+) -> set[int]:
     """Input positions of ``closed`` that its decisions (and outputs ``outs``)
     read; ``exit``: ``outs`` decide when a while loop stops, and reach through
     the matmuls too."""
@@ -834,7 +832,7 @@ def _reached_inputs(ctx: Context, closed: Any, outs: Iterable[int], exit: bool) 
     return reached | decision_slice(jaxpr, kinds, classes, colors, seeds)[2]
 
 
-def _solve_operands(jaxpr: Any) -> list[Any]:
+def _solve_operands(jaxpr: compat.Jaxpr) -> list[Any]:
     """The operands of ``jaxpr``'s factorizations and solves (`SOLVES`)."""
     return [
         v
@@ -859,7 +857,7 @@ class LoopReads:
     bodies: tuple[tuple[str, BodyHints], ...]
 
 
-def _loop_reads(ctx: Context, eqn: Any) -> LoopReads:
+def _loop_reads(ctx: Context, eqn: compat.Eqn) -> LoopReads:
     """What decides the control flow of ``while``/``scan`` eqn ``eqn`` (once per eqn)."""
 
     def make() -> LoopReads:
@@ -925,7 +923,7 @@ _CONSTANT_PASSTHROUGH = frozenset(
 )
 
 
-def _reads_unrepresentable_constant(jaxpr: Any, dtype: np.dtype) -> list[int]:
+def _reads_unrepresentable_constant(jaxpr: compat.Jaxpr, dtype: np.dtype) -> list[int]:
     """Eqns that read a constant (a literal, or a broadcast of one) that
     ``dtype`` cannot represent: they keep their original precision."""
     if np.dtype(dtype).itemsize >= 4:
@@ -950,7 +948,7 @@ def _reads_unrepresentable_constant(jaxpr: Any, dtype: np.dtype) -> list[int]:
 _NO_ATTENTION = attention.AttentionPlan({}, [], {})
 
 
-def _plan_attention(ctx: Context, closed: Any) -> attention.AttentionPlan:
+def _plan_attention(ctx: Context, closed: compat.ClosedJaxpr) -> attention.AttentionPlan:
     """The attentions of ``closed``: which run fused, and the path of each one's ops."""
     if ctx.identity or ctx.policy.attention == "off" or not ctx.vjp_rules:
         return _NO_ATTENTION
@@ -970,7 +968,7 @@ def _plan_attention(ctx: Context, closed: Any) -> attention.AttentionPlan:
 # -- preparing: inlining jits ----------------------------------------------------------
 
 
-def inline_jits(closed: Any) -> Any:
+def inline_jits(closed: compat.ClosedJaxpr) -> Any:
     """``closed`` with every sharding-free ``jit`` eqn inlined (recursively),
     spliced in place (`jaxprs.inline`): no re-trace, the other eqns kept."""
     return jaxprs.inline(closed, compat.jit_is_inlinable, compat.jit_jaxpr)

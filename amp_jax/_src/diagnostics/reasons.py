@@ -65,7 +65,7 @@ class SourceLines:
     def __init__(self):
         self._memo: dict[int, tuple[Any, str]] = {}
 
-    def __call__(self, eqn: Any) -> str:
+    def __call__(self, eqn: compat.Eqn) -> str:
         tb = eqn.source_info.traceback
         hit = self._memo.get(id(tb))
         if hit is None or hit[0] is not tb:
@@ -73,7 +73,7 @@ class SourceLines:
         return hit[1]
 
 
-def ran_in(eqn: Any) -> str:
+def ran_in(eqn: compat.Eqn) -> str:
     """The dtype an eqn computed in: its floating operands' (``a->b`` for a cast)."""
     ins, outs = float_dtypes(eqn.invars), float_dtypes(eqn.outvars)
     if eqn.primitive.name == "convert_element_type" and ins and outs and ins != outs:
@@ -81,7 +81,7 @@ def ran_in(eqn: Any) -> str:
     return ",".join(ins or outs) or "-"
 
 
-def is_float_cast(eqn: Any) -> bool:
+def is_float_cast(eqn: compat.Eqn) -> bool:
     """Whether ``eqn`` casts between two floating dtypes."""
     return (
         eqn.primitive.name == "convert_element_type"
@@ -91,7 +91,7 @@ def is_float_cast(eqn: Any) -> bool:
     )
 
 
-def full_stack(eqn: Any, outer: tuple[str, ...]) -> str:
+def full_stack(eqn: compat.Eqn, outer: tuple[str, ...]) -> str:
     """``eqn``'s name stack below its enclosing eqns' (``outer``, from `jaxprs.iter_eqns`)."""
     return "/".join(s for s in (*outer, str(eqn.source_info.name_stack)) if s)
 
@@ -144,7 +144,7 @@ def decisions_of_traces(traces: Sequence[Traced]) -> Decisions:
 
 
 def _decide(
-    jaxpr: Any,
+    jaxpr: compat.Jaxpr,
     decisions: Sequence[Decision],
     out: Decisions,
     inherited: str | None,
@@ -183,7 +183,7 @@ def _decide(
                 _decide(sub_plan.jaxpr, sub_plan.decisions, out, None, inner, at)
 
 
-def _plannable_subjaxprs(eqn: Any) -> list[Any]:
+def _plannable_subjaxprs(eqn: compat.Eqn) -> list[Any]:
     """The sub-jaxprs of ``eqn`` as closed jaxprs, but for an open one with
     constvars (its constants are values of the enclosing trace): no plan of its
     own to read, its ops get their line's reasons (`_derived`)."""
@@ -215,7 +215,7 @@ def _decision_at(by_scope: dict[str, collections.Counter], scope: str) -> collec
 
 def row_reason(
     decisions: Decisions,
-    eqn: Any,
+    eqn: compat.Eqn,
     stack: str,
     orig_keys: collections.Counter,
     seen: collections.Counter,
@@ -273,7 +273,7 @@ def _decision_in_scope(
 ) -> collections.Counter | None:
     """The reasons decided for ``primitive`` at ``scope`` on any source line, if
     they are one reason (an op amp evaluated itself has no source line)."""
-    found = collections.Counter()
+    found: collections.Counter[Any] = collections.Counter()
     for (_, prim), by_scope in decisions.items():
         if prim == primitive and scope in by_scope:
             found.update(by_scope[scope])
@@ -311,7 +311,7 @@ def claimed_dtype(reason: str, compute_dtype: str) -> str | None:
 
 def agree(
     reason: str,
-    eqn: Any,
+    eqn: compat.Eqn,
     compute_dtype: str,
     *,
     backward: bool = False,

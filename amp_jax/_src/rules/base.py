@@ -13,7 +13,7 @@ rules by primitive is ``table.py``; the rules of each family are beside it
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import numpy as np
 from jax import lax
@@ -52,13 +52,13 @@ class RuleContext(Protocol):
 
     def cached(self, kind: Any, obj: Any, make: Callable[[], Any]) -> Any: ...
 
-    def plan_lazy(self, closed: Any, hints: BodyHints = ...) -> Any: ...
+    def plan_lazy(self, closed: compat.ClosedJaxpr, hints: BodyHints = ...) -> Any: ...
 
     def rewrite(self, plan_: Any, in_avals: Sequence[Any] | None = None) -> Any: ...
 
     def evaluate(self, plan_: Any, args: Sequence[Any], cast_outputs: bool = True) -> list[Any]: ...
 
-    def rule_for(self, eqn: Any, op_class: Any) -> EqnRule: ...
+    def rule_for(self, eqn: compat.Eqn, op_class: Any) -> EqnRule: ...
 
 
 class CastingEnv(jaxprs.Env):
@@ -68,24 +68,24 @@ class CastingEnv(jaxprs.Env):
 
     def __init__(self, layouts: Mapping[Any, Any] | None = None):
         super().__init__()
-        self.casts: dict[tuple[Any, Any], Any] = {}
+        self.casts: dict[tuple[Any, ...], Any] = {}
         #: the plan's dot layouts (`Plan.layouts`), by the first output of their eqn
         self.layouts = layouts or {}
 
-    def read_broadcast(self, atom: Any, dtype: Any, shape: tuple[int, ...]) -> Any:
+    def read_broadcast(self, atom: compat.Atom, dtype: Any, shape: tuple[int, ...]) -> Any:
         """Reads ``atom`` broadcast to ``shape`` *before* casting it to ``dtype``.
 
         For an operand that a low-precision op broadcasts implicitly (a bias
         of shape [1, n] added to [b, n]): the transpose of the broadcast -- a
         sum over the batch -- then runs in the operand's float32, not bf16.
         """
-        if isinstance(atom, compat.Literal) or tuple(atom.aval.shape) == tuple(shape):
+        if isinstance(atom, compat.Literal) or jaxprs.shape_of(atom) == tuple(shape):
             return self.read(atom, dtype)
         # Broadcast in the operand's own dtype, upcasting a value that its
         # producer already wrote low (a bias reshaped in bf16), so that the
         # backward sum accumulates in float32.
         orig = casting.dtype_of(atom)
-        in_shape = tuple(atom.aval.shape)
+        in_shape = jaxprs.shape_of(atom)
         if (
             dtype is None
             or np.dtype(orig) == dtype
@@ -100,7 +100,7 @@ class CastingEnv(jaxprs.Env):
             self.casts[key] = lax.convert_element_type(full, dtype)
         return self.casts[key]
 
-    def read(self, atom: Any, dtype: Any = None) -> Any:
+    def read(self, atom: compat.Atom, dtype: Any = None) -> Any:
         if isinstance(atom, compat.Literal):
             val = compat.literal_value(atom)
             if dtype is not None and np.dtype(getattr(val, "dtype", type(val))) != dtype:
@@ -123,7 +123,9 @@ class EqnRule:
     """How amp binds one primitive. The default: bind it with every operand
     cast to the dtype of the eqn's color (`casting.target`)."""
 
-    def evaluate(self, ctx: RuleContext, eqn: Any, d: Decision, env: CastingEnv) -> list[Any]:
+    def evaluate(
+        self, ctx: RuleContext, eqn: compat.Eqn, d: Decision, env: CastingEnv
+    ) -> list[Any]:
         """The outputs of ``eqn`` as decided by ``d``, under ``ctx`` (policy,
         backend), reading operands from ``env``."""
         cd = ctx.policy.compute_dtype
@@ -131,7 +133,7 @@ class EqnRule:
             eqn, [env.read(v, casting.target(casting.dtype_of(v), d.color, cd)) for v in eqn.invars]
         )
 
-    def reads_low(self, ctx: RuleContext, eqn: Any, d: Decision, atom: Any) -> bool:
+    def reads_low(self, ctx: RuleContext, eqn: compat.Eqn, d: Decision, atom: compat.Atom) -> bool:
         """Whether ``evaluate`` reads operand ``atom`` only in the compute dtype."""
         return d.color is Color.LOW
 
@@ -150,12 +152,14 @@ class AllowRule(EqnRule):
         #: variant -> ``make(ctx) -> Rule``
         self.variants: dict[Variant, Callable[[Any], Rule]] = dict(variants or {})
 
-    def low_fn(self, ctx: RuleContext, eqn: Any) -> Rule:
+    def low_fn(self, ctx: RuleContext, eqn: compat.Eqn) -> Rule:
         """The function of a lowered eqn. Inside custom JVP rules (which JAX
         transposes: no custom_vjp may appear) the plain default."""
         return self.fn if self.fn is not None and ctx.vjp_rules else default_allow_rule
 
-    def evaluate(self, ctx: RuleContext, eqn: Any, d: Decision, env: CastingEnv) -> list[Any]:
+    def evaluate(
+        self, ctx: RuleContext, eqn: compat.Eqn, d: Decision, env: CastingEnv
+    ) -> list[Any]:
         if not d.lowered:
             return super().evaluate(ctx, eqn, d, env)
         invals = [env.read(v, None) for v in eqn.invars]
@@ -163,13 +167,14 @@ class AllowRule(EqnRule):
             return default_allow_rule(eqn, [v.astype(HIGH_DTYPE) for v in invals], HIGH_DTYPE)
         make = self.variants.get(d.variant)
         fn = make(ctx) if make is not None and ctx.vjp_rules else self.low_fn(ctx, eqn)
-        return fn(eqn, invals, ctx.policy.compute_dtype, d.out_dtype)
+        # (a lowered allow op's decision names what its rule writes)
+        return fn(eqn, invals, ctx.policy.compute_dtype, cast(np.dtype, d.out_dtype))
 
-    def reads_low(self, ctx: RuleContext, eqn: Any, d: Decision, atom: Any) -> bool:
+    def reads_low(self, ctx: RuleContext, eqn: compat.Eqn, d: Decision, atom: compat.Atom) -> bool:
         return d.color is Color.LOW and d.variant is not Variant.FLOAT32
 
 
-def acc_dtype(eqn: Any, out_dtype: Any = HIGH_DTYPE) -> Any:
+def acc_dtype(eqn: compat.Eqn, out_dtype: Any = HIGH_DTYPE) -> Any:
     """The result dtype: ``out_dtype`` unless the user asked for a non-float
     one (integer dots) or a wider one (float64)."""
     pet = eqn.params.get("preferred_element_type")
@@ -179,7 +184,10 @@ def acc_dtype(eqn: Any, out_dtype: Any = HIGH_DTYPE) -> Any:
 
 
 def default_allow_rule(
-    eqn: Any, invals: Sequence[Any], compute_dtype: np.dtype, out_dtype: np.dtype = HIGH_DTYPE
+    eqn: compat.Eqn,
+    invals: Sequence[Any],
+    compute_dtype: np.dtype,
+    out_dtype: np.dtype = HIGH_DTYPE,
 ) -> list[Any]:
     vals = [casting.lower(v, compute_dtype) for v in invals]
     params = dict(eqn.params)

@@ -42,7 +42,9 @@ class HigherOrderRule(EqnRule):
     full_precision scope, the float32 policy), its operands keep their dtypes
     and its sub-jaxprs are rewritten with the same policy."""
 
-    def evaluate(self, ctx: RuleContext, eqn: Any, d: Decision, env: CastingEnv) -> list[Any]:
+    def evaluate(
+        self, ctx: RuleContext, eqn: compat.Eqn, d: Decision, env: CastingEnv
+    ) -> list[Any]:
         if d.kind is Kind.AS_WRITTEN or d.color is not Color.ORIG:
             return super().evaluate(ctx, eqn, d, env)
         cd = ctx.policy.compute_dtype
@@ -52,7 +54,7 @@ class HigherOrderRule(EqnRule):
         return self.bind_rewritten(ctx, eqn, d, invals)
 
     def bind_rewritten(
-        self, ctx: RuleContext, eqn: Any, d: Decision, invals: list[Any]
+        self, ctx: RuleContext, eqn: compat.Eqn, d: Decision, invals: list[Any]
     ) -> list[Any]:
         """Binds ``eqn`` on ``invals`` with its sub-jaxprs rewritten as their
         plans in ``d`` say (`decision.body_plan`); the bodies of a custom
@@ -79,7 +81,7 @@ class HigherOrderRule(EqnRule):
         )
         return compat.bind_eqn(eqn, invals, params)
 
-    def reads_low(self, ctx: RuleContext, eqn: Any, d: Decision, atom: Any) -> bool:
+    def reads_low(self, ctx: RuleContext, eqn: compat.Eqn, d: Decision, atom: compat.Atom) -> bool:
         return False
 
 
@@ -87,7 +89,7 @@ class HigherOrderRule(EqnRule):
 _MASKED_BODY = LazyBody("scan body with its concrete boolean constants (masks) made constants")
 
 
-def _lazy(d: Decision, where: str, eqn: Any) -> LazyBody:
+def _lazy(d: Decision, where: str, eqn: compat.Eqn) -> LazyBody:
     """The `LazyBody` ``d`` holds at ``where``."""
     lazy = lazy_body(d, where)
     if lazy is None:
@@ -103,7 +105,7 @@ class ScanRule(HigherOrderRule):
     dtype are hoisted out of the loop (`_plan_hoisted_casts`)."""
 
     def bind_rewritten(
-        self, ctx: RuleContext, eqn: Any, d: Decision, invals: list[Any]
+        self, ctx: RuleContext, eqn: compat.Eqn, d: Decision, invals: list[Any]
     ) -> list[Any]:
         masked = ctx.cached("masks", eqn, lambda: _with_constant_masks(eqn, invals))
         if masked is not eqn:
@@ -124,7 +126,7 @@ class ScanRule(HigherOrderRule):
         return compat.bind_eqn(eqn, invals, new_params)
 
 
-def _with_constant_masks(eqn: Any, invals: list[Any]) -> Any:
+def _with_constant_masks(eqn: compat.Eqn, invals: list[Any]) -> Any:
     """``eqn`` (a scan) with its concrete boolean loop constants -- a causal mask
     closed over by the loop body -- made constants of its body, so that the
     body's plan sees their values (a constant causal mask becomes cuDNN's
@@ -151,7 +153,7 @@ class ShardMapRule(HigherOrderRule):
     evaluated under the policy (collectives need the manual-axes context)."""
 
     def bind_rewritten(
-        self, ctx: RuleContext, eqn: Any, d: Decision, invals: list[Any]
+        self, ctx: RuleContext, eqn: compat.Eqn, d: Decision, invals: list[Any]
     ) -> list[Any]:
         return ctx.cached("shard_map", eqn, lambda: _shard_map_fn(ctx, eqn, d))(*invals)
 
@@ -161,7 +163,9 @@ class CustomJvpRule(HigherOrderRule):
     and clear ops) painted low runs its body in the compute dtype and keeps
     the user's JVP rule (`_custom_jvp_low`)."""
 
-    def evaluate(self, ctx: RuleContext, eqn: Any, d: Decision, env: CastingEnv) -> list[Any]:
+    def evaluate(
+        self, ctx: RuleContext, eqn: compat.Eqn, d: Decision, env: CastingEnv
+    ) -> list[Any]:
         if d.color is not Color.LOW:
             return super().evaluate(ctx, eqn, d, env)
         cd = ctx.policy.compute_dtype
@@ -174,12 +178,12 @@ class CustomJvpRule(HigherOrderRule):
         )
         return compat.bind_eqn(eqn, invals, params)
 
-    def reads_low(self, ctx: RuleContext, eqn: Any, d: Decision, atom: Any) -> bool:
+    def reads_low(self, ctx: RuleContext, eqn: compat.Eqn, d: Decision, atom: compat.Atom) -> bool:
         return d.color is Color.LOW
 
 
 def _custom_jvp_low(
-    ctx: RuleContext, eqn: Any, d: Decision, low_avals: Sequence[Any]
+    ctx: RuleContext, eqn: compat.Eqn, d: Decision, low_avals: Sequence[Any]
 ) -> dict[str, Any]:
     """Params to bind a transparent ``custom_jvp_call`` on compute-dtype operands.
 
@@ -192,7 +196,7 @@ def _custom_jvp_low(
     call_jaxpr, rule_fun, _ = compat.custom_jvp_parts(eqn)
     low = body_plan(d, call_jaxpr)  # (its plan with every op low, `planning.all_low`)
     jvp_rule = _lazy(d, "jvp_jaxpr_fun", eqn)
-    orig_avals = [v.aval for v in eqn.invars]
+    orig_avals: list[Any] = [v.aval for v in eqn.invars]  # (ShapedArrays)
 
     def primal(*xs):
         return ctx.evaluate(low, xs, cast_outputs=False)
@@ -266,7 +270,7 @@ def _run_bwd(
             full = [a if not v else next(it) for a, v in zip(args, is_val)]
             leaves, treedef = jax.tree_util.tree_flatten(bwd(*full))
             tree.append(treedef)
-            arrays = []
+            arrays: list[Any] = []
             for i, o in enumerate(leaves):
                 if isinstance(o, np.ndarray):
                     # a constant the rule returns: the cached plan keeps a
@@ -299,7 +303,7 @@ def _run_bwd(
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
-def _shard_map_fn(ctx: RuleContext, eqn: Any, d: Decision) -> Any:
+def _shard_map_fn(ctx: RuleContext, eqn: compat.Eqn, d: Decision) -> Any:
     """The public ``jax.shard_map`` of ``eqn``'s body, evaluated under the
     policy as its plan in ``d`` says."""
     plan_ = body_plan(d, compat.shard_map_body(eqn))
@@ -307,7 +311,7 @@ def _shard_map_fn(ctx: RuleContext, eqn: Any, d: Decision) -> Any:
 
 
 def _plan_hoisted_casts(
-    ctx: RuleContext, eqn: Any, d: Decision
+    ctx: RuleContext, eqn: compat.Eqn, d: Decision
 ) -> tuple[list[int], dict[str, Any]] | None:
     """For a ``scan`` whose scanned-over inputs are read only in the compute
     dtype (stacked per-layer weights): the indices of those inputs, to be cast
