@@ -312,12 +312,18 @@ def body_plan(d: Decision, sub: Any) -> Any:
     return None
 
 
-def lazy_body(d: Decision, where: str) -> LazyBody | None:
-    """The `LazyBody` ``d`` holds at param ``where``, else None."""
+def body_at(d: Decision, where: str) -> Any:
+    """The plan (or `LazyBody`) ``d`` holds at param ``where``, else None."""
     for b in d.bodies:
-        if b.where == where and isinstance(b.plan, LazyBody):
+        if b.where == where:
             return b.plan
     return None
+
+
+def lazy_body(d: Decision, where: str) -> LazyBody | None:
+    """The `LazyBody` ``d`` holds at param ``where``, else None."""
+    found = body_at(d, where)
+    return found if isinstance(found, LazyBody) else None
 
 
 # -- how a reason travels through grad: named scopes -----------------------------------------

@@ -29,6 +29,7 @@ from amp_jax._src.decision import (
     Decision,
     Kind,
     LazyBody,
+    body_at,
     body_hints,
     body_plan,
     lazy_body,
@@ -306,7 +307,7 @@ def _run_bwd(
 def _shard_map_fn(ctx: RuleContext, eqn: compat.Eqn, d: Decision) -> Any:
     """The public ``jax.shard_map`` of ``eqn``'s body, evaluated under the
     policy as its plan in ``d`` says."""
-    plan_ = body_plan(d, compat.shard_map_body(eqn))
+    plan_ = body_at(d, "jaxpr")  # (the body compat.shard_map_body closes, as planned)
     return compat.shard_map_of(eqn, lambda *a: ctx.evaluate(plan_, a))
 
 
