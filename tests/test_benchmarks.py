@@ -162,6 +162,12 @@ def test_long_run():
     ]
     applied = table_with(text, "recipe", "displacement / float32's")
     assert first_column(applied) == ["Kahan, bf16 moments + bf16 compensation"]
+    model_stream = table_with(text.split("The gradients of a real model")[1], "states", "rounding")
+    assert [r[:2] for r in model_stream[1:]] == [
+        ["bf16 mu + nu", "stochastic"],
+        ["float16 mu", "stochastic"],
+    ]
+    assert all(0.5 < float(r[2]) < 2 for r in model_stream[1:]), model_stream
     model = table_with(text, "recipe", "final val loss, mean over seeds")
     assert first_column(model) == ["float32", "bf16 params + Kahan (bf16 moments)"]
 

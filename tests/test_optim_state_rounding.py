@@ -23,10 +23,12 @@ from amp_jax import optim
 from amp_jax.optim import _quantized
 
 SHAPE = (64, 64)
-# (storage, b2, steps): a step below half an ulp moves float32's nu by less
-# than that, so the gap shows after about 1 / (half an ulp) steps: a few
-# hundred in bfloat16 (2**-9). float16's ulp is 8x finer: b2=0.9999 (a step
-# of 0.01%, under its half ulp of 0.024-0.049%) and 2,000 steps.
+# (storage, decay, steps): a step below half an ulp moves float32's moment by
+# less than that, so the gap shows after about 1 / (half an ulp) steps: a few
+# hundred in bfloat16 (2**-9). float16's ulp is 8x finer: a decay of 0.9999 (a
+# step of 0.01%, under its half ulp of 0.024-0.049%) and 2,000 steps. float16
+# cannot store nu (refused: its range flushes small squared gradients), so
+# its case is a slow first moment (b1=0.9999), which rounds the same way.
 DTYPES = [(jnp.bfloat16, 0.999, 300), (jnp.float16, 0.9999, 2000)]
 
 
@@ -40,10 +42,11 @@ def _grads(steps, first=1.0):
     return jnp.concatenate([head, rest])
 
 
-def _follow(tx, nu_of, b2, steps=300, first=1.0):
-    """(median sqrt(nu / nu_f32), update norm / float32 Adam's at the last
-    step) after ``steps`` steps of `_grads` in one jitted scan."""
-    ref = optim.scale_by_any_precision_adam(b2=b2)
+def _follow(tx, nu_of, b2, steps=300, first=1.0, b1=0.9, moment="nu"):
+    """(median sqrt(nu / nu_f32) (``moment="mu"``: mu / mu_f32), update norm
+    / float32 Adam's at the last step) after ``steps`` steps of `_grads` in
+    one jitted scan."""
+    ref = optim.scale_by_any_precision_adam(b1=b1, b2=b2)
     p = jnp.zeros(SHAPE)
 
     def body(carry, g):
@@ -52,26 +55,69 @@ def _follow(tx, nu_of, b2, steps=300, first=1.0):
 
     go = jax.jit(lambda gs: jax.lax.scan(body, (tx.init(p), ref.init(p)), gs))
     (s, sf), ratio = go(_grads(steps, first))
+    if moment == "mu":
+        return float(np.median(np.asarray(nu_of(s), np.float64) / np.asarray(sf.mu))), float(
+            ratio[-1]
+        )
     nu = np.asarray(nu_of(s), np.float64) / np.asarray(sf.nu, np.float64)
     return float(np.median(np.sqrt(nu))), float(ratio[-1])
 
 
-@pytest.mark.parametrize("dtype,b2,steps", DTYPES)
-def test_low_precision_nu_follows_float32_adam_where_nearest_stalls(dtype, b2, steps):
-    """bfloat16/float16 ``nu``: rounded stochastically (the default) it
-    follows float32 Adam's; rounded to the nearest value (``state_rounding=
-    "nearest"``, the behaviour before) it stays at its first value."""
+@pytest.mark.parametrize("dtype,decay,steps", DTYPES)
+def test_low_precision_slow_moment_follows_float32_adam_where_nearest_stalls(dtype, decay, steps):
+    """bfloat16 ``nu`` (float16: a slow ``mu``): rounded stochastically (the
+    default) it follows float32 Adam's; rounded to the nearest value
+    (``state_rounding="nearest"``, the behaviour before) it stays at its
+    first value."""
     out = {}
     for rounding in ("stochastic", "nearest"):
-        tx = optim.scale_by_any_precision_adam(
-            b2=b2, mu_dtype=dtype, nu_dtype=dtype, state_rounding=rounding
-        )
-        first = 1.0 if dtype == jnp.bfloat16 else 10.0  # (float16: nu above its subnormals)
-        out[rounding] = _follow(tx, lambda s: s.nu, b2, steps, first)
+        if dtype == jnp.bfloat16:
+            tx = optim.scale_by_any_precision_adam(
+                b2=decay, mu_dtype=dtype, nu_dtype=dtype, state_rounding=rounding
+            )
+            out[rounding] = _follow(tx, lambda s: s.nu, decay, steps)
+        else:  # float16 mu: a first gradient 1e5x the rest, so (1 - b1) * g is under half an ulp
+            tx = optim.scale_by_any_precision_adam(
+                b1=decay, b2=0.999, mu_dtype=dtype, state_rounding=rounding
+            )
+            out[rounding] = _follow(tx, lambda s: s.mu, 0.999, steps, 1000.0, decay, "mu")
     (nu_sr, upd_sr), (nu_rn, upd_rn) = out["stochastic"], out["nearest"]
     assert abs(nu_sr - 1) < 0.02 and abs(upd_sr - 1) < 0.02, out
     # what the test catches: nu stuck 8-12% above float32's, updates 3-13% off
     assert nu_rn > 1.08 and abs(upd_rn - 1) > 0.02, out
+
+
+@pytest.mark.parametrize("make", [optim.scale_by_any_precision_adam, optim.adamw])
+def test_float16_nu_is_refused_naming_bfloat16(make):
+    args = () if make is optim.scale_by_any_precision_adam else (1e-3,)
+    with pytest.raises(ValueError, match=r"`nu_dtype`=float16.*nu_dtype=jnp.bfloat16"):
+        make(*args, nu_dtype=jnp.float16)
+    make(*args, mu_dtype=jnp.float16)  # a float16 first moment is fine
+
+
+def test_float16_parameters_store_nu_in_bfloat16_and_follow_small_gradients():
+    """float16 parameters keep ``mu`` in float16 and store ``nu`` in bfloat16
+    by default: gradients of 3e-5 square to 1e-9, below float16's smallest
+    value (6e-8), which a float16 ``nu`` would flush to zero (updates 30x
+    float32 Adam's); bfloat16 keeps them."""
+    tx = optim.adamw(1e-3)
+    p = {"w": jnp.zeros(SHAPE, jnp.float16)}
+    s = tx.init(p)
+    assert s[0].mu["w"].dtype == jnp.float16 and s[0].nu["w"].dtype == jnp.bfloat16
+    ref = optax.adamw(1e-3)
+    pf = {"w": jnp.zeros(SHAPE)}
+
+    def body(carry, k):
+        g = 3e-5 * jax.random.normal(k, SHAPE)
+        u, s = tx.update({"w": g.astype(jnp.float16)}, carry[0], p)
+        uf, sf = ref.update({"w": g.astype(jnp.float16).astype(jnp.float32)}, carry[1], pf)
+        return (s, sf), jnp.linalg.norm(u["w"].astype(jnp.float32)) / jnp.linalg.norm(uf["w"])
+
+    keys = jax.random.split(jax.random.key(0), 200)
+    (s, sf), ratio = jax.jit(lambda: jax.lax.scan(body, (s, ref.init(pf)), keys))()
+    nu = np.asarray(s[0].nu["w"], np.float64) / np.asarray(sf[0].nu["w"], np.float64)
+    assert abs(np.median(np.sqrt(nu)) - 1) < 0.02
+    assert abs(float(ratio[-1]) - 1) < 0.02, ratio[-5:]
 
 
 def test_stochastic_rounding_of_adamw_recipes_through_adamw():
@@ -98,7 +144,7 @@ def test_stochastic_rounding_of_adamw_recipes_through_adamw():
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_moment_store_is_unbiased_and_a_neighbour(dtype):
-    """A step whose new ``nu`` lies a quarter of the way from the stored value
+    """A step whose new ``nu`` (float16: a slow ``mu``) lies a quarter of the way from the stored value
     to the next one up stores one of the two, the upper about a quarter of
     the time: over steps and, within one step, over the elements."""
     b2 = 0.999
@@ -107,18 +153,27 @@ def test_moment_store_is_unbiased_and_a_neighbour(dtype):
     lo32, hi32 = lo.astype(jnp.float32), hi.astype(jnp.float32)
     target = lo32 + 0.25 * (hi32 - lo32)
     g = jnp.sqrt((target - b2 * lo32) / (1 - b2))  # b2 * lo + (1 - b2) * g**2 = target
-    tx = optim.scale_by_any_precision_adam(b2=b2, mu_dtype=dtype, nu_dtype=dtype)
+    if dtype == jnp.bfloat16:
+        tx = optim.scale_by_any_precision_adam(b2=b2, mu_dtype=dtype, nu_dtype=dtype)
+    else:  # float16 nu is refused: a slow float16 mu, moved the same way
+        tx = optim.scale_by_any_precision_adam(b1=b2, mu_dtype=dtype)
+        g = (target - b2 * lo32) / (1 - b2)  # b1 * lo + (1 - b1) * g = target
 
     @jax.jit
     def store(count):
-        s = optax.ScaleByAdamState(count, jnp.zeros_like(lo), lo)
-        return tx.update(g, s)[1].nu
+        if dtype == jnp.bfloat16:
+            s = optax.ScaleByAdamState(count, jnp.zeros_like(lo), lo)
+            return tx.update(g, s)[1].nu
+        s = optax.ScaleByAdamState(count, lo, jnp.zeros(lo.shape, jnp.float32))
+        return tx.update(g, s)[1].mu
 
     nus = np.stack([np.asarray(store(jnp.int32(c))) for c in range(64)])
     ups, downs = nus == np.asarray(hi), nus == np.asarray(lo)
     assert np.all(ups | downs)
     assert 0.2 < ups.mean() < 0.3, ups.mean()
-    assert all(0.15 < u < 0.35 for u in ups.mean(axis=1)), ups.mean(axis=1)
+    # within a step: the bits hash a value's top 16 bits, so [1, 2) holds 128
+    # groups that round alike (a step's share is ~0.25 +- 0.04)
+    assert all(0.1 < u < 0.4 for u in ups.mean(axis=1)), ups.mean(axis=1)
 
 
 def test_stochastic_store_is_in_the_optimized_hlo():
@@ -162,3 +217,32 @@ def test_quantized_rounding_decorrelates_equal_values_in_a_block():
         assert np.all(np.isclose(dec, lo) | np.isclose(dec, hi))
         counts.append(np.isclose(dec, hi).mean())
     assert all(0.1 < c < 0.4 for c in counts), counts
+
+
+def test_a_fast_float16_mu_among_subnormals_is_rounded_stochastically():
+    """A float16 ``mu`` of small gradients lies among float16's subnormals
+    (spacing 6e-8): one gradient of 1e-5, then 300 of about 1e-8; float32's
+    ``mu`` decays to about 1e-8. Rounded to the nearest value, ``mu``
+    (``b1=0.9``, a fast moment) stops at about 2.4e-7, where a tenth of it is
+    under half the spacing (10x float32 Adam's here); float16 moments are
+    rounded stochastically, so their mean over the elements and the last 200
+    steps follows float32's."""
+    n = 4096
+    k = jax.random.key(1)
+    gs = jnp.concatenate(
+        [jnp.full((1, n), 1e-5), 1e-8 * jnp.exp(1.5 * jax.random.normal(k, (300, n)))]
+    )
+
+    def mean_mu(tx):
+        def body(s, g):
+            s = tx.update(g, s)[1]
+            return s, jnp.mean(s.mu.astype(jnp.float32))
+
+        _, means = jax.jit(lambda: jax.lax.scan(body, tx.init(jnp.zeros(n)), gs))()
+        return float(np.mean(np.asarray(means, np.float64)[-200:]))
+
+    mu_f32 = mean_mu(optim.scale_by_any_precision_adam())
+    sr = mean_mu(optim.scale_by_any_precision_adam(mu_dtype=jnp.float16))
+    rn = mean_mu(optim.scale_by_any_precision_adam(mu_dtype=jnp.float16, state_rounding="nearest"))
+    assert abs(sr / mu_f32 - 1) < 0.2, (sr, mu_f32)
+    assert rn / mu_f32 > 5, (rn, mu_f32)  # about 10x

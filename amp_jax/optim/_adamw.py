@@ -25,7 +25,25 @@ def _check_dtype(name: str, dtype: Any, caller: str) -> Any:
             "scaled float8 codes, computed in float32); otherwise use "
             f"{name}=jnp.bfloat16 or jnp.float32."
         )
+    if name == "nu_dtype" and dtype == jnp.float16:
+        raise ValueError(
+            f"{caller}: `nu_dtype`=float16 cannot hold a second moment: squared "
+            "gradients below 6e-8 flush to zero and those below 6e-5 lose their "
+            "precision (in a small transformer 15% and 92% of nu), and an element "
+            "whose nu flushed gets an update about 30x float32 Adam's. Use "
+            "nu_dtype=jnp.bfloat16 (the same two bytes, float32's range) or jnp.float32; "
+            "mu_dtype=jnp.float16 is fine."
+        )
     return dtype
+
+
+def nu_storage(param_dtype: Any, nu_dtype: Any) -> Any:
+    """The dtype ``nu`` is stored in for a parameter of ``param_dtype``:
+    ``nu_dtype`` when given, else the parameter's dtype (as optax) except
+    float16, whose range cannot hold ``nu`` (`_check_dtype`): bfloat16."""
+    if nu_dtype is not None:
+        return nu_dtype
+    return jnp.dtype(jnp.bfloat16) if param_dtype == jnp.float16 else param_dtype
 
 
 def _store(x: jax.Array, dtype: Any, key: jax.Array | None) -> jax.Array:
@@ -62,13 +80,16 @@ def scale_by_any_precision_adam(
     positional arguments are ``optax.scale_by_adam``'s; complex parameters
     get a real second moment ``|g|**2``, as in optax.
 
-    A moment stored in bfloat16 or float16 whose decay is above 0.95 (``nu``
-    with the default ``b2=0.999``) is rounded to its dtype stochastically:
+    A moment stored in float16, or in bfloat16 with a decay above 0.95
+    (``nu`` with the default ``b2=0.999``), is rounded to its dtype stochastically:
     it moves by ``(1 - b2)`` of itself a step, less than half an ulp of
     bfloat16 (2**-9), so rounded to the nearest value it would stay where it
     is and stop following the gradients (after 10,000 steps of a steady
     gradient stream, ``sqrt(nu)`` 42% above float32 Adam's and updates 30%
-    smaller). The random bits are a hash of the value's top 16 bits and the
+    smaller). A float16 ``mu`` of small gradients lies among float16's
+    subnormals, whose spacing (6e-8) a fast moment's step also falls under
+    (on a small transformer's gradients, updates 3.2% larger than float32
+    Adam's rounded to the nearest value, 0.3% stochastically). The random bits are a hash of the value's top 16 bits and the
     step count: no key to pass, nothing added to the state.
 
     Args:
@@ -79,9 +100,11 @@ def scale_by_any_precision_adam(
       mu_dtype: storage dtype of the first moment; ``None`` uses each
         parameter's dtype (as optax does).
       nu_dtype: storage dtype of the second moment; ``None`` uses each
-        parameter's dtype.
-      state_rounding: ``"stochastic"`` (default: a bfloat16/float16 moment
-        with a decay above 0.95 is rounded stochastically, unbiased) or
+        parameter's dtype, except float16: bfloat16. float16 is refused (its
+        range flushes small squared gradients to zero; use bfloat16).
+      state_rounding: ``"stochastic"`` (default: a float16 moment, and a
+        bfloat16 one with a decay above 0.95, is rounded stochastically,
+        unbiased) or
         ``"nearest"`` (every moment cast to its dtype, round to nearest).
         float32 moments are never rounded.
 
@@ -112,13 +135,22 @@ def scale_by_any_precision_adam(
         return optax.ScaleByAdamState(
             count=jnp.zeros([], jnp.int32),
             mu=optax.tree_utils.tree_zeros_like(params, dtype=mu_dtype),
-            nu=optax.tree_utils.tree_zeros_like(params, dtype=nu_dtype),
+            nu=jax.tree.map(
+                lambda p: jnp.zeros_like(p, dtype=nu_storage(jnp.result_type(p), nu_dtype)),
+                params,
+            ),
         )
 
     def update_fn(updates, state, params=None):
         del params
         count_inc, bc1, bc2 = _tree.adam_counts(state.count, b1, b2)
         mu_key, nu_key = _quantized.rounding_keys(count_inc, b1, b2, state_rounding)
+        # float16's subnormals (below 6e-5) stall a fast moment too: a float16
+        # moment is always rounded stochastically (with "stochastic")
+        f16_key = _quantized._step_keys(count_inc)[0] if state_rounding == "stochastic" else None
+
+        def key_for(key, dtype):
+            return f16_key if key is None and dtype == jnp.float16 else key
 
         def one(g, m, v):
             if g is None:
@@ -131,7 +163,11 @@ def scale_by_any_precision_adam(
             m_hat = m_new / bc1.astype(wd)
             v_hat = v_new / bc2.astype(v_new.dtype)
             u = m_hat / (jnp.sqrt(v_hat + eps_root) + eps)
-            return u.astype(g.dtype), _store(m_new, m.dtype, mu_key), _store(v_new, v.dtype, nu_key)
+            return (
+                u.astype(g.dtype),
+                _store(m_new, m.dtype, key_for(mu_key, m.dtype)),
+                _store(v_new, v.dtype, nu_key),
+            )
 
         new_updates, mu, nu = _tree.map_unzip(
             one, 3, updates, state.mu, state.nu, is_leaf=lambda x: x is None
@@ -172,13 +208,14 @@ def adamw(
 
     Moment arithmetic is always done in float32 and only the storage uses
     ``mu_dtype``/``nu_dtype``, because bfloat16 cannot represent ``b2=0.999``
-    (it rounds to 1.0 and the second moment would never move). A bfloat16 or
-    float16 moment with a decay above 0.95 (``nu`` by default) is stored
-    stochastically rounded: rounded to the nearest value it would stop moving
+    (it rounds to 1.0 and the second moment would never move). A bfloat16
+    moment with a decay above 0.95 (``nu`` by default), and a float16 ``mu``,
+    is stored stochastically rounded: rounded to the nearest value it would stop moving
     after a few hundred steps
     ([`scale_by_any_precision_adam`][amp_jax.optim.scale_by_any_precision_adam]
-    says why). float16 is a poor ``nu_dtype`` (squared gradients below 6e-8
-    flush to 0).
+    says why). float16 cannot hold ``nu`` (squared gradients below 6e-8
+    flush to 0): ``nu_dtype=jnp.float16`` is refused, and float16 parameters
+    store ``nu`` in bfloat16 unless ``nu_dtype`` says otherwise.
 
     ``state_format`` (``"8bit"``, ``"4bit"``, ``"float8"``) stores the moments
     block-wise quantized instead ([`scale_by_quantized_adam`][amp_jax.optim.scale_by_quantized_adam]): 8-bit and
@@ -211,7 +248,8 @@ def adamw(
       weight_decay: decoupled weight decay coefficient, a float or an optax
         schedule (a function of the step count), as in ``optax.adamw``.
       mask: as in ``optax.add_decayed_weights``.
-      nu_dtype: storage dtype of the second moment (``None``: parameter dtype).
+      nu_dtype: storage dtype of the second moment (``None``: parameter dtype;
+        bfloat16 for float16 parameters). float16 is refused.
       kahan: wrap the update in [`kahan_summation`][amp_jax.optim.kahan_summation] (for pure bfloat16
         parameters).
       compensation_dtype: dtype of the Kahan buffer (``None``: parameter dtype).
