@@ -240,5 +240,12 @@ def test_readme_is_short_and_plain():
 def test_user_pages_do_not_speak_of_how_gpu_runs_are_budgeted():
     for page in [ROOT / "README.md", *DOCS.glob("*.md")]:
         text = page.read_text()
-        for phrase in ("device time", "is lent a GPU", "minutes a command", "own session"):
+        for phrase in (
+            "device time",
+            "is lent",
+            "minutes a command",
+            "own session",
+            "GPU round",
+            "this round",
+        ):
             assert phrase not in text, f"{page.name} speaks of our own runs: {phrase!r}"

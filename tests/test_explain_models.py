@@ -2,6 +2,7 @@
 counts agree with the jaxpr and the HLO, its rows fit the terminal. The units
 of explain are tested in tests/test_explain.py."""
 
+import collections
 import re
 
 import jax
@@ -94,6 +95,8 @@ def test_explain_an_equinox_module_as_the_function(wrap):
 
 # --- every row's reason is the rule that gave it the dtype shown --------------------
 
+#: explain's short names of primitives -> their names in dtype_report
+_PRIMITIVE = {"convert": "convert_element_type", "barrier": "optimization_barrier"}
 _STATED = re.compile(r"\bruns? in (bfloat16|float16|float32|float64)\b")
 _FLOATS = {"bfloat16", "float16", "float32", "float64"}
 
@@ -173,14 +176,25 @@ def test_every_reason_agrees_with_its_dtype_on_models():
         summary = "\n".join(ex.summary_lines())
         assert "the casts amp inserted +" in summary and "barriers and layout copies +" in summary
         assert ex.summary.cast_bytes > 0 and ex.summary.own_bytes > 0, name
+        said = collections.defaultdict(set)  # explain's reasons, by primitive
+        for r in ex.all_rows:
+            said[_PRIMITIVE.get(r.primitive, r.primitive)].add(r.reason)
         for prim, ins, outs, _, _, why in amp_jax.dtype_report(
             loss, *args, grad=True, policy="bfloat16"
         ):
             ran = ins.split(",") if any(d in _FLOATS for d in ins.split(",")) else outs.split(",")
             if prim != "convert_element_type" and (problem := _contradiction(ran, why)):
                 bad.append(f"{name} dtype_report {prim} ({ins} -> {outs}): {problem}: {why}")
+            float_cast = prim == "convert_element_type" and ins in _FLOATS and outs in _FLOATS
+            if float_cast and not why.startswith("cast"):
+                bad.append(f"{name} dtype_report cast ({ins} -> {outs}) said to run: {why}")
             if any(d in _FLOATS for d in ran) and not why:
                 bad.append(f"{name} dtype_report {prim} ({ins} -> {outs}): no why")
+            # the two tables give an op the same reason
+            if why and why not in said[prim]:
+                bad.append(f"{name} dtype_report {prim} ({ins} -> {outs}) not in explain: {why}")
+            if prim == "optimization_barrier" and why.startswith("derived by JAX"):
+                bad.append(f"{name} dtype_report: amp's own barrier said derived by JAX: {why}")
     assert not bad, "\n".join(bad)
 
 
@@ -195,3 +209,28 @@ def test_the_equinox_mlp_rows_say_what_ran():
         if r.primitive == "max" and not r.backward:
             assert "no amp decision" not in r.reason
             assert r.dtype == "bfloat16" or "unused" in r.reason, r
+
+
+def test_a_vmapped_matvec_counts_the_dots_that_run_at_their_own_line():
+    # Equinox's Linear is a per-example matvec under vmap: amp writes the dot with
+    # its operands swapped at the transpose vmap adds where the bias add reads it
+    # (the next line); the dot as written is left for XLA to remove
+    eqx = pytest.importorskip("equinox")
+    mlp = eqx.nn.MLP(32, 10, 64, 2, key=jax.random.PRNGKey(0))
+    x = jnp.ones((16, 32))
+    params, static = eqx.partition(mlp, eqx.is_array)
+
+    def loss(p, x):
+        return jnp.mean(jax.vmap(eqx.combine(p, static))(x) ** 2)
+
+    ex = amp_jax.explain(loss, params, x, grad=True)
+    # the FLOPs of the dots that run: as many as the float32 program's
+    expected = sum(_dot_flops_by_dtype(jax.make_jaxpr(jax.grad(loss))(params, x).jaxpr).values())
+    assert sum(ex.summary.matmul_flops_by_dtype.values()) == expected
+    dots = [r for r in ex.all_rows if r.primitive == "dot_general"]
+    f32 = amp_jax.explain(loss, params, x, grad=True, policy="float32")  # (the program as is)
+    written = {r.where for r in f32.all_rows if r.primitive == "dot_general"}
+    assert len(written) == 1 and {r.where for r in dots} == written, dots
+    for r in dots:  # the dots XLA removes: said so, no FLOPs
+        assert ("unused" in r.reason) == (r.flops == 0), r
+    assert any("unused" in r.reason for r in dots)

@@ -185,6 +185,15 @@ def eqn_context(eqn: Eqn) -> tuple[AbstractContextManager[Any], AbstractContextM
     )
 
 
+def eqn_source_line(eqn: Eqn) -> AbstractContextManager[Any]:
+    """A context in which ops bound get ``eqn``'s source line (its traceback), in
+    the current name stack: for an op amp binds for another eqn than the one
+    it evaluates (a dot written at the transpose of its result)."""
+    return source_info_util.user_context(
+        eqn.source_info.traceback, name_stack=source_info_util.current_name_stack()
+    )
+
+
 def current_name_stack_str() -> str:
     """The ``jax.named_scope`` names the caller is tracing in, joined by ``/``."""
     return str(source_info_util.current_name_stack())

@@ -188,7 +188,8 @@ class ExplainSummary:
 
     Attributes:
       compute_dtype: the policy's low-precision dtype.
-      flops_by_dtype: FLOPs of the rewritten program per dtype they ran in.
+      flops_by_dtype: FLOPs of the rewritten program per dtype they ran in (an op
+        nothing reads, which XLA removes, neither runs nor moves bytes).
       matmul_flops_by_dtype: the same for matmuls and convolutions only.
       low_flop_share: share of all floating FLOPs that ran in a dtype narrower
         than float32.
@@ -485,12 +486,13 @@ def _measure(jaxpr: compat.ClosedJaxpr) -> _Measured:
     for eqn, _, times, outer, site in iter_eqns(jaxpr):
         if not _touches_float(eqn):
             continue
-        once = _eqn_bytes(eqn, memo)
+        dead = id(eqn) in unused  # (XLA removes it: it moves nothing, never runs)
+        once = 0 if dead else _eqn_bytes(eqn, memo)
         eqns.append((eqn, times, full_stack(eqn, outer), site, once))
         nbytes += times * once
         if is_float_cast(eqn):
             casts += 1
-            casts_run += times
+            casts_run += 0 if dead else times
     return _Measured(eqns, nbytes, casts, casts_run, unused)
 
 
@@ -558,7 +560,7 @@ def _group(
 
     for eqn, times, stack, site, once in new.eqns:
         dtype = ran_in(eqn)
-        flops = times * eqn_flops(eqn)
+        flops = 0 if id(eqn) in new.unused else times * eqn_flops(eqn)  # (XLA removes it)
         nbytes = times * once
         line = lines(site)
         backward = is_backward(stack)

@@ -241,15 +241,18 @@ def row_reason(
         found = _decision_in_scope(decisions, key[1], scope)
     if is_float_cast(eqn):
         seen[key] += 1
+        unused = ", unused: XLA removes it" if dead else ""
         if seen[key] > orig_keys.get(key, 0):
-            return "cast inserted by amp"
-        return "cast in the original program"
+            return f"cast inserted by amp{unused}"
+        return f"cast in the original program{unused}"
     path = attention_from_stack(stack)  # the path each attention took (attention.py)
     attention = path.text if path is not None else None
     if path is not None and path.impl is not None:  # run fused: amp wrote these ops
         reason = path.text
     elif found:
         reason = found.most_common(1)[0][0]
+    elif key[1] == "optimization_barrier" and _has_dot(decisions, key[0]):
+        reason = _BARRIER  # (not the program's: amp's lowered dot of this line)
     elif derived is None:
         reason = _derived(decisions, key[0])
     else:
@@ -266,6 +269,15 @@ def row_reason(
     if backward and not reason.startswith(("backward of", "derived by JAX")):
         return f"backward of: {reason}"
     return reason
+
+
+#: the reason of a barrier amp's lowered dot adds (`backends.cpu`), at a line with no barrier
+_BARRIER = "added by amp: a barrier that keeps this line's matmul in the layout XLA runs fast"
+
+
+def _has_dot(decisions: Decisions, line: str) -> bool:
+    """Whether the plan decided a matmul or convolution at source line ``line``."""
+    return any((line, prim) in decisions for prim in ("dot_general", "conv_general_dilated"))
 
 
 def _decision_in_scope(
@@ -324,19 +336,20 @@ def agree(
     rewritten program ran in can still differ from the decision of its line:
     a low elementwise op with a float32 operand (a parameter) is promoted to
     float32, a backward op runs in the dtype of the gradient it gets, an op
-    JAX derived runs in the dtype of its inputs, and an op nothing reads is
-    removed by XLA. ``decided``: the reason is the plan's decision for this
-    op (not one derived from its line).
+    JAX derived runs in the dtype of its inputs, and an op nothing reads
+    (``dead``) is removed by XLA: said so, whatever its line decided.
+    ``decided``: the reason is the plan's decision for this op (not one
+    derived from its line).
     """
     ran = ran_in(eqn).split("->")[-1].split(",")
+    if dead:  # (whatever rule gave its dtype: it never runs)
+        return f"unused: nothing reads its result, XLA removes it ({ran[0]})"
     claim = claimed_dtype(reason, compute_dtype)
     if _NO_FLOAT in reason and ran != ["-"]:  # (an int op's decision at the same line)
         claim, decided = "-", False
     if claim is None or claim in ran:
         return reason
     dtype = ran[0]
-    if dead:
-        return f"unused: nothing reads its result, XLA removes it ({dtype})"
     if not decided:
         return f"derived by JAX from this line's ops: runs in {dtype}, its inputs' dtype"
     if backward:

@@ -44,10 +44,15 @@ def _walk(
         ins = ",".join(str(v.aval.dtype) for v in eqn.invars if hasattr(v.aval, "dtype"))
         outs = ",".join(str(v.aval.dtype) for v in eqn.outvars if hasattr(v.aval, "dtype"))
         stack = full_stack(eqn, outer)
-        # a kept op's reason travels in its name stack (through grad too)
+        # a kept op's reason travels in its name stack (through grad too), but for a
+        # cast (amp's or the program's) and an op of an attention left as written
+        # (the rule of its dtype, then the attention's): explain's reason for both
         kept = decision.from_stack(stack, backends.current())
         why = kept.text if kept is not None else ""
-        if not why and decisions and (compute is not None) and _is_float(eqn):
+        decided = bool(decisions) and compute is not None and _is_float(eqn)
+        if decided and kept is not None and (is_float_cast(eqn) or _left_as_written(stack)):
+            why = ""
+        if not why and decided:
             why = row_reason(
                 decisions,
                 eqn,
@@ -60,6 +65,12 @@ def _walk(
                 dead=id(eqn) in unused,
             )
         counts[(name, ins, outs, where or "-", why)] += 1
+
+
+def _left_as_written(stack: str) -> bool:
+    """Whether ``stack`` is an attention's that amp left as written (not fused)."""
+    path = decision.attention_from_stack(stack)
+    return path is not None and path.impl is None
 
 
 def _is_float(eqn: compat.Eqn) -> bool:

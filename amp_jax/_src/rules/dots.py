@@ -73,7 +73,8 @@ class TransposeRule(EqnRule):
         lay = _layout(eqn, env)
         if lay is None or not isinstance(ctx.rule_for(lay.eqn, OpClass.ALLOW), DotRule):
             return super().evaluate(ctx, eqn, d, env)  # (or the user's own dot rule)
-        out = _layout_dot(ctx, lay, env)[0]
+        with compat.eqn_source_line(lay.eqn):  # (the dot's line, as explain shows it)
+            out = _layout_dot(ctx, lay, env)[0]
         want = casting.target(casting.dtype_of(eqn.invars[0]), d.color, ctx.policy.compute_dtype)
         return [out if want is None else casting.cast(out, want)]
 
