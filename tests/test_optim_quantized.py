@@ -5,6 +5,7 @@ composition with Kahan / stochastic rounding / master weights / loss scaling,
 orbax resume, sharded blocks, and state bytes."""
 
 import doctest
+import functools
 import re
 import zlib
 
@@ -180,7 +181,11 @@ def test_stochastic_rounding_lets_nu_follow_float32_adam(fmt):
     absmax by about 0.1% of itself a step: less than half a code's gap. Rounded
     to the nearest code it stays behind float32 Adam's (median ``sqrt(nu)``
     7% / 28% / 16% low for 8-bit / float8 / 4-bit, measured); rounded
-    stochastically it follows (median within 0.2-1.8%)."""
+    stochastically it follows: the mean of ``sqrt(nu_f32 / nu)``, the factor
+    the update is scaled by, within 0.3% (8-bit, float8) and 1.7% (4-bit),
+    and the median ``sqrt(nu)`` within 0.5% (8-bit, float8) and 6.4% (4-bit:
+    rounded unbiased in ``nu**(1/4)``, between codes up to 2x apart, its
+    ``nu`` sits above float32's; `_quantized._toward`)."""
     shape, steps = (8, 1024), 300
     base = jnp.exp(jax.random.uniform(jax.random.key(1), shape, minval=-4.6, maxval=-2.5))
     pinned = jnp.zeros(shape, bool).at[:, ::256].set(True)  # one per block of 256
@@ -207,9 +212,48 @@ def test_stochastic_rounding_lets_nu_follow_float32_adam(fmt):
             state_format=fmt, min_quantized_size=0, state_rounding=rounding
         )
         nu = np.asarray(_quantized.dequantize(run(tx).nu, nu_codec, shape))
-        median[rounding] = float(np.median(np.sqrt(nu / ref)[~np.asarray(pinned)]))
-    assert abs(median["stochastic"] - 1) < 0.03, median
+        free = ~np.asarray(pinned)
+        median[rounding] = float(np.median(np.sqrt(nu / ref)[free]))
+        if rounding == "stochastic":
+            scale = float(np.mean(np.sqrt(ref / nu)[free]))
+    assert abs(scale - 1) < 0.03, scale
+    assert abs(median["stochastic"] - 1) < (0.08 if fmt == "4bit" else 0.03), median
     assert median["nearest"] < 0.95, median  # (the lag it fixes)
+
+
+def _code_values(codec):
+    """The values (in [0, 1], of the stored ``sqrt(nu)`` over its block's
+    absmax) the second-moment codes of ``codec`` stand for, sorted."""
+    if codec.kind == "float8":
+        return np.asarray(_quantized._from_float8(jnp.arange(0x7F, dtype=jnp.uint8))) / 448
+    if codec.kind == "linear":
+        return (np.arange(2**codec.bits) + 1) / 2**codec.bits
+    return np.asarray(codec.table)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_nu_is_rounded_so_that_its_fourth_root_is_unbiased(fmt):
+    """A stored ``sqrt(nu)`` halfway between two codes (1.5x apart) rounds up
+    with the probability that keeps ``nu**(1/4)`` unbiased, 0.525, not 0.5:
+    unbiased in ``sqrt(nu)`` the walk of ``nu`` over a long run made float8
+    and 4-bit updates 2.5-3.5% larger than float32 AdamW's
+    (benchmarks/LONG_RUN.md; ``_quantized._toward``)."""
+    codec = _quantized._codecs(fmt)[1]
+    block = _quantized.DEFAULT_BLOCK[fmt]
+    v = _code_values(codec)
+    v = v[v > 0]
+    i = int(np.argmin(np.abs(v[1:] / v[:-1] - 1.5)))
+    lo, hi = float(v[i]), float(v[i + 1])
+    mid = (lo + hi) / 2
+    nu = jnp.full((1, block), mid**2).at[0, 0].set(1.0)  # (the block's absmax)
+    q = jax.jit(lambda b, k: codec.dequantize(*codec.quantize(b, k)))
+    x = np.sqrt(np.stack([np.asarray(q(nu, jnp.uint32(c)))[0, 1:] for c in range(128)]))
+    up = np.isclose(x, hi, rtol=1e-5)
+    assert np.all(up | np.isclose(x, lo, rtol=1e-5))
+    want = (np.sqrt(mid) - np.sqrt(lo)) / (np.sqrt(hi) - np.sqrt(lo))
+    sigma = np.sqrt(want * (1 - want) / up.size)
+    assert want - 0.5 > 6 * sigma, (want, sigma)  # (the test tells the two apart)
+    assert abs(up.mean() - want) < 4 * sigma, (up.mean(), want)
 
 
 def test_only_slow_moments_are_rounded_stochastically():
@@ -449,6 +493,11 @@ def test_quantize_ops_survive_in_the_optimized_hlo(fmt):
     assert root and code + "[" in root[-1]
     if fmt != "float8":  # the nearest-code lookup and the decode are gathers
         assert "gather(" in text
+    # nu's stochastic rounding measures its codes' gaps between square roots
+    # of the stored sqrt(nu) (_quantized._toward): 3 square roots more than
+    # the rounding unbiased in sqrt(nu) (which has 3: the stored sqrt(nu), its
+    # absmax, the update's denominator)
+    assert len(re.findall(r"= f32\[[0-9,]*\]\{?[0-9,]*\}? sqrt\(", text)) >= 6, text[:2000]
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -613,36 +662,49 @@ def test_docstring_examples_run():
     assert doctest.testmod(_quantized, optionflags=doctest.ELLIPSIS).failed == 0
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_forced_quantized_adamw_reaches_rosenbrocks_minimum(fmt):
-    """Each row of a (4, 2) parameter is one block (min_quantized_size=1): four
-    Rosenbrock problems from four starts, 20,000 steps of adamw(0.1). 4-bit
-    states end within 1e-2 of (1, 1) from every start; every format from
-    most. With the 4-bit dynamic mu map (codes 0.0055, 0.0325, 0.0775,
-    0.2125, ...) 4-bit states stopped 0.027-0.11 from (1, 1); with the
-    powers-of-two map they end within 4e-3 from 16 starts on JAX 0.10 and
-    0.12 (benchmarks/QUANTIZED_STATES.md, "4-bit states on Rosenbrock").
-    Where a run ends depends on the random bits (and float32 AdamW's own
-    end wanders between 0.001 and 0.036 from the minimum), so 8-bit and
-    float8 states are held to the median."""
-    starts = jnp.array([[0.0, 0.0], [-0.5, 0.5], [-1.2, 1.0], [2.0, 2.0]])
+def _rosenbrock_ends(tx, starts, steps=20_000):
+    """Distances to (1, 1) after ``steps`` steps of ``tx`` on one Rosenbrock
+    problem per row of ``starts``."""
 
     def loss(p):
         return jnp.sum((1.0 - p[:, 0]) ** 2 + 100.0 * (p[:, 1] - p[:, 0] ** 2) ** 2)
-
-    tx = optim.adamw(0.1, state_format=fmt, min_quantized_size=1)
 
     def body(_, c):
         u, s = tx.update(jax.grad(loss)(c[0]), c[1], c[0])
         return optax.apply_updates(c[0], u), s
 
-    state = tx.init(starts)
-    assert isinstance(state[0].mu, optim.QuantizedArray)
-    p, _ = jax.jit(lambda p, s: jax.lax.fori_loop(0, 20_000, body, (p, s)))(starts, state)
-    dist = np.linalg.norm(np.asarray(p) - 1.0, axis=1)
-    assert np.median(dist) < 1e-2, dist
+    p, _ = jax.jit(lambda p, s: jax.lax.fori_loop(0, steps, body, (p, s)))(starts, tx.init(starts))
+    return np.linalg.norm(np.asarray(p) - 1.0, axis=1)
+
+
+@functools.cache
+def _rosenbrock_starts_and_float32_ends():
+    classic = np.array([[0.0, 0.0], [-0.5, 0.5], [-1.2, 1.0], [2.0, 2.0]])
+    drawn = np.random.RandomState(0).uniform(-2, 2, (12, 2))
+    starts = jnp.asarray(np.concatenate([classic, drawn]), jnp.float32)
+    return starts, _rosenbrock_ends(optax.adamw(0.1), starts)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_forced_quantized_adamw_reaches_rosenbrocks_minimum(fmt):
+    """Each row of a (16, 2) parameter is one block (min_quantized_size=1):
+    sixteen Rosenbrock problems (four classic starts, twelve drawn in
+    [-2, 2]**2), 20,000 steps of adamw(0.1). Quantized states end as near
+    (1, 1) as float32 AdamW, whose own end wanders up to 0.04 from it at this
+    learning rate (median 0.012, 9 of the 16 starts beyond 1e-2): the median
+    within 1e-2 or float32's, and beyond 1e-2 from no more starts than
+    float32 AdamW; 4-bit from at most 2 (measured: 2, median 0.001). With the
+    4-bit dynamic mu map (codes 0.0055, 0.0325, 0.0775, 0.2125, ...) 4-bit
+    states stopped 0.027-0.11 from (1, 1) (benchmarks/QUANTIZED_STATES.md,
+    "4-bit states on Rosenbrock")."""
+    starts, f32 = _rosenbrock_starts_and_float32_ends()
+    tx = optim.adamw(0.1, state_format=fmt, min_quantized_size=1)
+    assert isinstance(tx.init(starts)[0].mu, optim.QuantizedArray)
+    dist = _rosenbrock_ends(tx, starts)
+    assert np.median(dist) < max(1e-2, np.median(f32)), (dist, f32)
+    assert (dist > 1e-2).sum() <= (f32 > 1e-2).sum(), (dist, f32)
     if fmt == "4bit":
-        assert np.all(dist < 1e-2), dist
+        assert (dist > 1e-2).sum() <= 2, dist
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
