@@ -219,6 +219,14 @@ def model_stream_cases():
     cases.append(
         ("bf16 mu + nu", "nearest", None, optim.adamw(1e-3, state_rounding="nearest", **BF16))
     )
+    cases.append(
+        (
+            "float16 mu",
+            "nearest",
+            None,
+            optim.adamw(1e-3, state_rounding="nearest", mu_dtype=jnp.float16),
+        )
+    )
     cases += [
         (f, "nearest", f, optim.adamw(1e-3, state_format=f, state_rounding="nearest", **q))
         for f in _quantized.FORMATS
