@@ -256,11 +256,11 @@ def model_stream(cases, cfg, steps, seed=0, lr=1e-3):
         p, sf, ss = carry
         g = jax.grad(loss)(p, *batch)
         uf, sf = ref.update(g, sf, p)
-        norm_f = optax.global_norm(uf)
+        norm_f = _norm(uf)
         ratios, new = [], []
         for tx, s in zip(txs, ss):
             u, s = tx.update(g, s, p)
-            ratios.append(optax.global_norm(u) / norm_f)
+            ratios.append(_norm(u) / norm_f)
             new.append(s)
         return (optax.apply_updates(p, uf), sf, tuple(new)), jnp.stack(ratios)
 
@@ -270,16 +270,20 @@ def model_stream(cases, cfg, steps, seed=0, lr=1e-3):
     out = []
     for i, ((_, _, fmt, _), s) in enumerate(zip(cases, ss)):
         nu, nu_f = _adam_state(s).nu, sf[0].nu
-        r = [  # the leaves stored in low precision (not the ones kept in float32)
-            _nu_leaf(q, fmt, np.shape(f)) / np.asarray(f, np.float64)
+        pairs = [  # the leaves stored in low precision (not the ones kept in float32)
+            (_nu_leaf(q, fmt, np.shape(f)).ravel(), np.asarray(f, np.float64).ravel())
             for q, f in zip(jax.tree.leaves(nu, is_leaf=_is_quantized), jax.tree.leaves(nu_f))
             if _is_quantized(q) or q.dtype != jnp.float32
         ]
-        r = np.concatenate([x.ravel() for x in r] or [np.zeros(0)])
-        r = r[np.isfinite(r)]
+        r = np.concatenate([q[f > 0] / f[f > 0] for q, f in pairs] or [np.zeros(0)])
         median = float(np.median(np.sqrt(r))) if r.size else float("nan")  # nu in float32
         out.append((median, float(np.mean(ratios[-100:, i]))))
     return out
+
+
+def _norm(tree):
+    """The global L2 norm of a pytree (optax renamed its helper between versions)."""
+    return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)))
 
 
 def _is_quantized(x):

@@ -637,9 +637,12 @@ def test_dtype_report_and_explain_say_which_path_each_attention_took():
     assert why == {"exp": "attention: fused, xla implementation"}
     drop = _near_misses()["dropout_between"]
     rows = dtype_report(amp(drop, policy=XLA), Q, K, V)
-    assert {r[5] for r in rows if r[0] in ("exp", "reduce_max")} == {
-        "attention left as written (xla: dropout on the probabilities)"
-    }
+    # left as written: the rule of each op's dtype, then the attention's path (as explain)
+    whys = {r[0]: r[5] for r in rows if r[0] in ("exp", "reduce_max")}
+    assert set(whys) == {"exp", "reduce_max"}, whys
+    for why in whys.values():
+        assert why.endswith("; attention left as written (xla: dropout on the probabilities)")
+    assert whys["exp"].startswith("deny class: numerically sensitive, runs in float32"), whys
     ex = explain(fn, Q, K, V, policy=XLA)
     reasons = {r.reason for r in ex.rows if r.primitive == "dot_general"}
     assert reasons == {"attention: fused, xla implementation"}, reasons

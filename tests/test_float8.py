@@ -292,8 +292,10 @@ def test_off_is_the_bf16_policy():
 def test_explain_and_dtype_report_say_float8_and_emulated():
     backend = backends.current()
     ex = amp_jax.explain(_layer, W, X, policy="float8_rowwise", grad=True)
-    dots = [r for r in ex.rows if r.primitive == "dot_general"]
-    assert len(dots) == 2  # forward, backward groups
+    # forward, backward groups (JAX 0.12 leaves a dead dot under grad: its
+    # row says it is unused, XLA removes it)
+    dots = [r for r in ex.rows if r.primitive == "dot_general" and "unused" not in r.reason]
+    assert len(dots) == 2, ex.rows
     for r in dots:
         assert decision.float8_text("rowwise", backend) in r.reason, r.reason
     assert "float8 rowwise" in ex.summary_lines()[0]
