@@ -229,7 +229,8 @@ def test_readme_is_short_and_plain():
     for word in ("allow", "deny", "follow", "clear", "painting", "painted"):
         assert not re.search(rf"\b{word}\b", text, flags=re.I), f"README.md uses {word!r}"
     # how long each command takes, and an install without a clone
-    assert "pip install nox uv && nox" in text and "40 minutes" in text
+    nox_line = next(ln for ln in text.splitlines() if ln.startswith("pip install nox uv && nox"))
+    assert re.search(r"\d+ (to \d+ )?minutes", nox_line), nox_line  # (its duration, on its line)
     assert "4-5 minutes" in text and "amp-jax-demo" in text
     assert "git+https://github.com/amp-jax/amp_jax" in text
 
