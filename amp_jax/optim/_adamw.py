@@ -89,8 +89,9 @@ def scale_by_any_precision_adam(
     smaller). A float16 ``mu`` of small gradients lies among float16's
     subnormals, whose spacing (6e-8) a fast moment's step also falls under
     (on a small transformer's gradients, updates 3.2% larger than float32
-    Adam's rounded to the nearest value, 0.3% stochastically). The random bits are a hash of the value's top 16 bits and the
-    step count: no key to pass, nothing added to the state.
+    Adam's rounded to the nearest value, 0.3% stochastically). The random
+    bits are a hash of the value's top 16 bits and the step count: no key to
+    pass, nothing added to the state.
 
     Args:
       b1: decay rate of the first moment.
@@ -210,8 +211,8 @@ def adamw(
     ``mu_dtype``/``nu_dtype``, because bfloat16 cannot represent ``b2=0.999``
     (it rounds to 1.0 and the second moment would never move). A bfloat16
     moment with a decay above 0.95 (``nu`` by default), and a float16 ``mu``,
-    is stored stochastically rounded: rounded to the nearest value it would stop moving
-    after a few hundred steps
+    is stored stochastically rounded: rounded to the nearest value it would
+    stop moving after a few hundred steps
     ([`scale_by_any_precision_adam`][amp_jax.optim.scale_by_any_precision_adam]
     says why). float16 cannot hold ``nu`` (squared gradients below 6e-8
     flush to 0): ``nu_dtype=jnp.float16`` is refused, and float16 parameters
