@@ -143,43 +143,42 @@ class _Codec:
         safe = jnp.where(absmax > 0, absmax, 1.0)[..., None]
         norm = jnp.clip(blocks / safe, -1.0, 1.0)
         norm = jnp.where(jnp.isnan(norm), 0.0, norm)
-        rand = None if key is None else _rounding.uniform_bits(norm, key ^ _positions(norm.shape))
-        if rand is not None and self.sqrt:  # (see _toward)
-            return self._quantize_toward(norm, _rounding.unit(rand)), absmax
+        if key is not None:  # nu unbiased in nu**(1/4) (`_toward`), mu in itself
+            rand = _rounding.uniform_bits(norm, key ^ _positions(norm.shape))
+            up = _toward if self.sqrt else _linear
+            return self._quantize_stochastic(norm, _rounding.unit(rand), up), absmax
         if self.kind == "float8":
-            return _to_float8(norm * _F8_MAX, rand), absmax
+            return _to_float8(norm * _F8_MAX), absmax
         if self.kind == "linear":  # code c stands for (c + 1) / 2**bits
-            n = np.float32(2**self.bits)
-            if rand is None:  # midpoints (i + 1.5) / 2**bits: exact in float32
-                codes = jnp.ceil(norm * n - 1.5)
-            else:
-                codes = jnp.floor(norm * n - 1 + _rounding.unit(rand))
-            codes = jnp.clip(codes, 0, n - 1).astype(jnp.uint8)
+            n = np.float32(2**self.bits)  # midpoints (i + 1.5) / 2**bits: exact in float32
+            codes = jnp.clip(jnp.ceil(norm * n - 1.5), 0, n - 1).astype(jnp.uint8)
         else:
-            table = cast(np.ndarray, self.table)  # (dynamic, pow2: a table)
-            codes = _nearest(norm, table)
-            if rand is not None:
-                codes = _stochastic_neighbour(norm, codes, table, _rounding.unit(rand))
+            codes = _nearest(norm, cast(np.ndarray, self.table))  # (dynamic, pow2: a table)
         return self._pack(codes), absmax
 
-    def _quantize_toward(self, norm: jax.Array, u: jax.Array) -> jax.Array:
-        """Codes of ``norm`` in [0, 1] (a block of ``sqrt(nu)`` over its
-        absmax), each the code below or above it, the upper with the
-        probability `_toward` gives."""
+    def _quantize_stochastic(
+        self, norm: jax.Array, u: jax.Array, probability: Callable[..., jax.Array]
+    ) -> jax.Array:
+        """Codes of ``norm`` in [-1, 1] (a block over its absmax), each the code
+        below or above its magnitude, the upper with ``probability(x, lower,
+        upper)`` (`_linear`, `_toward`): uniform ``u`` below it."""
         if self.kind == "float8":
-            v = norm * _F8_MAX
-            lo = _to_float8(v, jnp.zeros(v.shape, jnp.uint32)).astype(jnp.int32)  # (truncated)
-            hi = jnp.minimum(lo + 1, 0x7E)  # (0x7F is NaN; v <= 448, code 0x7E)
-            p = _toward(v, _from_float8(lo.astype(jnp.uint8)), _from_float8(hi.astype(jnp.uint8)))
-            return jnp.where(u < p, hi, lo).astype(jnp.uint8)
+            a = jnp.abs(norm) * _F8_MAX
+            lo = _to_float8(a, truncate=True).astype(jnp.int32)
+            hi = jnp.minimum(lo + 1, 0x7E)  # (0x7F is NaN; |v| <= 448, code 0x7E)
+            p = probability(
+                a, _from_float8(lo.astype(jnp.uint8)), _from_float8(hi.astype(jnp.uint8))
+            )
+            sign = (jax.lax.bitcast_convert_type(norm, jnp.uint32) >> 24).astype(jnp.uint8) & 0x80
+            return jnp.where(u < p, hi, lo).astype(jnp.uint8) | sign
         if self.kind == "linear":  # code c stands for (c + 1) / 2**bits
             n = np.float32(2**self.bits)
             lo = jnp.clip(jnp.floor(norm * n - 1), 0, n - 1)
             hi = jnp.minimum(lo + 1, n - 1)
-            p = _toward(norm, (lo + 1) / n, (hi + 1) / n)
+            p = probability(norm, (lo + 1) / n, (hi + 1) / n)
             return self._pack(jnp.where(u < p, hi, lo).astype(jnp.uint8))
         table = cast(np.ndarray, self.table)
-        return self._pack(_stochastic_neighbour(norm, _nearest(norm, table), table, u, _toward))
+        return self._pack(_stochastic_neighbour(norm, _nearest(norm, table), table, u, probability))
 
     def _pack(self, codes: jax.Array) -> jax.Array:
         """4-bit: two codes a byte, the first half of the block in the low nibbles."""
@@ -240,25 +239,25 @@ def _block_max(x: jax.Array) -> jax.Array:
     return jnp.max(x, axis=-1)
 
 
-def _to_float8(v: jax.Array, rand: jax.Array | None = None) -> jax.Array:
+def _to_float8(v: jax.Array, truncate: bool = False) -> jax.Array:
     """The bits (``uint8``) of ``v.astype(float8_e4m3fn)`` for float32 ``|v| <=
     448`` without NaNs, computed on the bits (round to nearest even): XLA's CPU
-    convert into float8 is emulated and about twice as slow. With ``rand``
-    (``uint32`` random bits like ``v``): rounded stochastically instead."""
+    convert into float8 is emulated and about twice as slow. ``truncate``: the
+    code toward zero instead (the lower neighbour of ``|v|``)."""
     bits = jax.lax.bitcast_convert_type(v, jnp.uint32)
     sign = (bits >> 24).astype(jnp.uint8) & 0x80
     a = jnp.abs(v)
     ab = jax.lax.bitcast_convert_type(a, jnp.uint32)
     # normal: keep 3 mantissa bits (the 20 dropped ones rounded to nearest
-    # even, or up with probability dropped / 2**20) and rebias the exponent
-    # from 127 to 7 (|v| < 448 never rounds up past 448)
-    if rand is None:
+    # even, or dropped) and rebias the exponent from 127 to 7 (|v| < 448 never
+    # rounds up past 448)
+    if truncate:
+        normal = (ab >> 20) - (120 << 3)
+        sub = jnp.floor(a * np.float32(512.0)).astype(jnp.uint32)
+    else:
         normal = ((ab + 0x7FFFF + ((ab >> 20) & 1)) >> 20) - (120 << 3)
         # subnormal (below 2**-6): multiples of 2**-9; 2**-6 itself is code 8 either way
         sub = jnp.round(a * np.float32(512.0)).astype(jnp.uint32)
-    else:
-        normal = ((ab + (rand & 0xFFFFF)) >> 20) - (120 << 3)
-        sub = jnp.floor(a * np.float32(512.0) + _rounding.unit(rand)).astype(jnp.uint32)
     return jnp.where(a < np.float32(2.0**-6), sub, normal).astype(jnp.uint8) | sign
 
 
