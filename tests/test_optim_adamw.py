@@ -1,5 +1,7 @@
 """Any-precision AdamW."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -252,3 +254,50 @@ def test_float8_moment_dtype_refused_at_construction(arg, dtype):
         optim.adamw(1e-3, **{arg: dtype})
     with pytest.raises(ValueError, match=rf"`{arg}`=float8.*state_format='float8'"):
         optim.scale_by_any_precision_adam(**{arg: dtype})
+
+
+# --- 16-bit parameters updated with rounding to nearest (issue 56 item 7) ------------
+
+
+def _float16_params() -> dict[str, jax.Array]:
+    w = jax.random.uniform(jax.random.key(0), (64, 64), minval=0.05, maxval=0.2)
+    return {"w": w.astype(jnp.float16)}
+
+
+def test_a_plain_adamw_over_float16_parameters_warns_once_naming_the_fixes():
+    params = _float16_params()
+    tx = optim.adamw(1e-5, state_format="8bit", min_quantized_size=1)
+    with pytest.warns(optim.RoundedAwayWarning, match="float16") as record:
+        state = tx.init(params)
+    (message,) = [str(w.message) for w in record]
+    for fix in ("master_weights", "kahan_summation", "stochastic_rounding"):
+        assert fix in message
+    # what it warns about is real: one step leaves most weights where they were
+    grads = jax.tree.map(lambda p: jnp.full(p.shape, 1e-3, p.dtype), params)
+    updates, _ = jax.jit(tx.update)(grads, state, params)
+    new = optax.apply_updates(params, updates)
+    still = float(jnp.mean(new["w"] == params["w"]))
+    assert still > 0.3, still
+    # once per transformation: a second init (a restart, a retrace) is quiet
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", optim.RoundedAwayWarning)
+        tx.init(params)
+
+
+@pytest.mark.parametrize(
+    "dtype, make",
+    [
+        (jnp.float32, lambda: optim.adamw(1e-5)),
+        (jnp.float16, lambda: optim.master_weights(optim.adamw(1e-5))),
+        (jnp.float16, lambda: optim.adamw(1e-5, kahan=True)),
+        (jnp.float16, lambda: optim.kahan_summation(optim.adamw(1e-5, state_format="8bit"))),
+        (jnp.float16, lambda: optim.stochastic_rounding(optim.adamw(1e-5), jax.random.key(1))),
+    ],
+    ids=["float32", "master_weights", "kahan", "kahan_quantized", "stochastic_rounding"],
+)
+def test_no_rounding_warning_where_the_updates_land(dtype, make):
+    params = jax.tree.map(lambda p: p.astype(dtype), _float16_params())
+    tx = make()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", optim.RoundedAwayWarning)
+        tx.init(params)

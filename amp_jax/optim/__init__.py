@@ -8,6 +8,7 @@ float dtype, or block-wise quantized to 8 or 4 bits or float8); every factory re
 
 from amp_jax.optim._adamw import adamw as adamw
 from amp_jax.optim._adamw import scale_by_any_precision_adam as scale_by_any_precision_adam
+from amp_jax.optim._check import RoundedAwayWarning as RoundedAwayWarning
 from amp_jax.optim._kahan import KahanSummationState as KahanSummationState
 from amp_jax.optim._kahan import kahan_summation as kahan_summation
 from amp_jax.optim._loss_scale import DynamicLossScale as DynamicLossScale
@@ -36,6 +37,7 @@ __all__ = [
     "KahanSummationState",
     "LossScaleRule",
     "MasterWeightsState",
+    "RoundedAwayWarning",
     "QuantizedArray",
     "ScaleByQuantizedAdamState",
     "ScaledGradients",

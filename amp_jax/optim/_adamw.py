@@ -351,4 +351,21 @@ def adamw(
     )
     if kahan:
         return _kahan.kahan_summation(tx, compensation_dtype)
-    return optax.with_extra_args_support(tx)
+    return _warning_once(optax.with_extra_args_support(tx))
+
+
+def _warning_once(
+    tx: optax.GradientTransformationExtraArgs,
+) -> optax.GradientTransformationExtraArgs:
+    """``tx`` whose ``init`` warns, the first time only, when 16-bit
+    parameters would be updated with rounding to nearest
+    (`_check.warn_if_rounded_away`)."""
+    warned = False
+
+    def init_fn(params):
+        nonlocal warned
+        if not warned:
+            warned = _check.warn_if_rounded_away(params, "adamw")
+        return tx.init(params)
+
+    return optax.GradientTransformationExtraArgs(init_fn, tx.update)

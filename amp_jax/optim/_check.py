@@ -3,8 +3,11 @@ function, the argument, the value it got and what is allowed."""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import numbers
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -132,3 +135,72 @@ def adam_hyperparameters(caller: str, b1: Any, b2: Any, eps: Any, eps_root: Any)
         ("eps_root", eps_root, "0.0"),
     ):
         hyperparameter(value, caller, name, example)
+
+
+class RoundedAwayWarning(UserWarning):
+    """bfloat16 or float16 parameters are updated with rounding to nearest.
+
+    [`adamw`][amp_jax.optim.adamw] warns with it, once, when its ``init`` sees
+    16-bit parameters and no wrapper lands the updates: ``optax.apply_updates``
+    rounds ``p + u`` to the parameter's dtype, and an update below half an ulp
+    is lost without an error. Wrap the optimizer in
+    [`master_weights`][amp_jax.optim.master_weights],
+    [`kahan_summation`][amp_jax.optim.kahan_summation] (``adamw(kahan=True)``)
+    or [`stochastic_rounding`][amp_jax.optim.stochastic_rounding]; where
+    rounding to nearest is what you want, filter it:
+    ``warnings.filterwarnings("ignore", category=RoundedAwayWarning)``.
+
+    Attributes:
+      args: the message, a one-element tuple (as every ``Warning``).
+    """
+
+
+#: set while a wrapper that lands updates exactly (Kahan, stochastic rounding)
+#: initialises its inner transformation
+_LANDED: contextvars.ContextVar[bool] = contextvars.ContextVar("amp_jax_landed", default=False)
+
+
+@contextlib.contextmanager
+def landing_handled() -> Iterator[None]:
+    """Marks the inner ``init`` of a wrapper that keeps small updates (Kahan
+    summation, stochastic rounding): its parameters may be 16-bit."""
+    token = _LANDED.set(True)
+    try:
+        yield
+    finally:
+        _LANDED.reset(token)
+
+
+def warn_if_rounded_away(params: Any, caller: str) -> bool:
+    """A `RoundedAwayWarning` when a floating leaf of ``params`` is 16-bit and
+    no wrapper lands the updates; returns whether it warned.
+
+    ``optax.apply_updates`` rounds ``p + u`` to the parameter's dtype, so an
+    update below half a 16-bit ulp (1e-5 on a weight of 0.1 in float16, 4e-4
+    in bfloat16) leaves the parameter where it was: training stalls without an
+    error.
+    """
+    if _LANDED.get():
+        return False
+    low = sorted(
+        {
+            str(p.dtype)
+            for p in jax.tree.leaves(params)
+            if hasattr(p, "dtype")
+            and jnp.issubdtype(p.dtype, jnp.floating)
+            and np.dtype(p.dtype).itemsize == 2
+        }
+    )
+    if not low:
+        return False
+    warnings.warn(
+        f"{caller}: the parameters hold {' and '.join(low)} leaves, and their updates are "
+        "rounded to nearest when applied: an update below half an ulp is lost (with "
+        "float16 weights near 0.1 and a learning rate of 1e-5, about half the parameters "
+        "do not move). Wrap the optimizer in amp_jax.optim.master_weights(...) (float32 "
+        "master copy), amp_jax.optim.kahan_summation(...) (adamw: kahan=True) or "
+        "amp_jax.optim.stochastic_rounding(..., key), or keep the parameters in float32.",
+        RoundedAwayWarning,
+        stacklevel=3,
+    )
+    return True

@@ -102,7 +102,9 @@ def kahan_summation(
 
     def init_fn(params):
         _check.warn_if_redundant(params, jnp.float32, "kahan_summation")
-        return KahanSummationState(jax.tree.map(comp_init, params), inner.init(params))
+        with _check.landing_handled():
+            inner_state = inner.init(params)
+        return KahanSummationState(jax.tree.map(comp_init, params), inner_state)
 
     def update_fn(updates, state, params=None, **extra_args):
         if params is None:

@@ -145,9 +145,9 @@ def stochastic_rounding(
     inner = optax.with_extra_args_support(inner)
 
     def init_fn(params):
-        return StochasticRoundingState(
-            key=jnp.array(raw, copy=True), inner_state=inner.init(params)
-        )
+        with _check.landing_handled():
+            inner_state = inner.init(params)
+        return StochasticRoundingState(key=jnp.array(raw, copy=True), inner_state=inner_state)
 
     def update_fn(updates, state, params=None, **extra_args):
         if params is None:
