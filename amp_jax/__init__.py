@@ -17,6 +17,12 @@ from amp_jax._src.backends import (
 from amp_jax._src.backends import (
     BACKEND_SLOW_IN_LOW_PRECISION as BACKEND_SLOW_IN_LOW_PRECISION,
 )
+from amp_jax._src.backends import (
+    CpuBf16Support as CpuBf16Support,
+)
+from amp_jax._src.backends import (
+    cpu_bf16_support as cpu_bf16_support,
+)
 from amp_jax._src.diagnostics.explain import (
     ExplainRow as ExplainRow,
 )
@@ -65,6 +71,7 @@ __version__ = "0.1.0"
 __all__ = [
     "BACKEND_LOW_OUTPUTS",
     "BACKEND_SLOW_IN_LOW_PRECISION",
+    "CpuBf16Support",
     "DEFAULT_ALLOW",
     "DEFAULT_CLEAR",
     "DEFAULT_DENY",
@@ -75,6 +82,7 @@ __all__ = [
     "Explanation",
     "Policy",
     "amp",
+    "cpu_bf16_support",
     "debug",
     "dtype_report",
     "eager",

@@ -35,6 +35,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+import amp_jax
+
 M = [1, 2, 4, 8, 16, 64, 256, 1652]
 K = [8, 16, 32, 64, 256]
 N = [2, 8, 16, 32, 64, 256]
@@ -127,6 +129,7 @@ def main(argv: list[str] | None = None) -> str:
         f"kept float32 though more than 10% faster lowered: {len(missed)}"
         f"{': ' + named(missed) if missed else ''}.",
     ]
+    support = amp_jax.cpu_bf16_support()
     head = [
         "# Dots on this backend: float32 against amp's lowered form (casts included)",
         "",
@@ -138,6 +141,8 @@ def main(argv: list[str] | None = None) -> str:
         "",
         f"- device: {jax.devices()[0].device_kind} ({jax.default_backend()}), "
         f"{os.cpu_count()} host cores, {platform.processor() or platform.machine()}",
+        f"- cpu flags: {', '.join(support.flags) or 'not reported by the OS'}; amp bf16 "
+        f"dots on this cpu: {'yes' if support.pays else 'no'} ({support.evidence})",
         f"- python {platform.python_version()}, jax {jax.__version__}",
         f"- date: {datetime.datetime.now():%Y-%m-%d %H:%M}",
         f"- load average (1/5/15 min): {load[0]:.2f}, {load[1]:.2f}, {load[2]:.2f} at the "

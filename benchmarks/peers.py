@@ -432,12 +432,14 @@ def _versions() -> str:
 
 
 def machine() -> list[str]:
-    """benchmarks/run.py's machine lines (cpu, bf16 flags, load), with the peers' versions."""
+    """benchmarks/run.py's machine lines (cpu, its flags and amp's bf16 decision, load),
+    with the peers' versions."""
     from benchmarks import run
 
     m = run.machine()
     return [
-        f"- cpu: {m['cpu']}, {m['cores (os.cpu_count)']} cores; bf16 flags: {m['bf16 flags']}",
+        f"- cpu: {m['cpu']}, {m['cores (os.cpu_count)']} cores; cpu flags: {m['cpu flags']}; "
+        f"amp bf16 dots: {m['amp bf16 dots on this cpu']}",
         f"- backend: {m['backend']}; python {m['python']}",
         f"- versions: {_versions()}",
         f"- date: {m['date']}; load average at the end (1/5/15 min): "

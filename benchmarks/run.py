@@ -46,7 +46,7 @@ import platform
 import re
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 # The PyTorch peer shares the GPU: let JAX allocate as it goes, not 75% up front.
@@ -57,6 +57,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+import amp_jax
 from amp_jax import Policy, amp
 from benchmarks import _report
 from workloads import models as M
@@ -313,22 +314,29 @@ def bench_resnet50_compile(reps: int) -> dict[str, float]:
 # -- reporting ------------------------------------------------------------------------
 
 
+def cpu_flags(flags: Collection[str]) -> str:
+    """The CPU flags that decide whether amp's bfloat16 dots pay, as the machine
+    line writes them: ``"avx512_bf16, no amx_bf16, avx2"``."""
+    return ", ".join(f if f in flags else f"no {f}" for f in ("avx512_bf16", "amx_bf16", "avx2"))
+
+
 def machine() -> dict[str, str]:
+    """The machine a report was measured on: the CPU, its bfloat16 flags and
+    what amp decided from them (`amp_jax.cpu_bf16_support`), versions, load."""
     cpu = "unknown"
-    flags = ""
     try:
         with open("/proc/cpuinfo") as fh:
             for line in fh:
-                if line.startswith("model name") and cpu == "unknown":
+                if line.startswith("model name"):
                     cpu = line.split(":", 1)[1].strip()
-                if line.startswith("flags") and not flags:
-                    fl = line.split(":", 1)[1].split()
-                    flags = " ".join(f for f in fl if f.startswith("amx") or f == "avx512_bf16")
+                    break
     except OSError:
         pass
+    support = amp_jax.cpu_bf16_support()
     return {
         "cpu": cpu,
-        "bf16 flags": flags or "none",
+        "cpu flags": cpu_flags(support.flags) if support.flags else "not reported by the OS",
+        "amp bf16 dots on this cpu": f"{'yes' if support.pays else 'no'} ({support.evidence})",
         "cores (os.cpu_count)": str(os.cpu_count()),
         "python": platform.python_version(),
         "jax": jax.__version__,

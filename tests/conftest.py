@@ -3,6 +3,12 @@ import os
 # Multi-device tests (shard_map) use forced host devices; must be set before JAX starts.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
+# amp's CPU backend lowers dots to bfloat16 only where the CPU runs them fast
+# (amp_jax.cpu_bf16_support: avx512_bf16/amx_bf16 flags or a probe). The suite
+# asserts bf16 dots on CPU: pin the decision so that results do not depend on the
+# CI machine's CPU (tests/test_cpu_bf16.py fakes every answer).
+os.environ["AMP_JAX_CPU_BF16"] = "yes"
+
 # tests/mutants.py: run the suite against a named mutant (a feature replaced by a no-op).
 if os.environ.get("AMP_JAX_MUTANT"):
     import mutants

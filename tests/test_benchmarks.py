@@ -396,3 +396,18 @@ def test_gpu_session(tmp_path):
     with tarfile.open(tmp_path / "logs.tar.gz") as tar:
         logs = {pathlib.PurePath(n).name for n in tar.getnames()}
     assert {"bench.log", "profile.log", "tests_gpu.log", "tests_rest.log", "junit.xml"} <= logs
+
+
+def test_machine_lines_name_the_cpu_flags_and_amps_bf16_decision():
+    from benchmarks import peers
+    from benchmarks import run as bench_run
+
+    m = bench_run.machine()
+    assert m["amp bf16 dots on this cpu"].split(" (")[0] in ("yes", "no"), m
+    assert "bf16 flags" not in m
+    assert bench_run.cpu_flags({"avx2", "fma"}) == "no avx512_bf16, no amx_bf16, avx2"
+    assert bench_run.cpu_flags({"avx512_bf16", "amx_bf16", "avx2"}) == (
+        "avx512_bf16, amx_bf16, avx2"
+    )
+    line = peers.machine()[0]
+    assert f"cpu flags: {m['cpu flags']}; amp bf16 dots: " in line, line

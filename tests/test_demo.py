@@ -165,3 +165,87 @@ def test_demo_concludes_only_what_its_step_times_support():
     swing = [1.0] + [0.3, 0.6, 0.35, 0.9, 0.32, 0.7, 0.4, 0.8] * 3
     said = conclusions({"amp-bf16": swing, "amp-f16": steady(300)}, "cpu")
     assert len(said) == 1 and "too busy to tell" in said[0], said
+
+
+def test_demo_conclusions_say_why_from_the_cpus_bf16_support():
+    from amp_jax import CpuBf16Support
+    from amp_jax.demo.__main__ import conclusions, cpu_line
+
+    steady = lambda ms: [1.0] + [ms / 1e3 * (1 + 0.01 * (i % 3)) for i in range(20)]  # noqa: E731
+    times = {"f32": steady(600), "amp-bf16": steady(600), "amp-f16": steady(800)}
+    no = CpuBf16Support(False, "flags", "cpu flags: no avx512_bf16 or amx_bf16", ("avx2",))
+    yes = CpuBf16Support(True, "flags", "cpu flags: avx512_bf16", ("avx512_bf16",))
+    said = conclusions(times, "cpu", no)
+    assert said[0] == (
+        "amp-bf16 and f32: the same step time within the spread of the times (this CPU has "
+        "no bfloat16 dot instructions, so amp kept the matmuls in float32)."
+    ), said
+    # every "slower" comes with its reason
+    slower = [line for line in said if "slower" in line]
+    assert slower and all(
+        "float16 matmul" in line or "float16 matmul operands" in line for line in slower
+    ), said
+    assert "amp-bf16 ran float32's matmuls" in said[-1], said
+    said = conclusions({"f32": steady(600), "amp-bf16": steady(330)}, "cpu", yes)
+    assert said == [
+        "amp-bf16's step was 1.82x f32's speed (faster: this CPU runs bfloat16 matmuls with its "
+        "bfloat16 dot instructions)."
+    ], said
+    # the printed decision names the evidence and what amp did
+    assert cpu_line(no).startswith("CPU bfloat16 dots: no (cpu flags: no avx512_bf16 or amx_bf16)")
+    assert "keeps the matmuls in float32" in cpu_line(no)
+    assert "AMP_JAX_CPU_BF16" in cpu_line(no)
+    assert cpu_line(yes).startswith("CPU bfloat16 dots: yes (cpu flags: avx512_bf16)")
+
+
+def test_demo_prints_the_cpus_bf16_decision(capsys, monkeypatch, tmp_path):
+    import amp_jax
+    from amp_jax.demo import __main__ as demo
+
+    monkeypatch.setattr(demo, "_train_mode", lambda *a: pytest.skip("not reached"))
+    amp_jax.cpu_bf16_support.cache_clear()
+    monkeypatch.setenv("AMP_JAX_CPU_BF16", "no")
+    try:
+        with pytest.raises(pytest.skip.Exception):
+            demo.main([*TINY, "--out", str(tmp_path)])
+    finally:
+        amp_jax.cpu_bf16_support.cache_clear()
+    out = capsys.readouterr().out
+    assert "CPU bfloat16 dots: no (AMP_JAX_CPU_BF16=no): amp keeps the matmuls in float32" in out
+
+
+def test_demo_smoothed_loss_is_bias_corrected():
+    from amp_jax.demo.__main__ import smoothed
+
+    # a loss that falls at once: by step 10 the curve reads near the loss, not near
+    # the first value (an EMA started at the first value read 4.49 here)
+    curve = smoothed([10.0] + [1.0] * 9)
+    assert curve[0] == 10.0
+    assert abs(curve[-1] - (1 + 9 * 0.1 * 0.9**9 / (1 - 0.9**10))) < 1e-9
+    assert curve[-1] < 1.6
+    assert smoothed([3.0] * 50) == pytest.approx([3.0] * 50)
+
+
+def test_demo_validation_panel_has_its_own_range():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from amp_jax.demo.__main__ import figure
+    from amp_jax.demo._modes import RunResult
+
+    def run(name, shift):
+        train = [5.5 * 0.97**i + shift for i in range(40)]
+        val = [3.1 + shift, 2.9 + shift, 2.8 + shift]
+        return RunResult(name, "", list(range(1, 41)), train, [10, 20, 40], val, [0.1] * 40,
+                         1.0, None, 1, 1, 1, {})  # fmt: skip
+
+    fig = figure([run("f32", 0.0), run("amp-bf16", 0.01)], "t")
+    try:
+        ax_t, ax_v = fig.axes[:2]
+        lo, hi = ax_v.get_ylim()
+        assert 2.7 < lo < 2.8 and 3.11 < hi < 3.2, (lo, hi)
+        assert ax_t.get_ylim()[1] > 5, ax_t.get_ylim()
+    finally:
+        plt.close(fig)

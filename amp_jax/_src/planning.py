@@ -306,14 +306,16 @@ def _classify(ctx: Context, eqn: compat.Eqn) -> Classified:
 
 def effective_class(policy: Policy, name: str, backend: Backend) -> str | None:
     """``policy.class_of(name)`` with the backend-aware adjustment: an ``allow``
-    op measured slower in low precision on ``backend`` is ``never`` under
-    ``Policy(backend_aware=True)`` (unless the user's overrides name it)."""
+    op measured slower in low precision on ``backend`` (`Backend.slower_low`:
+    convolutions on XLA:CPU, dots on a CPU without bfloat16 dot instructions) is
+    ``never`` under ``Policy(backend_aware=True)`` (unless the user's overrides
+    name it)."""
     cls = policy.class_of(name)
     if (
         cls == "allow"
         and policy.backend_aware
-        and name in backend.slow_in_low_precision
         and name not in dict(policy.overrides)
+        and backend.slower_low(name, policy.compute_dtype) is not None
     ):
         return "never"
     return cls
@@ -601,10 +603,8 @@ def _reason(ctx: Context, eqn: compat.Eqn, c: Classified, color: Color) -> Reaso
     cd = pol.compute_dtype.name
     base = pol.class_of(name)
     if base == "allow" and c.op_class is OpClass.NEVER:
-        return Reason(
-            Why.BACKEND_CLASS,
-            f"backend-aware: {name} is slower in {cd} on {ctx.backend.name}, kept as written",
-        )
+        slower = ctx.backend.slower_low(name, pol.compute_dtype)
+        return Reason(Why.BACKEND_CLASS, f"backend-aware: {slower}, kept as written")
     if c.op_class is OpClass.ALLOW and base == "allow":
         fp8 = float8.reason(ctx.policy, ctx.backend, eqn, c.variant)
         if fp8 is not None:

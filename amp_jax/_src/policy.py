@@ -515,7 +515,9 @@ class Policy:
       strict: raise ``NotImplementedError`` for a primitive in no class
         instead of treating it as ``follow``.
       backend_aware: keep ops in float32 on backends where the compute dtype
-        makes them slower (measured: convolutions on CPU). See the docs.
+        makes them slower (measured: convolutions on CPU; bfloat16 matmuls on a
+        CPU without bfloat16 dot instructions, `amp_jax.cpu_bf16_support`). See
+        the docs.
       allow_outputs: the dtype ``allow`` ops write (they accumulate in
         float32 either way): ``"auto"`` (default) takes it per backend from
         [`BACKEND_LOW_OUTPUTS`][amp_jax.BACKEND_LOW_OUTPUTS] -- the compute dtype on GPU, where cuBLAS

@@ -13,6 +13,7 @@ loss_curves.png to --out.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -22,6 +23,7 @@ import sys
 import time
 from typing import Any
 
+from amp_jax import CpuBf16Support, cpu_bf16_support
 from amp_jax.demo import _data, _model
 from amp_jax.demo._modes import DEFAULT_MODES, MODES, RunResult, train
 
@@ -207,19 +209,42 @@ def plot(results: list[RunResult], path: pathlib.Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    fig = figure(results, title)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def figure(results: list[RunResult], title: str) -> Any:
+    """The figure `plot` draws: train loss, validation loss (each panel with its
+    own y range: the validation losses, taken after the first steps, span a
+    fraction of the training curve's), and the loss scale of loss-scaled modes."""
+    import matplotlib.pyplot as plt
+
     scaled = [(i, r) for i, r in enumerate(results) if r.loss_scale]
     if scaled:
         fig, (ax_t, ax_v, ax_s) = plt.subplots(1, 3, figsize=(16, 4.2))
-        ax_v.sharey(ax_t)
     else:
-        fig, (ax_t, ax_v) = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+        fig, (ax_t, ax_v) = plt.subplots(1, 2, figsize=(11, 4.2))
     _plot_losses(ax_t, ax_v, results)
     for i, r in scaled:
         _plot_loss_scale(ax_s, i, r)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig
+
+
+def smoothed(values: Any, beta: float = 0.9) -> list[float]:
+    """The exponential moving average of ``values`` with bias correction (as
+    Adam's moments): ``m_t = beta m_(t-1) + (1 - beta) v_t`` from ``m_0 = 0``,
+    divided by ``1 - beta^t``. Each point weighs the values seen so far, the
+    first ones no more than the EMA's weights give them: the curve starts at
+    the first loss and follows a falling loss within a few steps (an EMA
+    started at the first value would hold it for tens of steps)."""
+    m, out = 0.0, []
+    for t, v in enumerate(values, start=1):
+        m = beta * m + (1 - beta) * float(v)
+        out.append(m / (1 - beta**t))
+    return out
 
 
 def _plot_losses(ax_t: Any, ax_v: Any, results: list[RunResult]) -> None:
@@ -230,10 +255,7 @@ def _plot_losses(ax_t: Any, ax_v: Any, results: list[RunResult]) -> None:
         color = f"C{i}"
         loss = np.asarray(r.train_loss)
         ax_t.plot(r.train_steps, loss, color=color, alpha=0.2, lw=0.8)
-        ema, smooth = loss[0], []
-        for v in loss:  # exponential moving average, as most training dashboards show
-            ema = 0.9 * ema + 0.1 * v
-            smooth.append(ema)
+        smooth = smoothed(loss)  # a moving average, as most training dashboards show
         # the first mode (f32, the reference) is drawn wide underneath: modes that
         # match it closely (amp-f16 usually does) would otherwise hide it.
         # and each mode has its own dash and marker, so one that lies on another
@@ -253,7 +275,9 @@ def _plot_losses(ax_t: Any, ax_v: Any, results: list[RunResult]) -> None:
             alpha=alpha,
             label=f"{r.mode} ({r.final_val_loss:.3f})",
         )
-    ax_t.set_title("train loss (faint: per step, bold: EMA 0.9; log scale)", fontsize=10)
+    ax_t.set_title(
+        "train loss (faint: per step, bold: EMA 0.9, bias-corrected; log scale)", fontsize=10
+    )
     ax_v.set_title("validation loss (held-out stdlib files)", fontsize=10)
     for ax in (ax_t, ax_v):
         ax.set_xlabel("step")
@@ -264,6 +288,11 @@ def _plot_losses(ax_t: Any, ax_v: Any, results: list[RunResult]) -> None:
     # small differences at the end in one panel
     ax_t.set_yscale("log")
     ax_t.set_xlim(0, max(max(r.train_steps) for r in results))
+    # the validation losses' own range, with a margin
+    lo = min(min(r.val_loss) for r in results)
+    hi = max(max(r.val_loss) for r in results)
+    pad = 0.05 * (hi - lo) or 0.05 * abs(hi) or 0.05
+    ax_v.set_ylim(lo - pad, hi + pad)
 
 
 def _plot_loss_scale(ax_s: Any, i: int, r: RunResult) -> None:
@@ -308,6 +337,9 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
     _print_setup(args, cfg, corpus, n_params)
+    support = cpu_bf16_support() if jax.default_backend() == "cpu" else None
+    if support is not None:
+        print(cpu_line(support))
     eval_every = max(1, args.steps // 10)
     results = [_train_mode(name, args, cfg, corpus, eval_every) for name in args.modes]
     _print_results(results)
@@ -317,9 +349,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     plot(results, out / "loss_curves.png", title)
     payload = _payload(args, corpus, results, n_params=n_params, eval_every=eval_every)
+    if support is not None:
+        payload["environment"]["cpu_bf16"] = dataclasses.asdict(support)
     payload["wall_time_s"] = time.perf_counter() - t_start
     (out / "results.json").write_text(json.dumps(payload, indent=1))
-    lines = conclusions({r.mode: r.step_times_s for r in results}, jax.default_backend())
+    lines = conclusions({r.mode: r.step_times_s for r in results}, jax.default_backend(), support)
     if lines:
         print("\n" + "\n".join(lines))
     print(f"\ntotal {payload['wall_time_s']:.0f} s; wrote results.json and loss_curves.png to")
@@ -342,11 +376,44 @@ def _timing(times: list[float]) -> tuple[float, float]:
     return float(med), float(q3 - q1) / 2
 
 
-def conclusions(step_times: dict[str, list[float]], backend: str) -> list[str]:
+def cpu_line(support: CpuBf16Support) -> str:
+    """The CPU's bfloat16 support and what amp decided because of it, in words."""
+    if support.pays:
+        return (
+            f"CPU bfloat16 dots: yes ({support.evidence}): amp runs the matmuls in bfloat16 "
+            "with float32 accumulation"
+        )
+    return (
+        f"CPU bfloat16 dots: no ({support.evidence}): amp keeps the matmuls in float32, "
+        "which runs faster here (Policy(backend_aware=False) lowers them anyway; "
+        "AMP_JAX_CPU_BF16=yes|no overrides the decision)"
+    )
+
+
+def _why(mode: str, backend: str, support: CpuBf16Support | None) -> str:
+    """Why ``mode`` runs at the speed it does on ``backend`` ('' where not known)."""
+    if backend != "cpu" or support is None:
+        return ""
+    if mode == "amp-f16":
+        return (
+            "XLA:CPU has no float16 matmul kernel (it converts the operands to float32), "
+            "and dynamic loss scaling checks every gradient each step"
+        )
+    if support.pays:
+        return "this CPU runs bfloat16 matmuls with its bfloat16 dot instructions"
+    if mode == "amp-bf16":
+        return "this CPU has no bfloat16 dot instructions, so amp kept the matmuls in float32"
+    return "bfloat16 parameters on a CPU without bfloat16 dot instructions: casts, no faster matmul"
+
+
+def conclusions(
+    step_times: dict[str, list[float]], backend: str, support: CpuBf16Support | None = None
+) -> list[str]:
     """What the demo's own step times support, in words: which mode was faster
     than which, only where the medians differ by more than the spread of the
     times (and by 3%); that the machine was too busy to tell where the times
-    spread too much."""
+    spread too much. On a CPU, ``support`` (`amp_jax.cpu_bf16_support`) says
+    why each mode ran at its speed."""
     timing = {m: _timing(t) for m, t in step_times.items() if t}
     noisy = sorted(m for m, (med, half) in timing.items() if med > 0 and 2 * half / med > NOISY)
     if noisy:
@@ -367,10 +434,15 @@ def conclusions(step_times: dict[str, list[float]], backend: str) -> list[str]:
         if mode in timing and "f32" in timing:
             verdict = compare(mode, "f32")
             ratio = timing["f32"][0] / timing[mode][0]
+            why = _why(mode, backend, support)
             if verdict is None:
-                out.append(f"{mode} and f32: the same step time within the spread of the times.")
+                why = f" ({why})" if why else ""
+                out.append(
+                    f"{mode} and f32: the same step time within the spread of the times{why}."
+                )
             else:
-                out.append(f"{mode}'s step was {ratio:.2f}x f32's speed ({verdict}).")
+                why = f": {why}" if why else ""
+                out.append(f"{mode}'s step was {ratio:.2f}x f32's speed ({verdict}{why}).")
     if "amp-f16" in timing and "amp-bf16" in timing:
         verdict = compare("amp-f16", "amp-bf16")
         if verdict is None:
@@ -378,10 +450,15 @@ def conclusions(step_times: dict[str, list[float]], backend: str) -> list[str]:
         elif verdict == "faster":
             out.append("amp-f16 was faster than amp-bf16 here.")
         elif backend == "cpu":
+            fast = (
+                "the CPU's fast low-precision matmul instructions (AVX512-BF16, AMX) take bfloat16"
+                if support is None or support.pays
+                else "amp-bf16 ran float32's matmuls (no bfloat16 dot instructions here)"
+            )
             out.append(
-                "amp-f16 was slower than amp-bf16 here: the CPU's fast low-precision matmul "
-                "instructions (AVX512-BF16, AMX) take bfloat16, and dynamic loss scaling checks "
-                "every gradient each step. On a GPU both run on the same tensor cores."
+                f"amp-f16 was slower than amp-bf16 here: {fast}, XLA:CPU converts float16 "
+                "matmul operands to float32, and dynamic loss scaling checks every gradient "
+                "each step. On a GPU both run on the same tensor cores."
             )
         else:
             out.append("amp-f16 was slower than amp-bf16 here (dynamic loss scaling's checks).")

@@ -19,15 +19,19 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import Any
 
 import jax
+import numpy as np
 from jax import lax
 from jax.typing import DTypeLike
 
 from amp_jax._src import compat
 from amp_jax._src.backends import cpu, gpu
+from amp_jax._src.backends.cpu_bf16 import CpuBf16Support as CpuBf16Support
+from amp_jax._src.backends.cpu_bf16 import cpu_bf16_support as cpu_bf16_support
 from amp_jax._src.backends.gpu import AttentionImpl as AttentionImpl
 
 
@@ -79,6 +83,9 @@ class Backend:
         ``cpu.DotLayout``), stored in the plan; none elsewhere.
       native_float8_matmul: ``native_float8_matmul()``: whether the matmul
         units take fp8 operands.
+      bf16_dots: whether a bfloat16 dot pays here (XLA:CPU: `cpu_bf16_support`,
+        decided once per process and part of this record, hence of the trace
+        cache key); None where it does (GPUs, TPUs).
     """
 
     name: str
@@ -89,11 +96,28 @@ class Backend:
     dot: Callable[..., Any] = plain_dot
     plan_layouts: Callable[..., dict[int, Any]] = _no_layouts
     native_float8_matmul: Callable[[], bool] = _never
+    bf16_dots: CpuBf16Support | None = None
 
     def has_low_kernel(self, eqn: compat.Eqn) -> bool:
         """Whether ``eqn`` (an ``allow`` op on managed floats) has a kernel here
         with compute-dtype operands: planning keeps it float32 if not."""
         return eqn.primitive.name != "dot_general" or self.runs_low(eqn)
+
+    def slower_low(self, name: str, dtype: DTypeLike) -> str | None:
+        """Why primitive ``name`` runs slower with ``dtype`` operands here than in
+        float32 (``Policy(backend_aware=True)`` keeps it as written), or None:
+        a primitive of `slow_in_low_precision`, or a dot in bfloat16 where
+        `bf16_dots` says it does not pay."""
+        if name in self.slow_in_low_precision:
+            return f"{name} is slower in {np.dtype(dtype).name} on {self.name}"
+        if (
+            name in _DOTS
+            and self.bf16_dots is not None
+            and not self.bf16_dots.pays
+            and np.dtype(dtype) == np.dtype(jax.numpy.bfloat16)
+        ):
+            return self.bf16_dots.reason
+        return None
 
     def attention(
         self, head_dim: int, tq: int, tk: int, needs_even: bool, probe: Callable[[], object]
@@ -108,6 +132,9 @@ class Backend:
     def __repr__(self) -> str:  # (a primitive parameter: printed in jaxprs)
         return f"Backend({self.name!r})"
 
+
+#: the matmul primitives `Backend.bf16_dots` speaks for
+_DOTS = frozenset({"dot_general", "ragged_dot_general", "ragged_dot"})
 
 _BACKENDS = {
     "cpu": Backend(
@@ -128,9 +155,17 @@ _BACKENDS = {
 
 def backend_for(name: str) -> Backend:
     """The `Backend` record of platform ``name`` (a plain one for platforms
-    amp has nothing special for, e.g. ``"tpu"``)."""
+    amp has nothing special for, e.g. ``"tpu"``). The CPU's record holds
+    `cpu_bf16_support`'s decision (made at the first call, then cached)."""
+    if name == "cpu":
+        return _cpu_record(cpu_bf16_support())
     found = _BACKENDS.get(name)
     return found if found is not None else Backend(name)
+
+
+@functools.cache
+def _cpu_record(support: CpuBf16Support) -> Backend:
+    return dataclasses.replace(_BACKENDS["cpu"], bf16_dots=support)
 
 
 _INJECTED: contextvars.ContextVar[Backend | None] = contextvars.ContextVar(
