@@ -99,12 +99,18 @@ def _layout_dot(ctx: RuleContext, lay: Any, env: CastingEnv) -> list[Any]:
 
 
 def plan_layouts(
-    jaxpr: compat.Jaxpr, decisions: Sequence[Decision], *, backend: Backend, vjp_rules: bool
+    jaxpr: compat.Jaxpr,
+    decisions: Sequence[Decision],
+    *,
+    backend: Backend,
+    vjp_rules: bool,
+    compute_dtype: np.dtype,
 ) -> dict[int, Any]:
     """The backend's layout records of a plan's lowered dots (`Backend.plan_layouts`),
     by eqn index: for the dots amp's dot rule lowers to the compute dtype (none
-    in custom JVP rules, whose dots JAX transposes). A dot rule the user
-    registered ignores them."""
+    in custom JVP rules, whose dots JAX transposes, nor where a rule of
+    ``Policy.rules`` gives another dtype). A dot rule the user registered
+    ignores them."""
     lowered, skip = {}, set()
     for i, (eqn, d) in enumerate(zip(jaxpr.eqns, decisions)):
         if d.fused is not Fused.NO:
@@ -113,6 +119,7 @@ def plan_layouts(
             eqn.primitive is P.dot_general_p
             and d.lowered
             and d.variant is Variant.COMPUTE
+            and (d.rule is None or d.rule.dtype == compute_dtype)
             and all(is_managed_float(casting.dtype_of(v)) for v in eqn.invars)
         ):
             lowered[i] = d.out_dtype
