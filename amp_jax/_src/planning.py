@@ -534,7 +534,6 @@ def _plan(ctx: Context, closed: compat.ClosedJaxpr, hints: BodyHints) -> Plan:
             decisions,
             backend=ctx.backend,
             vjp_rules=ctx.vjp_rules,
-            compute_dtype=ctx.policy.compute_dtype,
         )
         made = ctx.memo.plans[slot] = Plan(flat, decisions, att.fused, layouts, tuple(att.log))
         return made
@@ -595,11 +594,7 @@ def all_low(ctx: Context, closed: compat.ClosedJaxpr) -> Plan:
         color = Color.ORIG if c.kind is Kind.NO_FLOAT else Color.LOW
         decisions.append(Decision(c.kind, c.op_class, color, reason))
     layouts = dots.plan_layouts(
-        compat.jaxpr_of(closed),
-        decisions,
-        backend=ctx.backend,
-        vjp_rules=ctx.vjp_rules,
-        compute_dtype=ctx.policy.compute_dtype,
+        compat.jaxpr_of(closed), decisions, backend=ctx.backend, vjp_rules=ctx.vjp_rules
     )
     return Plan(closed, tuple(decisions), layouts=layouts)
 
