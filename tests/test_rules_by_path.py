@@ -334,10 +334,12 @@ def test_first_matching_rule_wins():
 
     w = jnp.ones((64, 64)) * 0.01
     policy = Policy("bfloat16", rules=[("head", "float16"), ("w", "float32")])
-    dots = _dots(jax.make_jaxpr(amp(loss, policy=policy))(w, X))
+    with pytest.warns(UnmatchedRuleWarning, match="'w'"):  # (it decides nothing: shadowed)
+        dots = _dots(jax.make_jaxpr(amp(loss, policy=policy))(w, X))
     assert {d for d, _ in dots} == {(F16, F16)} and {_rule(s) for _, s in dots} == {0}
     policy = Policy("bfloat16", rules=[("w", "float32"), ("head", "float16")])
-    dots = _dots(jax.make_jaxpr(amp(loss, policy=policy))(w, X))
+    with pytest.warns(UnmatchedRuleWarning, match="'head'"):
+        dots = _dots(jax.make_jaxpr(amp(loss, policy=policy))(w, X))
     assert {d for d, _ in dots} == {(F32, F32)}
 
 

@@ -315,7 +315,7 @@ class Paths:
         for pattern, target in missed:
             msg = (
                 f"amp({fn_name}): Policy.rules pattern {pattern!r} (-> {target}) matched no "
-                f"matmul or convolution. Their paths (scopes and parameter key paths) are: "
+                f"matmul or convolution (or only ones an earlier rule decided). Their paths (scopes and parameter key paths) are: "
                 f"{some or 'none'}. A glob matches a whole path or its leading part "
                 "(e.g. 'params/head' or '*/head'); see 'Rules by path' in the docs."
             )

@@ -220,7 +220,7 @@ class AmpFunction:
         self._shared.trace_count += 1
         writes = found[0]
         out_tree = jax.tree.structure(out_shape if writes is None else out_shape[0])
-        in_paths = ()
+        in_paths: tuple[str, ...] = ()
         if self.policy.rules:  # (what Policy.rules match parameters by)
             in_paths = paths.input_paths(call.args, call.kwargs, call.names, call.dynamic_mask)
         ctx = Interpreter(Config(self.policy, backends.current(), in_paths=in_paths))
