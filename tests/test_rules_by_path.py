@@ -28,8 +28,7 @@ from flax import linen as nn
 from flax import nnx
 
 import amp_jax
-from amp_jax import Policy, amp
-from amp_jax import UnmatchedRuleWarning
+from amp_jax import Policy, UnmatchedRuleWarning, amp
 from amp_jax._src.paths import input_paths, matches, path_of
 from tests._util import BF16, F16, F32
 
