@@ -41,6 +41,15 @@ from amp_jax._src.diagnostics.report import (
 from amp_jax._src.diagnostics.report import (
     format_dtype_report as format_dtype_report,
 )
+from amp_jax._src.paths import (
+    UnmatchedRuleWarning as UnmatchedRuleWarning,
+)
+from amp_jax._src.paths import (
+    float8_except_first_and_last as float8_except_first_and_last,
+)
+from amp_jax._src.paths import (
+    float32_embeddings_head_routers as float32_embeddings_head_routers,
+)
 from amp_jax._src.policy import (
     DEFAULT_ALLOW as DEFAULT_ALLOW,
 )
@@ -81,12 +90,15 @@ __all__ = [
     "ExplainSummary",
     "Explanation",
     "Policy",
+    "UnmatchedRuleWarning",
     "amp",
     "cpu_bf16_support",
     "debug",
     "dtype_report",
     "eager",
     "explain",
+    "float8_except_first_and_last",
+    "float32_embeddings_head_routers",
     "format_dtype_report",
     "full_precision",
     "get_policy",

@@ -30,7 +30,7 @@ import numpy as np
 
 from amp_jax._src import compat
 from amp_jax._src.backends import Backend
-from amp_jax._src.policy import FULL_PRECISION_SCOPE, scope_in
+from amp_jax._src.policy import FULL_PRECISION_SCOPE, rule_fields, scope_in
 
 
 class OpClass(enum.Enum):
@@ -88,6 +88,7 @@ class Why(enum.Enum):
     BACKEND_CLASS = "backend_class"
     FLOAT8 = "float8"
     ATTENTION = "attention"
+    RULE = "rule"  # a rule of Policy.rules matched the op's path
     # kept in their original precision (travel through grad as ``amp_keep_f32.<value>``):
     WIDE_OPERAND = "wide_operand"
     EXPLICIT_PRECISION = "explicit_precision"
@@ -140,6 +141,38 @@ class Reason:
     @property
     def keeps_high(self) -> bool:
         return self.why in KEPT
+
+
+@dataclasses.dataclass(frozen=True)
+class PathRule:
+    """The rule of ``Policy.rules`` that decided a matmul or convolution.
+
+    Attributes:
+      index: its position in ``Policy.rules``.
+      pattern: its pattern, as written.
+      target: what it runs the op in (one of ``policy.RULE_TARGETS``).
+      path: the path of the op it matched (a scope or a parameter's key path).
+    """
+
+    index: int
+    pattern: str
+    target: str
+    path: str
+
+    @property
+    def dtype(self) -> np.dtype:
+        """The compute dtype the rule gives (float32: the op stays as written)."""
+        return np.dtype(rule_fields(self.target)["compute_dtype"])
+
+    @property
+    def recipe(self) -> str:
+        """Its float8 recipe (``Policy.float8``): ``"off"`` unless a float8 target."""
+        return str(rule_fields(self.target)["float8"])
+
+    @property
+    def text(self) -> str:
+        """``rule 'params/head/*' -> float32``: how explain names it."""
+        return f"rule {self.pattern!r} -> {self.target}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -266,6 +299,7 @@ class Decision:
       bodies: for a higher-order eqn whose sub-jaxprs amp rewrites, their
         plans (`BodyPlan`), each made with the hints it gets, in the order of
         the eqn's params; a body JAX traces later is a `LazyBody`.
+      rule: the rule of ``Policy.rules`` that decided the op (`PathRule`), if any.
     """
 
     kind: Kind
@@ -278,6 +312,7 @@ class Decision:
     fused: Fused = Fused.NO
     hints: tuple[tuple[str, BodyHints], ...] = ()
     bodies: tuple[BodyPlan, ...] = dataclasses.field(default=(), repr=False)
+    rule: PathRule | None = None
 
     @property
     def lowered(self) -> bool:
@@ -331,6 +366,7 @@ def lazy_body(d: Decision, where: str) -> LazyBody | None:
 KEEP_SCOPE = "amp_keep_f32"  # amp_keep_f32.<Why value>
 ATTENTION_SCOPE = "amp_attention"  # amp_attention[cudnn] / [xla-fused] / [xla: <reason>]
 FLOAT8_SCOPE = "amp_float8"  # amp_float8.<recipe>[.backward]
+RULE_SCOPE = "amp_rule"  # amp_rule.<index in Policy.rules>
 
 
 def _scope_text(reason: str) -> str:
@@ -352,7 +388,21 @@ def scopes(d: Decision) -> list[str]:
     out = [f"{KEEP_SCOPE}.{d.reason.why.value}"] if d.reason.keeps_high else []
     if d.attention is not None and (d.attention.impl is None or d.fused is Fused.HERE):
         out.append(attention_scope(d.attention))
+    if d.rule is not None:
+        out.append(rule_scope(d.rule))
     return out
+
+
+def rule_scope(rule: PathRule) -> str:
+    """``amp_rule.<index>``: the scope of the ops of a matmul a rule decided
+    (forward and, through ``jax.grad``, backward), by which diagnostics tell
+    apart the ops of one source line that two rules decided."""
+    return f"{RULE_SCOPE}.{rule.index}"
+
+
+def has_rule_scope(stack: str) -> bool:
+    """Whether a name stack is that of an op a rule of ``Policy.rules`` decided."""
+    return RULE_SCOPE + "." in stack
 
 
 def float8_scope(recipe: str, backward: bool = False) -> str:

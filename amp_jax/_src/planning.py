@@ -44,7 +44,7 @@ from typing import Any, Self
 import jax.numpy as jnp
 import numpy as np
 
-from amp_jax._src import attention, casting, compat, float8, jaxprs, painting
+from amp_jax._src import attention, casting, compat, float8, jaxprs, painting, paths
 from amp_jax._src.backends import Backend
 from amp_jax._src.decision import (
     NO_HINTS,
@@ -57,6 +57,7 @@ from amp_jax._src.decision import (
     Kind,
     LazyBody,
     OpClass,
+    PathRule,
     Reason,
     Variant,
     Why,
@@ -70,6 +71,7 @@ from amp_jax._src.policy import (
     Policy,
     has_narrow_range,
     is_managed_float,
+    rule_fields,
     scope_in,
 )
 from amp_jax._src.rules import dots
@@ -84,6 +86,7 @@ class Classified:
     op_class: OpClass | None
     reason: Reason | None = None
     variant: Variant = Variant.COMPUTE
+    rule: PathRule | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,11 +100,14 @@ class Config:
         every rule, plan and reason that depends on it.
       vjp_rules: allow ops use their custom_vjp rules; off in code JAX will
         transpose (custom JVP rules), where a custom_vjp cannot appear.
+      in_paths: the key paths of the traced function's inputs (``paths.input_paths``),
+        what ``Policy.rules`` match parameters by; empty without rules.
     """
 
     policy: Policy
     backend: Backend
     vjp_rules: bool = True
+    in_paths: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.backend, Backend):
@@ -138,6 +144,8 @@ class Memo:
         #: every plan made in this trace, in the order its planning began (a
         #: parent before its bodies); None while it is being made
         self.plans: list[Plan | None] = []
+        #: the paths of the trace's matmuls, under a policy with rules (`paths.Paths`)
+        self.paths: paths.Paths | None = None
 
     @property
     def attention_log(self) -> list[tuple[str, str | None, str]]:
@@ -218,10 +226,18 @@ class Context:
         return all_low(self, self.prepare(closed))
 
     # -- classification -------------------------------------------------
-    def classify(self, eqn: compat.Eqn) -> Classified:
+    def classify(self, eqn: compat.Eqn, rule: PathRule | None = None) -> Classified:
         """What ``eqn`` is under this context (its callers keep the results:
-        the painting once per jaxpr, not a memo entry per eqn)."""
-        return _classify(self, eqn)
+        the painting once per jaxpr, not a memo entry per eqn); ``rule``: the
+        rule of ``Policy.rules`` its path matched (`rules_of`)."""
+        return _classify(self, eqn, rule)
+
+    def rules_of(self, jaxpr: compat.Jaxpr) -> list[PathRule | None]:
+        """The rule of ``Policy.rules`` each eqn of (prepared) ``jaxpr`` matched, if any."""
+        found = self.memo.paths
+        if found is None or not self.policy.rules:
+            return [None] * len(jaxpr.eqns)
+        return [found.rule_of(e, jaxpr) for e in jaxpr.eqns]
 
     def is_transparent(self, eqn: compat.Eqn) -> bool:
         """A ``custom_jvp_call`` whose body only has follow/clear ops (``jax.nn.relu``).
@@ -251,7 +267,7 @@ class Context:
         return scope_in(compat.name_stack_str(eqn), self.config.scopes)
 
 
-def _classify(ctx: Context, eqn: compat.Eqn) -> Classified:
+def _classify(ctx: Context, eqn: compat.Eqn, rule: PathRule | None = None) -> Classified:
     sub = compat.has_subjaxprs(eqn)
     if ctx.identity:
         why = Reason(Why.IDENTITY, "float32 policy: identity, nothing rewritten")
@@ -279,6 +295,8 @@ def _classify(ctx: Context, eqn: compat.Eqn) -> Classified:
             return Classified(Kind.OP, OpClass.FOLLOW)
         return Classified(Kind.NESTED, None)
     name = eqn.primitive.name
+    if rule is not None and ctx.policy.class_of(name) == "allow":
+        return _classify_by_rule(ctx, eqn, rule)
     cls = effective_class(ctx.policy, name, ctx.backend)
     if cls is None:
         if ctx.policy.strict:
@@ -302,6 +320,46 @@ def _classify(ctx: Context, eqn: compat.Eqn) -> Classified:
     if float8.applies(ctx.policy, ctx.vjp_rules, eqn):
         return Classified(Kind.OP, OpClass.ALLOW, variant=Variant.FLOAT8)
     return Classified(Kind.OP, OpClass.ALLOW)
+
+
+def _classify_by_rule(ctx: Context, eqn: compat.Eqn, rule: PathRule) -> Classified:
+    """An ``allow`` eqn whose path a rule of ``Policy.rules`` matched: kept as
+    written (a float32 rule), else lowered to the rule's dtype (or its float8)
+    unless it stays high for a reason of its own (too small, an explicit
+    precision, no kernel on this backend). A rule overrides the backend-aware
+    class (the user named the op)."""
+    if rule.target == "float32":
+        text = f"{rule.text}: left in its original precision"
+        return Classified(Kind.OP, OpClass.NEVER, Reason(Why.RULE, text), rule=rule)
+    kept = stays_high(eqn, ctx.policy)
+    if kept is not None:
+        return Classified(Kind.OP, OpClass.NEVER, Reason.kept(kept))
+    floats = all(is_managed_float(casting.dtype_of(v)) for v in eqn.invars)
+    if floats and not ctx.backend.has_low_kernel(eqn):
+        return Classified(Kind.OP, OpClass.ALLOW, Reason.kept(Why.BACKEND_KERNEL), Variant.FLOAT32)
+    sub = rule_policy(ctx.policy, rule.target)
+    if float8.applies(sub, ctx.vjp_rules, eqn):
+        return Classified(Kind.OP, OpClass.ALLOW, variant=Variant.FLOAT8, rule=rule)
+    return Classified(Kind.OP, OpClass.ALLOW, rule=rule)
+
+
+@functools.lru_cache(maxsize=64)
+def rule_policy(policy: Policy, target: str) -> Policy:
+    """``policy`` with the compute dtype and float8 recipe of a rule's ``target``
+    (what the matmuls the rule matched run under)."""
+    return policy.replace(**rule_fields(target), rules=())
+
+
+def _rule_reason(ctx: Context, eqn: compat.Eqn, c: Classified) -> Reason:
+    """Why an ``allow`` eqn a rule lowered runs as it does: the rule, then its dtype."""
+    rule = c.rule
+    assert rule is not None
+    sub = rule_policy(ctx.policy, rule.target)
+    fp8 = float8.reason(sub, ctx.backend, eqn, c.variant)
+    if fp8 is not None:
+        return Reason(Why.RULE, f"{rule.text}: {fp8.text}")
+    cd = sub.compute_dtype.name
+    return Reason(Why.RULE, f"{rule.text}: runs in {cd} (float32 accumulation)")
 
 
 def effective_class(policy: Policy, name: str, backend: Backend) -> str | None:
@@ -454,7 +512,14 @@ def plan(ctx: Context, closed: compat.ClosedJaxpr, hints: BodyHints = NO_HINTS) 
     found, the plans of its sub-jaxprs in the decisions of their eqns), once
     per context and ``hints`` (what its parent's plan says of its outputs, for
     a sub-jaxpr: `BodyHints`). The planner's entry: amp plans each trace once,
-    and the interpreter, ``explain`` and ``dtype_report`` read the tree."""
+    and the interpreter, ``explain`` and ``dtype_report`` read the tree.
+    Under a policy with rules, the paths of the program's matmuls are found
+    first (`paths.Paths`)."""
+    if ctx.policy.rules and not ctx.identity and ctx.memo.paths is None:
+        found = ctx.memo.paths = paths.Paths(ctx.policy, ctx.config.in_paths)
+        top = compat.jaxpr_of(ctx.prepare(closed))
+        found.start(top)
+        found.walk(top, ctx.prepare)
     return _plan(ctx, closed, hints)
 
 
@@ -467,7 +532,10 @@ def _plan(ctx: Context, closed: compat.ClosedJaxpr, hints: BodyHints) -> Plan:
         att = _plan_attention(ctx, flat)
         decisions = draft.decisions(ctx, compat.jaxpr_of(flat), att)
         layouts = dots.plan_layouts(
-            compat.jaxpr_of(flat), decisions, backend=ctx.backend, vjp_rules=ctx.vjp_rules
+            compat.jaxpr_of(flat),
+            decisions,
+            backend=ctx.backend,
+            vjp_rules=ctx.vjp_rules,
         )
         made = ctx.memo.plans[slot] = Plan(flat, decisions, att.fused, layouts, tuple(att.log))
         return made
@@ -574,6 +642,9 @@ class _Draft:
             out_dtype = None
             if color is Color.LOW and c.op_class is OpClass.ALLOW:  # what its rule writes
                 f32 = i in self.f32_out or c.variant is Variant.FLOAT32
+                # (a rule's dtype other than the policy's: float32 results, which
+                # the policy's low ops around it read in their own dtype)
+                f32 = f32 or (c.rule is not None and c.rule.dtype != ctx.policy.compute_dtype)
                 out_dtype = HIGH_DTYPE if f32 else allow_output_dtype(ctx.policy, ctx.backend)
             d = Decision(
                 c.kind,
@@ -585,6 +656,7 @@ class _Draft:
                 att.paths.get(i),
                 fused,
                 tuple(self.bodies.get(i, {}).items()),
+                rule=c.rule,
             )
             bodies = _bodies(ctx, eqn, d)
             if bodies:
@@ -599,6 +671,8 @@ def _reason(ctx: Context, eqn: compat.Eqn, c: Classified, color: Color) -> Reaso
         return Reason(Why.NO_FLOAT, "no floating operand")
     if c.kind is Kind.NESTED:
         return Reason(Why.HIGHER_ORDER, "higher-order op: body rewritten, boundary dtypes kept")
+    if c.rule is not None:
+        return _rule_reason(ctx, eqn, c)
     pol, name = ctx.policy, eqn.primitive.name
     cd = pol.compute_dtype.name
     base = pol.class_of(name)
@@ -683,7 +757,8 @@ def _painted(ctx: Context, jaxpr: compat.Jaxpr) -> tuple[tuple[Classified, ...],
 
     def make() -> tuple[tuple[Classified, ...], tuple[Color, ...]]:
         seen: dict[Classified, Classified] = {}  # (equal ones shared, as decisions)
-        classified = [seen.setdefault(c, c) for c in map(ctx.classify, jaxpr.eqns)]
+        rules = ctx.rules_of(jaxpr)
+        classified = [seen.setdefault(c, c) for c in map(ctx.classify, jaxpr.eqns, rules)]
         if ctx.identity:
             return tuple(classified), (Color.ORIG,) * len(classified)
         for i in _reads_unrepresentable_constant(jaxpr, ctx.policy.compute_dtype):

@@ -553,6 +553,18 @@ class Policy:
         takes it and leaves it as written elsewhere, with the reason in
         ``dtype_report``/``explain``; ``"off"`` never rewrites; ``"cudnn"``
         or ``"xla"`` force that implementation. See "How amp works".
+      rules: what the matmuls and convolutions at a path run in, as an ordered
+        mapping (a dict or ``(pattern, target)`` pairs) from a path pattern to
+        a target: ``"float32"`` (left in its original precision),
+        ``"bfloat16"``, ``"float16"``, ``"float8"`` or ``"float8_rowwise"``.
+        A path is the op's ``jax.named_scope`` path (``"Model/head"``) or the
+        pytree key path of a parameter it reads, ``/``-joined
+        (``"params/head/kernel"``, ``"layers/0/weight"``). A pattern is a glob
+        (`fnmatch`) that matches a whole path or a leading part of it, ``re:``
+        then a regular expression searched in the path, or ``"@first"`` /
+        ``"@last"`` (the first or last matmul of the function). The first
+        matching rule wins; one that matches nothing warns (raises with
+        ``strict=True``). Stored as a tuple of pairs. See "Rules by path".
 
     Examples:
       >>> import jax.numpy as jnp
@@ -581,6 +593,7 @@ class Policy:
     min_low_flops: int = 256
     float8: str = "off"
     float8_min_flops: int = 2**20
+    rules: tuple[tuple[str, str], ...] = ()
 
     if TYPE_CHECKING:
 
@@ -602,6 +615,7 @@ class Policy:
             min_low_flops: int = 256,
             float8: str = "off",
             float8_min_flops: int = 2**20,
+            rules: Mapping[str, str] | Iterable[tuple[str, str]] = (),
         ) -> None: ...
 
     def __post_init__(self) -> None:
@@ -627,6 +641,13 @@ class Policy:
                 )
             object.__setattr__(self, name, int(value))
         _check_modes(self)
+        object.__setattr__(self, "rules", _checked_rules(self.rules))
+        if self.rules and self.is_identity:
+            raise ValueError(
+                "Policy(rules=...) needs a low-precision compute_dtype (bfloat16 or float16): "
+                "under float32 amp leaves every op as written. Use e.g. "
+                "Policy('bfloat16', rules={'head/*': 'float32'})."
+            )
 
     def __repr__(self) -> str:
         """The compute dtype and only the fields that differ from their defaults."""
@@ -728,6 +749,59 @@ def _checked_scopes(scopes: str | Iterable[str] | None) -> tuple[str, ...]:
             "(a str or a tuple of str), e.g. full_precision_scopes=('head',)."
         )
     return tuple(sorted(set(scopes or ())))
+
+
+#: what a rule of ``Policy.rules`` can give the matmuls it matches
+RULE_TARGETS: tuple[str, ...] = ("float32", "bfloat16", "float16", "float8", "float8_rowwise")
+
+
+def rule_fields(target: str) -> dict[str, Any]:
+    """The Policy fields the matmuls of a rule with ``target`` run under: the
+    preset of that name (``"float8"``: bfloat16 with tensorwise float8), float8
+    off unless the target names it."""
+    return {"float8": "off", **_named_fields(target, "rules")}
+
+
+def _checked_rules(
+    rules: Mapping[str, str] | Iterable[tuple[str, str]] | None,
+) -> tuple[tuple[str, str], ...]:
+    """``Policy.rules`` (a mapping or pairs, in order) as ``(pattern, target)`` pairs."""
+    given = rules
+    if rules is None:
+        return ()
+    if isinstance(rules, Mapping):
+        rules = list(rules.items())
+    elif isinstance(rules, str) or not isinstance(rules, Iterable):
+        rules = [rules]  # (refused below)
+    valid = ", ".join(map(repr, RULE_TARGETS))
+    out = []
+    for rule in rules:
+        if not (isinstance(rule, tuple) and len(rule) == 2):
+            raise ValueError(
+                f"rules={given!r} must map path patterns to targets ({valid}), as a dict or "
+                "(pattern, target) pairs, e.g. rules={'params/head/*': 'float32'}."
+            )
+        pattern, target = rule
+        if not isinstance(pattern, str) or not pattern:
+            raise ValueError(
+                f"rules: pattern {pattern!r} must be a non-empty str: a glob such as "
+                f"'params/head/*', 're:' and a regular expression, or '@first' / '@last'."
+            )
+        if pattern.startswith("re:"):
+            try:
+                re.compile(pattern[3:])
+            except re.error as e:
+                raise ValueError(f"rules: {pattern!r} is not a regular expression: {e}") from None
+        elif pattern.startswith("@") and pattern not in ("@first", "@last"):
+            raise ValueError(f"rules: {pattern!r}: the '@' patterns are '@first' and '@last'.")
+        key = _ALIASES.get(target.lower(), target.lower()) if isinstance(target, str) else None
+        if key not in RULE_TARGETS:
+            raise ValueError(
+                f"rules[{pattern!r}]={target!r} is not a target; rules map a pattern to one "
+                f"of {valid}."
+            )
+        out.append((pattern, key))
+    return tuple(out)
 
 
 def _check_modes(policy: Policy) -> None:

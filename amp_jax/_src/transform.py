@@ -20,7 +20,7 @@ from typing import Any, Literal, TypeVar, cast, overload
 import jax
 from jax.typing import DTypeLike
 
-from amp_jax._src import backends, compat, mutation
+from amp_jax._src import backends, compat, mutation, paths
 from amp_jax._src.calling import (
     Call,
     CallKey,
@@ -220,8 +220,13 @@ class AmpFunction:
         self._shared.trace_count += 1
         writes = found[0]
         out_tree = jax.tree.structure(out_shape if writes is None else out_shape[0])
-        ctx = Interpreter(Config(self.policy, backends.current()))
+        in_paths: tuple[str, ...] = ()
+        if self.policy.rules:  # (what Policy.rules match parameters by)
+            in_paths = paths.input_paths(call.args, call.kwargs, call.names, call.dynamic_mask)
+        ctx = Interpreter(Config(self.policy, backends.current(), in_paths=in_paths))
         planned = plan(ctx, closed)
+        if ctx.memo.paths is not None:
+            ctx.memo.paths.check(fn_name(self.fn))
         name = _whole_jit_name(closed)
         staged = None
         if name is not None:

@@ -22,7 +22,14 @@ import numpy as np
 from jax.extend import core as jex_core
 
 from amp_jax._src import compat, jaxprs
-from amp_jax._src.decision import Color, Decision, Kind, attention_from_stack, body_plan
+from amp_jax._src.decision import (
+    Color,
+    Decision,
+    Kind,
+    attention_from_stack,
+    body_plan,
+    rule_scope,
+)
 from amp_jax._src.policy import Policy, is_managed_float
 from amp_jax._src.transform import AmpFunction, Traced
 
@@ -166,7 +173,10 @@ def _decide(
     for eqn, d in zip(jaxpr.eqns, decisions):
         reason = inherited or d.reason.text
         where = (compat.source_line(eqn if site is None else site), eqn.primitive.name)
-        out[where][scope_of(full_stack(eqn, outer))][reason] += 1
+        scope = scope_of(full_stack(eqn, outer))
+        if d.rule is not None and inherited is None:  # (its ops run under the rule's scope)
+            scope = rule_scope(d.rule) if scope == "-" else f"{scope}/{rule_scope(d.rule)}"
+        out[where][scope][reason] += 1
         if not compat.has_subjaxprs(eqn):
             continue
         inner = (*outer, str(eqn.source_info.name_stack))

@@ -34,6 +34,7 @@ def _walk(
     compute: str | None,
 ) -> None:
     lines = SourceLines()
+    backend = backends.current()
     unused = unused_eqns(jaxpr) if decisions else frozenset()
     # a cast at a line whose original code casts is the program's; any other is amp's
     orig = collections.Counter({k: 1 << 30 for k in decisions if k[1] == "convert_element_type"})
@@ -47,7 +48,8 @@ def _walk(
         # a kept op's reason travels in its name stack (through grad too), but for a
         # cast (amp's or the program's) and an op of an attention left as written
         # (the rule of its dtype, then the attention's): explain's reason for both
-        kept = decision.from_stack(stack, backends.current())
+        # (an op a rule of Policy.rules decided: the rule, from the plan's decisions)
+        kept = None if decision.has_rule_scope(stack) else decision.from_stack(stack, backend)
         why = kept.text if kept is not None else ""
         decided = bool(decisions) and compute is not None and _is_float(eqn)
         if decided and kept is not None and (is_float_cast(eqn) or _left_as_written(stack)):

@@ -146,11 +146,13 @@ class AllowRule(EqnRule):
     any other op."""
 
     def __init__(
-        self, fn: Rule | None = None, variants: dict[Variant, Callable[[Any], Rule]] | None = None
+        self,
+        fn: Rule | None = None,
+        variants: dict[Variant, Callable[[Any, Decision], Rule]] | None = None,
     ):
         self.fn = fn
-        #: variant -> ``make(ctx) -> Rule``
-        self.variants: dict[Variant, Callable[[Any], Rule]] = dict(variants or {})
+        #: variant -> ``make(ctx, decision) -> Rule``
+        self.variants: dict[Variant, Callable[[Any, Decision], Rule]] = dict(variants or {})
 
     def low_fn(self, ctx: RuleContext, eqn: compat.Eqn) -> Rule:
         """The function of a lowered eqn. Inside custom JVP rules (which JAX
@@ -162,16 +164,25 @@ class AllowRule(EqnRule):
     ) -> list[Any]:
         if not d.lowered:
             return super().evaluate(ctx, eqn, d, env)
-        invals = [env.read(v, None) for v in eqn.invars]
+        cd = ctx.policy.compute_dtype
+        if d.rule is not None and d.rule.dtype != cd:  # (Policy.rules: its own dtype)
+            cd = d.rule.dtype
+            invals = [
+                env.read(v, cd if is_managed_float(casting.dtype_of(v)) else None)
+                for v in eqn.invars
+            ]
+        else:
+            invals = [env.read(v, None) for v in eqn.invars]
         if d.variant is Variant.FLOAT32:  # no compute-dtype kernel on this backend
             return default_allow_rule(eqn, [v.astype(HIGH_DTYPE) for v in invals], HIGH_DTYPE)
         make = self.variants.get(d.variant)
-        fn = make(ctx) if make is not None and ctx.vjp_rules else self.low_fn(ctx, eqn)
+        fn = make(ctx, d) if make is not None and ctx.vjp_rules else self.low_fn(ctx, eqn)
         # (a lowered allow op's decision names what its rule writes)
-        return fn(eqn, invals, ctx.policy.compute_dtype, cast(np.dtype, d.out_dtype))
+        return fn(eqn, invals, cd, cast(np.dtype, d.out_dtype))
 
     def reads_low(self, ctx: RuleContext, eqn: compat.Eqn, d: Decision, atom: compat.Atom) -> bool:
-        return d.color is Color.LOW and d.variant is not Variant.FLOAT32
+        own = d.rule is None or d.rule.dtype == ctx.policy.compute_dtype
+        return d.color is Color.LOW and d.variant is not Variant.FLOAT32 and own
 
 
 def acc_dtype(eqn: compat.Eqn, out_dtype: Any = HIGH_DTYPE) -> Any:

@@ -103,8 +103,10 @@ def plan_layouts(
 ) -> dict[int, Any]:
     """The backend's layout records of a plan's lowered dots (`Backend.plan_layouts`),
     by eqn index: for the dots amp's dot rule lowers to the compute dtype (none
-    in custom JVP rules, whose dots JAX transposes). A dot rule the user
-    registered ignores them."""
+    in custom JVP rules, whose dots JAX transposes, nor for a dot a rule of
+    ``Policy.rules`` decided: a layout may bind it at the eqn of the transpose
+    of its result, outside the rule's scope). A dot rule the user registered
+    ignores them."""
     lowered, skip = {}, set()
     for i, (eqn, d) in enumerate(zip(jaxpr.eqns, decisions)):
         if d.fused is not Fused.NO:
@@ -113,6 +115,7 @@ def plan_layouts(
             eqn.primitive is P.dot_general_p
             and d.lowered
             and d.variant is Variant.COMPUTE
+            and d.rule is None
             and all(is_managed_float(casting.dtype_of(v)) for v in eqn.invars)
         ):
             lowered[i] = d.out_dtype
