@@ -357,6 +357,30 @@ def _sync(nnx: Any, d: Any, s: Any, seen: set[int]) -> None:
             impl.pop_key(d, key)
 
 
+def holds_hijax(leaves: Sequence[Any]) -> bool:
+    """Whether a leaf of the arguments is a Flax hijax ``Variable`` (``nnx.var_defaults(
+    hijax=True)``): one leaf whose value lives in JAX's own mutable state."""
+    nnx = _nnx()
+    return nnx is not None and any(isinstance(x, nnx.Variable) for x in leaves)
+
+
+def through_lojax(run: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``run(*args, **kwargs)`` with the arguments' hijax Variables as plain
+    (lojax) ones, which amp traces as pytrees, their writes then carried into
+    the hijax Variables (``nnx.update``); a returned argument node is the
+    caller's object. The conversion is Flax's own (``nnx.with_vars``)."""
+    nnx = _nnx()
+    lo = nnx.with_vars((args, kwargs), hijax=False, allow_duplicates=True)
+    out = run(*lo[0], **lo[1])
+    is_node = nnx.graph.is_graph_node
+    for d, s in zip(
+        jax.tree.leaves((args, kwargs), is_leaf=is_node), jax.tree.leaves(lo, is_leaf=is_node)
+    ):
+        if is_node(s):
+            nnx.update(d, nnx.state(s))
+    return tie(((args, kwargs), out), output_aliases(lo, out))[1]
+
+
 _HAIKU_FIX = (
     "amp traces the function on its own, so Haiku's parameters, state and random keys "
     "would be baked into its cached trace or leak out of it as tracers. Apply amp to the "

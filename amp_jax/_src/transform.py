@@ -163,6 +163,14 @@ class AmpFunction:
             # in another order on JAX 0.12)
             return jax.tree.map(as_output, self.fn(*args, **kwargs))
         call = Call.of(self.fn, args, kwargs)
+        if mutation.holds_hijax(call.leaves):
+            return mutation.through_lojax(
+                lambda *a, **k: self._run(Call.of(call.target, a, k)), call.args, call.kwargs
+            )
+        return self._run(call)
+
+    def _run(self, call: Call) -> Any:
+        """Evaluates ``call``'s plan (traced or from the cache) and gives ``fn``'s output."""
         traced = self._cached_trace(call)
         recorded = _RECORDED.get()
         if recorded is not None:
