@@ -371,13 +371,23 @@ def through_lojax(run: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[s
     caller's object. The conversion is Flax's own (``nnx.with_vars``)."""
     nnx = _nnx()
     lo = nnx.with_vars((args, kwargs), hijax=False, allow_duplicates=True)
+    before = {id(x) for x in jax.tree.leaves(lo)}
     out = run(*lo[0], **lo[1])
+
+    def written(_path: object, v: object) -> bool:
+        return isinstance(v, nnx.Variable) and any(id(x) not in before for x in jax.tree.leaves(v))
+
     is_node = nnx.graph.is_graph_node
     for d, s in zip(
         jax.tree.leaves((args, kwargs), is_leaf=is_node), jax.tree.leaves(lo, is_leaf=is_node)
     ):
-        if is_node(s):
-            nnx.update(d, nnx.state(s))
+        # (only what fn wrote: newer Flax refuses any update of a hijax
+        # Variable under jit unless it is a ref)
+        if isinstance(s, nnx.Variable):
+            if written(None, s):
+                nnx.update(d, s)
+        elif is_node(s) and jax.tree.leaves(state := nnx.state(s, written)):
+            nnx.update(d, state)
     return tie(((args, kwargs), out), output_aliases(lo, out))[1]
 
 
