@@ -261,7 +261,10 @@ class Call:
             target, names = fn, tuple(param_names(fn))
         leaves, treedef = jax.tree.flatten((args, kwargs))
         mask = tuple(is_dynamic(x) for x in leaves)
-        shared = mutation.aliases((args, kwargs))
+        # (a node held at two paths repeats its arrays among the leaves: the
+        # walk for shared nodes, a Python call per node, only then)
+        arrays = [id(x) for x, d in zip(leaves, mask) if d]
+        shared = mutation.aliases((args, kwargs)) if len(set(arrays)) < len(arrays) else ()
         return cls(target, args, kwargs, leaves, treedef, mask, names, shared)
 
     @property

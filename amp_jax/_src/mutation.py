@@ -51,7 +51,7 @@ def aliases(tree: object) -> Aliases:
     nnx = _nnx()
     if nnx is None:
         return ()
-    is_node = nnx.graph.is_graph_node
+    is_node = _node_test(nnx)
     first: dict[int, KeyPath] = {}
     found: list[tuple[KeyPath, KeyPath]] = []
 
@@ -73,6 +73,26 @@ def aliases(tree: object) -> Aliases:
             tree, is_leaf=lambda p, x: repeated(p, x, True), is_leaf_takes_path=True
         )
     return tuple(found)
+
+
+def _node_test(nnx: Any) -> Callable[[object], bool]:
+    """``nnx.graph.is_graph_node``, remembered by type (a tracer asked each
+    time: a hijax Variable's tracer is a Variable): ``aliases`` asks it of
+    every node of the arguments on every call, and Flax's test takes a
+    metaclass ``isinstance``."""
+    memo: dict[type, bool] = {}
+    is_node = nnx.graph.is_graph_node
+
+    def test(x: object) -> bool:
+        if isinstance(x, compat.Tracer):
+            return bool(is_node(x))
+        t = type(x)
+        found = memo.get(t)
+        if found is None:
+            found = memo[t] = bool(is_node(x))
+        return found
+
+    return test
 
 
 def output_aliases(tree: object, out: object) -> Aliases:
