@@ -195,9 +195,8 @@ def test_flax_nnx_optimizer_loss_scaling():
     @nnx.jit
     def step(model, optimizer, x, y):
         _, params, rest = nnx.split(model, nnx.Param, ...)
-        (loss, rest), grads = optim.scaled_value_and_grad(
-            loss_fn, optimizer.opt_state, has_aux=True
-        )(params, rest, x, y)
+        grad_fn = optim.scaled_value_and_grad(loss_fn, optimizer.opt_state, has_aux=True)
+        (loss, rest), grads = grad_fn(params, rest, x, y)
         nnx.update(model, rest)
         optimizer.update(model, grads)  # unscales, skips non-finite steps
         return loss
