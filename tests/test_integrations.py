@@ -170,14 +170,17 @@ def test_flax_linen_train_state():
 
 
 def test_flax_nnx_optimizer_loss_scaling():
+    # the docs' recipe on a model with BatchNorm (train mode) and Dropout: its
+    # statistics and RNG counts come back through the loss's auxiliary state
     class MLP(nnx.Module):
         def __init__(self, rngs):
             self.l1 = nnx.Linear(16, 64, rngs=rngs)
-            self.ln = nnx.LayerNorm(64, rngs=rngs)
+            self.bn = nnx.BatchNorm(64, rngs=rngs)
+            self.drop = nnx.Dropout(0.1, rngs=rngs)
             self.l2 = nnx.Linear(64, 4, rngs=rngs)
 
         def __call__(self, x):
-            return self.l2(nnx.gelu(self.ln(self.l1(x))))
+            return self.l2(self.drop(nnx.gelu(self.bn(self.l1(x)))))
 
     model = MLP(nnx.Rngs(0))
     graphdef, _, _ = nnx.split(model, nnx.Param, ...)
@@ -186,12 +189,15 @@ def test_flax_nnx_optimizer_loss_scaling():
 
     @amp(policy="float16")
     def loss_fn(params, rest, x, y):
-        return _ce(nnx.merge(graphdef, params, rest)(x), y)
+        model = nnx.merge(graphdef, params, rest, copy=True)
+        return _ce(model(x), y), nnx.state(model, nnx.Not(nnx.Param))
 
     @nnx.jit
     def step(model, optimizer, x, y):
         _, params, rest = nnx.split(model, nnx.Param, ...)
-        loss, grads = optim.scaled_value_and_grad(loss_fn, optimizer.opt_state)(params, rest, x, y)
+        grad_fn = optim.scaled_value_and_grad(loss_fn, optimizer.opt_state, has_aux=True)
+        (loss, rest), grads = grad_fn(params, rest, x, y)
+        nnx.update(model, rest)
         optimizer.update(model, grads)  # unscales, skips non-finite steps
         return loss
 
@@ -199,8 +205,10 @@ def test_flax_nnx_optimizer_loss_scaling():
     _assert_decreases(losses)
     assert float(optim.loss_scale(optimizer.opt_state)) == 2.0**15
     assert model.l1.kernel[...].dtype == jnp.float32
+    assert int(model.drop.rngs.count[...]) == STEPS
+    assert isinstance(model.bn.mean[...], jax.Array) and bool((model.bn.mean[...] != 0).all())
     _, params, rest = nnx.split(model, nnx.Param, ...)
-    jaxpr = jax.make_jaxpr(jax.grad(loss_fn))(params, rest, x, y)
+    jaxpr = jax.make_jaxpr(jax.grad(lambda *a: loss_fn(*a)[0]))(params, rest, x, y)
     dots = prim_dtypes(jaxpr, "dot_general")
     # two forward, two weight gradients, the first layer's input gradient only
     # where x is differentiated (it is not: no product for it)

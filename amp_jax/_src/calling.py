@@ -29,7 +29,7 @@ from typing import Any, Generic, TypeVar
 import jax
 import numpy as np
 
-from amp_jax._src import backends, compat
+from amp_jax._src import backends, compat, mutation
 
 T = TypeVar("T")
 
@@ -176,6 +176,8 @@ class CallKey:
       trace_context: what makes ``jax.jit`` retrace (config contexts, named
         axes and their sizes, the mesh).
       full_precision: whether the caller is inside a ``full_precision`` scope.
+      aliases: the Flax NNX nodes the arguments share (``mutation.aliases``):
+        a call with tied weights traces apart from one without.
     """
 
     fn: Hashable
@@ -185,6 +187,7 @@ class CallKey:
     backend: backends.Backend
     trace_context: Hashable
     full_precision: bool
+    aliases: mutation.Aliases = ()
 
 
 # -- one call ------------------------------------------------------------------------
@@ -235,6 +238,8 @@ class Call:
       treedef: their structure.
       dynamic_mask: which leaves are traced (`is_dynamic`).
       names: the positional parameters' names, to name an argument in errors.
+      aliases: the Flax NNX nodes held at several paths of ``(args, kwargs)``
+        (a pytree flatten copies them once per path; the trace ties them).
     """
 
     target: Callable[..., Any]
@@ -244,6 +249,7 @@ class Call:
     treedef: compat.PyTreeDef
     dynamic_mask: tuple[bool, ...]
     names: tuple[str, ...]
+    aliases: mutation.Aliases = ()
 
     @classmethod
     def of(cls, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:
@@ -255,7 +261,11 @@ class Call:
             target, names = fn, tuple(param_names(fn))
         leaves, treedef = jax.tree.flatten((args, kwargs))
         mask = tuple(is_dynamic(x) for x in leaves)
-        return cls(target, args, kwargs, leaves, treedef, mask, names)
+        # (a node held at two paths repeats its arrays among the leaves: the
+        # walk for shared nodes, a Python call per node, only then)
+        arrays = [id(x) for x, d in zip(leaves, mask) if d]
+        shared = mutation.aliases((args, kwargs)) if len(set(arrays)) < len(arrays) else ()
+        return cls(target, args, kwargs, leaves, treedef, mask, names, shared)
 
     @property
     def fn_is_argument(self) -> bool:
@@ -282,6 +292,7 @@ class Call:
                 backend=backends.current(),
                 trace_context=compat.trace_context(),
                 full_precision=full_precision,
+                aliases=self.aliases,
             )
             hash(key)
         except TypeError:

@@ -36,16 +36,136 @@ def _nnx() -> Any:
     return sys.modules.get("flax.nnx")
 
 
-class Snapshot:
-    """The leaves (by key path) and structure of the argument tree before ``fn`` ran."""
+#: The NNX graph nodes a tree holds at more than one path: ``(path, first)``
+#: for each later path, in the order a flatten meets them.
+Aliases = tuple[tuple[KeyPath, KeyPath], ...]
 
-    __slots__ = ("flat", "leaves", "treedef", "by_path")
+
+def aliases(tree: object) -> Aliases:
+    """Where ``tree`` holds one NNX graph node (a ``Variable``, a ``Module``)
+    at several paths: weight tying, a module passed twice, a submodule shared.
+
+    A pytree flatten copies such a node once per path; `tie` makes the copies
+    one object again, as ``nnx.jit`` keeps them (and as plain Python does).
+    """
+    nnx = _nnx()
+    if nnx is None:
+        return ()
+    is_node = _node_test(nnx)
+    first: dict[int, KeyPath] = {}
+    found: list[tuple[KeyPath, KeyPath]] = []
+
+    def repeated(path: KeyPath, x: object, careful: bool = False) -> bool:
+        if not is_node(x):
+            return careful and _refuses_flatten(x)
+        if id(x) in first:
+            found.append((tuple(path), first[id(x)]))
+            return True  # (not flattened again)
+        first[id(x)] = tuple(path)
+        return False
+
+    try:
+        jax.tree_util.tree_flatten_with_path(tree, is_leaf=repeated, is_leaf_takes_path=True)
+    except Exception:  # (a node fn consumed: an Equinox State; whatever its library raises)
+        first.clear()
+        found.clear()
+        jax.tree_util.tree_flatten_with_path(
+            tree, is_leaf=lambda p, x: repeated(p, x, True), is_leaf_takes_path=True
+        )
+    return tuple(found)
+
+
+def _node_test(nnx: Any) -> Callable[[object], bool]:
+    """``nnx.graph.is_graph_node``, remembered by type (a tracer asked each
+    time: a hijax Variable's tracer is a Variable): ``aliases`` asks it of
+    every node of the arguments on every call, and Flax's test takes a
+    metaclass ``isinstance``."""
+    memo: dict[type, bool] = {}
+    is_node = nnx.graph.is_graph_node
+
+    def test(x: object) -> bool:
+        if isinstance(x, compat.Tracer):
+            return bool(is_node(x))
+        t = type(x)
+        found = memo.get(t)
+        if found is None:
+            found = memo[t] = bool(is_node(x))
+        return found
+
+    return test
+
+
+def output_aliases(tree: object, out: object) -> Aliases:
+    """The NNX nodes of ``fn``'s output ``out`` that are nodes of the argument
+    tree ``tree`` (after ``fn``), or that ``out`` holds twice: key paths into
+    ``(tree, out)``, for `tie` to give the caller back one object per node
+    (``amp(lambda m: (m, m))(m)`` returns ``(m, m)``, as ``nnx.jit`` does)."""
+    return tuple(a for a in aliases((tree, out)) if a[0][0] == jax.tree_util.SequenceKey(1))
+
+
+def _one_level(x: object) -> tuple[list[tuple[KeyPath, Any]], compat.PyTreeDef]:
+    """The children of the pytree node ``x`` (with their keys) and its one-level
+    structure; a leaf is its own only child, at the empty path."""
+    return jax.tree_util.tree_flatten_with_path(x, is_leaf=lambda y: y is not x)
+
+
+def _at(tree: object, path: KeyPath) -> Any:
+    """The node of ``tree`` at ``path``; ``_MISSING`` where there is none."""
+    for key in path:
+        flat, _ = _one_level(tree)
+        tree = next((c for p, c in flat if p and p[0] == key), _MISSING)
+        if tree is _MISSING:
+            break
+    return tree
+
+
+def _replaced(tree: object, path: KeyPath, value: object) -> Any:
+    """``tree`` with ``value`` at ``path`` (the nodes above it rebuilt, new
+    objects; ``tree`` itself when it already holds ``value`` there)."""
+    if not path:
+        return value
+    flat, treedef = _one_level(tree)
+    children = [c for _, c in flat]
+    for i, (p, child) in enumerate(flat):
+        if p and p[0] == path[0]:
+            new = _replaced(child, path[1:], value)
+            if new is child:
+                return tree
+            children[i] = new
+            return jax.tree.unflatten(treedef, children)
+    return tree
+
+
+def tie(tree: object, found: Aliases) -> Any:
+    """``tree`` with each aliased path holding the node at its first path (one
+    object, as before the flatten); paths ``tree`` does not have are skipped."""
+    for path, first in found:
+        node = _at(tree, first)
+        if node is not _MISSING and _at(tree, path) is not _MISSING:
+            tree = _replaced(tree, path, node)
+    return tree
+
+
+class _Missing:
+    def __repr__(self) -> str:
+        return "<missing>"
+
+
+_MISSING: Any = _Missing()
+
+
+class Snapshot:
+    """The leaves (by key path), structure and shared NNX nodes of the argument
+    tree before ``fn`` ran."""
+
+    __slots__ = ("flat", "leaves", "treedef", "by_path", "aliases")
 
     def __init__(self, tree: object) -> None:
         self.treedef: compat.PyTreeDef
         self.flat, self.treedef = jax.tree_util.tree_flatten_with_path(tree)
         self.leaves = [leaf for _, leaf in self.flat]
         self.by_path = {jax.tree_util.keystr(p): i for i, (p, _) in enumerate(self.flat)}
+        self.aliases = aliases(tree)
 
 
 def _refuses_flatten(x: object) -> bool:
@@ -100,9 +220,10 @@ class Writes:
         before it, or ``None`` for a written leaf.
       outputs: the written leaves that are arrays (extra jaxpr outputs), in order.
       constants: {position: value} of the written leaves that are not arrays.
+      aliases: the NNX nodes the tree after ``fn`` holds at several paths.
     """
 
-    __slots__ = ("treedef", "sources", "outputs", "constants")
+    __slots__ = ("treedef", "sources", "outputs", "constants", "aliases")
 
     def __init__(
         self,
@@ -110,23 +231,21 @@ class Writes:
         sources: list[int | None],
         outputs: list[Any],
         constants: dict[int, Any],
+        aliases: Aliases = (),
     ) -> None:
         self.treedef, self.sources = treedef, sources
         self.outputs, self.constants = outputs, constants
+        self.aliases = aliases
 
     def after(self, leaves: Sequence[Any], values: Sequence[Any]) -> Any:
-        """The argument tree after ``fn``: unchanged ``leaves`` and written ``values``."""
+        """The argument tree after ``fn``: unchanged ``leaves`` and written
+        ``values`` (shared NNX nodes one object, as in ``fn``)."""
         it = iter(values)
         flat = [
             leaves[s] if s is not None else self.constants[i] if i in self.constants else next(it)
             for i, s in enumerate(self.sources)
         ]
-        return jax.tree.unflatten(self.treedef, flat)
-
-    def changed(self, after: object) -> set[int]:
-        """The ids of the leaves of ``after`` (a tree from `after`) that were written."""
-        flat = jax.tree.leaves(after)
-        return {id(flat[i]) for i, s in enumerate(self.sources) if s is None}
+        return tie(jax.tree.unflatten(self.treedef, flat), self.aliases)
 
 
 def _is_array(x: object) -> bool:
@@ -151,10 +270,10 @@ def collect(snap: Snapshot, tree: object, describe: Callable[[KeyPath], str]) ->
     written = [i for i, s in enumerate(sources) if s is None]
     outputs = [flat[i][1] for i in written if _is_array(flat[i][1])]
     constants = {i: flat[i][1] for i in written if not _is_array(flat[i][1])}
-    writes = Writes(treedef, sources, outputs, constants)
+    writes = Writes(treedef, sources, outputs, constants, aliases(tree))
     # Check that the write-back reproduces the change, on a copy of the snapshot.
-    copy = jax.tree.unflatten(snap.treedef, snap.leaves)
-    write_back(copy, tree, writes.changed(tree))
+    copy = tie(jax.tree.unflatten(snap.treedef, snap.leaves), snap.aliases)
+    write_back(copy, tree)
     got, got_def = jax.tree_util.tree_flatten_with_path(copy)
     if got_def != treedef or any(a is not b for (_, a), (_, b) in zip(got, flat)):
         raise TypeError(_refusal(got, flat, describe))
@@ -184,35 +303,112 @@ def _refusal(
     )
 
 
-def write_back(dest: object, src: object, changed: set[int]) -> None:
-    """Writes into the NNX objects of ``dest`` the Variables of ``src`` (the
-    same tree, after ``fn``) that hold a leaf whose id is in ``changed``.
+def write_back(dest: object, src: object) -> None:
+    """Makes the NNX objects of ``dest`` (the caller's arguments) hold what
+    those of ``src`` (the same tree after ``fn``, a copy) hold, in place, as
+    ``nnx.jit`` carries its function's writes out.
 
-    New Variables (``sow``) are added; other Variables are left alone (one
-    shared with another argument keeps the value written through that one).
+    A Variable keeps its identity and takes the value and metadata written; a
+    module or ``nnx.Pytree`` keeps its identity and takes the attributes ``fn``
+    set, added (``self.linear = nnx.Linear(...)`` in an ``__init__``, ``sow``)
+    or deleted; a node ``fn`` created is carried as it is. Objects that are
+    not NNX nodes are left alone (`collect` refuses a change to them).
     """
     nnx = _nnx()
-    if nnx is None or not changed:
+    if nnx is None:
         return
     is_node = nnx.graph.is_graph_node
     dests = jax.tree.leaves(dest, is_leaf=is_node)
     srcs = jax.tree.leaves(src, is_leaf=is_node)
     if len(dests) != len(srcs):
         return  # (a container changed: collect refuses it)
-
-    def written(_path: KeyPath | None, v: object) -> bool:
-        return isinstance(v, nnx.Variable) and any(id(x) in changed for x in jax.tree.leaves(v))
-
+    seen: set[int] = set()
     for d, s in zip(dests, srcs):
-        if not (is_node(d) and is_node(s)):
-            continue
+        if is_node(d) and is_node(s) and type(d) is type(s):
+            _merge(nnx, d, s, seen)
+
+
+def _merge(nnx: Any, d: Any, s: Any, seen: set[int]) -> Any:
+    """What the caller's ``d`` becomes to hold ``s``: ``d`` itself, updated in
+    place where it is an NNX node of ``s``'s type, else ``s`` (or, for a plain
+    container of nodes, ``d``'s container rebuilt with its children merged)."""
+    if d is s:
+        return d
+    if type(d) is not type(s):
+        return s
+    if isinstance(s, nnx.Variable):
+        if id(d) not in seen:
+            seen.add(id(d))
+            if d.get_raw_value() is not s.get_raw_value() or d.get_metadata() != s.get_metadata():
+                d.update_from_state(s)
+        return d
+    if nnx.graph.is_graph_node(s):
+        if id(d) not in seen:
+            seen.add(id(d))
+            _sync(nnx, d, s, seen)
+        return d
+    dflat, ddef = _one_level(d)
+    sflat, sdef = _one_level(s)
+    if jax.tree_util.treedef_is_leaf(sdef) or ddef != sdef:
+        return s
+    kids = [_merge(nnx, a, b, seen) for (_, a), (_, b) in zip(dflat, sflat)]
+    if all(k is a for k, (_, a) in zip(kids, dflat)):
+        return d
+    return jax.tree.unflatten(ddef, kids)
+
+
+def _sync(nnx: Any, d: Any, s: Any, seen: set[int]) -> None:
+    """Sets, adds and deletes the attributes (entries) of the NNX node ``d`` so
+    that they are those of ``s``, merging the nodes it already holds."""
+    impl = nnx.graph.get_node_impl(d)
+    had = impl.node_dict(d)
+    items, _ = impl.flatten(s)
+    keys = set()
+    for key, elem in items:
+        keys.add(key)
+        data = isinstance(elem, nnx.graph.DataElem)
+        value = elem.value if isinstance(elem, (nnx.graph.DataElem, nnx.graph.StaticElem)) else elem
+        old = had.get(key, _MISSING)
+        new = value if old is _MISSING else _merge(nnx, old, value, seen)
+        if new is not old:
+            impl.set_key(d, key, nnx.data(new) if data else new)
+    for key in had:
+        if key not in keys:
+            impl.pop_key(d, key)
+
+
+def holds_hijax(leaves: Sequence[Any]) -> bool:
+    """Whether a leaf of the arguments is a Flax hijax ``Variable`` (``nnx.var_defaults(
+    hijax=True)``): one leaf whose value lives in JAX's own mutable state."""
+    nnx = _nnx()
+    return nnx is not None and any(isinstance(x, nnx.Variable) for x in leaves)
+
+
+def through_lojax(run: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``run(*args, **kwargs)`` with the arguments' hijax Variables as plain
+    (lojax) ones, which amp traces as pytrees, their writes then carried into
+    the hijax Variables (``nnx.update``); a returned argument node is the
+    caller's object. The conversion is Flax's own (``nnx.with_vars``)."""
+    nnx = _nnx()
+    lo = nnx.with_vars((args, kwargs), hijax=False, allow_duplicates=True)
+    before = {id(x) for x in jax.tree.leaves(lo)}
+    out = run(*lo[0], **lo[1])
+
+    def written(_path: object, v: object) -> bool:
+        return isinstance(v, nnx.Variable) and any(id(x) not in before for x in jax.tree.leaves(v))
+
+    is_node = nnx.graph.is_graph_node
+    for d, s in zip(
+        jax.tree.leaves((args, kwargs), is_leaf=is_node), jax.tree.leaves(lo, is_leaf=is_node)
+    ):
+        # (only what fn wrote: newer Flax refuses any update of a hijax
+        # Variable under jit unless it is a ref)
         if isinstance(s, nnx.Variable):
             if written(None, s):
                 nnx.update(d, s)
-            continue
-        state = nnx.state(s, written)
-        if jax.tree.leaves(state):
+        elif is_node(s) and jax.tree.leaves(state := nnx.state(s, written)):
             nnx.update(d, state)
+    return tie(((args, kwargs), out), output_aliases(lo, out))[1]
 
 
 _HAIKU_FIX = (

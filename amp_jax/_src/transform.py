@@ -73,6 +73,9 @@ class Traced:
         a jitted function (its whole program one ``jit``): amp keeps that jit,
         so that an eager call compiles once, as ``jax.jit(h)(x)`` does, rather
         than dispatching each op; None otherwise.
+      out_aliases: the Flax NNX nodes the output holds that are an argument's
+        or another output's (key paths into ``((args, kwargs), out)``): the
+        output gives back that one object, as ``fn`` did.
     """
 
     plan: Plan
@@ -80,6 +83,7 @@ class Traced:
     ctx: Interpreter
     writes: mutation.Writes | None = None
     staged: Callable[..., list[Any]] | None = None
+    out_aliases: mutation.Aliases = ()
 
     @property
     def reusable(self) -> bool:
@@ -159,6 +163,14 @@ class AmpFunction:
             # in another order on JAX 0.12)
             return jax.tree.map(as_output, self.fn(*args, **kwargs))
         call = Call.of(self.fn, args, kwargs)
+        if mutation.holds_hijax(call.leaves):
+            return mutation.through_lojax(
+                lambda *a, **k: self._run(Call.of(call.target, a, k)), call.args, call.kwargs
+            )
+        return self._run(call)
+
+    def _run(self, call: Call) -> Any:
+        """Evaluates ``call``'s plan (traced or from the cache) and gives ``fn``'s output."""
         traced = self._cached_trace(call)
         recorded = _RECORDED.get()
         if recorded is not None:
@@ -198,9 +210,10 @@ class AmpFunction:
         ``__wrapped__``), so that JAX's errors name them and the arguments as
         jax.jit does, and plans the jaxpr."""
         found: list[mutation.Writes | None] = []
+        shared: list[mutation.Aliases] = []
 
         def traced_fn(*args: object, **kwargs: object) -> Any:
-            tree = unwrap_statics((args, kwargs))
+            tree = mutation.tie(unwrap_statics((args, kwargs)), call.aliases)
             snap = mutation.Snapshot(tree)
             with mutation.haiku_guard(fn_name(self.fn)):
                 out = call.target(*tree[0], **tree[1])
@@ -210,6 +223,7 @@ class AmpFunction:
             except TypeError as e:
                 raise TypeError(f"amp({fn_name(self.fn)}): the function {e}") from None
             found.append(writes)
+            shared.append(mutation.output_aliases(tree, out))
             return out if writes is None else (out, writes.outputs)
 
         name_like(traced_fn, self.fn, self_first=call.fn_is_argument)
@@ -236,21 +250,25 @@ class AmpFunction:
 
             run.__name__ = run.__qualname__ = name
             staged = jax.jit(run)
-        return Traced(planned, out_tree, ctx, writes, staged)
+        return Traced(planned, out_tree, ctx, writes, staged, shared[0])
 
     def _outputs(self, call: Call, traced: Traced, outs: list[Any]) -> Any:
         """``fn``'s output from the evaluated jaxpr's; its writes carried to the arguments."""
         n = traced.out_tree.num_leaves
         if traced.writes is not None:
-            after = traced.writes.after(call.leaves, outs[n:])
-            mutation.write_back((call.args, call.kwargs), after, traced.writes.changed(after))
+            # (a constant written is a jaxpr literal: an Array, as jit stores it)
+            after = traced.writes.after(call.leaves, [as_output(o) for o in outs[n:]])
+            mutation.write_back((call.args, call.kwargs), after)
         # an input returned as it is (``amp(jnp.asarray)``: the jaxpr has no
         # eqn) is a new value, as jit's outputs are: under ``jax.jvp`` of a
         # Python float, that input is a tracer of a float, and ``jax.jvp``
         # would hand the float back where ``jax.jvp(jnp.asarray)`` gives an Array
         inputs = {id(x) for x in call.dynamic}
         outs = [fresh(o) if id(o) in inputs else as_output(o) for o in outs[:n]]
-        return jax.tree.unflatten(traced.out_tree, outs)
+        out = jax.tree.unflatten(traced.out_tree, outs)
+        if traced.out_aliases:
+            out = mutation.tie(((call.args, call.kwargs), out), traced.out_aliases)[1]
+        return out
 
 
 def _whole_jit_name(closed: compat.ClosedJaxpr) -> str | None:

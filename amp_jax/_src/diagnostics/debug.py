@@ -34,7 +34,13 @@ from amp_jax._src.diagnostics.reasons import (
     row_reason,
     scope_of,
 )
-from amp_jax._src.diagnostics.tracing import check_grad, loss_of, program, split_fn
+from amp_jax._src.diagnostics.tracing import (
+    check_grad,
+    loss_of,
+    model_as_argument,
+    program,
+    split_fn,
+)
 from amp_jax._src.policy import Policy, is_managed_float
 from amp_jax._src.transform import AmpFunction
 
@@ -336,7 +342,7 @@ def first_nonfinite(
       True
     """
     base, pol = split_fn(fn, policy, default="float16")
-    g = check_grad(grad)
+    base, args, g = model_as_argument(base, args, check_grad(grad))
     if (bad := _nonfinite_input(base, args, kwargs)) is not None:
         return bad
     base = loss_of(base, has_aux, "first_nonfinite", g is not None)

@@ -46,7 +46,13 @@ from amp_jax._src.diagnostics.reasons import (
     row_reason,
     scope_of,
 )
-from amp_jax._src.diagnostics.tracing import check_grad, loss_of, program, split_fn
+from amp_jax._src.diagnostics.tracing import (
+    check_grad,
+    loss_of,
+    model_as_argument,
+    program,
+    split_fn,
+)
 from amp_jax._src.jaxprs import iter_eqns, open_jaxpr
 from amp_jax._src.policy import DEFAULT_ALLOW, Policy, is_managed_float
 from amp_jax._src.transform import AmpFunction
@@ -719,7 +725,7 @@ def explain(
       2
     """
     base, pol = split_fn(fn, policy)
-    g = check_grad(grad)
+    base, args, g = model_as_argument(base, args, check_grad(grad))
     base = loss_of(base, has_aux, "explain", g is not None)
     # the original program first, kept only as its totals and casts: its eqns
     # are not alive while amp's program is traced (fewer objects to collect)

@@ -20,7 +20,13 @@ from amp_jax._src.diagnostics.reasons import (
     is_float_cast,
     row_reason,
 )
-from amp_jax._src.diagnostics.tracing import check_grad, flat_call, loss_of, split_fn
+from amp_jax._src.diagnostics.tracing import (
+    check_grad,
+    flat_call,
+    loss_of,
+    model_as_argument,
+    split_fn,
+)
 from amp_jax._src.jaxprs import iter_eqns
 from amp_jax._src.policy import Policy
 from amp_jax._src.transform import AmpFunction, recording_traces
@@ -133,8 +139,10 @@ def dtype_report(
     g = check_grad(grad)
     if policy is not None or isinstance(fn, AmpFunction):
         base, pol = split_fn(fn, policy)
+        base, args, g = model_as_argument(base, args, g)
         fn = AmpFunction(loss_of(base, has_aux, "dtype_report", g is not None), pol)
     else:
+        fn, args, g = model_as_argument(fn, args, g)
         fn = loss_of(fn, has_aux, "dtype_report", g is not None)
     # Array leaves are traced; the others (a mode string, a callable) are
     # passed as they are, as amp passes them.

@@ -16,7 +16,7 @@ import jax
 from jax.typing import DTypeLike
 
 from amp_jax._src import compat
-from amp_jax._src.calling import is_dynamic
+from amp_jax._src.calling import apply, is_dynamic, is_tree
 from amp_jax._src.policy import Policy, get_policy
 from amp_jax._src.transform import AmpFunction
 
@@ -45,6 +45,25 @@ def split_fn(
     if isinstance(fn, AmpFunction):
         return fn.fn, (fn.policy if policy is None else get_policy(policy))
     return fn, get_policy(default if policy is None else policy)
+
+
+def model_as_argument(
+    fn: Callable[..., Any], args: tuple[Any, ...], grad: int | tuple[int, ...] | None
+) -> tuple[Callable[..., Any], tuple[Any, ...], int | tuple[int, ...] | None]:
+    """``(fn, args, grad)`` with a model given as the function (a Flax NNX or
+    Equinox module, a pytree) moved to the first argument of `apply`, as
+    ``amp(model)`` traces it; ``grad`` still names the same arguments.
+
+    Its arrays are then arguments of the traced program, so what the model
+    writes while it runs (BatchNorm statistics, RNG counts) lands in the
+    trace's copy of it: a diagnostic leaves the caller's model as it was,
+    rather than write tracers into it (Flax refuses that: TraceContextError).
+    """
+    if not is_tree(fn):
+        return fn, args, grad
+    if grad is not None:
+        grad = grad + 1 if isinstance(grad, int) else tuple(g + 1 for g in grad)
+    return apply, (fn, *args), grad
 
 
 def loss_of(fn: Callable[..., Any], has_aux: object, caller: str, grad: bool) -> Callable[..., Any]:

@@ -1,0 +1,283 @@
+"""Flax NNX objects keep their identity through ``amp``, as through ``nnx.jit``.
+
+A pytree flatten copies a Variable or module once per path; amp ties the
+copies back into one object inside its trace (weight tying: a write through
+one path is read through the other), returns an argument's node as that
+object, stores what a function writes as Arrays, carries attributes written
+(``__init__`` under ``nnx.vmap``), and its diagnostics take a model in train
+mode as ``amp`` does.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import amp_jax
+from amp_jax import amp
+
+X = jax.random.normal(jax.random.key(0), (8, 16))
+
+
+class _Tied(nnx.Module):
+    def __init__(self, rngs, tie=True):
+        self.a = nnx.Linear(3, 3, use_bias=False, rngs=rngs)
+        self.b = nnx.Linear(3, 3, use_bias=False, rngs=rngs)
+        if tie:
+            self.b.kernel = self.a.kernel  # one Variable, two paths
+
+
+def _write_a_read_b(m):
+    m.a.kernel.set_value(m.a.kernel.get_value() * 0)  # write through a
+    return m.b.kernel.get_value().sum()  # read through b
+
+
+def test_a_tied_variable_is_one_variable_inside_amp():
+    plain = _write_a_read_b(_Tied(nnx.Rngs(0)))
+    jitted = nnx.jit(_write_a_read_b)(_Tied(nnx.Rngs(0)))
+    m = _Tied(nnx.Rngs(0))
+    got = amp(_write_a_read_b)(m)
+    assert float(plain) == float(jitted) == float(got) == 0.0
+    assert m.a.kernel is m.b.kernel and not np.asarray(m.a.kernel[...]).any()
+
+
+def test_tied_and_untied_arguments_trace_apart():
+    # same pytree structure, other sharing: the cached trace must not be reused
+    f = amp(_write_a_read_b)
+    assert float(f(_Tied(nnx.Rngs(0)))) == 0.0
+    untied = _Tied(nnx.Rngs(0), tie=False)
+    want = float(untied.b.kernel[...].sum())
+    assert want != 0.0
+    assert float(f(untied)) == pytest.approx(want, rel=1e-6)
+    assert f.trace_count == 2
+
+
+def test_a_module_passed_twice_is_one_module():
+    m = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+
+    def f(m1, m2):
+        assert m1 is m2
+        m1.kernel.set_value(m1.kernel.get_value() + 1)
+        return m2.kernel.get_value()  # read through the other argument
+
+    want = nnx.Linear(2, 2, rngs=nnx.Rngs(0)).kernel[...] + 1
+    np.testing.assert_allclose(amp(f)(m, m), want)
+    np.testing.assert_allclose(m.kernel[...], want)
+
+
+def test_a_module_returned_twice_is_the_argument():
+    m = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    ref = nnx.jit(lambda m: (m, m))(m)
+    a, b = amp(lambda m: (m, m))(m)
+    assert ref[0] is ref[1] is m
+    assert a is b is m
+
+
+def test_a_module_made_inside_and_returned_thrice_is_one_object():
+    m1, m2, m3 = amp(lambda: (lambda m: (m, m, m))(nnx.Linear(2, 2, rngs=nnx.Rngs(0))))()
+    assert m1 is m2 is m3
+    assert isinstance(m1.kernel[...], jax.Array)
+
+
+def test_a_submodule_returned_is_the_arguments_submodule():
+    class Outer(nnx.Module):
+        def __init__(self):
+            self.inner = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+
+    m = Outer()
+    got = amp(lambda m: m.inner)(m)
+    assert got is m.inner
+
+
+@pytest.mark.parametrize("graph, graph_updates", [(True, True), (True, False), (False, False)])
+def test_nnx_vmap_sees_an_argument_returned_with_another_axis(graph, graph_updates):
+    # Flax's transforms_test test_consistent_aliasing_input_output: in_axes=0,
+    # out_axes=1 on the same module is inconsistent; through amp, Flax sees it too
+    class Foo(nnx.Module):
+        def __init__(self):
+            self.a = nnx.Param(jnp.zeros((2, 3)))
+
+    f = nnx.vmap(amp(lambda m: m), in_axes=0, out_axes=1, graph=graph, graph_updates=graph_updates)
+    with pytest.raises(ValueError, match="Inconsistent aliasing detected|Duplicate Param"):
+        f(Foo())
+
+
+def test_cached_partial_shares_the_variables():
+    # Flax's transforms_test test_cache_args, with amp around the function
+    m = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+
+    @nnx.jit(graph=True, graph_updates=True)
+    @amp
+    def f(cached_m, m):
+        assert cached_m is not m
+        assert cached_m.kernel is m.kernel and cached_m.bias is m.bias
+        return cached_m
+
+    cached_f = nnx.compat.cached_partial(f, m)
+    cached_m = cached_f(m)
+    assert cached_m is not m and cached_m.kernel is m.kernel
+    assert cached_f(m) is cached_m
+
+
+@pytest.mark.parametrize(
+    "make, dtype",
+    [
+        (lambda: jnp.array(-1.0), jnp.float32),
+        (lambda: jnp.array(3, jnp.int8), jnp.int8),
+        (lambda: jnp.array(True), jnp.bool_),
+    ],
+    ids=["float32", "int8", "bool"],
+)
+def test_a_constant_written_into_a_variable_is_an_array(make, dtype):
+    def f(m):
+        m.v.set_value(make())  # made inside: a jaxpr literal (TypedFloat, TypedNdArray)
+        return m.w[...].sum()
+
+    class M(nnx.Module):
+        def __init__(self):
+            self.w = nnx.Param(jnp.ones(3))
+            self.v = nnx.Variable(jnp.zeros((), dtype))
+
+    m, ref = M(), M()
+    nnx.jit(f)(ref)
+    amp(f)(m)
+    got = m.v.get_value()
+    assert isinstance(got, jax.Array) and type(got) is type(ref.v.get_value())
+    assert got.dtype == dtype and got.shape == () and got == make()
+    assert m.v[...] == make()  # (a TypedFloat is not subscriptable)
+
+
+def test_literal_outputs_are_arrays_of_their_dtype():
+    # (a guard: the output path already made Arrays of literals; writes did not)
+    f = lambda x: (jnp.array(2.0), jnp.array(2, jnp.int8), jnp.asarray(True), 3)  # noqa: E731
+    jaxpr = jax.make_jaxpr(f)(X)
+    assert not jaxpr.eqns  # every output a literal
+    got, ref = amp(f)(X), jax.jit(f)(X)
+    for g, r in zip(got, ref):
+        assert isinstance(g, jax.Array) and (g.dtype, g.weak_type) == (r.dtype, r.weak_type)
+
+
+_AXES = nnx.StateAxes({(nnx.Param, nnx.RngState): 0, ...: None})
+
+
+def test_init_under_nnx_vmap():
+    # Flax's ensemble creation (transforms_test test_out_axes): amp around __init__
+    class MLP(nnx.Module):
+        @nnx.split_rngs(splits=5, graph=True, graph_updates=True)
+        @nnx.vmap(in_axes=(_AXES, _AXES), axis_size=5, graph=True, graph_updates=True)
+        @amp
+        def __init__(self, rngs):
+            self.linear = nnx.Linear(3, 3, rngs=rngs)
+            self.node = nnx.BatchStat(jnp.ones((2,)))
+            self.width = 3
+
+    m = MLP(rngs=nnx.Rngs(0))
+    assert m.linear.kernel.shape == (5, 3, 3) and m.node.shape == (2,)
+    assert m.width == 3 and isinstance(m.linear.kernel[...], jax.Array)
+
+
+def test_init_with_static_attributes_under_nnx_jit():
+    class Foo(nnx.Module):
+        @nnx.jit(static_argnums=(1, 2), graph=True, graph_updates=True)
+        @amp
+        def __init__(self, din, dout, *, rngs):
+            self.w = nnx.Param(jax.random.normal(rngs.params(), shape=(din, dout)))
+            self.din = din
+
+    m = Foo(2, 3, rngs=nnx.Rngs(0))
+    assert m.w.shape == (2, 3) and m.din == 2 and isinstance(m.w[...], jax.Array)
+
+
+def test_an_nnx_pytree_attribute_written_and_returned():
+    class P(nnx.Pytree):
+        def __init__(self):
+            self.x = nnx.data(jnp.ones(2))
+            self.n = 0
+
+    def f(p):
+        p.x = p.x * 2
+        p.n = p.n + 1
+        return p
+
+    ref = P()
+    out_ref = nnx.jit(f)(ref)
+    p = P()
+    out = amp(f)(p)
+    assert out is p and out_ref is ref
+    np.testing.assert_array_equal(p.x, ref.x)
+    assert p.n == ref.n == 1
+
+
+def _hijax_model():
+    with nnx.var_defaults(hijax=True):
+        m = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+        m.count = nnx.BatchStat(jnp.array(0))
+    return m
+
+
+def _count_and_call(m, x):
+    m.count[...] += 1
+    return m(x)
+
+
+def test_hijax_variables_under_jax_jit():
+    m, x = _hijax_model(), jnp.ones((1, 2))
+    want = jax.jit(lambda m, x: m(x))(m, x)
+    got = jax.jit(amp(lambda m, x: m(x)))(m, x)  # "'aval_property' object is not callable"
+    assert got.dtype == want.dtype
+    np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
+
+
+def test_a_hijax_variable_written_is_written():
+    m, x = _hijax_model(), jnp.ones((1, 2))
+    assert amp(_count_and_call)(m, x).dtype == jnp.float32 and int(m.count[...]) == 1
+    ref = _hijax_model()
+    try:  # (Flax 0.12.8 writes a hijax Variable under jit; newer Flax needs ref=True)
+        jax.jit(_count_and_call)(ref, x)
+    except Exception as e:
+        with pytest.raises(type(e)):
+            jax.jit(amp(_count_and_call))(m, x)
+        return
+    jax.jit(amp(_count_and_call))(m, x)
+    assert int(m.count[...]) == int(ref.count[...]) + 1 == 2
+
+
+class _Net(nnx.Module):
+    def __init__(self, rngs):
+        self.l1 = nnx.Linear(16, 32, rngs=rngs)
+        self.bn = nnx.BatchNorm(32, rngs=rngs)
+        self.do = nnx.Dropout(0.1, rngs=rngs)
+        self.l2 = nnx.Linear(32, 4, rngs=rngs)
+
+    def __call__(self, x):
+        return self.l2(self.do(self.bn(self.l1(x))))
+
+
+@pytest.mark.parametrize(
+    "diagnostic",
+    [
+        lambda m: amp_jax.explain(m, X),
+        lambda m: amp_jax.explain(amp(m), X, grad=True),
+        lambda m: amp_jax.dtype_report(m, X, policy="bfloat16"),
+        lambda m: amp_jax.dtype_report(amp(m), X),
+        lambda m: amp_jax.debug.first_nonfinite(m, X),
+    ],
+    ids=["explain", "explain-grad", "dtype_report", "dtype_report-amp", "first_nonfinite"],
+)
+def test_diagnostics_take_a_model_in_train_mode(diagnostic):
+    m = _Net(nnx.Rngs(0))
+    amp(lambda m, x: m(x))(m, X)  # what amp takes, the diagnostics take
+    before = jax.tree.leaves(nnx.state(m))
+    diagnostic(m)
+    after = jax.tree.leaves(nnx.state(m))
+    # the caller's model is left as it was (its writes went to the trace's copy)
+    assert len(before) == len(after)
+    assert all(isinstance(b, jax.Array) and a is b for a, b in zip(before, after))
+
+
+def test_explain_of_a_model_reads_its_matmuls():
+    m = _Net(nnx.Rngs(0))
+    ex = amp_jax.explain(m, jnp.ones((256, 16)), policy=amp_jax.Policy(allow_outputs="float32"))
+    dots = {r.dtype for r in ex.rows if r.primitive == "dot_general"}
+    assert dots == {"bfloat16"}, ex
