@@ -15,6 +15,7 @@ from amp_jax._src.diagnostics.reasons import (
     Decisions,
     SourceLines,
     decisions_of_traces,
+    fits,
     float_dtypes,
     full_stack,
     is_float_cast,
@@ -48,8 +49,10 @@ def _walk(
         # cast (amp's or the program's) and an op of an attention left as written
         # (the rule of its dtype, then the attention's): explain's reason for both
         kept = decision.from_stack(stack, backends.current())
-        why = kept.text if kept is not None else ""
         decided = bool(decisions) and compute is not None and _is_float(eqn)
+        if decided and kept is not None and not fits(kept.text, eqn, compute or ""):
+            kept = None  # (a scope of an enclosing kept function: the op's own decision)
+        why = kept.text if kept is not None else ""
         if decided and kept is not None and (is_float_cast(eqn) or _left_as_written(stack)):
             why = ""
         if not why and decided:
@@ -64,7 +67,18 @@ def _walk(
                 compute_dtype=compute,
                 dead=id(eqn) in unused,
             )
-        counts[(name, ins, outs, where or "-", why)] += 1
+        counts[(name, ins, outs, _user_path(where), why)] += 1
+
+
+#: primitives JAX wraps code in that the user did not write as such (a custom
+#: derivative, amp's own lowered matmul, a call JAX adds): not shown in ``inside``
+_WRAPPERS = compat.CUSTOM_JVP_NAMES | compat.CUSTOM_VJP_NAMES | {"closed_call", "core_call"}
+
+
+def _user_path(where: str) -> str:
+    """The enclosing primitives of ``where`` that the user wrote (loops, conds,
+    jits, checkpoints), without JAX's wrappers (`_WRAPPERS`); ``-`` if none."""
+    return "/".join(p for p in where.split("/") if p and p not in _WRAPPERS) or "-"
 
 
 def _left_as_written(stack: str) -> bool:
@@ -110,7 +124,8 @@ def dtype_report(
     callable) are passed as they are, as [`amp_jax.amp`][amp_jax.amp] passes them.
 
     Returns:
-      Rows ``(primitive, input dtypes, output dtypes, enclosing primitives,
+      Rows ``(primitive, input dtypes, output dtypes, enclosing primitives (loops,
+      conds, jits: not the custom-derivative wrappers JAX adds),
       count, why)``, sorted by primitive name. ``why`` is the rule that gave
       the op its dtype, as [`explain`][amp_jax.explain] words it: its class
       under the policy, the painting, a cast amp inserted, or why amp kept it
