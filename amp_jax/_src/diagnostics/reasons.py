@@ -321,14 +321,19 @@ def _refined(
     those decided at ``eqn``'s own source line, and of those the ones that
     agree with the dtypes it ran in (`fits`); the own line's reasons where
     its line has none (a body traced after planning: a custom derivative rule)."""
+    allow = eqn.primitive.name in _ALLOW_OPS
     if found is not None and len(found) == 1:
-        if compute_dtype is None or fits(next(iter(found)), eqn, compute_dtype):
+        if not allow or compute_dtype is None or fits(next(iter(found)), eqn, compute_dtype):
             return found
+    if found and not allow:  # (several reasons of another op: `agree` words them)
+        return found
     own = getattr(decisions, "own", {}).get((compat.source_line(eqn), eqn.primitive.name))
     if own:
         mine = collections.Counter({r: n for r, n in (found or own).items() if r in own})
         found = mine or found
-    if found and compute_dtype is not None and len(found) > 1:
+    # (a matmul's operands say whether it was lowered; another op's reason is made
+    # to agree with its dtype by `agree`, which says how it came to run so)
+    if allow and found and compute_dtype is not None and len(found) > 1:
         fitting = collections.Counter(
             {r: n for r, n in found.items() if fits(r, eqn, compute_dtype)}
         )
@@ -341,16 +346,16 @@ _ALLOW_OPS = frozenset({"dot_general", "conv_general_dilated"})
 
 
 def fits(reason: str, eqn: compat.Eqn, compute_dtype: str) -> bool:
-    """Whether ``reason`` can be why ``eqn`` ran as it did: a matmul or convolution
-    that read compute-dtype operands was lowered (its reason is not one of
-    keeping it: `KEPT`), one that read float32 was not; of any op, a dtype
-    the reason names is one it ran in."""
+    """Whether ``reason`` can be why matmul or convolution ``eqn`` ran as it did:
+    one that read compute-dtype operands was lowered (its reason is not one of
+    keeping it: `KEPT`), one that read float32 was not, and a dtype the reason
+    names is one it ran in. (Any other op: True; `agree` words its reason.)"""
+    if eqn.primitive.name not in _ALLOW_OPS or compute_dtype == "float32":
+        return True
     ran = ran_in(eqn).split("->")[-1].split(",")
     claim = claimed_dtype(reason, compute_dtype)
     if claim is not None and ran != ["-"] and claim not in ran:
         return False
-    if eqn.primitive.name not in _ALLOW_OPS or compute_dtype == "float32":
-        return True
     low = compute_dtype in ran
     return low != (_keeps(reason) or reason.startswith(_NOT_LOWERED))
 

@@ -14,11 +14,13 @@ from amp_jax._src.diagnostics.explain import unused_eqns
 from amp_jax._src.diagnostics.reasons import (
     Decisions,
     SourceLines,
+    claimed_dtype,
     decisions_of_traces,
     fits,
     float_dtypes,
     full_stack,
     is_float_cast,
+    ran_in,
     row_reason,
 )
 from amp_jax._src.diagnostics.tracing import check_grad, flat_call, loss_of, split_fn
@@ -50,8 +52,8 @@ def _walk(
         # (the rule of its dtype, then the attention's): explain's reason for both
         kept = decision.from_stack(stack, backends.current())
         decided = bool(decisions) and compute is not None and _is_float(eqn)
-        if decided and kept is not None and not fits(kept.text, eqn, compute or ""):
-            kept = None  # (a scope of an enclosing kept function: the op's own decision)
+        if decided and kept is not None and not _fits_scope(kept.text, eqn, compute or ""):
+            kept = None  # (a scope of an enclosing op or function: the op's own decision)
         why = kept.text if kept is not None else ""
         if decided and kept is not None and (is_float_cast(eqn) or _left_as_written(stack)):
             why = ""
@@ -79,6 +81,15 @@ def _user_path(where: str) -> str:
     """The enclosing primitives of ``where`` that the user wrote (loops, conds,
     jits, checkpoints), without JAX's wrappers (`_WRAPPERS`); ``-`` if none."""
     return "/".join(p for p in where.split("/") if p and p not in _WRAPPERS) or "-"
+
+
+def _fits_scope(reason: str, eqn: compat.Eqn, compute: str) -> bool:
+    """Whether the reason of a scope ``eqn`` is in is its own: it names no dtype
+    ``eqn`` did not run in (a float32 op of a low matmul's backward), and a
+    matmul's operands agree with it (`fits`)."""
+    claim = claimed_dtype(reason, compute)
+    ran = ran_in(eqn).split("->")[-1].split(",")
+    return (claim is None or ran == ["-"] or claim in ran) and fits(reason, eqn, compute)
 
 
 def _left_as_written(stack: str) -> bool:
