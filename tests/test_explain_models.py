@@ -110,11 +110,39 @@ def _stated(reason):
     return "bfloat16" if "painting:" in reason else None
 
 
-def _contradiction(dtypes, reason):
-    """What is wrong with a row that ran in ``dtypes`` for ``reason``, or None."""
+#: reasons that say amp did not lower an op (read independently of amp's code)
+_NOT_LOWERED = (
+    "kept in the carry's dtype",
+    "explicit precision",
+    "too small to pay",
+    "no amp decision",
+    "float64/complex operand",
+    "decides control flow",
+    "decides when a while loop stops",
+    "a factorization or solve",
+    "full_precision scope",
+    "no low-precision kernel",
+    "left as written",
+)
+_LOW = {"bfloat16", "float16"}
+
+
+def _contradiction(dtypes, reason, primitive=None):
+    """What is wrong with a row that ran in ``dtypes`` for ``reason``, or None.
+    A matmul row (``primitive``) whose operands are low must say why they are
+    low, and one whose operands are float32 must not say they run low."""
     floats = [d for d in dtypes if d in _FLOATS]
     if floats and "no floating operand" in reason:
         return "a float op said to have no floating operand"
+    if primitive in ("dot_general", "conv_general_dilated") and floats:
+        # the part of the reason about the operands (before "; writes float32: ...")
+        operands = reason.removeprefix("backward of: ").split("; writes float32", 1)[0]
+        if set(floats) & _LOW and any(p in operands for p in _NOT_LOWERED):
+            return "low operands said not to be lowered"
+        if set(floats) & _LOW and "writes float32" in reason and "runs in" not in operands:
+            return "low operands, the reason only about the result"
+        if not set(floats) & _LOW and re.search(r"runs in b?float16", reason):
+            return "float32 operands said to run low"
     stated = _stated(reason)
     if floats and stated is not None and stated not in floats:
         return f"said to run in {stated}"
@@ -148,6 +176,61 @@ def _library_models():
     ]
 
 
+def _loop_programs():
+    """A scan RNN, a fori_loop fixed point and a diffrax adaptive solve (issue 56):
+    their matmuls run low inside loops, carried by the loop or inside a library's
+    custom derivatives."""
+    diffrax = pytest.importorskip("diffrax")
+    k = jax.random.split(jax.random.PRNGKey(0), 4)
+
+    def rnn(p, xs):
+        wx, wh, wo = p
+
+        def step(h, x):
+            h = jnp.tanh(x @ wx + h @ wh)
+            return h, h @ wo
+
+        h, ys = jax.lax.scan(step, jnp.zeros((16, 128)), xs)
+        return jnp.mean(ys**2) + jnp.mean(h**2)
+
+    def fixed_point(w, x):
+        z = jax.lax.fori_loop(0, 20, lambda i, z: jnp.tanh(z @ w + x), jnp.zeros_like(x))
+        return jnp.mean(z**2)
+
+    def ode(w1, w2, y0):
+        def vf(t, y, args):
+            return jnp.tanh(jnp.tanh(y @ args[0]) @ args[1])
+
+        sol = diffrax.diffeqsolve(
+            diffrax.ODETerm(vf),
+            diffrax.Dopri5(),
+            0.0,
+            1.0,
+            0.1,
+            y0,
+            args=(w1, w2),
+            stepsize_controller=diffrax.PIDController(rtol=1e-4, atol=1e-6),
+            max_steps=64,
+        )
+        return jnp.sum(sol.ys[-1] ** 2)
+
+    n = jax.random.normal
+    return [
+        (
+            "rnn",
+            rnn,
+            ((n(k[0], (64, 128)), n(k[1], (128, 128)), n(k[2], (128, 32))), n(k[3], (10, 16, 64))),
+        ),
+        ("fixed_point", fixed_point, (n(k[0], (128, 128)) / 24, n(k[1], (32, 128)))),
+        ("diffrax", ode, (n(k[0], (32, 64)) / 6, n(k[1], (64, 32)) / 8, n(k[2], (16, 32)))),
+    ]
+
+
+_LOOPS = ("rnn", "fixed_point", "diffrax")
+#: what ``inside`` may not show: wrappers JAX adds that the user did not write
+_WRAPPERS = {"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "closed_call"}
+
+
 def _workload_models():
     from workloads import models
 
@@ -160,31 +243,38 @@ def _workload_models():
 
 
 def test_every_reason_agrees_with_its_dtype_on_models():
-    """explain and dtype_report over the workloads' models and three library models:
-    no row's reason names a dtype other than the one the row ran in; dtype_report's
+    """explain and dtype_report over the workloads' models, three library models and
+    three loops (`_loop_programs`): no row's reason names a dtype other than the one
+    the row ran in, no matmul row's reason disagrees with its operands' dtypes
+    (issue 56: a bf16 dot said "kept in the carry's dtype" or "no amp decision"), and
+    ``inside`` shows no wrapper JAX added; on the models also: dtype_report's
     ``why`` is filled for every float op amp decided; amp's own barriers are folded
     into the row of the op they serve; the byte line says what the extra bytes are."""
     bad = []
-    for name, loss, args in [*_workload_models(), *_library_models()]:
+    for name, loss, args in [*_workload_models(), *_library_models(), *_loop_programs()]:
         ex = amp_jax.explain(loss, *args, grad=True)
         for r in ex.all_rows:
-            if "->" not in r.dtype and (why := _contradiction(r.dtype.split(","), r.reason)):
-                bad.append(f"{name} explain {r.primitive} ({r.dtype}): {why}: {r.reason}")
-        assert not any(r.primitive == "optimization_barrier" for r in ex.rows), name
-        assert any(r.primitive == "optimization_barrier" for r in ex.all_rows), name
-        assert sum(r.bytes for r in ex.rows) == sum(r.bytes for r in ex.all_rows), name
-        summary = "\n".join(ex.summary_lines())
-        assert "the casts amp inserted +" in summary and "barriers and layout copies +" in summary
-        assert ex.summary.cast_bytes > 0 and ex.summary.own_bytes > 0, name
+            problem = _contradiction(r.dtype.split(","), r.reason, r.primitive)
+            if "->" not in r.dtype and problem:
+                bad.append(f"{name} explain {r.primitive} ({r.dtype}): {problem}: {r.reason}")
+        if name in _LOOPS:
+            low = [r for r in ex.rows if r.primitive == "dot_general" and r.dtype == "bfloat16"]
+            assert low, name
+        else:
+            _check_model_summary(name, ex)
         said = collections.defaultdict(set)  # explain's reasons, by primitive
         for r in ex.all_rows:
             said[_PRIMITIVE.get(r.primitive, r.primitive)].add(r.reason)
-        for prim, ins, outs, _, _, why in amp_jax.dtype_report(
+        for prim, ins, outs, inside, _, why in amp_jax.dtype_report(
             loss, *args, grad=True, policy="bfloat16"
         ):
+            if set(inside.split("/")) & _WRAPPERS:
+                bad.append(f"{name} dtype_report {prim}: inside shows JAX's wrappers: {inside}")
             ran = ins.split(",") if any(d in _FLOATS for d in ins.split(",")) else outs.split(",")
-            if prim != "convert_element_type" and (problem := _contradiction(ran, why)):
+            if prim != "convert_element_type" and (problem := _contradiction(ran, why, prim)):
                 bad.append(f"{name} dtype_report {prim} ({ins} -> {outs}): {problem}: {why}")
+            if name in _LOOPS:  # (below: what the models hold; the loops: their dot rows)
+                continue
             float_cast = prim == "convert_element_type" and ins in _FLOATS and outs in _FLOATS
             if float_cast and not why.startswith("cast"):
                 bad.append(f"{name} dtype_report cast ({ins} -> {outs}) said to run: {why}")
@@ -196,6 +286,17 @@ def test_every_reason_agrees_with_its_dtype_on_models():
             if prim == "optimization_barrier" and why.startswith("derived by JAX"):
                 bad.append(f"{name} dtype_report: amp's own barrier said derived by JAX: {why}")
     assert not bad, "\n".join(bad)
+
+
+def _check_model_summary(name, ex):
+    """A model's explain: amp's barriers folded into the rows of the ops they
+    serve, and the byte line says what the extra bytes are."""
+    assert not any(r.primitive == "optimization_barrier" for r in ex.rows), name
+    assert any(r.primitive == "optimization_barrier" for r in ex.all_rows), name
+    assert sum(r.bytes for r in ex.rows) == sum(r.bytes for r in ex.all_rows), name
+    summary = "\n".join(ex.summary_lines())
+    assert "the casts amp inserted +" in summary and "barriers and layout copies +" in summary
+    assert ex.summary.cast_bytes > 0 and ex.summary.own_bytes > 0, name
 
 
 def test_the_equinox_mlp_rows_say_what_ran():

@@ -37,7 +37,10 @@ def test_rows_give_dtypes_place_count_and_reason():
     (outside,) = [r for r in low if "scan" not in r[3]]
     assert outside[5] == "allow class: runs in bfloat16 (float32 accumulation)"
     (inside,) = [r for r in low if "scan" in r[3]]  # bf16 operands, the carry's float32 output
-    assert inside[5] == "computes a loop-carried value: kept in the carry's dtype"
+    assert inside[5] == (
+        "allow class: runs in bfloat16 (float32 accumulation); writes float32: "
+        "computes a loop-carried value: kept in the carry's dtype"
+    )
     (kept,) = [r for r in dots if r[1] == "float32,float32"]
     assert kept[5] == "full_precision scope" and kept[4] == 1
     casts = [r for r in rows if r[0] == "convert_element_type" and r[2] == "bfloat16"]

@@ -138,9 +138,21 @@ class Reason:
         """A reason an op is kept in its original precision (one of `KEPT`)."""
         return cls(why, KEPT[why])
 
+    @classmethod
+    def low_f32_result(cls, why: Why, low_text: str) -> Reason:
+        """An ``allow`` op that reads compute-dtype operands (``low_text``: why)
+        but writes float32, for ``why`` (one of `KEPT`): its result decides
+        control flow, feeds a solve or is carried by a loop."""
+        return cls(why, f"{low_text}; writes float32: {KEPT[why]}")
+
     @property
     def keeps_high(self) -> bool:
         return self.why in KEPT
+
+    @property
+    def low_operands(self) -> bool:
+        """A `low_f32_result` reason: low operands, a float32 result."""
+        return self.keeps_high and self.text != KEPT[self.why]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -364,6 +376,8 @@ def lazy_body(d: Decision, where: str) -> LazyBody | None:
 # -- how a reason travels through grad: named scopes -----------------------------------------
 
 KEEP_SCOPE = "amp_keep_f32"  # amp_keep_f32.<Why value>
+#: a low allow op that writes float32: amp_f32_result.<Why value>.<compute dtype>[.override]
+F32_RESULT_SCOPE = "amp_f32_result"
 ATTENTION_SCOPE = "amp_attention"  # amp_attention[cudnn] / [xla-fused] / [xla: <reason>]
 FLOAT8_SCOPE = "amp_float8"  # amp_float8.<recipe>[.backward]
 RULE_SCOPE = "amp_rule"  # amp_rule.<index in Policy.rules>
@@ -385,7 +399,13 @@ def attention_scope(path: AttentionPath) -> str:
 
 def scopes(d: Decision) -> list[str]:
     """The named scopes an eqn is bound under, so that its reason reaches its ops."""
-    out = [f"{KEEP_SCOPE}.{d.reason.why.value}"] if d.reason.keeps_high else []
+    out = []
+    if d.reason.low_operands:
+        dtype = d.reason.text.split(" runs in ", 1)[1].split()[0]
+        override = ".override" if d.reason.text.startswith("policy override") else ""
+        out.append(f"{F32_RESULT_SCOPE}.{d.reason.why.value}.{dtype}{override}")
+    elif d.reason.keeps_high:
+        out.append(f"{KEEP_SCOPE}.{d.reason.why.value}")
     if d.attention is not None and (d.attention.impl is None or d.fused is Fused.HERE):
         out.append(attention_scope(d.attention))
     if d.rule is not None:
@@ -443,10 +463,12 @@ def attention_from_stack(stack: str) -> AttentionPath | None:
 
 def from_stack(stack: str, backend: Backend) -> Reason | None:
     """The reason amp left an op of a rewritten program as it is, from its name
-    stack (the op may be a backward op of ``jax.grad``), if amp gave one."""
-    for why in KEPT:
-        if f"{KEEP_SCOPE}.{why.value}" in stack:
-            return Reason.kept(why)
+    stack (the op may be a backward op of ``jax.grad``), if amp gave one: that of
+    the innermost of amp's scopes (an op of a body amp rewrote inside a kept
+    function has its own)."""
+    found = _innermost_kept(stack)
+    if found is not None:
+        return found
     path = attention_from_stack(stack)
     if path is not None:
         return Reason(Why.ATTENTION, path.text)
@@ -456,3 +478,26 @@ def from_stack(stack: str, backend: Backend) -> Reason | None:
         recipe = "rowwise" if float8_scope("rowwise") in stack else "tensorwise"
         return Reason(Why.FLOAT8, float8_text(recipe, backend))
     return None
+
+
+def _innermost_kept(stack: str) -> Reason | None:
+    """The reason of the innermost ``amp_keep_f32`` / ``amp_f32_result`` scope of ``stack``."""
+    for part in reversed(stack.replace("(", "/").replace(")", "/").split("/")):
+        kind, _, rest = part.partition(".")
+        if kind == KEEP_SCOPE and rest in _WHYS:
+            return Reason.kept(_WHYS[rest])
+        if kind == F32_RESULT_SCOPE:
+            value, _, dtype = rest.partition(".")
+            dtype, _, override = dtype.partition(".")
+            if value in _WHYS:
+                return Reason.low_f32_result(_WHYS[value], low_allow_text(dtype, bool(override)))
+    return None
+
+
+_WHYS = {w.value: w for w in KEPT}
+
+
+def low_allow_text(compute_dtype: str, override: bool = False) -> str:
+    """Why an allow op reads ``compute_dtype`` operands: its class (or an override)."""
+    src = "policy override" if override else "allow class"
+    return f"{src}: runs in {compute_dtype} (float32 accumulation)"

@@ -62,6 +62,7 @@ from amp_jax._src.decision import (
     Variant,
     Why,
     body_hints,
+    low_allow_text,
 )
 from amp_jax._src.policy import (
     FULL_PRECISION_SCOPE,
@@ -703,8 +704,7 @@ def _low_text(ctx: Context, eqn: compat.Eqn) -> str:
     cd = pol.compute_dtype.name
     base = pol.class_of(name)
     if base == "allow":
-        src = "policy override" if name in dict(pol.overrides) else "allow class"
-        return f"{src}: runs in {cd} (float32 accumulation)"
+        return low_allow_text(cd, name in dict(pol.overrides))
     if compat.has_subjaxprs(eqn):
         return f"painting: function of follow/clear ops between {cd} ops, runs in {cd}"
     if base == "clear":
@@ -727,12 +727,12 @@ def _paint(ctx: Context, jaxpr: compat.Jaxpr, hints: BodyHints = NO_HINTS) -> _D
     # compute-dtype operands put a floor of the compute dtype's rounding
     # under the tested difference, and the loop never stops.
     exits = [jaxpr.outvars[k] for k in hints.exits]
-    _keep_slice(draft, jaxpr, exits, Why.DECIDES_EXIT, keep_matmuls=True)
+    _keep_slice(ctx, draft, jaxpr, exits, Why.DECIDES_EXIT, keep_matmuls=True)
     # What a factorization or solve reads stays out of the compute dtype back
     # to the matmuls (those next to the solve were kept by _painted).
-    _keep_slice(draft, jaxpr, _solve_operands(jaxpr), Why.FEEDS_SOLVE)
+    _keep_slice(ctx, draft, jaxpr, _solve_operands(jaxpr), Why.FEEDS_SOLVE)
     seeds = decision_seeds(ctx, jaxpr, hints.decides)
-    _keep_slice(draft, jaxpr, seeds, Why.DECIDES_CONTROL)
+    _keep_slice(ctx, draft, jaxpr, seeds, Why.DECIDES_CONTROL)
     for i, eqn in enumerate(jaxpr.eqns):
         if eqn.primitive.name in ("while", "scan"):
             for where, body in _loop_reads(ctx, eqn).bodies:
@@ -743,7 +743,7 @@ def _paint(ctx: Context, jaxpr: compat.Jaxpr, hints: BodyHints = NO_HINTS) -> _D
     # compute-dtype operands but write float32, as for decisions.
     outs = jaxpr.outvars
     carried = [outs[k] for k in hints.carries if is_managed_float(casting.dtype_of(outs[k]))]
-    for i, k in _keep_slice(draft, jaxpr, carried, Why.LOOP_CARRY):
+    for i, k in _keep_slice(ctx, draft, jaxpr, carried, Why.LOOP_CARRY):
         for where in _carry_bodies(jaxpr.eqns[i]):  # a cond's branches compute the carry too
             draft.hint(i, where, BodyHints(carries=frozenset({k})))
     return draft
@@ -851,7 +851,12 @@ def decision_slice(
 
 
 def _keep_slice(
-    draft: _Draft, jaxpr: compat.Jaxpr, seeds: list[Any], why: Why, keep_matmuls: bool = False
+    ctx: Context,
+    draft: _Draft,
+    jaxpr: compat.Jaxpr,
+    seeds: list[Any],
+    why: Why,
+    keep_matmuls: bool = False,
 ) -> list[tuple[int, int]]:
     """Keeps what ``seeds`` are computed from out of the compute dtype (back
     to the matmuls, which write float32, or with ``keep_matmuls`` through
@@ -865,17 +870,20 @@ def _keep_slice(
         if draft.colors[i] is Color.LOW:
             draft.colors[i] = Color.ORIG
             _keep(draft, i, why)
-    for i in f32_out:
+    for i in f32_out:  # (its operands stay low: the reason says both)
         draft.f32_out.add(i)
-        _keep(draft, i, why)
+        _keep(draft, i, why, _low_text(ctx, jaxpr.eqns[i]))
     return stops
 
 
-def _keep(draft: _Draft, i: int, why: Why) -> None:
-    """Records ``why`` for eqn ``i`` unless it was kept for a reason already."""
+def _keep(draft: _Draft, i: int, why: Why, low_text: str | None = None) -> None:
+    """Records ``why`` for eqn ``i`` unless it was kept for a reason already;
+    ``low_text``: it reads compute-dtype operands for that reason, and writes float32."""
     c = draft.classified[i]
     if i not in draft.kept and not (c.reason is not None and c.reason.keeps_high):
-        draft.kept[i] = Reason.kept(why)
+        draft.kept[i] = (
+            Reason.kept(why) if low_text is None else Reason.low_f32_result(why, low_text)
+        )
 
 
 def _carry_bodies(eqn: compat.Eqn) -> list[str]:

@@ -23,6 +23,7 @@ from jax.extend import core as jex_core
 
 from amp_jax._src import compat, jaxprs
 from amp_jax._src.decision import (
+    KEPT,
     Color,
     Decision,
     Kind,
@@ -33,8 +34,22 @@ from amp_jax._src.decision import (
 from amp_jax._src.policy import Policy, is_managed_float
 from amp_jax._src.transform import AmpFunction, Traced
 
-#: ``{(source line, primitive): {named_scope path: Counter of reasons}}``
-Decisions = dict[tuple[str, str], dict[str, collections.Counter]]
+
+class Decisions(collections.defaultdict):
+    """``{(source line, primitive): {named_scope path: Counter of reasons}}``.
+
+    The source line is that of the outermost call an eqn is in (`jaxprs.iter_eqns`):
+    in a library's solver (a ``custom_vjp`` around a whole solve) that is one line
+    for all of its ops. ``own`` tells those ops apart: ``{(the eqn's own source
+    line, primitive): Counter of reasons}``, from every plan of the trace, the
+    bodies JAX traced after planning (a custom derivative rule's) included.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(lambda: collections.defaultdict(collections.Counter))
+        self.own: dict[tuple[str, str], collections.Counter] = collections.defaultdict(
+            collections.Counter
+        )
 
 
 # -- what an equation is ---------------------------------------------------------------
@@ -141,12 +156,20 @@ def decisions_of(
 
 def decisions_of_traces(traces: Sequence[Traced]) -> Decisions:
     """The reasons of the plans of ``traces`` (each once), merged."""
-    out: Decisions = collections.defaultdict(lambda: collections.defaultdict(collections.Counter))
+    out = Decisions()
     seen: set[int] = set()
+    plans: dict[int, Any] = {}
     for traced in traces:
         if id(traced) not in seen:
             seen.add(id(traced))
             _decide(traced.plan.jaxpr, traced.plan.decisions, out, None)
+            memo = getattr(traced.ctx, "memo", None)
+            for p in [traced.plan, *(getattr(memo, "plans", None) or ())]:
+                if p is not None:
+                    plans.setdefault(id(p), p)
+    for p in plans.values():  # (each eqn once, by its own line)
+        for eqn, d in zip(p.jaxpr.eqns, p.decisions):
+            out.own[(compat.source_line(eqn), eqn.primitive.name)][d.reason.text] += 1
     return out
 
 
@@ -249,6 +272,7 @@ def row_reason(
     found = _decision_at(decisions[key], scope) if key in decisions else None
     if not found:  # amp's own evaluation (no source line, a dot's call site): the scope's
         found = _decision_in_scope(decisions, key[1], scope)
+    found = _refined(decisions, eqn, found, compute_dtype)
     if is_float_cast(eqn):
         seen[key] += 1
         unused = ", unused: XLA removes it" if dead else ""
@@ -290,6 +314,66 @@ def _has_dot(decisions: Decisions, line: str) -> bool:
     return any((line, prim) in decisions for prim in ("dot_general", "conv_general_dilated"))
 
 
+def _refined(
+    decisions: Decisions,
+    eqn: compat.Eqn,
+    found: collections.Counter | None,
+    compute_dtype: str | None,
+) -> collections.Counter | None:
+    """The reasons of ``found`` (those of ``eqn``'s line and scope) that are
+    ``eqn``'s: where they are several (a solver's ops share its call's line),
+    those decided at ``eqn``'s own source line, and of those the ones that
+    agree with the dtypes it ran in (`fits`); the own line's reasons where
+    its line has none (a body traced after planning: a custom derivative rule)."""
+    allow = eqn.primitive.name in _ALLOW_OPS
+    if found is not None and len(found) == 1:
+        if not allow or compute_dtype is None or fits(next(iter(found)), eqn, compute_dtype):
+            return found
+    if found and not allow:  # (several reasons of another op: `agree` words them)
+        return found
+    own = getattr(decisions, "own", {}).get((compat.source_line(eqn), eqn.primitive.name))
+    if own:
+        mine = collections.Counter({r: n for r, n in (found or own).items() if r in own})
+        found = mine or found
+    # (a matmul's operands say whether it was lowered; another op's reason is made
+    # to agree with its dtype by `agree`, which says how it came to run so)
+    if allow and found and compute_dtype is not None and len(found) > 1:
+        fitting = collections.Counter(
+            {r: n for r, n in found.items() if fits(r, eqn, compute_dtype)}
+        )
+        found = fitting or found
+    return found
+
+
+#: the primitives of the allow class by default: a matmul's operands say whether amp lowered it
+_ALLOW_OPS = frozenset({"dot_general", "conv_general_dilated"})
+
+
+def fits(reason: str, eqn: compat.Eqn, compute_dtype: str) -> bool:
+    """Whether ``reason`` can be why matmul or convolution ``eqn`` ran as it did:
+    one that read compute-dtype operands was lowered (its reason is not one of
+    keeping it: `KEPT`), one that read float32 was not, and a dtype the reason
+    names is one it ran in. (Any other op: True; `agree` words its reason.)"""
+    if eqn.primitive.name not in _ALLOW_OPS or compute_dtype == "float32":
+        return True
+    ran = ran_in(eqn).split("->")[-1].split(",")
+    claim = claimed_dtype(reason, compute_dtype)
+    if claim is not None and ran != ["-"] and claim not in ran:
+        return False
+    low = compute_dtype in ran
+    return low != (_keeps(reason) or reason.startswith(_NOT_LOWERED))
+
+
+#: reasons of an allow op that amp did not lower (its operands are as written)
+_NOT_LOWERED = ("full_precision scope", "never class", "deny class", "policy override: numer")
+
+
+def _keeps(reason: str) -> bool:
+    """Whether ``reason`` is one of keeping an op in its original precision (`KEPT`)."""
+    text = reason.split("; attention", 1)[0]
+    return text in _KEPT_TEXTS or text.startswith(("backend-aware:", "no amp decision"))
+
+
 def _decision_in_scope(
     decisions: Decisions, primitive: str, scope: str
 ) -> collections.Counter | None:
@@ -319,6 +403,7 @@ _NARY = frozenset(
 
 
 _NO_FLOAT = "no floating operand"
+_KEPT_TEXTS = frozenset(KEPT.values())
 
 
 def claimed_dtype(reason: str, compute_dtype: str) -> str | None:

@@ -14,10 +14,13 @@ from amp_jax._src.diagnostics.explain import unused_eqns
 from amp_jax._src.diagnostics.reasons import (
     Decisions,
     SourceLines,
+    claimed_dtype,
     decisions_of_traces,
+    fits,
     float_dtypes,
     full_stack,
     is_float_cast,
+    ran_in,
     row_reason,
 )
 from amp_jax._src.diagnostics.tracing import (
@@ -56,8 +59,10 @@ def _walk(
         # (the rule of its dtype, then the attention's): explain's reason for both
         # (an op a rule of Policy.rules decided: the rule, from the plan's decisions)
         kept = None if decision.has_rule_scope(stack) else decision.from_stack(stack, backend)
-        why = kept.text if kept is not None else ""
         decided = bool(decisions) and compute is not None and _is_float(eqn)
+        if decided and kept is not None and not _fits_scope(kept.text, eqn, compute or ""):
+            kept = None  # (a scope of an enclosing op or function: the op's own decision)
+        why = kept.text if kept is not None else ""
         if decided and kept is not None and (is_float_cast(eqn) or _left_as_written(stack)):
             why = ""
         if not why and decided:
@@ -72,7 +77,27 @@ def _walk(
                 compute_dtype=compute,
                 dead=id(eqn) in unused,
             )
-        counts[(name, ins, outs, where or "-", why)] += 1
+        counts[(name, ins, outs, _user_path(where), why)] += 1
+
+
+#: primitives JAX wraps code in that the user did not write as such (a custom
+#: derivative, amp's own lowered matmul, a call JAX adds): not shown in ``inside``
+_WRAPPERS = compat.CUSTOM_JVP_NAMES | compat.CUSTOM_VJP_NAMES | {"closed_call", "core_call"}
+
+
+def _user_path(where: str) -> str:
+    """The enclosing primitives of ``where`` that the user wrote (loops, conds,
+    jits, checkpoints), without JAX's wrappers (`_WRAPPERS`); ``-`` if none."""
+    return "/".join(p for p in where.split("/") if p and p not in _WRAPPERS) or "-"
+
+
+def _fits_scope(reason: str, eqn: compat.Eqn, compute: str) -> bool:
+    """Whether the reason of a scope ``eqn`` is in is its own: it names no dtype
+    ``eqn`` did not run in (a float32 op of a low matmul's backward), and a
+    matmul's operands agree with it (`fits`)."""
+    claim = claimed_dtype(reason, compute)
+    ran = ran_in(eqn).split("->")[-1].split(",")
+    return (claim is None or ran == ["-"] or claim in ran) and fits(reason, eqn, compute)
 
 
 def _left_as_written(stack: str) -> bool:
@@ -118,7 +143,8 @@ def dtype_report(
     callable) are passed as they are, as [`amp_jax.amp`][amp_jax.amp] passes them.
 
     Returns:
-      Rows ``(primitive, input dtypes, output dtypes, enclosing primitives,
+      Rows ``(primitive, input dtypes, output dtypes, enclosing primitives (loops,
+      conds, jits: not the custom-derivative wrappers JAX adds),
       count, why)``, sorted by primitive name. ``why`` is the rule that gave
       the op its dtype, as [`explain`][amp_jax.explain] words it: its class
       under the policy, the painting, a cast amp inserted, or why amp kept it
