@@ -17,6 +17,18 @@ from amp_jax._src.backends import (
 from amp_jax._src.backends import (
     BACKEND_SLOW_IN_LOW_PRECISION as BACKEND_SLOW_IN_LOW_PRECISION,
 )
+from amp_jax._src.diagnostics.compiled import (
+    CompiledReport as CompiledReport,
+)
+from amp_jax._src.diagnostics.compiled import (
+    CompiledRow as CompiledRow,
+)
+from amp_jax._src.diagnostics.compiled import (
+    PrecisionMismatchError as PrecisionMismatchError,
+)
+from amp_jax._src.diagnostics.compiled import (
+    compiled_report as compiled_report,
+)
 from amp_jax._src.diagnostics.explain import (
     ExplainRow as ExplainRow,
 )
@@ -70,11 +82,15 @@ __all__ = [
     "DEFAULT_DENY",
     "DEFAULT_FOLLOW",
     "DEFAULT_NEVER",
+    "CompiledReport",
+    "CompiledRow",
     "ExplainRow",
     "ExplainSummary",
     "Explanation",
     "Policy",
+    "PrecisionMismatchError",
     "amp",
+    "compiled_report",
     "debug",
     "dtype_report",
     "eager",
