@@ -40,7 +40,7 @@ from jax.typing import DTypeLike
 
 from amp_jax._src import compat
 from amp_jax._src.diagnostics.explain import explain, unused_eqns
-from amp_jax._src.diagnostics.hlo import KINDS, NUMPY_NAMES, HloOp, hlo_ops
+from amp_jax._src.diagnostics.hlo import KINDS, NUMPY_NAMES, HloOp, hlo_ops, shape_bytes
 from amp_jax._src.diagnostics.reasons import SourceLines, full_stack, is_backward
 from amp_jax._src.diagnostics.tracing import check_grad, flat_call, loss_of, split_fn
 from amp_jax._src.jaxprs import iter_eqns
@@ -48,7 +48,15 @@ from amp_jax._src.policy import Policy
 from amp_jax._src.transform import AmpFunction
 
 #: the low-precision float types XLA may normalize (HLO names)
-_NORMALIZED = ("bf16", "f16", "f8e4m3fn", "f8e5m2", "f8e4m3fnuz", "f8e5m2fnuz", "f8e4m3")
+_NORMALIZED: tuple[str, ...] = (
+    "bf16",
+    "f16",
+    "f8e4m3fn",
+    "f8e5m2",
+    "f8e4m3fnuz",
+    "f8e5m2fnuz",
+    "f8e4m3",
+)
 _NORMALIZED += ("f8e3m4", "f8e8m0fnu", "f4e2m1fn")
 #: the XLA passes that change an op's element types for the backend's sake
 PRECISION_PASSES: tuple[str, ...] = (
@@ -179,7 +187,7 @@ class CompiledReport:
             if op.kind != "collective":
                 continue
             for part in op.shape.split(", "):
-                out[op.opcode, part.split("[")[0]][1] += HloOp(**{**vars(op), "shape": part}).nbytes
+                out[op.opcode, part.split("[")[0]][1] += shape_bytes(part)
             out[op.opcode, op.result][0] += 1
         return dict(out)
 
@@ -222,24 +230,24 @@ class CompiledReport:
 
 def _compile_partitioned(lowered: Any) -> tuple[str, dict[str, str]]:
     """The HLO text of ``lowered`` compiled with `PRECISION_PASSES` off, and the
-    passes left on because the backend cannot compile a type without them."""
+    passes left on because the backend cannot compile a type without them: those
+    of the type the compiler names, else the upcasters, else every one."""
     off = list(PRECISION_PASSES)
     kept: dict[str, str] = {}
-    for _ in range(len(_NORMALIZED) + 1):
+    while True:
         try:
             opts = {"xla_disable_hlo_passes": ",".join(off)}
-            return lowered.compile(compiler_options=opts).as_text(), kept
+            return lowered.compile(compiler_options=opts).as_text() or "", kept
         except jax.errors.JaxRuntimeError as e:
+            if not off:
+                raise
             m = _UNSUPPORTED.search(str(e))
             dtype = m.group(1).lower() if m else None
             fix = [p for p in off if dtype and p.endswith(f"-{dtype}")]
             fix += [p for p in ("operand_upcaster", "change-op-data-type") if p in off]
-            if not fix:
-                raise
-            for p in fix:
+            for p in fix or list(off):
                 off.remove(p)
-                kept[p] = str(e).strip().splitlines()[0][:200]
-    raise RuntimeError("compiled_report: XLA refused every precision pass set.")
+                kept[p] = str(e).strip().splitlines()[0][:160]
 
 
 def _key(where: str) -> str:
@@ -267,7 +275,7 @@ def _planned(closed: compat.ClosedJaxpr) -> dict[tuple[str, bool, str], _Types]:
         kind = _PRIMITIVE_KINDS.get(eqn.primitive.name)
         if kind is None or id(eqn) in unused:
             continue
-        ops = ",".join(_hlo_name(v.aval.dtype) for v in eqn.invars)
+        ops = ",".join(_hlo_name(getattr(v.aval, "dtype", None)) for v in eqn.invars)
         key = (_key(lines(site)), is_backward(full_stack(eqn, outer)), kind)
         out[key][ops] += 1
     return out
@@ -309,16 +317,19 @@ def _op_reason(
         return ""
     ran = {t for f in final for t in f.split("->")[0].split(",")}
     lost = sorted({t for p in planned for t in p.split(",")} - ran)
-    types = "/".join(NUMPY_NAMES.get(t, t) for t in lost) or "its types"
+    what = f"{'/'.join(NUMPY_NAMES.get(t, t) for t in lost)} {kind}s"
+    if not lost:  # some of the group's ops changed, not all
+        what = f"some {kind}s of ({' | '.join(sorted(planned))})"
+        what += f", which ran as ({' | '.join(sorted(_operands(final) - planned))})"
     if _operands(part) == planned:
         return (
-            f"upcast by XLA:{backend} after partitioning: this backend does not run "
-            f"{types} {kind}s (its float normalization converts them); a backend that "
-            "does runs the partitioned types"
+            f"upcast by XLA:{backend} after partitioning: this backend does not run {what} "
+            "(its precision passes -- float normalization, operand upcasting -- convert "
+            "them); a backend that does runs the partitioned types"
         )
     if any(p.endswith(tuple(lost)) for p in kept):
         why = next(v for p, v in kept.items() if p.endswith(tuple(lost)))
-        return f"XLA:{backend} cannot compile {types} {kind}s ({why}): it upcasts them"
+        return f"XLA:{backend} cannot compile {what} ({why}): it upcasts them"
     return f"changed by XLA:{backend} before or during partitioning"
 
 
@@ -386,8 +397,8 @@ def _collective_rows(part: list[HloOp], final: list[HloOp], backend: str) -> lis
         key = (op.where, op.backward, op.opcode, dtype, after)
         acc = groups.setdefault(key, [0, 0, op.op_name])
         acc[0] += 1
-        acc[1] += HloOp(**{**vars(op), "shape": f"{after}[{dims}]"}).nbytes
-    for (opcode, dims), pool in free.items():  # collectives the final program adds
+        acc[1] += shape_bytes(f"{after}[{dims}]")
+    for (opcode, _dims), pool in free.items():  # collectives the final program adds
         for dtype in pool:
             acc = groups.setdefault(("-", False, opcode, "-", dtype), [0, 0, ""])
             acc[0] += 1
@@ -476,7 +487,8 @@ def compiled_report(
       >>> import amp_jax
       >>> def f(w, x):
       ...     return jnp.sum(jnp.tanh(x @ w))
-      >>> rep = amp_jax.compiled_report(f, jnp.ones((256, 256)), jnp.ones((64, 256)))
+      >>> w, x = jnp.ones((256, 256)), jnp.ones((64, 256))
+      >>> rep = amp_jax.compiled_report(f, w, x, policy="bfloat16")
       >>> [(r.op, r.planned, r.agrees) for r in rep.rows]
       [('dot', 'bf16,bf16', True)]
     """
@@ -492,7 +504,7 @@ def compiled_report(
         run = loss_of(fn, has_aux, "compiled_report", g is not None)
     call, dyn = flat_call(run, args, kwargs, g)
     lowered = jax.jit(call).lower(*dyn)
-    final_text = lowered.compile().as_text()
+    final_text = lowered.compile().as_text() or ""
     part_text, kept = _compile_partitioned(lowered)
     plan, reasons = {}, {}
     if planned:
@@ -510,7 +522,7 @@ def compiled_report(
 def _check(report: CompiledReport, strict: bool | Callable[[CompiledRow], bool]) -> None:
     if strict is False:
         return
-    bad = [r for r in report.disagreements if strict is True or strict(r)]  # type: ignore[operator]
+    bad = [r for r in report.disagreements if strict is True or (callable(strict) and strict(r))]
     if bad:
         lines = [
             f"  {r.where} {'bwd' if r.backward else 'fwd'} {r.op}: planned {r.planned}, "

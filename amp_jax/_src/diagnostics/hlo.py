@@ -95,10 +95,11 @@ class HloOp:
     @property
     def nbytes(self) -> int:
         """Bytes of its result (``0`` for element types of unknown size)."""
-        return _nbytes(self.shape)
+        return shape_bytes(self.shape)
 
 
-def _nbytes(shape: str) -> int:
+def shape_bytes(shape: str) -> int:
+    """Bytes of the arrays of an HLO shape (``bf16[64,128]``; a tuple's, all together)."""
     total = 0
     for dt, dims in _ARRAY.findall(shape):
         n = 1
