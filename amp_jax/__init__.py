@@ -23,6 +23,18 @@ from amp_jax._src.backends import (
 from amp_jax._src.backends import (
     cpu_bf16_support as cpu_bf16_support,
 )
+from amp_jax._src.diagnostics.compiled import (
+    CompiledReport as CompiledReport,
+)
+from amp_jax._src.diagnostics.compiled import (
+    CompiledRow as CompiledRow,
+)
+from amp_jax._src.diagnostics.compiled import (
+    PrecisionMismatchError as PrecisionMismatchError,
+)
+from amp_jax._src.diagnostics.compiled import (
+    compiled_report as compiled_report,
+)
 from amp_jax._src.diagnostics.explain import (
     ExplainRow as ExplainRow,
 )
@@ -86,12 +98,16 @@ __all__ = [
     "DEFAULT_DENY",
     "DEFAULT_FOLLOW",
     "DEFAULT_NEVER",
+    "CompiledReport",
+    "CompiledRow",
     "ExplainRow",
     "ExplainSummary",
     "Explanation",
     "Policy",
+    "PrecisionMismatchError",
     "UnmatchedRuleWarning",
     "amp",
+    "compiled_report",
     "cpu_bf16_support",
     "debug",
     "dtype_report",

@@ -112,8 +112,10 @@ def test_peers():
 @heavy
 @pytest.mark.skipif(jax.device_count() < 8, reason="8 devices (conftest forces 8 host ones)")
 def test_collectives():
-    t = table_with(run("collectives"), "layout", "mode", "float32 program")
-    assert [row[1] for row in t[1:]] == ["auto", "explicit"]
+    t = table_with(run("collectives"), "layout", "mode", "program", "after partitioning")
+    assert [row[1] for row in t[1:]] == ["auto"] * 3 + ["explicit"] * 3
+    assert [row[2] for row in t[1:4]] == ["float32", "amp bfloat16", "hand cast to bfloat16"]
+    assert all("all-reduce" in row[3] for row in t[1:]), t  # (the gradient's)
 
 
 @heavy
