@@ -22,6 +22,7 @@ import functools
 import inspect
 import threading
 import types
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
 from typing import Any, Generic, TypeVar
@@ -43,6 +44,19 @@ def is_dynamic(leaf: object) -> bool:
 def apply(fn: Callable[..., Any], *args: object, **kwargs: object) -> Any:
     """``fn(*args, **kwargs)``: what amp traces for ``amp(model)``, the model an argument."""
     return fn(*args, **kwargs)
+
+
+def apply_partial(
+    func: Callable[..., Any],
+    bound: tuple[Any, ...],
+    bound_kw: dict[str, Any],
+    *args: object,
+    **kwargs: object,
+) -> Any:
+    """``functools.partial(func, *bound, **bound_kw)(*args, **kwargs)``: what amp
+    traces for ``amp(partial)``, the partial's arguments arguments of the trace
+    (so that the arrays bound in it are traced, not baked in)."""
+    return func(*bound, *args, **{**bound_kw, **kwargs})
 
 
 def is_tree(fn: object) -> bool:
@@ -69,10 +83,11 @@ def param_names(fn: Callable[..., Any]) -> list[str]:
     return [] if sig is None else list(sig.parameters)
 
 
-def name_like(wrapper: Any, fn: Callable[..., Any], self_first: bool = False) -> None:
+def name_like(wrapper: Any, fn: Callable[..., Any], leading: Sequence[str] = ()) -> None:
     """Gives ``wrapper`` the name, source line and signature of ``fn`` (JAX's
-    errors read them through ``__wrapped__``); with ``self_first``, a first
-    parameter ``self`` (the model of ``amp(model)``)."""
+    errors read them through ``__wrapped__``), with the positional parameters
+    ``leading`` first (``self``, the model of ``amp(model)``; a partial's
+    function and bound arguments)."""
     target = fn
     while isinstance(target, functools.partial):
         target = target.func
@@ -81,10 +96,11 @@ def name_like(wrapper: Any, fn: Callable[..., Any], self_first: bool = False) ->
         if isinstance(value, str):
             setattr(wrapper, attr, value)
     wrapper.__wrapped__ = fn
-    sig = signature(fn) if self_first else None
+    sig = signature(fn) if leading else None
     if sig is not None:
-        self_param = inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY)
-        wrapper.__signature__ = sig.replace(parameters=[self_param, *sig.parameters.values()])
+        only = inspect.Parameter.POSITIONAL_ONLY
+        first = [inspect.Parameter(n.replace(".", "_"), only) for n in leading]
+        wrapper.__signature__ = sig.replace(parameters=[*first, *sig.parameters.values()])
 
 
 def as_output(x: object) -> Any:
@@ -97,6 +113,40 @@ def as_output(x: object) -> Any:
         if isinstance(x, t):
             return jax.numpy.asarray(t(x))
     return jax.numpy.asarray(x, dtype=getattr(x, "dtype", None))
+
+
+def is_output_value(x: object) -> bool:
+    """Whether an output leaf of ``fn`` is a JAX value, which amp returns as an
+    array as ``jax.jit`` does (a Python or NumPy scalar too), rather than a
+    static value carried out of the trace as it is (a string, a callable, an
+    Equinox model's activation function), as ``eqx.filter_jit`` does."""
+    if isinstance(x, (jax.Array, np.ndarray, np.generic, bool, int, float, complex)):
+        return True
+    if isinstance(x, (compat.Tracer, compat.Token)):
+        return True
+    try:
+        jax.typeof(x)
+    except TypeError:
+        return False
+    return True
+
+
+def static_outputs(leaves: Sequence[Any], name: str) -> dict[int, Any]:
+    """The static leaves among ``fn``'s output ``leaves`` (`is_output_value`),
+    by index; a plain object that holds arrays is refused (the arrays would be
+    tracers of amp's trace, invalid once it ends)."""
+    statics = {i: x for i, x in enumerate(leaves) if not is_output_value(x)}
+    for i, x in statics.items():
+        if (held := held_array(x)) is not None:
+            kind = type(x).__name__
+            raise TypeError(
+                f"amp({name}): output leaf {i} is a {kind} that holds arrays "
+                f"(`{held}`) but is not a pytree: amp returns a non-array output as a "
+                "static value, as eqx.filter_jit does, and its arrays would be tracers of "
+                f"amp's trace. Make {kind} a pytree (jax.tree_util.register_dataclass, an "
+                "equinox.Module), or return the arrays themselves."
+            )
+    return statics
 
 
 def fresh(x: object) -> Any:
@@ -228,13 +278,20 @@ class Call:
 
     Attributes:
       target: the function traced: the user's ``fn``, or `apply` for
-        ``amp(model)`` (the model is then ``args[0]``, so its arrays are traced).
+        ``amp(model)`` (the model is then ``args[0]``, so its arrays are
+        traced), or `apply_partial` for a ``functools.partial`` (its function,
+        bound arguments and keywords are then the first three arguments).
       args: the positional arguments (with the model first for `apply`).
       kwargs: the keyword arguments.
       leaves: the leaves of ``(args, kwargs)``.
       treedef: their structure.
       dynamic_mask: which leaves are traced (`is_dynamic`).
       names: the positional parameters' names, to name an argument in errors.
+      baked: the static leaves bound in a ``functools.partial`` that hold
+        arrays (a ``ClosedJaxpr`` of ``jax.core.jaxpr_as_fun``): a partial's
+        arguments cannot be rebound, so, as a closure's under ``jax.jit``,
+        their arrays are constants of the trace, which is keyed by the
+        object's identity.
     """
 
     target: Callable[..., Any]
@@ -244,40 +301,70 @@ class Call:
     treedef: compat.PyTreeDef
     dynamic_mask: tuple[bool, ...]
     names: tuple[str, ...]
+    baked: frozenset[int] = frozenset()
 
     @classmethod
     def of(cls, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:
         """The call ``fn(*args, **kwargs)``; a pytree ``fn`` (an Equinox or NNX
-        module) becomes the first argument ``self`` of `apply`."""
+        module) becomes the first argument ``self`` of `apply`, and a
+        ``functools.partial`` its function and bound arguments, the first
+        three of `apply_partial`."""
+        target: Callable[..., Any]
         if is_tree(fn):
             target, args, names = apply, (fn, *args), ("self", *param_names(fn))
+        elif isinstance(fn, functools.partial):
+            # (its arguments cannot be rebound, but a list in them can be
+            # mutated: traced as arguments, they are read afresh every call)
+            target = apply_partial
+            args = (fn.func, fn.args, dict(fn.keywords), *args)
+            names = ("fn.func", "fn.args", "fn.keywords", *param_names(fn))
         else:
             target, names = fn, tuple(param_names(fn))
         leaves, treedef = jax.tree.flatten((args, kwargs))
         mask = tuple(is_dynamic(x) for x in leaves)
-        return cls(target, args, kwargs, leaves, treedef, mask, names)
+        baked: frozenset[int] = frozenset()
+        if target is apply_partial:
+            n_bound = len(jax.tree.leaves(args[:3]))  # (func, bound args, keywords first)
+            baked = frozenset(
+                i for i in range(n_bound) if not mask[i] and held_array(leaves[i]) is not None
+            )
+        return cls(target, args, kwargs, leaves, treedef, mask, names, baked)
 
     @property
     def fn_is_argument(self) -> bool:
-        """Whether the function is an argument (``amp(model)``), its arrays traced."""
-        return self.target is apply
+        """Whether the function is an argument (``amp(model)``, ``amp(partial)``),
+        its arrays traced."""
+        return self.target is apply or self.target is apply_partial
+
+    @property
+    def leading(self) -> tuple[str, ...]:
+        """The names of the arguments that hold the function (none, ``self``,
+        or a partial's three) before the user's own."""
+        if self.target is apply:
+            return ("self",)
+        return self.names[:3] if self.target is apply_partial else ()
 
     @property
     def dynamic(self) -> list[Any]:
         """The traced leaves, in order (the jaxpr's inputs)."""
         return [x for x, d in zip(self.leaves, self.dynamic_mask) if d]
 
-    def key(self, *, full_precision: bool) -> CallKey | None:
+    def key(self, *, full_precision: bool, anchored: bool = False) -> CallKey | None:
         """The cache key of this call; None when a static leaf has none (it is
-        unhashable): then every call traces."""
+        unhashable): then every call traces. ``anchored``: the cache is keyed
+        by the function (`shared_cache`), so the key leaves it out."""
         try:
+            if self.fn_is_argument:
+                fn_key: Hashable = None
+            else:
+                fn_key = anchored_key(self.target) if anchored else static_key(self.target)
             key = CallKey(
-                fn=None if self.fn_is_argument else static_key(self.target),
+                fn=fn_key,
                 treedef=self.treedef,
                 dynamic_mask=self.dynamic_mask,
                 leaves=tuple(
-                    compat.abstract_key(x) if d else static_key(x)
-                    for x, d in zip(self.leaves, self.dynamic_mask)
+                    compat.abstract_key(x) if d else (_Aux(x) if i in self.baked else static_key(x))
+                    for i, (x, d) in enumerate(zip(self.leaves, self.dynamic_mask))
                 ),
                 backend=backends.current(),
                 trace_context=compat.trace_context(),
@@ -371,6 +458,78 @@ class TraceCache(Generic[T]):
                 self.entries.popitem(last=False)
 
 
+#: the trace caches of amp functions of a pytree ``fn`` (a module), by its structure
+#: and the options: least recently used dropped beyond `_MAX_STRUCTURES`
+_BY_STRUCTURE: OrderedDict[Hashable, TraceCache[Any]] = OrderedDict()
+_MAX_STRUCTURES = 256
+#: the trace caches of amp functions of a plain callable, while it (a bound
+#: method's object) lives, by the options
+_BY_FUNCTION: weakref.WeakKeyDictionary[Any, dict[Hashable, TraceCache[Any]]] = (
+    weakref.WeakKeyDictionary()
+)
+_REGISTRY_LOCK = threading.Lock()
+
+
+def shared_cache(fn: Callable[..., Any], options: Hashable) -> tuple[TraceCache[Any], bool]:
+    """The trace cache that every ``amp(fn)`` with an equal ``fn`` and equal
+    ``options`` (policy, cache size) shares, so that a fresh ``amp(model)``
+    made in a training loop (``eqx.filter_jit(amp(model))``, ``jax.jit(amp(f))``)
+    finds the traces of the last one, and the two are equal pytrees; and
+    whether it is keyed by ``fn`` itself (then `Call.key` leaves ``fn``'s
+    identity out of its keys, which would keep ``fn`` alive).
+
+    A pytree ``fn`` (an Equinox or NNX module) is keyed by its structure: its
+    arrays are arguments of the trace, its static fields part of the
+    structure, as `CallKey` keys them. A plain callable is keyed by itself, a
+    bound method by its object (weakly: the cache lives as long as it
+    does). A ``fn`` that is neither hashable nor weakly referable gets a
+    cache of its own.
+    """
+    if is_tree(fn):
+        key = (jax.tree.structure(fn), options)
+        try:
+            hash(key)
+        except TypeError:  # (a static field that is not hashable)
+            return TraceCache(), False
+        with _REGISTRY_LOCK:
+            found = _BY_STRUCTURE.get(key)
+            if found is None:
+                found = _BY_STRUCTURE[key] = TraceCache()
+                while len(_BY_STRUCTURE) > _MAX_STRUCTURES:
+                    _BY_STRUCTURE.popitem(last=False)
+            _BY_STRUCTURE.move_to_end(key)
+            return found, False
+    owner: object = fn
+    sub: Hashable = options
+    if isinstance(fn, types.MethodType):
+        owner, sub = fn.__self__, (fn.__func__, options)
+    try:
+        with _REGISTRY_LOCK:
+            caches = _BY_FUNCTION.setdefault(owner, {})
+            return caches.setdefault(sub, TraceCache()), True
+    except TypeError:  # (not hashable, or no weak reference to it)
+        return TraceCache(), False
+
+
+def anchored_key(fn: Callable[..., Any]) -> Hashable:
+    """`static_key` of ``fn`` without ``fn`` itself (a bound method's object),
+    for a trace cache that `shared_cache` keyed by it: its state (a callable
+    object's attributes, a ``training`` flag) and nothing that would keep it
+    alive. A function's key is None (it is keyed by identity alone)."""
+    if isinstance(fn, types.MethodType):
+        return (types.MethodType, fn.__func__, _state_key(fn.__self__))
+    return _state_key(fn)
+
+
+def _state_key(obj: object) -> Hashable:
+    if isinstance(obj, types.FunctionType):
+        return None
+    if not _compares_by_identity(obj):
+        return (type(obj),)  # (its value keys its cache)
+    attrs = {k: v for k, v in _attrs(obj).items() if not _is_dunder(k)}
+    return (type(obj), tuple((k, static_key(v, 3)) for k, v in attrs.items()))
+
+
 # -- plain objects that hold arrays --------------------------------------------------
 
 _VALUE_TYPES = (str, bytes, int, float, complex, bool, type(None), type, np.dtype, range, slice)
@@ -413,17 +572,10 @@ def held_array(obj: object, seen: set[int] | None = None) -> str | None:
 
 
 def held_by_fn(fn: Callable[..., Any]) -> str | None:
-    """The path (under ``fn``) of an array that the callable ``fn`` holds, or None."""
-    if isinstance(fn, functools.partial):
-        # (arrays bound in a partial are fixed, like a closure's: constants
-        # of the trace, as with jax.jit; objects bound in it are checked)
-        parts = [(f".args[{i}]", a) for i, a in enumerate(fn.args)]
-        parts += [(f".keywords[{k!r}]", a) for k, a in fn.keywords.items()]
-        parts = [(w, a) for w, a in parts if not is_dynamic(a)]
-    else:
-        parts = [("", fn)]
-    found = [(w, h) for w, a in parts if (h := held_array(a)) is not None]
-    return f"{found[0][0]}{found[0][1]}" if found else None
+    """The path (under ``fn``) of an array that the callable ``fn`` holds, or
+    None. (A ``functools.partial`` is no such callable: its bound arguments
+    are traced as arguments, `apply_partial`.)"""
+    return held_array(fn)
 
 
 def check_arguments(fn: Callable[..., Any], call: Call) -> None:
@@ -439,8 +591,8 @@ def check_arguments(fn: Callable[..., Any], call: Call) -> None:
             "pass the arrays as arguments."
         )
     paths = jax.tree_util.tree_flatten_with_path((call.args, call.kwargs))[0]
-    for (path, leaf), dyn in zip(paths, call.dynamic_mask):
-        held = None if dyn else held_array(leaf)
+    for i, ((path, leaf), dyn) in enumerate(zip(paths, call.dynamic_mask)):
+        held = None if dyn or i in call.baked else held_array(leaf)
         if held is None:
             continue
         name = call.arg_name(path)
@@ -468,7 +620,7 @@ def check_no_leak(fn: Callable[..., Any], call: Call) -> None:
     """
     where = None
     for i, (leaf, dyn) in enumerate(zip(call.leaves, call.dynamic_mask)):
-        if not dyn and (held := held_array(leaf)) is not None:
+        if not dyn and i not in call.baked and (held := held_array(leaf)) is not None:
             where, kind = f"{call.leaf_name(i)}{held}", type(leaf).__name__
             break
     if where is None and not call.fn_is_argument and (held := held_by_fn(fn)) is not None:
