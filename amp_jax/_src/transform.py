@@ -473,7 +473,13 @@ def amp(
         (not a pytree) that holds arrays is refused with a ``TypeError``, as
         ``jax.jit`` refuses it: amp would bake the arrays into its cached
         trace. ``fn`` may itself be a pytree (an Equinox or Flax NNX module):
-        the result is then a pytree over it, and its arrays are traced.
+        the result is then a pytree over it, and its arrays are traced; the
+        arguments bound in a ``functools.partial`` are traced as arguments.
+        Two ``amp(fn)`` of an equal ``fn`` and options are equal and share
+        their traces. Output leaves that are not JAX values (a string, a
+        model's activation function) are returned as they are, as
+        ``eqx.filter_jit`` returns them. Under ``jax.disable_jit()`` amp, as
+        ``jax.jit``, calls ``fn`` as Python: no trace and no cast.
       policy: a [`Policy`][amp_jax.Policy], a preset name (``"bfloat16"``,
         ``"float16"``, ``"float32"``) or a dtype. ``"float32"`` is the
         identity: amp calls ``fn``, so results, gradients and state writes
