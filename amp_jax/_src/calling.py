@@ -46,19 +46,6 @@ def apply(fn: Callable[..., Any], *args: object, **kwargs: object) -> Any:
     return fn(*args, **kwargs)
 
 
-def apply_partial(
-    func: Callable[..., Any],
-    bound: tuple[Any, ...],
-    bound_kw: dict[str, Any],
-    *args: object,
-    **kwargs: object,
-) -> Any:
-    """``functools.partial(func, *bound, **bound_kw)(*args, **kwargs)``: what amp
-    traces for ``amp(partial)``, the partial's arguments arguments of the trace
-    (so that the arrays bound in it are traced, not baked in)."""
-    return func(*bound, *args, **{**bound_kw, **kwargs})
-
-
 def is_tree(fn: object) -> bool:
     """Whether ``fn`` is a pytree with children (an Equinox or NNX module), not a leaf."""
     return not jax.tree_util.treedef_is_leaf(jax.tree.structure(fn))
@@ -83,11 +70,10 @@ def param_names(fn: Callable[..., Any]) -> list[str]:
     return [] if sig is None else list(sig.parameters)
 
 
-def name_like(wrapper: Any, fn: Callable[..., Any], leading: Sequence[str] = ()) -> None:
+def name_like(wrapper: Any, fn: Callable[..., Any], self_first: bool = False) -> None:
     """Gives ``wrapper`` the name, source line and signature of ``fn`` (JAX's
-    errors read them through ``__wrapped__``), with the positional parameters
-    ``leading`` first (``self``, the model of ``amp(model)``; a partial's
-    function and bound arguments)."""
+    errors read them through ``__wrapped__``); with ``self_first``, a first
+    parameter ``self`` (the model of ``amp(model)``)."""
     target = fn
     while isinstance(target, functools.partial):
         target = target.func
@@ -96,11 +82,10 @@ def name_like(wrapper: Any, fn: Callable[..., Any], leading: Sequence[str] = ())
         if isinstance(value, str):
             setattr(wrapper, attr, value)
     wrapper.__wrapped__ = fn
-    sig = signature(fn) if leading else None
+    sig = signature(fn) if self_first else None
     if sig is not None:
-        only = inspect.Parameter.POSITIONAL_ONLY
-        first = [inspect.Parameter(n.replace(".", "_"), only) for n in leading]
-        wrapper.__signature__ = sig.replace(parameters=[*first, *sig.parameters.values()])
+        self_param = inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY)
+        wrapper.__signature__ = sig.replace(parameters=[self_param, *sig.parameters.values()])
 
 
 def as_output(x: object) -> Any:
@@ -278,20 +263,13 @@ class Call:
 
     Attributes:
       target: the function traced: the user's ``fn``, or `apply` for
-        ``amp(model)`` (the model is then ``args[0]``, so its arrays are
-        traced), or `apply_partial` for a ``functools.partial`` (its function,
-        bound arguments and keywords are then the first three arguments).
+        ``amp(model)`` (the model is then ``args[0]``, so its arrays are traced).
       args: the positional arguments (with the model first for `apply`).
       kwargs: the keyword arguments.
       leaves: the leaves of ``(args, kwargs)``.
       treedef: their structure.
       dynamic_mask: which leaves are traced (`is_dynamic`).
       names: the positional parameters' names, to name an argument in errors.
-      baked: the static leaves bound in a ``functools.partial`` that hold
-        arrays (a ``ClosedJaxpr`` of ``jax.core.jaxpr_as_fun``): a partial's
-        arguments cannot be rebound, so, as a closure's under ``jax.jit``,
-        their arrays are constants of the trace, which is keyed by the
-        object's identity.
     """
 
     target: Callable[..., Any]
@@ -301,48 +279,23 @@ class Call:
     treedef: compat.PyTreeDef
     dynamic_mask: tuple[bool, ...]
     names: tuple[str, ...]
-    baked: frozenset[int] = frozenset()
 
     @classmethod
     def of(cls, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:
         """The call ``fn(*args, **kwargs)``; a pytree ``fn`` (an Equinox or NNX
-        module) becomes the first argument ``self`` of `apply`, and a
-        ``functools.partial`` its function and bound arguments, the first
-        three of `apply_partial`."""
-        target: Callable[..., Any]
+        module) becomes the first argument ``self`` of `apply`."""
         if is_tree(fn):
             target, args, names = apply, (fn, *args), ("self", *param_names(fn))
-        elif isinstance(fn, functools.partial):
-            # (its arguments cannot be rebound, but a list in them can be
-            # mutated: traced as arguments, they are read afresh every call)
-            target = apply_partial
-            args = (fn.func, fn.args, dict(fn.keywords), *args)
-            names = ("fn.func", "fn.args", "fn.keywords", *param_names(fn))
         else:
             target, names = fn, tuple(param_names(fn))
         leaves, treedef = jax.tree.flatten((args, kwargs))
         mask = tuple(is_dynamic(x) for x in leaves)
-        baked: frozenset[int] = frozenset()
-        if target is apply_partial:
-            n_bound = len(jax.tree.leaves(args[:3]))  # (func, bound args, keywords first)
-            baked = frozenset(
-                i for i in range(n_bound) if not mask[i] and held_array(leaves[i]) is not None
-            )
-        return cls(target, args, kwargs, leaves, treedef, mask, names, baked)
+        return cls(target, args, kwargs, leaves, treedef, mask, names)
 
     @property
     def fn_is_argument(self) -> bool:
-        """Whether the function is an argument (``amp(model)``, ``amp(partial)``),
-        its arrays traced."""
-        return self.target is apply or self.target is apply_partial
-
-    @property
-    def leading(self) -> tuple[str, ...]:
-        """The names of the arguments that hold the function (none, ``self``,
-        or a partial's three) before the user's own."""
-        if self.target is apply:
-            return ("self",)
-        return self.names[:3] if self.target is apply_partial else ()
+        """Whether the function is an argument (``amp(model)``), its arrays traced."""
+        return self.target is apply
 
     @property
     def dynamic(self) -> list[Any]:
@@ -363,8 +316,8 @@ class Call:
                 treedef=self.treedef,
                 dynamic_mask=self.dynamic_mask,
                 leaves=tuple(
-                    compat.abstract_key(x) if d else (_Aux(x) if i in self.baked else static_key(x))
-                    for i, (x, d) in enumerate(zip(self.leaves, self.dynamic_mask))
+                    compat.abstract_key(x) if d else static_key(x)
+                    for x, d in zip(self.leaves, self.dynamic_mask)
                 ),
                 backend=backends.current(),
                 trace_context=compat.trace_context(),
@@ -461,7 +414,7 @@ class TraceCache(Generic[T]):
 #: the trace caches of amp functions of a pytree ``fn`` (a module), by its structure
 #: and the options: least recently used dropped beyond `_MAX_STRUCTURES`
 _BY_STRUCTURE: OrderedDict[Hashable, TraceCache[Any]] = OrderedDict()
-_MAX_STRUCTURES = 256
+_MAX_STRUCTURES = 32
 #: the trace caches of amp functions of a plain callable, while it (a bound
 #: method's object) lives, by the options
 _BY_FUNCTION: weakref.WeakKeyDictionary[Any, dict[Hashable, TraceCache[Any]]] = (
@@ -573,8 +526,13 @@ def held_array(obj: object, seen: set[int] | None = None) -> str | None:
 
 def held_by_fn(fn: Callable[..., Any]) -> str | None:
     """The path (under ``fn``) of an array that the callable ``fn`` holds, or
-    None. (A ``functools.partial`` is no such callable: its bound arguments
-    are traced as arguments, `apply_partial`.)"""
+    None. A ``functools.partial`` holds none that matter: its arguments cannot
+    be rebound, so the arrays bound in it (at any depth: a list of
+    parameters, the ``ClosedJaxpr`` of ``jax.core.jaxpr_as_fun``) are
+    constants of the trace, as a closure's are, and under ``jax.jit``; the
+    trace is kept for that partial (`static_key` keys it by identity)."""
+    if type(fn) is functools.partial:
+        return None
     return held_array(fn)
 
 
@@ -591,8 +549,8 @@ def check_arguments(fn: Callable[..., Any], call: Call) -> None:
             "pass the arrays as arguments."
         )
     paths = jax.tree_util.tree_flatten_with_path((call.args, call.kwargs))[0]
-    for i, ((path, leaf), dyn) in enumerate(zip(paths, call.dynamic_mask)):
-        held = None if dyn or i in call.baked else held_array(leaf)
+    for (path, leaf), dyn in zip(paths, call.dynamic_mask):
+        held = None if dyn else held_by_fn(leaf) if callable(leaf) else held_array(leaf)
         if held is None:
             continue
         name = call.arg_name(path)
@@ -620,7 +578,8 @@ def check_no_leak(fn: Callable[..., Any], call: Call) -> None:
     """
     where = None
     for i, (leaf, dyn) in enumerate(zip(call.leaves, call.dynamic_mask)):
-        if not dyn and i not in call.baked and (held := held_array(leaf)) is not None:
+        held = None if dyn else held_by_fn(leaf) if callable(leaf) else held_array(leaf)
+        if held is not None:
             where, kind = f"{call.leaf_name(i)}{held}", type(leaf).__name__
             break
     if where is None and not call.fn_is_argument and (held := held_by_fn(fn)) is not None:

@@ -159,28 +159,8 @@ def _run(eqns: Iterable[compat.Eqn], env: Values, hook: Hook) -> None:
         source, ctx = compat.eqn_context(eqn)  # its source line and name stack; its ctx
         with source, ctx:
             outs = hook(i, eqn, env)
-        if len(outs) != len(eqn.outvars):
-            raise _count_error(eqn, len(outs))
         for v, o in zip(eqn.outvars, outs):
             env.write(v, o)
-
-
-def _count_error(eqn: compat.Eqn, n: int) -> ValueError:
-    """The error for ``eqn`` bound to ``n`` results where the jaxpr has others."""
-    name = eqn.primitive.name
-    why = ""
-    if name in compat.CUSTOM_JVP_NAMES:
-        why = (
-            " Its JVP rule gives other outputs than its function: JAX's own "
-            "jax.jvp(jax.jit(f)) fails on this function too (checkify.checkify of a "
-            "custom_jvp function, once traced, keeps a rule that expects the error "
-            "values tracing dropped). Apply amp inside the other transformation: "
-            "checkify.checkify(amp(f)) rather than amp(checkify.checkify(f))."
-        )
-    return ValueError(
-        f"amp_jax: binding {name!r} gave {n} results where the traced program has "
-        f"{len(eqn.outvars)}.{why}"
-    )
 
 
 def eval_jaxpr(

@@ -309,7 +309,7 @@ class AmpFunction:
             arrays = [x for i, x in enumerate(leaves) if i not in statics]
             return arrays if writes is None else (arrays, writes.outputs)
 
-        name_like(traced_fn, self.fn, call.leading)
+        name_like(traced_fn, self.fn, self_first=call.fn_is_argument)
         t_args, t_kwargs = call.abstract()
         closed, _ = compat.trace_with_shape_kw(traced_fn, t_args, t_kwargs)
         if len(compat.in_avals(closed)) != sum(call.dynamic_mask):  # pragma: no cover
@@ -473,9 +473,9 @@ def amp(
         (not a pytree) that holds arrays is refused with a ``TypeError``, as
         ``jax.jit`` refuses it: amp would bake the arrays into its cached
         trace. ``fn`` may itself be a pytree (an Equinox or Flax NNX module):
-        the result is then a pytree over it, and its arrays are traced; the
-        arguments bound in a ``functools.partial`` are traced as arguments.
-        Two ``amp(fn)`` of an equal ``fn`` and options are equal and share
+        the result is then a pytree over it, and its arrays are traced. The
+        arrays bound in a ``functools.partial`` are constants of its trace,
+        as under ``jax.jit`` (its arguments cannot be rebound). Two ``amp(fn)`` of an equal ``fn`` and options are equal and share
         their traces. Output leaves that are not JAX values (a string, a
         model's activation function) are returned as they are, as
         ``eqx.filter_jit`` returns them. Under ``jax.disable_jit()`` amp, as
