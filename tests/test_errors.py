@@ -184,8 +184,9 @@ def test_tracing_errors_name_the_users_function_and_argument():
     def returns_str(a):
         return "s"
 
-    with pytest.raises(TypeError, match="returns_str"):
-        returns_str(PX)
+    # (a string is returned as a static value, as eqx.filter_jit returns it;
+    # a plain object that holds arrays is refused, naming the function)
+    assert returns_str(PX) == "s"
 
     @dataclasses.dataclass
     class Out:

@@ -22,6 +22,7 @@ import functools
 import inspect
 import threading
 import types
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
 from typing import Any, Generic, TypeVar
@@ -97,6 +98,40 @@ def as_output(x: object) -> Any:
         if isinstance(x, t):
             return jax.numpy.asarray(t(x))
     return jax.numpy.asarray(x, dtype=getattr(x, "dtype", None))
+
+
+def is_output_value(x: object) -> bool:
+    """Whether an output leaf of ``fn`` is a JAX value, which amp returns as an
+    array as ``jax.jit`` does (a Python or NumPy scalar too), rather than a
+    static value carried out of the trace as it is (a string, a callable, an
+    Equinox model's activation function), as ``eqx.filter_jit`` does."""
+    if isinstance(x, (jax.Array, np.ndarray, np.generic, bool, int, float, complex)):
+        return True
+    if isinstance(x, (compat.Tracer, compat.Token)):
+        return True
+    try:
+        jax.typeof(x)
+    except TypeError:
+        return False
+    return True
+
+
+def static_outputs(leaves: Sequence[Any], name: str) -> dict[int, Any]:
+    """The static leaves among ``fn``'s output ``leaves`` (`is_output_value`),
+    by index; a plain object that holds arrays is refused (the arrays would be
+    tracers of amp's trace, invalid once it ends)."""
+    statics = {i: x for i, x in enumerate(leaves) if not is_output_value(x)}
+    for i, x in statics.items():
+        if (held := held_array(x)) is not None:
+            kind = type(x).__name__
+            raise TypeError(
+                f"amp({name}): output leaf {i} is a {kind} that holds arrays "
+                f"(`{held}`) but is not a pytree: amp returns a non-array output as a "
+                "static value, as eqx.filter_jit does, and its arrays would be tracers of "
+                f"amp's trace. Make {kind} a pytree (jax.tree_util.register_dataclass, an "
+                "equinox.Module), or return the arrays themselves."
+            )
+    return statics
 
 
 def fresh(x: object) -> Any:
@@ -277,12 +312,17 @@ class Call:
         """The traced leaves, in order (the jaxpr's inputs)."""
         return [x for x, d in zip(self.leaves, self.dynamic_mask) if d]
 
-    def key(self, *, full_precision: bool) -> CallKey | None:
+    def key(self, *, full_precision: bool, anchored: bool = False) -> CallKey | None:
         """The cache key of this call; None when a static leaf has none (it is
-        unhashable): then every call traces."""
+        unhashable): then every call traces. ``anchored``: the cache is keyed
+        by the function (`shared_cache`), so the key leaves it out."""
         try:
+            if self.fn_is_argument:
+                fn_key: Hashable = None
+            else:
+                fn_key = anchored_key(self.target) if anchored else static_key(self.target)
             key = CallKey(
-                fn=None if self.fn_is_argument else static_key(self.target),
+                fn=fn_key,
                 treedef=self.treedef,
                 dynamic_mask=self.dynamic_mask,
                 leaves=tuple(
@@ -382,6 +422,78 @@ class TraceCache(Generic[T]):
                 self.entries.popitem(last=False)
 
 
+#: the trace caches of amp functions of a pytree ``fn`` (a module), by its structure
+#: and the options: least recently used dropped beyond `_MAX_STRUCTURES`
+_BY_STRUCTURE: OrderedDict[Hashable, TraceCache[Any]] = OrderedDict()
+_MAX_STRUCTURES = 32
+#: the trace caches of amp functions of a plain callable, while it (a bound
+#: method's object) lives, by the options
+_BY_FUNCTION: weakref.WeakKeyDictionary[Any, dict[Hashable, TraceCache[Any]]] = (
+    weakref.WeakKeyDictionary()
+)
+_REGISTRY_LOCK = threading.Lock()
+
+
+def shared_cache(fn: Callable[..., Any], options: Hashable) -> tuple[TraceCache[Any], bool]:
+    """The trace cache that every ``amp(fn)`` with an equal ``fn`` and equal
+    ``options`` (policy, cache size) shares, so that a fresh ``amp(model)``
+    made in a training loop (``eqx.filter_jit(amp(model))``, ``jax.jit(amp(f))``)
+    finds the traces of the last one, and the two are equal pytrees; and
+    whether it is keyed by ``fn`` itself (then `Call.key` leaves ``fn``'s
+    identity out of its keys, which would keep ``fn`` alive).
+
+    A pytree ``fn`` (an Equinox or NNX module) is keyed by its structure: its
+    arrays are arguments of the trace, its static fields part of the
+    structure, as `CallKey` keys them. A plain callable is keyed by itself, a
+    bound method by its object (weakly: the cache lives as long as it
+    does). A ``fn`` that is neither hashable nor weakly referable gets a
+    cache of its own.
+    """
+    if is_tree(fn):
+        key = (jax.tree.structure(fn), options)
+        try:
+            hash(key)
+        except TypeError:  # (a static field that is not hashable)
+            return TraceCache(), False
+        with _REGISTRY_LOCK:
+            found = _BY_STRUCTURE.get(key)
+            if found is None:
+                found = _BY_STRUCTURE[key] = TraceCache()
+                while len(_BY_STRUCTURE) > _MAX_STRUCTURES:
+                    _BY_STRUCTURE.popitem(last=False)
+            _BY_STRUCTURE.move_to_end(key)
+            return found, False
+    owner: object = fn
+    sub: Hashable = options
+    if isinstance(fn, types.MethodType):
+        owner, sub = fn.__self__, (fn.__func__, options)
+    try:
+        with _REGISTRY_LOCK:
+            caches = _BY_FUNCTION.setdefault(owner, {})
+            return caches.setdefault(sub, TraceCache()), True
+    except TypeError:  # (not hashable, or no weak reference to it)
+        return TraceCache(), False
+
+
+def anchored_key(fn: Callable[..., Any]) -> Hashable:
+    """`static_key` of ``fn`` without ``fn`` itself (a bound method's object),
+    for a trace cache that `shared_cache` keyed by it: its state (a callable
+    object's attributes, a ``training`` flag) and nothing that would keep it
+    alive. A function's key is None (it is keyed by identity alone)."""
+    if isinstance(fn, types.MethodType):
+        return (types.MethodType, fn.__func__, _state_key(fn.__self__))
+    return _state_key(fn)
+
+
+def _state_key(obj: object) -> Hashable:
+    if isinstance(obj, types.FunctionType):
+        return None
+    if not _compares_by_identity(obj):
+        return (type(obj),)  # (its value keys its cache)
+    attrs = {k: v for k, v in _attrs(obj).items() if not _is_dunder(k)}
+    return (type(obj), tuple((k, static_key(v, 3)) for k, v in attrs.items()))
+
+
 # -- plain objects that hold arrays --------------------------------------------------
 
 _VALUE_TYPES = (str, bytes, int, float, complex, bool, type(None), type, np.dtype, range, slice)
@@ -424,17 +536,15 @@ def held_array(obj: object, seen: set[int] | None = None) -> str | None:
 
 
 def held_by_fn(fn: Callable[..., Any]) -> str | None:
-    """The path (under ``fn``) of an array that the callable ``fn`` holds, or None."""
-    if isinstance(fn, functools.partial):
-        # (arrays bound in a partial are fixed, like a closure's: constants
-        # of the trace, as with jax.jit; objects bound in it are checked)
-        parts = [(f".args[{i}]", a) for i, a in enumerate(fn.args)]
-        parts += [(f".keywords[{k!r}]", a) for k, a in fn.keywords.items()]
-        parts = [(w, a) for w, a in parts if not is_dynamic(a)]
-    else:
-        parts = [("", fn)]
-    found = [(w, h) for w, a in parts if (h := held_array(a)) is not None]
-    return f"{found[0][0]}{found[0][1]}" if found else None
+    """The path (under ``fn``) of an array that the callable ``fn`` holds, or
+    None. A ``functools.partial`` holds none that matter: its arguments cannot
+    be rebound, so the arrays bound in it (at any depth: a list of
+    parameters, the ``ClosedJaxpr`` of ``jax.core.jaxpr_as_fun``) are
+    constants of the trace, as a closure's are, and under ``jax.jit``; the
+    trace is kept for that partial (`static_key` keys it by identity)."""
+    if type(fn) is functools.partial:
+        return None
+    return held_array(fn)
 
 
 def check_arguments(fn: Callable[..., Any], call: Call) -> None:
@@ -451,7 +561,7 @@ def check_arguments(fn: Callable[..., Any], call: Call) -> None:
         )
     paths = jax.tree_util.tree_flatten_with_path((call.args, call.kwargs))[0]
     for (path, leaf), dyn in zip(paths, call.dynamic_mask):
-        held = None if dyn else held_array(leaf)
+        held = None if dyn else held_by_fn(leaf) if callable(leaf) else held_array(leaf)
         if held is None:
             continue
         name = call.arg_name(path)
@@ -479,7 +589,8 @@ def check_no_leak(fn: Callable[..., Any], call: Call) -> None:
     """
     where = None
     for i, (leaf, dyn) in enumerate(zip(call.leaves, call.dynamic_mask)):
-        if not dyn and (held := held_array(leaf)) is not None:
+        held = None if dyn else held_by_fn(leaf) if callable(leaf) else held_array(leaf)
+        if held is not None:
             where, kind = f"{call.leaf_name(i)}{held}", type(leaf).__name__
             break
     if where is None and not call.fn_is_argument and (held := held_by_fn(fn)) is not None:

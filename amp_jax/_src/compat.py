@@ -24,6 +24,7 @@ same, for the reader and for JAX 0.10.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
@@ -205,6 +206,11 @@ def _axis_env() -> tuple[tuple[str, int], ...]:
     return tuple((n, int(jax.lax.axis_size(n))) for n in names)
 
 
+def jit_disabled() -> bool:
+    """Whether the caller is inside ``jax.disable_jit()`` (jit runs functions as Python)."""
+    return bool(jax.config.values["jax_disable_jit"])
+
+
 def trace_context() -> tuple[Any, ...]:
     """Everything besides the arguments that can change what tracing a function gives.
 
@@ -326,11 +332,14 @@ def map_subjaxprs(
     params = {k: one(v) for k, v in eqn.params.items()}
     if name in CUSTOM_JVP_NAMES and "jvp_jaxpr_fun" in params:
         params["jvp_jaxpr_fun"] = _wrap_thunk(
-            params["jvp_jaxpr_fun"], rewrite_jvp_rule or rewrite_closed, n_extra=1
+            params["jvp_jaxpr_fun"],
+            rewrite_jvp_rule or rewrite_closed,
+            n_extra=1,
+            scope=lambda: x64_of(eqn),
         )
     if name in CUSTOM_VJP_NAMES and "fwd_jaxpr_thunk" in params:
         params["fwd_jaxpr_thunk"] = _wrap_thunk(
-            params["fwd_jaxpr_thunk"], rewrite_closed, n_extra=0
+            params["fwd_jaxpr_thunk"], rewrite_closed, n_extra=0, scope=lambda: x64_of(eqn)
         )
     if name in CUSTOM_VJP_NAMES and run_bwd is not None and "bwd" in params:
         bwd = params["bwd"]
@@ -370,13 +379,37 @@ def memoized_fun(fn: Callable[..., Any], like: WrappedFun) -> WrappedFun:
     return jex_lu.wrap_init(wrapped, debug_info=like.debug_info)
 
 
+_X64_DTYPES = frozenset(np.dtype(t) for t in ("float64", "int64", "uint64", "complex128"))
+
+
+def x64_of(eqn: Eqn) -> AbstractContextManager[Any]:
+    """``jax.enable_x64()`` when ``eqn`` has a 64-bit operand or result and the
+    caller runs without 64-bit types: the eqn was traced inside a user's
+    ``with jax.enable_x64():``, so the Python rules JAX runs when it binds
+    or differentiates it (a ``custom_vjp``'s forward, a ``custom_jvp``'s
+    rule) must run there too, as they do without amp, or they build
+    32-bit values a 64-bit primal does not match. Else a null context."""
+    if jax.config.values["jax_enable_x64"]:
+        return contextlib.nullcontext()
+    for v in (*eqn.invars, *eqn.outvars):
+        dtype = getattr(v.aval, "dtype", None)
+        if dtype is not None and dtype in _X64_DTYPES:
+            return jax.enable_x64(True)
+    return contextlib.nullcontext()
+
+
 def _wrap_thunk(
-    thunk: WrappedFun, rewrite_closed: Callable[[ClosedJaxpr], ClosedJaxpr], n_extra: int
+    thunk: WrappedFun,
+    rewrite_closed: Callable[[ClosedJaxpr], ClosedJaxpr],
+    n_extra: int,
+    scope: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
 ) -> WrappedFun:
-    """Wraps a ``(*zeros) -> (jaxpr, consts, *extra)`` thunk to rewrite its jaxpr."""
+    """Wraps a ``(*zeros) -> (jaxpr, consts, *extra)`` thunk to rewrite its
+    jaxpr; the thunk (the user's rule) runs inside ``scope()``."""
 
     def rewrite(*zeros: bool) -> tuple[Any, ...]:
-        jaxpr, consts, *extra = call_thunk(thunk, *zeros)
+        with scope():
+            jaxpr, consts, *extra = call_thunk(thunk, *zeros)
         assert len(extra) == n_extra
         new = rewrite_closed(close(jaxpr, consts))
         return (jaxpr_of(new), consts_of(new), *extra)

@@ -30,8 +30,11 @@ from amp_jax._src.calling import (
     check_no_leak,
     fn_name,
     fresh,
+    is_output_value,
     is_tree,
     name_like,
+    shared_cache,
+    static_outputs,
     unwrap_statics,
 )
 from amp_jax._src.interpreter import Interpreter, evaluate
@@ -66,6 +69,8 @@ class Traced:
     Attributes:
       plan: the plan of the traced jaxpr (one decision per equation).
       out_tree: the structure of ``fn``'s output.
+      statics: its static leaves (a string, a callable; `calling.is_output_value`)
+        by index, returned as they are: the jaxpr's outputs are the others.
       ctx: the interpreter the plan was made in (it holds the sub-jaxprs' plans).
       writes: what ``fn`` writes into its arguments (their values are the
         jaxpr's last outputs), or None.
@@ -84,12 +89,35 @@ class Traced:
     writes: mutation.Writes | None = None
     staged: Callable[..., list[Any]] | None = None
     out_aliases: mutation.Aliases = ()
+    statics: tuple[tuple[int, Any], ...] = ()
+
+    @property
+    def num_outputs(self) -> int:
+        """How many of the jaxpr's outputs are ``fn``'s (the rest are its writes)."""
+        return self.out_tree.num_leaves - len(self.statics)
 
     @property
     def reusable(self) -> bool:
         """False when the jaxpr captured tracers of an enclosing transformation:
         it is only valid inside that transformation."""
         return not any(isinstance(c, compat.Tracer) for c in compat.consts_of(self.plan.closed))
+
+
+class _Counter:
+    """How many times an amp function (and the copies JAX makes of it as a
+    pytree) traced ``fn``. Part of its pytree structure, and equal to every
+    other counter, so that two equal amp functions are equal pytrees."""
+
+    __slots__ = ("n",)
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Counter)
+
+    def __hash__(self) -> int:
+        return hash(_Counter)
 
 
 @jax.tree_util.register_pytree_with_keys_class
@@ -107,7 +135,17 @@ class AmpFunction:
     # onto their wrapper, and an amp function applied to such a wrapper of
     # another amp function would otherwise take the inner one's ``fn`` and
     # trace cache for its own (slots, data descriptors, win over ``__dict__``)
-    __slots__ = ("fn", "policy", "cache_size", "_shared", "_scopes", "__dict__", "__weakref__")
+    __slots__ = (
+        "fn",
+        "policy",
+        "cache_size",
+        "_shared",
+        "_anchored",
+        "_count",
+        "_scopes",
+        "__dict__",
+        "__weakref__",
+    )
 
     def __init__(self, fn: Callable[..., Any], policy: Policy, cache_size: int = 64):
         # (a pytree fn's __dict__ holds its arrays: not copied, they would go stale)
@@ -115,7 +153,9 @@ class AmpFunction:
         self.fn = fn
         self.policy = policy
         self.cache_size = cache_size
-        self._shared: TraceCache[Traced] = TraceCache()
+        # (shared by every amp(fn) of an equal fn and options: equal pytrees, one trace)
+        self._shared, self._anchored = shared_cache(fn, (policy, cache_size))
+        self._count = _Counter()
         self._scopes = (FULL_PRECISION_SCOPE, *policy.full_precision_scopes)
 
     def tree_flatten_with_keys(
@@ -125,18 +165,59 @@ class AmpFunction:
             self.policy,
             self.cache_size,
             self._shared,
+            self._anchored,
+            self._count,
         )
 
     @classmethod
     def tree_unflatten(
-        cls, aux: tuple[Policy, int, TraceCache[Traced]], children: Sequence[Callable[..., Any]]
+        cls,
+        aux: tuple[Policy, int, TraceCache[Traced], bool, _Counter],
+        children: Sequence[Callable[..., Any]],
     ) -> AmpFunction:
         new = cls.__new__(cls)
         functools.update_wrapper(new, children[0], updated=())
-        new.policy, new.cache_size, new._shared = aux
+        new.policy, new.cache_size, new._shared, new._anchored, new._count = aux
         new.fn = children[0]
         new._scopes = (FULL_PRECISION_SCOPE, *new.policy.full_precision_scopes)
         return new
+
+    def __eq__(self, other: object) -> bool:
+        """Equal when ``fn`` is (the same module structure with the same
+        arrays, an equal callable) and the options are: ``amp(f)`` made twice
+        is one function to ``jax.jit``'s cache, as ``eqx.filter_jit``'s are."""
+        if not isinstance(other, AmpFunction):
+            return NotImplemented
+        if (self.policy, self.cache_size) != (other.policy, other.cache_size):
+            return False
+        if is_tree(self.fn) or is_tree(other.fn):
+            tree: compat.PyTreeDef
+            other_tree: compat.PyTreeDef
+            mine, tree = jax.tree.flatten(self.fn)
+            theirs, other_tree = jax.tree.flatten(other.fn)
+            return (
+                tree == other_tree
+                and len(mine) == len(theirs)
+                and all(a is b for a, b in zip(mine, theirs))
+            )
+        try:
+            return bool(self.fn == other.fn)
+        except Exception:  # (an fn whose == is not a bool, e.g. elementwise)
+            return self.fn is other.fn
+
+    def __hash__(self) -> int:
+        if is_tree(self.fn):
+            leaves, treedef = jax.tree.flatten(self.fn)
+            try:
+                structure = hash(treedef)
+            except TypeError:
+                structure = hash(type(self.fn))
+            return hash((self.policy, self.cache_size, structure, *map(id, leaves)))
+        try:
+            fn_hash = hash(self.fn)
+        except TypeError:
+            fn_hash = hash(type(self.fn))
+        return hash((self.policy, self.cache_size, fn_hash))
 
     @property
     def _cache(self) -> OrderedDict[CallKey, Traced]:
@@ -144,9 +225,12 @@ class AmpFunction:
 
     @property
     def trace_count(self) -> int:
-        """How many times ``fn`` has been traced and rewritten: one per new input
-        signature, so a count that keeps growing means the cache keeps missing."""
-        return self._shared.trace_count
+        """How many times this function (and the copies JAX makes of it) traced
+        and rewrote ``fn``: one per new input signature, so a count that keeps
+        growing means the cache keeps missing. Amp functions of an equal
+        ``fn`` and options share their traces: a fresh ``amp(fn)`` finds the
+        traces an earlier one made and counts none for them."""
+        return self._count.n
 
     def __repr__(self) -> str:
         return f"amp({getattr(self.fn, '__qualname__', self.fn)!r}, policy={self.policy.compute_dtype.name!r})"
@@ -156,12 +240,18 @@ class AmpFunction:
         return self if obj is None else functools.partial(self, obj)
 
     def __call__(self, *args: object, **kwargs: object) -> Any:
+        if compat.jit_disabled():
+            # under ``jax.disable_jit()`` amp, as jax.jit, runs ``fn`` as Python
+            # on concrete values (a debugger, print and Equinox's
+            # ``currently_jitting()`` see no tracer), in its own dtypes
+            return self.fn(*args, **kwargs)
         if self.policy.is_identity:
             # float32 changes nothing: run the function itself, so that results,
             # gradients and state writes are bitwise its own, eagerly too, and
             # JAX sees its jitted helpers (a re-evaluated jaxpr sums cotangents
             # in another order on JAX 0.12)
-            return jax.tree.map(as_output, self.fn(*args, **kwargs))
+            out = self.fn(*args, **kwargs)
+            return jax.tree.map(lambda x: as_output(x) if is_output_value(x) else x, out)
         call = Call.of(self.fn, args, kwargs)
         if mutation.holds_hijax(call.leaves):
             return mutation.through_lojax(
@@ -196,7 +286,7 @@ class AmpFunction:
     def _cached_trace(self, call: Call) -> Traced:
         """The trace of ``call``'s signature: from the cache, else traced and kept."""
         in_scope = scope_in(compat.current_name_stack_str(), self._scopes) is not None
-        key = call.key(full_precision=in_scope)
+        key = call.key(full_precision=in_scope, anchored=self._anchored)
         traced = self._shared.get(key)
         if traced is None:
             check_arguments(self.fn, call)
@@ -211,6 +301,7 @@ class AmpFunction:
         jax.jit does, and plans the jaxpr."""
         found: list[mutation.Writes | None] = []
         shared: list[mutation.Aliases] = []
+        outputs: list[tuple[compat.PyTreeDef, dict[int, Any]]] = []
 
         def traced_fn(*args: object, **kwargs: object) -> Any:
             tree = mutation.tie(unwrap_statics((args, kwargs)), call.aliases)
@@ -224,16 +315,23 @@ class AmpFunction:
                 raise TypeError(f"amp({fn_name(self.fn)}): the function {e}") from None
             found.append(writes)
             shared.append(mutation.output_aliases(tree, out))
-            return out if writes is None else (out, writes.outputs)
+            # (a non-array leaf -- a model's activation function, an aux string
+            # -- is carried out of the trace as it is, as eqx.filter_jit does)
+            leaves, out_tree = jax.tree.flatten(out)
+            statics = static_outputs(leaves, fn_name(self.fn))
+            outputs.append((out_tree, statics))
+            arrays = [x for i, x in enumerate(leaves) if i not in statics]
+            return arrays if writes is None else (arrays, writes.outputs)
 
         name_like(traced_fn, self.fn, self_first=call.fn_is_argument)
         t_args, t_kwargs = call.abstract()
-        closed, out_shape = compat.trace_with_shape_kw(traced_fn, t_args, t_kwargs)
+        closed, _ = compat.trace_with_shape_kw(traced_fn, t_args, t_kwargs)
         if len(compat.in_avals(closed)) != sum(call.dynamic_mask):  # pragma: no cover
             raise AssertionError("amp_jax: traced arguments do not match; please report this.")
         self._shared.trace_count += 1
+        self._count.n += 1
         writes = found[0]
-        out_tree = jax.tree.structure(out_shape if writes is None else out_shape[0])
+        out_tree, statics = outputs[0]
         in_paths: tuple[str, ...] = ()
         if self.policy.rules:  # (what Policy.rules match parameters by)
             in_paths = paths.input_paths(call.args, call.kwargs, call.names, call.dynamic_mask)
@@ -250,11 +348,11 @@ class AmpFunction:
 
             run.__name__ = run.__qualname__ = name
             staged = jax.jit(run)
-        return Traced(planned, out_tree, ctx, writes, staged, shared[0])
+        return Traced(planned, out_tree, ctx, writes, staged, shared[0], tuple(statics.items()))
 
     def _outputs(self, call: Call, traced: Traced, outs: list[Any]) -> Any:
         """``fn``'s output from the evaluated jaxpr's; its writes carried to the arguments."""
-        n = traced.out_tree.num_leaves
+        n = traced.num_outputs
         if traced.writes is not None:
             # (a constant written is a jaxpr literal: an Array, as jit stores it)
             after = traced.writes.after(call.leaves, [as_output(o) for o in outs[n:]])
@@ -265,6 +363,8 @@ class AmpFunction:
         # would hand the float back where ``jax.jvp(jnp.asarray)`` gives an Array
         inputs = {id(x) for x in call.dynamic}
         outs = [fresh(o) if id(o) in inputs else as_output(o) for o in outs[:n]]
+        for i, value in traced.statics:
+            outs.insert(i, value)
         out = jax.tree.unflatten(traced.out_tree, outs)
         if traced.out_aliases:
             out = mutation.tie(((call.args, call.kwargs), out), traced.out_aliases)[1]
@@ -396,7 +496,13 @@ def amp(
         (not a pytree) that holds arrays is refused with a ``TypeError``, as
         ``jax.jit`` refuses it: amp would bake the arrays into its cached
         trace. ``fn`` may itself be a pytree (an Equinox or Flax NNX module):
-        the result is then a pytree over it, and its arrays are traced.
+        the result is then a pytree over it, and its arrays are traced. The
+        arrays bound in a ``functools.partial`` are constants of its trace,
+        as under ``jax.jit`` (its arguments cannot be rebound). Two ``amp(fn)`` of an equal ``fn`` and options are equal and share
+        their traces. Output leaves that are not JAX values (a string, a
+        model's activation function) are returned as they are, as
+        ``eqx.filter_jit`` returns them. Under ``jax.disable_jit()`` amp, as
+        ``jax.jit``, calls ``fn`` as Python: no trace and no cast.
       policy: a [`Policy`][amp_jax.Policy], a preset name (``"bfloat16"``,
         ``"float16"``, ``"float32"``) or a dtype. ``"float32"`` is the
         identity: amp calls ``fn``, so results, gradients and state writes

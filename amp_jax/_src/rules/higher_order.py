@@ -80,10 +80,31 @@ class HigherOrderRule(EqnRule):
                 functools.partial(_run_bwd, ctx, lazy_body(d, "bwd")),
             ),
         )
-        return compat.bind_eqn(eqn, invals, params)
+        return _bind(eqn, invals, params)
 
     def reads_low(self, ctx: RuleContext, eqn: compat.Eqn, d: Decision, atom: compat.Atom) -> bool:
         return False
+
+
+def _bind(eqn: compat.Eqn, invals: list[Any], params: dict[str, Any]) -> list[Any]:
+    """``eqn`` bound on ``invals`` with ``params``; a ``ValueError`` when it
+    gives another number of results than the traced program has."""
+    outs = compat.bind_eqn(eqn, invals, params)
+    if len(outs) == len(eqn.outvars):
+        return outs
+    why = ""
+    if eqn.primitive.name in compat.CUSTOM_JVP_NAMES:
+        why = (
+            " Its JVP rule gives other outputs than its function: JAX's own "
+            "jax.jvp(jax.jit(f)) fails on this function too (checkify.checkify of a "
+            "custom_jvp function, once traced, keeps a rule that expects the error "
+            "values tracing dropped). Apply amp inside the other transformation: "
+            "checkify.checkify(amp(f)) rather than amp(checkify.checkify(f))."
+        )
+    raise ValueError(
+        f"amp_jax: binding {eqn.primitive.name!r} gave {len(outs)} results where the "
+        f"traced program has {len(eqn.outvars)}.{why}"
+    )
 
 
 #: a ``scan`` body retraced with the loop's concrete boolean constants
@@ -177,7 +198,7 @@ class CustomJvpRule(HigherOrderRule):
         params = ctx.cached(
             ("custom_jvp_low", avals), eqn, lambda: _custom_jvp_low(ctx, eqn, d, avals)
         )
-        return compat.bind_eqn(eqn, invals, params)
+        return _bind(eqn, invals, params)
 
     def reads_low(self, ctx: RuleContext, eqn: compat.Eqn, d: Decision, atom: compat.Atom) -> bool:
         return d.color is Color.LOW
