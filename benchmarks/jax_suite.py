@@ -48,7 +48,10 @@ the skip list explains, and how many are amp's known defects
 reasons go to ``--out`` (``<mode>/failures.txt`` and the JSON lines of each
 run). ``--baseline failures`` (for a slow machine) runs the baseline only on
 the tests that fail under amp and counts every other test that passes under
-amp as passing without it. ``--smoke`` runs the plugin on our own tiny test
+amp as passing without it. ``--together N`` runs up to N files in one pytest process (on a busy machine
+starting JAX and the library again per file is most of a small file's time);
+a suite's ``isolate`` tests run in a process of their own (their failure
+breaks the process for every later test). ``--smoke`` runs the plugin on our own tiny test
 files (``jax_suite_sample/``: one per suite), no checkout needed, and checks
 that every test wrapped something.
 """
