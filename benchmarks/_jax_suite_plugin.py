@@ -12,18 +12,28 @@ files. ``AMP_JAX_SUITE_MODE`` picks what it does:
   here too fails because its function is traced to a jaxpr (a Python ``if`` on
   a traced value, a count of JAX's caches, a leaked tracer), as it is by amp.
 
-In the two amp modes, ``jax.jit``, ``jax.grad``, ``jax.value_and_grad``,
+``AMP_JAX_SUITE_SUITE`` names the library whose tests run (``jax``,
+``equinox`` or ``flax_nnx``; a comma-separated list for the smoke run):
+`TARGETS` lists, per suite, the transformations whose function argument is
+wrapped. In every suite ``jax.jit``, ``jax.grad``, ``jax.value_and_grad``,
 ``jax.vmap``, ``jax.jvp``, ``jax.vjp``, ``jax.linearize``, ``jax.jacfwd``,
 ``jax.jacrev`` and ``jax.hessian`` (and their originals in ``jax._src.api``,
-which JAX's tests call as ``api.jit``) are replaced by functions that wrap the
-function argument in amp and call the original. Only calls made from a test
-file are wrapped (the caller's file is under the directory of the files
-collected): JAX's own library code calls ``jax.jit`` too, and what is under
-test is amp around the tests' functions. A function already under amp (one of
-these wrappers' results, or amp itself, found through ``__wrapped__``) is not
-wrapped again, unless ``AMP_JAX_SUITE_NESTED=1``. Calls from JAX's test helpers
-(``jax._src.test_util``'s ``_CompileAndCheck``, ``public_test_util``'s
-``check_grads``) count as the test file's, unless ``AMP_JAX_SUITE_HELPERS=0``.
+which JAX's tests call as ``api.jit``); in ``equinox`` also
+``eqx.filter_jit``, ``filter_grad``, ``filter_value_and_grad`` and
+``filter_vmap``; in ``flax_nnx`` also ``nnx.jit``, ``nnx.grad``,
+``nnx.value_and_grad`` and ``nnx.vmap``. In the two amp modes they are
+replaced by functions that wrap the function argument in amp and call the
+original; in ``jit`` mode the control is the suite's own jit (`CONTROL`:
+``jax.jit``, ``eqx.filter_jit``, ``nnx.jit``), since a plain ``jax.jit``
+refuses the modules and functions the libraries' tests pass. Only calls made
+from a test file are wrapped (the caller's file is under the directory of the
+files collected): the libraries' own code calls these transformations too,
+and what is under test is amp around the tests' functions. A function already
+under amp (one of these wrappers' results, or amp itself, found through
+``__wrapped__``) is not wrapped again, unless ``AMP_JAX_SUITE_NESTED=1``.
+Calls from JAX's test helpers (``jax._src.test_util``'s ``_CompileAndCheck``,
+``public_test_util``'s ``check_grads``) count as the test file's, unless
+``AMP_JAX_SUITE_HELPERS=0``.
 
 Every test's outcome goes as one JSON line to ``AMP_JAX_SUITE_LOG``: node id,
 outcome, ``crash`` (the exception is not an ``AssertionError``), the
@@ -40,14 +50,13 @@ import os
 import sys
 from typing import Any
 
-import jax
-
 MODE = os.environ.get("AMP_JAX_SUITE_MODE", "off")
+SUITE = os.environ.get("AMP_JAX_SUITE_SUITE", "jax")
 NESTED = os.environ.get("AMP_JAX_SUITE_NESTED", "0") == "1"
 HELPERS = os.environ.get("AMP_JAX_SUITE_HELPERS", "1") == "1"
 LOG = os.environ.get("AMP_JAX_SUITE_LOG")
 
-#: the transformations whose function argument is wrapped
+#: JAX's transformations whose function argument is wrapped
 NAMES = (
     "jit",
     "grad",
@@ -61,12 +70,58 @@ NAMES = (
     "hessian",
 )
 
-#: where the test files find them: ``jax.jit`` and, in JAX's own tests,
+#: per suite, (module, names) of the transformations wrapped; JAX's in every
+#: suite, where the test files find them: ``jax.jit`` and, in JAX's own tests,
 #: ``jax._src.api.jit`` (``from jax._src import api``; ``api.jit(f)``)
-MODULES = ("jax", "jax._src.api")
-ORIGINAL = {name: getattr(jax, name) for name in NAMES}
+TARGETS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
+    "jax": (("jax", NAMES), ("jax._src.api", NAMES)),
+    "equinox": (
+        ("equinox", ("filter_jit", "filter_grad", "filter_value_and_grad", "filter_vmap")),
+    ),
+    "flax_nnx": (("flax.nnx", ("jit", "grad", "value_and_grad", "vmap")),),
+}
+#: the control of ``jit`` mode: the suite's own jit, which takes what its tests pass
+CONTROL = {
+    "jax": ("jax", "jit"),
+    "equinox": ("equinox", "filter_jit"),
+    "flax_nnx": ("flax.nnx", "jit"),
+}
+#: transformations that return values, not a function to mark as already wrapped
+NOT_FUNCTIONS = ("jvp", "vjp", "linearize")
+
 _test_dirs: tuple[str, ...] = ()
 _wrapped = 0
+#: what this plugin made (a marker attribute where the object takes one, else its id)
+_made: dict[int, Any] = {}
+
+
+def suites(spec: str = SUITE) -> list[str]:
+    """The suites of ``spec`` (``AMP_JAX_SUITE_SUITE``), JAX's first."""
+    names = [s for s in spec.split(",") if s]
+    unknown = [s for s in names if s not in TARGETS]
+    if unknown:
+        raise ValueError(f"AMP_JAX_SUITE_SUITE={spec!r}: use {', '.join(TARGETS)}")
+    return ["jax", *(s for s in names if s != "jax")]
+
+
+def originals(spec: str = SUITE) -> dict[tuple[str, str], Any]:
+    """The unpatched transformation at each (module, name) of ``spec``'s suites."""
+    out = {}
+    for suite in suites(spec):
+        for module_name, names in TARGETS[suite]:
+            module = importlib.import_module(module_name)
+            for name in names:
+                fn = getattr(module, name)
+                out[(module_name, name)] = getattr(fn, "_amp_jax_suite_original", fn)
+    return out
+
+
+def _mark(fn: Any) -> Any:
+    try:
+        fn._amp_jax_suite = True
+    except (AttributeError, TypeError):  # an Equinox Module is frozen
+        _made[id(fn)] = fn
+    return fn
 
 
 def _under_amp(fn: Any) -> bool:
@@ -76,9 +131,16 @@ def _under_amp(fn: Any) -> bool:
     while fn is not None and seen < 20:
         if isinstance(fn, AmpFunction) or getattr(fn, "_amp_jax_suite", False):
             return True
+        if _made.get(id(fn)) is fn:
+            return True
         fn = getattr(fn, "__wrapped__", None)
         seen += 1
     return False
+
+
+def _control(fn: Any) -> Any:
+    module_name, name = CONTROL[suites()[-1]]
+    return _mark(originals()[(module_name, name)](fn))
 
 
 def _wrap(fn: Any) -> Any:
@@ -92,11 +154,7 @@ def _wrap(fn: Any) -> Any:
 
         out = interpreted_float32(fn)
     elif MODE == "jit":
-        out = ORIGINAL["jit"](fn)
-        try:
-            out._amp_jax_suite = True
-        except (AttributeError, TypeError):
-            pass
+        out = _control(fn)
     else:
         import amp_jax
 
@@ -110,8 +168,10 @@ def _from_test(depth: int = 2) -> bool:
     return any(filename.startswith(d) for d in _test_dirs)
 
 
-def _patched(name: str) -> Any:
-    original = ORIGINAL[name]
+def _patched(name: str, original: Any) -> Any:
+    """``original`` (the transformation ``name``) with its function argument
+    (the first positional one, or ``fun=``/``f=``) wrapped by `_wrap` when a
+    test file calls it."""
 
     @functools.wraps(original)
     def transform(*args: Any, **kwargs: Any) -> Any:
@@ -119,20 +179,38 @@ def _patched(name: str) -> Any:
             return original(*args, **kwargs)
         if args:
             args = (_wrap(args[0]), *args[1:])
-        elif "fun" in kwargs:
-            kwargs["fun"] = _wrap(kwargs["fun"])
-        else:  # jax.jit(static_argnums=...) as a decorator factory
+        elif "fun" in kwargs or "f" in kwargs:
+            key = "fun" if "fun" in kwargs else "f"
+            kwargs[key] = _wrap(kwargs[key])
+        else:  # jax.jit(static_argnums=...), eqx.filter_jit(donate=...) as a decorator factory
             return functools.partial(transform, **kwargs)
         out = original(*args, **kwargs)
-        if callable(out) and name not in ("jvp", "vjp", "linearize"):
-            try:
-                out._amp_jax_suite = True
-            except (AttributeError, TypeError):
-                pass
-        return out
+        return _mark(out) if callable(out) and name not in NOT_FUNCTIONS else out
 
     transform._amp_jax_suite_original = original
     return transform
+
+
+def patch(spec: str = SUITE) -> dict[tuple[str, str], Any]:
+    """Replace the transformations of ``spec``'s suites by `_patched` ones
+    (one per original: ``jax.jit`` and ``jax._src.api.jit`` share theirs);
+    what was replaced, to undo it with `unpatch`."""
+    found = originals(spec)
+    patched: dict[int, Any] = {}
+    done = {}
+    for (module_name, name), original in found.items():
+        module = importlib.import_module(module_name)
+        if getattr(module, name) is original:
+            new = patched.setdefault(id(original), _patched(name, original))
+            setattr(module, name, new)
+            done[(module_name, name)] = original
+    return done
+
+
+def unpatch(done: dict[tuple[str, str], Any]) -> None:
+    """Undo `patch`."""
+    for (module_name, name), original in done.items():
+        setattr(importlib.import_module(module_name), name, original)
 
 
 def pytest_configure(config: Any) -> None:
@@ -149,15 +227,12 @@ def pytest_configure(config: Any) -> None:
             assert spec is not None and spec.origin is not None, name
             dirs.add(spec.origin)
     _test_dirs = tuple(sorted(dirs))
+    suites()  # an unknown suite fails here, in every mode
     if MODE == "off":
         return
     if MODE not in ("float32", "bfloat16", "jit"):
         raise ValueError(f"AMP_JAX_SUITE_MODE={MODE!r}: use off, float32, bfloat16 or jit")
-    patched = {name: _patched(name) for name in NAMES}
-    for module in map(importlib.import_module, MODULES):
-        for name in NAMES:
-            if getattr(module, name, None) is ORIGINAL[name]:
-                setattr(module, name, patched[name])
+    patch()
 
 
 def pytest_runtest_setup(item: Any) -> None:

@@ -75,14 +75,13 @@ def test_run():
 
 @heavy
 def test_jax_suite():
-    # the plugin on our sample test file (benchmarks/jax_suite_sample): every
-    # test wraps its functions in amp, and passes, in both modes
+    # the plugin on our sample test files (benchmarks/jax_suite_sample), one
+    # per suite: every test wraps its functions in amp, and passes, in both modes
     t = table_with(run("jax_suite"), "file", "mode", "tests run", "wrapped")
-    assert [row[:2] for row in t[1:-1]] == [
-        ["sample_test.py", "float32"],
-        ["sample_test.py", "bfloat16"],
-    ]
-    assert all(row[2] == row[3] == row[4] == "5" and row[5] == "0" for row in t[1:-1]), t
+    files = ["sample_test.py", "equinox_test.py", "flax_nnx_test.py"]
+    assert [row[:2] for row in t[1:-1]] == [[f, m] for m in ("float32", "bfloat16") for f in files]
+    tests = {"sample_test.py": "5", "equinox_test.py": "4", "flax_nnx_test.py": "4"}
+    assert all(row[2] == row[3] == row[4] == tests[row[0]] and row[5] == "0" for row in t[1:-1]), t
 
 
 @heavy

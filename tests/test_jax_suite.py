@@ -1,5 +1,7 @@
 """amp's interpreter forced on at float32 (amp_jax/_src/testing.py), the mode in
-which benchmarks/jax_suite.py runs JAX's own tests, and that runner's skip list.
+which benchmarks/jax_suite.py runs JAX's, Equinox's and Flax NNX's own tests,
+that runner's plugin (it wraps what a test passes to each library's
+transformations) and its skip lists.
 
 The forced interpreter must give the function's own results bit for bit, and
 must really interpret: a hook that fell back to calling the function would
@@ -76,11 +78,66 @@ def test_forced_float32_really_interprets():
     assert "bf16" not in text and "convert_element_type[new_dtype=bfloat16" not in text
 
 
-@pytest.mark.parametrize("listing", ["SKIPS", "KNOWN"])
-def test_jax_suite_skip_list_has_a_reason_on_every_line(listing):
-    import benchmarks.jax_suite as suite
+@pytest.mark.parametrize("suite", ["jax", "equinox", "flax_nnx"])
+@pytest.mark.parametrize("listing", ["skips", "known"])
+def test_jax_suite_skip_list_has_a_reason_on_every_line(suite, listing):
+    import benchmarks.jax_suite as runner
 
-    for mode, glob, kind, reason in suite.read_skips(getattr(suite, listing)):
+    for mode, glob, kind, reason in runner.read_skips(getattr(runner.SUITES[suite], listing)):
         assert mode in ("*", "float32", "bfloat16"), (mode, glob)
         assert kind == "" or kind.endswith("Error"), (glob, kind)
         assert "::" in glob and len(reason) > 10, (glob, reason)
+
+
+def _library_transforms():
+    from benchmarks import _jax_suite_plugin as plugin
+
+    return [
+        (module, name)
+        for suite in ("equinox", "flax_nnx")
+        for module, names in plugin.TARGETS[suite]
+        for name in names
+    ]
+
+
+@pytest.mark.parametrize("target", _library_transforms(), ids="{0[0]}.{0[1]}".format)
+def test_jax_suite_plugin_wraps_the_libraries_transformations(target, monkeypatch):
+    # what a test file hands eqx.filter_* and nnx.* runs under amp: the jitted
+    # program holds amp's dot rule, and amp traces the function to a jaxpr
+    # where grad and vmap alone pass JVP or batch tracers
+    import importlib
+
+    from benchmarks import _jax_suite_plugin as plugin
+
+    module_name, name = target
+    module = importlib.import_module(module_name)
+    original = getattr(module, name)
+    monkeypatch.setattr(plugin, "MODE", "float32")
+    monkeypatch.setattr(plugin, "_test_dirs", (str(pathlib.Path(__file__).parent),))
+    seen = []
+
+    def loss(w, x):
+        seen.append(type(w).__name__)
+        return jnp.sum(jnp.tanh(x @ w) ** 2)
+
+    kwargs = {"in_axes": (None, 0)} if "vmap" in name else {}
+    x = X[:, None] if "vmap" in name else X
+    done = plugin.patch("jax,equinox,flax_nnx")
+    try:
+        transform = getattr(module, name)
+        assert transform is not original and transform._amp_jax_suite_original is original
+        if "jit" in name:  # the decorator factory (keyword arguments only) too
+            text = str(jax.make_jaxpr(lambda x: transform()(loss)(W, x))(X))
+        else:
+            transform(loss, **kwargs)(W, x)
+    finally:
+        plugin.unpatch(done)
+    assert getattr(module, name) is original
+    if "jit" in name:
+        assert "amp_dot" in text, text
+        assert "amp_dot" not in str(jax.make_jaxpr(lambda x: original(loss)(W, x))(X))
+    else:
+        assert seen == ["DynamicJaxprTracer"], seen
+        seen.clear()
+        original(loss, **kwargs)(W, x)
+        assert seen != ["DynamicJaxprTracer"], seen
