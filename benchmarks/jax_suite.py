@@ -144,7 +144,7 @@ SUITES = {
         addopts="",
         # the test writes a cycle (m.ref = m) into its argument; amp flattens the
         # argument, and jaxlib's flatten of a cycle leaks the interpreter's
-        # recursion depth: every later test raises RecursionError (REPRO_56.md)
+        # recursion depth: every later test raises RecursionError (amp now refuses a cycle first)
         isolate=(
             "tests/nnx/transforms_test.py::TestJIT::test_graph_updates_add_self_reference",
             "tests/nnx/transforms_test.py::TestJIT::test_graph_updates_ref_in_output",

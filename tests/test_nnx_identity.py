@@ -282,3 +282,30 @@ def test_explain_of_a_model_reads_its_matmuls():
     ex = amp_jax.explain(m, jnp.ones((256, 16)), policy=amp_jax.Policy(allow_outputs="float32"))
     dots = {r.dtype for r in ex.rows if r.primitive == "dot_general"}
     assert dots == {"bfloat16"}, ex
+
+
+class _Holder(nnx.Module):
+    def __init__(self):
+        self.ref = nnx.data(None)
+
+
+def test_a_cycle_written_into_an_argument_is_refused_and_jax_keeps_working():
+    # a flatten of the cycle recursed without end, and JAX's C++ flatten then left the
+    # interpreter's recursion depth spent: every later JAX call of the process failed
+    def f(m):
+        m.ref = m
+
+    with pytest.raises(TypeError, match=r"made a cycle: `m.ref` is `m`.*nnx.jit"):
+        amp(f)(_Holder())
+    assert float((jnp.ones(3) + 1).sum()) == 6.0
+
+
+def test_a_cycle_in_the_output_is_refused():
+    def f(x):
+        h = _Holder()
+        h.ref = h
+        return h, x
+
+    with pytest.raises(TypeError, match=r"made a cycle: the output\[0\]\.ref is the output\[0\]"):
+        amp(f)(jnp.ones(2))
+    assert float((jnp.ones(3) * 2).sum()) == 6.0

@@ -75,6 +75,42 @@ def aliases(tree: object) -> Aliases:
     return tuple(found)
 
 
+def find_cycle(tree: object) -> tuple[KeyPath, KeyPath] | None:
+    """``(inner, outer)`` where ``tree`` holds an NNX graph node below itself
+    (``m.ref = m``: the node at ``outer`` is again at ``inner``), else None.
+
+    A pytree flatten of such a tree recurses without end, and JAX's C++
+    flatten then leaves the interpreter's recursion depth spent: every later
+    JAX call of the process fails. This walk stops at the first repeat.
+    """
+    nnx = _nnx()
+    if nnx is None:
+        return None
+    is_node = _node_test(nnx)
+    seen: dict[int, list[KeyPath]] = {}
+    found: list[tuple[KeyPath, KeyPath]] = []
+
+    def stop(path: KeyPath, x: object) -> bool:
+        if found:
+            return True
+        if not is_node(x):
+            return False
+        path = tuple(path)
+        earlier = seen.setdefault(id(x), [])
+        outer = next((q for q in earlier if path[: len(q)] == q), None)
+        if outer is not None:
+            found.append((path, outer))
+            return True
+        earlier.append(path)
+        return False
+
+    try:
+        jax.tree_util.tree_flatten_with_path(tree, is_leaf=stop, is_leaf_takes_path=True)
+    except Exception:  # (a node fn consumed, whatever its library raises: no cycle found)
+        pass
+    return found[0] if found else None
+
+
 def _node_test(nnx: Any) -> Callable[[object], bool]:
     """``nnx.graph.is_graph_node``, remembered by type (a tracer asked each
     time: a hijax Variable's tracer is a Variable): ``aliases`` asks it of

@@ -37,6 +37,7 @@ from amp_jax._src.calling import (
     static_outputs,
     unwrap_statics,
 )
+from amp_jax._src.compat import KeyPath
 from amp_jax._src.interpreter import Interpreter, evaluate
 from amp_jax._src.planning import Config, Plan, plan
 from amp_jax._src.policy import FULL_PRECISION_SCOPE, Policy, get_policy, scope_in
@@ -309,6 +310,7 @@ class AmpFunction:
             with mutation.haiku_guard(fn_name(self.fn)):
                 out = call.target(*tree[0], **tree[1])
             check_no_leak(self.fn, call)
+            _refuse_cycle(fn_name(self.fn), call, mutation.find_cycle((tree, out)))
             try:
                 writes = mutation.collect(snap, tree, call.path_name)
             except TypeError as e:
@@ -369,6 +371,26 @@ class AmpFunction:
         if traced.out_aliases:
             out = mutation.tie(((call.args, call.kwargs), out), traced.out_aliases)[1]
         return out
+
+
+def _refuse_cycle(name: str, call: Call, cycle: tuple[KeyPath, KeyPath] | None) -> None:
+    """A clear error where ``fn`` left an NNX node below itself in its
+    arguments or output (``m.ref = m``), before a flatten recurses without end."""
+    if cycle is None:
+        return
+
+    def where(path: KeyPath) -> str:
+        if path[0] == jax.tree_util.SequenceKey(1):
+            return f"the output{jax.tree_util.keystr(tuple(path[1:]))}"
+        return f"`{call.path_name(tuple(path[1:]))}`"
+
+    inner, outer = cycle
+    raise TypeError(
+        f"amp({name}): the function made a cycle: {where(inner)} is {where(outer)}, which "
+        "holds it. amp carries writes and outputs out as pytrees, which cannot hold a "
+        "cycle; keep the reference outside the amp function, or run this step with "
+        "nnx.jit (its graph mode follows references)."
+    )
 
 
 def _whole_jit_name(closed: compat.ClosedJaxpr) -> str | None:
