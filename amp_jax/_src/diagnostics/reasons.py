@@ -460,7 +460,7 @@ def agree(
 def _derived(decisions: Decisions, line: str) -> str:
     """The reason of an op no plan decided: its source line's decisions, if any."""
     at_line = [c for (w, _), by in decisions.items() if w == line for c in by.values()]
-    merged = sum(at_line, collections.Counter())
+    merged: collections.Counter[str] = sum(at_line, collections.Counter())
     return (
         f"derived by JAX from this line's ops ({merged.most_common(1)[0][0]})"
         if merged
