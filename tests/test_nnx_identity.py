@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from test_stateful_modules import _Net  # Linear -> BatchNorm -> Dropout -> Linear
 
 import amp_jax
 from amp_jax import amp
@@ -242,17 +243,6 @@ def test_a_hijax_variable_written_is_written():
         return
     jax.jit(amp(_count_and_call))(m, x)
     assert int(m.count[...]) == int(ref.count[...]) + 1 == 2
-
-
-class _Net(nnx.Module):
-    def __init__(self, rngs):
-        self.l1 = nnx.Linear(16, 32, rngs=rngs)
-        self.bn = nnx.BatchNorm(32, rngs=rngs)
-        self.do = nnx.Dropout(0.1, rngs=rngs)
-        self.l2 = nnx.Linear(32, 4, rngs=rngs)
-
-    def __call__(self, x):
-        return self.l2(self.do(self.bn(self.l1(x))))
 
 
 @pytest.mark.parametrize(

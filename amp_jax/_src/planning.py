@@ -311,16 +311,25 @@ def _classify(ctx: Context, eqn: compat.Eqn, rule: PathRule | None = None) -> Cl
         return Classified(Kind.OP, OpClass.DENY, Reason.kept(Why.FLOAT16_RANGE))
     if cls != "allow":
         return Classified(Kind.OP, OpClass(cls))
+    high = _stays_high_here(ctx, eqn)
+    if high is not None:
+        return high
+    if float8.applies(ctx.policy, ctx.vjp_rules, eqn):
+        return Classified(Kind.OP, OpClass.ALLOW, variant=Variant.FLOAT8)
+    return Classified(Kind.OP, OpClass.ALLOW)
+
+
+def _stays_high_here(ctx: Context, eqn: compat.Eqn) -> Classified | None:
+    """An ``allow`` eqn that stays high for a reason of its own (too small, an
+    explicit precision), or whose rule runs it in float32 on this backend
+    (XLA:CPU's batched dots); None if it may be lowered."""
     kept = stays_high(eqn, ctx.policy)
     if kept is not None:
         return Classified(Kind.OP, OpClass.NEVER, Reason.kept(kept))
     floats = all(is_managed_float(casting.dtype_of(v)) for v in eqn.invars)
     if floats and not ctx.backend.has_low_kernel(eqn):
-        # its rule runs it in float32 on this backend (XLA:CPU's batched dots)
         return Classified(Kind.OP, OpClass.ALLOW, Reason.kept(Why.BACKEND_KERNEL), Variant.FLOAT32)
-    if float8.applies(ctx.policy, ctx.vjp_rules, eqn):
-        return Classified(Kind.OP, OpClass.ALLOW, variant=Variant.FLOAT8)
-    return Classified(Kind.OP, OpClass.ALLOW)
+    return None
 
 
 def _classify_by_rule(ctx: Context, eqn: compat.Eqn, rule: PathRule) -> Classified:
@@ -332,12 +341,9 @@ def _classify_by_rule(ctx: Context, eqn: compat.Eqn, rule: PathRule) -> Classifi
     if rule.target == "float32":
         text = f"{rule.text}: left in its original precision"
         return Classified(Kind.OP, OpClass.NEVER, Reason(Why.RULE, text), rule=rule)
-    kept = stays_high(eqn, ctx.policy)
-    if kept is not None:
-        return Classified(Kind.OP, OpClass.NEVER, Reason.kept(kept))
-    floats = all(is_managed_float(casting.dtype_of(v)) for v in eqn.invars)
-    if floats and not ctx.backend.has_low_kernel(eqn):
-        return Classified(Kind.OP, OpClass.ALLOW, Reason.kept(Why.BACKEND_KERNEL), Variant.FLOAT32)
+    high = _stays_high_here(ctx, eqn)
+    if high is not None:
+        return high
     sub = rule_policy(ctx.policy, rule.target)
     if float8.applies(sub, ctx.vjp_rules, eqn):
         return Classified(Kind.OP, OpClass.ALLOW, variant=Variant.FLOAT8, rule=rule)

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 from jax.extend import core as jex_core
 
-from amp_jax._src import compat, jaxprs
+from amp_jax._src import compat, jaxprs, paths
 from amp_jax._src.decision import (
     KEPT,
     Color,
@@ -120,15 +120,9 @@ def full_stack(eqn: compat.Eqn, outer: tuple[str, ...]) -> str:
 
 @functools.lru_cache(maxsize=4096)
 def scope_of(stack: str) -> str:
-    """The user's ``named_scope`` path of a name stack, without JAX's transform names."""
-    parts = []
-    for part in stack.split("/"):
-        # transform names wrap scopes: "transpose(jvp(attn))" -> "attn"
-        while "(" in part and part.endswith(")"):
-            part = part[part.index("(") + 1 : -1]
-        if part:
-            parts.append(part)
-    return "/".join(parts) or "-"
+    """The user's ``named_scope`` path of a name stack, without JAX's transform
+    names (``transpose(jvp(attn))`` -> ``attn``); ``-`` for none."""
+    return paths.scope_path(stack) or "-"
 
 
 def is_backward(stack: str) -> bool:
