@@ -21,8 +21,8 @@ benchmarks' smoke runs, tests/test_benchmarks.py; the model libraries of
 tests/test_model_libraries.py, which the ``integrations`` extra installs on
 3.13 only); the others pass ``-m "not heavy"``.
 
-The four take about 40 minutes on an idle 2-core CPU (README), within CI's 90;
-one leg takes 10 to 15.
+The four take 45 to 60 minutes on a 2-core CPU (README), within CI's 90;
+one leg takes 10 to 18.
 
 Pythons are found on PATH; a pyenv install's versions are added to it, since
 pyenv's shims expose only the selected one. A leg whose Python is missing is
