@@ -398,12 +398,9 @@ def _sync(nnx: Any, d: Any, s: Any, seen: set[int]) -> None:
     that they are those of ``s``, merging the nodes it already holds."""
     impl = nnx.graph.get_node_impl(d)
     had = impl.node_dict(d)
-    items, _ = impl.flatten(s)
     keys = set()
-    for key, elem in items:
+    for key, value, data in compat.nnx_node_items(nnx, impl, s):
         keys.add(key)
-        data = isinstance(elem, nnx.graph.DataElem)
-        value = elem.value if isinstance(elem, (nnx.graph.DataElem, nnx.graph.StaticElem)) else elem
         old = had.get(key, _MISSING)
         new = value if old is _MISSING else _merge(nnx, old, value, seen)
         if new is not old:
