@@ -147,14 +147,14 @@ def test_backend_lookups_finds_what_the_modules_used_to_do():
     old = {
         "amp_jax/_src/attention.py": "from amp_jax._src.backends import backend_for, gpu\n",
         "amp_jax/_src/policy.py": "from amp_jax._src.backends import Backend\n",
-        "amp_jax/_src/rules/dots.py": (
+        "amp_jax/_src/rules/dots/lowering.py": (
             "from amp_jax._src import backends\nd = backends.backend_for('cpu')\n"
         ),
     }
     found = backend_lookups(ROOT, old)
     assert any(f.startswith("amp_jax/_src/attention.py:1: from") for f in found), found
     assert any("the policy imports" in f for f in found), found
-    assert any(f.startswith("amp_jax/_src/rules/dots.py:2: .backend_for") for f in found), found
+    assert any(f.startswith("amp_jax/_src/rules/dots/lowering.py:2: .backend_for") for f in found)
 
 
 # -- one name for one thing -------------------------------------------------------------
@@ -218,14 +218,21 @@ def test_one_env_hierarchy():
 
 # -- the rules: a package with its base and table ------------------------------------------
 
-#: the modules of amp_jax/_src/rules/ and the names each defines (at least)
+#: the modules of amp_jax/_src/rules/ and the names each defines (at least); the dot
+#: family is one package: its rule, the tangent product, float8 and what planning asks
 RULES_LAYOUT = {
     "base.py": {"EqnRule", "AllowRule", "RuleContext", "CastingEnv", "Rule", "default_allow_rule"},
     "table.py": {"TABLE", "rule_for", "register_rule"},
     "elementwise.py": {"BroadcastRule", "ExpandRule", "RULES"},
-    "dots.py": {"DotRule", "RULES", "plan_layouts"},
+    "dots/lowering.py": {"DotRule", "TransposeRule", "RULES", "plan_layouts"},
+    "dots/lowdot.py": {"linear_dot_p", "linear_dot", "dot_transpose"},
+    "dots/float8.py": {"applies", "reason", "variant_rule", "float8_dot_rule"},
+    "dots/outputs.py": {"allow_output_dtype", "rule_reason"},
     "higher_order.py": {"HigherOrderRule", "ScanRule", "GENERIC", "RULES"},
 }
+
+#: modules of the old layouts, now in amp_jax/_src/rules/ (path under amp_jax/_src)
+OLD_PLACES = ("rules.py", "elementwise.py", "dots.py", "higher_order.py", "lowdot.py", "float8.py")
 
 #: what runs the rules: a module of amp_jax/_src/rules/ imports none of them
 RULE_USERS = ("planning", "interpreter", "painting", "transform", "calling", "diagnostics")
@@ -258,10 +265,10 @@ def rules_layout(root: pathlib.Path, source: dict[str, str] | None = None) -> li
         missing = names - _defined(ast.parse(text or (pkg / name).read_text()))
         if missing:
             found.append(f"{rel}: does not define {sorted(missing)}")
-    for old in ("rules.py", "elementwise.py", "dots.py", "higher_order.py"):
+    for old in (*OLD_PLACES, "rules/dots.py"):
         if (root / "amp_jax" / "_src" / old).is_file() or f"amp_jax/_src/{old}" in (source or {}):
             found.append(f"amp_jax/_src/{old}: belongs in amp_jax/_src/rules/")
-    paths = {str(p.relative_to(root)): p for p in pkg.glob("*.py")}
+    paths = {str(p.relative_to(root)): p for p in pkg.rglob("*.py")}
     for rel in sorted(
         {*paths, *(r for r in (source or {}) if r.startswith(str(pkg.relative_to(root))))}
     ):
@@ -284,11 +291,16 @@ def test_the_rule_base_is_a_package_with_its_table():
     old = {
         "amp_jax/_src/rules/higher_order.py": "from amp_jax._src import planning\nGENERIC = 1\n",
         "amp_jax/_src/elementwise.py": "class EqnRule:\n    pass\n",
+        # the dot family as it was: float8 beside the planner, calling back up into it
+        "amp_jax/_src/float8.py": "def applies():\n    pass\n",
+        "amp_jax/_src/rules/dots/outputs.py": "from amp_jax._src.planning import Plan\n",
     }
     found = rules_layout(ROOT, old)
     assert "amp_jax/_src/rules/higher_order.py:1: imports amp_jax._src.planning" in found, found
     assert any("higher_order.py: does not define" in f for f in found), found
     assert "amp_jax/_src/elementwise.py: belongs in amp_jax/_src/rules/" in found, found
+    assert "amp_jax/_src/float8.py: belongs in amp_jax/_src/rules/" in found, found
+    assert "amp_jax/_src/rules/dots/outputs.py:1: imports amp_jax._src.planning" in found, found
 
 
 # -- the plan is one module's: the decision slice and the loop fixed point ------------------

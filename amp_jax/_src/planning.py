@@ -44,7 +44,7 @@ from typing import Any, Self
 import jax.numpy as jnp
 import numpy as np
 
-from amp_jax._src import attention, casting, compat, float8, jaxprs, painting, paths
+from amp_jax._src import attention, casting, compat, jaxprs, painting, paths
 from amp_jax._src.backends import Backend
 from amp_jax._src.decision import (
     NO_HINTS,
@@ -75,7 +75,7 @@ from amp_jax._src.policy import (
     rule_fields,
     scope_in,
 )
-from amp_jax._src.rules import dots
+from amp_jax._src.rules.dots import float8, lowering, outputs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -362,11 +362,7 @@ def _rule_reason(ctx: Context, eqn: compat.Eqn, c: Classified) -> Reason:
     rule = c.rule
     assert rule is not None
     sub = rule_policy(ctx.policy, rule.target)
-    fp8 = float8.reason(sub, ctx.backend, eqn, c.variant)
-    if fp8 is not None:
-        return Reason(Why.RULE, f"{rule.text}: {fp8.text}")
-    cd = sub.compute_dtype.name
-    return Reason(Why.RULE, f"{rule.text}: runs in {cd} (float32 accumulation)")
+    return outputs.rule_reason(rule.text, sub, ctx.backend, eqn, c.variant)
 
 
 def effective_class(policy: Policy, name: str, backend: Backend) -> str | None:
@@ -384,14 +380,6 @@ def effective_class(policy: Policy, name: str, backend: Backend) -> str | None:
     ):
         return "never"
     return cls
-
-
-def allow_output_dtype(policy: Policy, backend: Backend) -> np.dtype:
-    """The dtype ``allow`` ops write on ``backend`` (``Policy.allow_outputs``)."""
-    low = policy.allow_outputs == "compute" or (
-        policy.allow_outputs == "auto" and backend.low_outputs
-    )
-    return policy.compute_dtype if low else HIGH_DTYPE
 
 
 def _leaves_range(policy: Policy, eqn: compat.Eqn) -> bool:
@@ -538,7 +526,7 @@ def _plan(ctx: Context, closed: compat.ClosedJaxpr, hints: BodyHints) -> Plan:
         draft = _paint(ctx, compat.jaxpr_of(flat), hints)
         att = _plan_attention(ctx, flat)
         decisions = draft.decisions(ctx, compat.jaxpr_of(flat), att)
-        layouts = dots.plan_layouts(
+        layouts = lowering.plan_layouts(
             compat.jaxpr_of(flat),
             decisions,
             backend=ctx.backend,
@@ -602,7 +590,7 @@ def all_low(ctx: Context, closed: compat.ClosedJaxpr) -> Plan:
     for c in (ctx.classify(e) for e in eqns):
         color = Color.ORIG if c.kind is Kind.NO_FLOAT else Color.LOW
         decisions.append(Decision(c.kind, c.op_class, color, reason))
-    layouts = dots.plan_layouts(
+    layouts = lowering.plan_layouts(
         compat.jaxpr_of(closed), decisions, backend=ctx.backend, vjp_rules=ctx.vjp_rules
     )
     return Plan(closed, tuple(decisions), layouts=layouts)
@@ -652,7 +640,9 @@ class _Draft:
                 # (a rule's dtype other than the policy's: float32 results, which
                 # the policy's low ops around it read in their own dtype)
                 f32 = f32 or (c.rule is not None and c.rule.dtype != ctx.policy.compute_dtype)
-                out_dtype = HIGH_DTYPE if f32 else allow_output_dtype(ctx.policy, ctx.backend)
+                out_dtype = (
+                    HIGH_DTYPE if f32 else outputs.allow_output_dtype(ctx.policy, ctx.backend)
+                )
             d = Decision(
                 c.kind,
                 c.op_class,
