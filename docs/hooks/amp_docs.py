@@ -34,7 +34,7 @@ _CLASS_DOC = {
 
 def op_table() -> str:
     from amp_jax import get_policy
-    from amp_jax._src.policy import OP_CLASSES
+    from amp_jax._src.op_classes import OP_CLASSES
 
     policy = get_policy("bfloat16")
     by_class: dict[str, list[str]] = {c: [] for c in OP_CLASSES}
