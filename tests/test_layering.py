@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import re
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -450,3 +451,34 @@ def test_no_module_is_longer_than_a_sitting():
         f"{sorted(KNOWN_LONG - set(long))} are {MAX_LINES} lines or fewer now: remove them "
         "from KNOWN_LONG"
     )
+
+
+def unmapped_modules(root: pathlib.Path, doc: str | None = None) -> list[str]:
+    """The modules and packages of ``amp_jax/_src`` that the pipeline map (the
+    docstring of ``amp_jax/_src/__init__.py``) does not name, and the packages
+    (``name/``) it names that do not exist."""
+    src = root / "amp_jax" / "_src"
+    if doc is None:
+        doc = ast.get_docstring(ast.parse((src / "__init__.py").read_text())) or ""
+    heads = {p.stem for p in src.glob("*.py") if p.stem != "__init__"}
+    packages = {p.parent.name for p in src.glob("*/__init__.py")}
+    found = [
+        f"{h}: not in the map" for h in sorted(heads | packages) if not re.search(rf"\b{h}\b", doc)
+    ]
+    found += [f"{p}/: no such package" for p in re.findall(r"\b(\w+)/", doc) if p not in packages]
+    return found
+
+
+def test_the_pipeline_map_names_every_module():
+    _none(unmapped_modules(ROOT), "amp_jax/_src/__init__.py maps the pipeline: name it there")
+    assert unmapped_modules(ROOT, "transform calling rules/ nowhere/") == [
+        *[
+            f"{h}: not in the map"
+            for h in sorted(
+                {p.stem for p in (ROOT / "amp_jax" / "_src").glob("*.py")}
+                | {p.parent.name for p in (ROOT / "amp_jax" / "_src").glob("*/__init__.py")}
+            )
+            if h not in ("__init__", "transform", "calling", "rules")
+        ],
+        "nowhere/: no such package",
+    ]
