@@ -11,6 +11,8 @@ backward pass of scanned models so the full gradient never exists.
 from amp_jax import debug as debug
 from amp_jax import eager as eager
 from amp_jax import optim as optim
+from amp_jax._src.api import amp as amp
+from amp_jax._src.api import full_precision as full_precision
 from amp_jax._src.backends import (
     BACKEND_LOW_OUTPUTS as BACKEND_LOW_OUTPUTS,
 )
@@ -66,8 +68,6 @@ from amp_jax._src.policy import (
     get_policy as get_policy,
 )
 from amp_jax._src.rules.table import register_rule as register_rule
-from amp_jax._src.transform import amp as amp
-from amp_jax._src.transform import full_precision as full_precision
 
 __version__ = "0.1.0"
 

@@ -329,7 +329,7 @@ LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"decision", "calling", "casting", "paths", "painting", "attention"}),
     frozenset({"lowdot", "rules", "float8"}),
     frozenset({"planning", "interpreter"}),
-    frozenset({"transform"}),
+    frozenset({"transform", "api"}),
     frozenset({"diagnostics", "testing"}),
 )
 
@@ -430,9 +430,7 @@ def test_no_import_runs_up_the_layers_or_in_a_circle():
 MAX_LINES = 500
 
 #: Modules still longer, being split (shrink, never grow): each must still be longer.
-KNOWN_LONG: frozenset[str] = frozenset(
-    {"planning.py", "decision.py", "attention.py", "calling.py", "transform.py"}
-)
+KNOWN_LONG: frozenset[str] = frozenset({"planning.py", "decision.py", "attention.py", "calling.py"})
 
 
 def long_modules(root: pathlib.Path) -> dict[str, int]:

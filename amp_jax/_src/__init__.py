@@ -1,8 +1,8 @@
 """amp_jax's core, stage by stage as a call flows through it (each module says more).
 
 ``amp(fn)(*args)``, in order:
-  call       transform: AmpFunction, the entry point; calling: the arguments as a Call
-             (traced and static leaves), its cache key, the trace cache
+  call       api: amp() and full_precision(); transform: AmpFunction, what amp returns;
+             calling: the arguments as a Call (traced and static leaves), its key, the cache
   trace      ``fn`` traced once per key into a closed jaxpr; compat/: every JAX-version
              difference; jaxprs: the jaxpr toolkit and the one evaluator; mutation: what
              ``fn`` writes into its arguments, carried out; mesh: is the trace sharded
