@@ -104,7 +104,7 @@ def _print_versions(session: nox.Session) -> None:
 
 
 def _run_suite(session: nox.Session, *pytest_args: str, env: dict[str, str] | None = None) -> None:
-    """pytest on this leg, then the leg's row for benchmarks/ACCELERATOR_RUNS.md from its junit."""
+    """pytest on this leg, then the leg's row for benchmarks/results/ACCELERATOR_RUNS.md from its junit."""
     _print_versions(session)
     JUNIT.mkdir(parents=True, exist_ok=True)
     junit = JUNIT / f"{session.name}.xml"

@@ -11,6 +11,8 @@ backward pass of scanned models so the full gradient never exists.
 from amp_jax import debug as debug
 from amp_jax import eager as eager
 from amp_jax import optim as optim
+from amp_jax._src.api import amp as amp
+from amp_jax._src.api import full_precision as full_precision
 from amp_jax._src.backends import (
     BACKEND_LOW_OUTPUTS as BACKEND_LOW_OUTPUTS,
 )
@@ -27,32 +29,29 @@ from amp_jax._src.diagnostics.compiled import (
     CompiledReport as CompiledReport,
 )
 from amp_jax._src.diagnostics.compiled import (
-    CompiledRow as CompiledRow,
-)
-from amp_jax._src.diagnostics.compiled import (
     PrecisionMismatchError as PrecisionMismatchError,
 )
 from amp_jax._src.diagnostics.compiled import (
     compiled_report as compiled_report,
 )
-from amp_jax._src.diagnostics.explain import (
-    ExplainRow as ExplainRow,
-)
-from amp_jax._src.diagnostics.explain import (
-    ExplainSummary as ExplainSummary,
-)
-from amp_jax._src.diagnostics.explain import (
-    Explanation as Explanation,
-)
+from amp_jax._src.diagnostics.compiled_rows import CompiledRow as CompiledRow
 from amp_jax._src.diagnostics.explain import (
     explain as explain,
 )
+from amp_jax._src.diagnostics.explanation import ExplainRow as ExplainRow
+from amp_jax._src.diagnostics.explanation import ExplainSummary as ExplainSummary
+from amp_jax._src.diagnostics.explanation import Explanation as Explanation
 from amp_jax._src.diagnostics.report import (
     dtype_report as dtype_report,
 )
 from amp_jax._src.diagnostics.report import (
     format_dtype_report as format_dtype_report,
 )
+from amp_jax._src.op_classes import DEFAULT_ALLOW as DEFAULT_ALLOW
+from amp_jax._src.op_classes import DEFAULT_CLEAR as DEFAULT_CLEAR
+from amp_jax._src.op_classes import DEFAULT_DENY as DEFAULT_DENY
+from amp_jax._src.op_classes import DEFAULT_FOLLOW as DEFAULT_FOLLOW
+from amp_jax._src.op_classes import DEFAULT_NEVER as DEFAULT_NEVER
 from amp_jax._src.paths import (
     UnmatchedRuleWarning as UnmatchedRuleWarning,
 )
@@ -63,29 +62,12 @@ from amp_jax._src.paths import (
     float32_embeddings_head_routers as float32_embeddings_head_routers,
 )
 from amp_jax._src.policy import (
-    DEFAULT_ALLOW as DEFAULT_ALLOW,
-)
-from amp_jax._src.policy import (
-    DEFAULT_CLEAR as DEFAULT_CLEAR,
-)
-from amp_jax._src.policy import (
-    DEFAULT_DENY as DEFAULT_DENY,
-)
-from amp_jax._src.policy import (
-    DEFAULT_FOLLOW as DEFAULT_FOLLOW,
-)
-from amp_jax._src.policy import (
-    DEFAULT_NEVER as DEFAULT_NEVER,
-)
-from amp_jax._src.policy import (
     Policy as Policy,
 )
 from amp_jax._src.policy import (
     get_policy as get_policy,
 )
 from amp_jax._src.rules.table import register_rule as register_rule
-from amp_jax._src.transform import amp as amp
-from amp_jax._src.transform import full_precision as full_precision
 
 __version__ = "0.1.0"
 

@@ -8,11 +8,11 @@ dtype flushes to zero at a given loss scale. See also [`amp_jax.explain`][amp_ja
 and [`amp_jax.optim.loss_scale_stats`][amp_jax.optim.loss_scale_stats].
 """
 
-from amp_jax._src.diagnostics.debug import FirstNonfinite as FirstNonfinite
-from amp_jax._src.diagnostics.debug import UnderflowReport as UnderflowReport
-from amp_jax._src.diagnostics.debug import UnderflowRow as UnderflowRow
-from amp_jax._src.diagnostics.debug import first_nonfinite as first_nonfinite
-from amp_jax._src.diagnostics.debug import underflow_report as underflow_report
+from amp_jax._src.diagnostics.nonfinite import FirstNonfinite as FirstNonfinite
+from amp_jax._src.diagnostics.nonfinite import first_nonfinite as first_nonfinite
+from amp_jax._src.diagnostics.underflow import UnderflowReport as UnderflowReport
+from amp_jax._src.diagnostics.underflow import UnderflowRow as UnderflowRow
+from amp_jax._src.diagnostics.underflow import underflow_report as underflow_report
 
 __all__ = [
     "FirstNonfinite",

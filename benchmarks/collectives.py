@@ -1,7 +1,7 @@
 """Collectives of a sharded training step, float32 against amp and a hand cast: the
 table on docs/scaling.md.
 
-    python -m benchmarks.collectives [--out FILE]   # default: benchmarks/COLLECTIVES.md
+    python -m benchmarks.collectives [--out FILE]   # default: benchmarks/results/COLLECTIVES.md
     python -m benchmarks.collectives --smoke        # data parallel only, no write (CI)
 
 One training step (forward, backward, ``dynamic_loss_scale(adam)`` update) of
@@ -40,7 +40,7 @@ from jax.sharding import AxisType
 
 import amp_jax
 from amp_jax import optim
-from benchmarks import run
+from benchmarks import _report, run
 from workloads import sharded as sm
 
 LAYOUTS = {"dp": "data parallel", "fsdp": "FSDP", "tp": "Megatron TP"}
@@ -88,7 +88,7 @@ def describe(colls: dict) -> str:
 def main(argv=None) -> str:
     """Runs the benchmark; returns the Markdown table (written unless ``--smoke``)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "COLLECTIVES.md"))
+    p.add_argument("--out", default=os.path.join(_report.RESULTS, "COLLECTIVES.md"))
     p.add_argument("--smoke", action="store_true", help="data parallel only, no write (CI)")
     args = p.parse_args(argv)
     layouts = {"dp": LAYOUTS["dp"]} if args.smoke else LAYOUTS

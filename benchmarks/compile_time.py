@@ -2,7 +2,7 @@
 
 Usage::
 
-    python -m benchmarks.compile_time                    # writes benchmarks/COMPILE_TIME.md
+    python -m benchmarks.compile_time                    # writes benchmarks/results/COMPILE_TIME.md
     python -m benchmarks.compile_time --models mlp,eqx_relu --reps 3 --no-write
     python -m benchmarks.compile_time --depths 50,100,200   # amp's tracing vs depth
     python -m benchmarks.compile_time --models "" --depths "" --no-write  # per-kernel costs
@@ -336,7 +336,7 @@ def main(argv: list[str] | None = None) -> str:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--depths", default="50,100,200", help="'' to skip the depth study")
     ap.add_argument("--no-kernel-costs", action="store_true")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "COMPILE_TIME.md"))
+    ap.add_argument("--out", default=os.path.join(_report.RESULTS, "COMPILE_TIME.md"))
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument(
         "--smoke", action="store_true", help="tiny: small mlp, f32 and amp, 1 repeat, no write (CI)"

@@ -17,7 +17,7 @@ cells it keeps that ran more than 10% faster. amp itself lowers every dot
 that passes ``Policy.min_low_contraction`` and ``min_low_flops`` (8 and 256
 by default); how-amp-works.md says why the candidate is not amp's rule.
 Written with the machine, versions, date and load to
-``benchmarks/DOT_THRESHOLDS_<backend>.md``.
+``benchmarks/results/DOT_THRESHOLDS_<backend>.md``.
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> str:
     """Runs the benchmark; returns the Markdown report (written unless ``--smoke``)."""
     p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--out", help="default: benchmarks/DOT_THRESHOLDS_<backend>.md")
+    p.add_argument("--out", help="default: benchmarks/results/DOT_THRESHOLDS_<backend>.md")
     p.add_argument("--smoke", action="store_true", help="two shapes, one round, no write (CI)")
     args = p.parse_args(argv)
     if hasattr(os, "sched_setaffinity"):
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> str:
     print(text)
     if not args.smoke:
         out = args.out or os.path.join(
-            os.path.dirname(__file__), f"DOT_THRESHOLDS_{jax.default_backend()}.md"
+            os.path.dirname(__file__), "results", f"DOT_THRESHOLDS_{jax.default_backend()}.md"
         )
         with open(out, "w") as f:
             f.write(text)

@@ -4,14 +4,14 @@ Compiles (does not run) the training step of a stack of MLP blocks whose
 parameters dominate memory (batch 1) and reads XLA's memory analysis:
 argument + output + temp bytes minus aliased bytes (params and optimizer state
 are donated in every variant). Prints a table and writes
-benchmarks/EAGER_MEMORY.md.
+benchmarks/results/EAGER_MEMORY.md.
 
     python -m benchmarks.eager_memory [--layers 12] [--width 512]
     python -m benchmarks.eager_memory --fsdp   # per device, 8 host devices
     python -m benchmarks.eager_memory --smoke  # 2 blocks of width 64, no write (CI)
 
 ``--fsdp`` forces 8 host CPU devices, shards every block weight's last dim
-over them (FSDP) and writes benchmarks/EAGER_MEMORY_FSDP.md: per-device peaks
+over them (FSDP) and writes benchmarks/results/EAGER_MEMORY_FSDP.md: per-device peaks
 of the standard step and of the eager step under ``jax.set_mesh`` (state
 slice carried) and without it (state writes ordered by an index read from the
 written rows, which costs scalar all-reduces in the loop: counted).
@@ -260,13 +260,15 @@ def main(argv: list[str] | None = None) -> str:
     ap.add_argument("--width", type=int, default=512)
     ap.add_argument("--seq", type=int, default=1)
     ap.add_argument("--reps", type=int, default=20, help="timed steps (f16 table)")
-    ap.add_argument("--out", default=None, help="default: benchmarks/EAGER_MEMORY[_FSDP].md")
+    ap.add_argument(
+        "--out", default=None, help="default: benchmarks/results/EAGER_MEMORY[_FSDP].md"
+    )
     ap.add_argument("--fsdp", action="store_true", help="per-device table on 8 host devices")
     ap.add_argument("--smoke", action="store_true", help="2 blocks of width 64, no write (CI)")
     a = ap.parse_args(argv)
     if a.smoke:
         a.layers, a.width, a.reps = 2, 64, 1
-    here = os.path.dirname(__file__)
+    here = _report.RESULTS
     if a.fsdp:
         out = a.out or os.path.join(here, "EAGER_MEMORY_FSDP.md")
         return _report.emit(fsdp_table(a.width, a.layers, a.seq), None if a.smoke else out)

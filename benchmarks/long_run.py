@@ -496,7 +496,7 @@ def main(argv=None) -> str:
         action="store_true",
         help="keep the recipes of --out's long_run.json that this run does not train",
     )
-    p.add_argument("--out", default=HERE)
+    p.add_argument("--out", default=os.path.join(HERE, "results"))
     p.add_argument("--smoke", action="store_true", help="2 recipes, 1 seed, 20 steps; no files")
     args = p.parse_args(argv)
     cfg, recipes = CFG, list(RECIPES)

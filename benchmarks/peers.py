@@ -1,6 +1,6 @@
 """amp beside the JAX mixed-precision peers, on models nobody here wrote.
 
-Usage (in an environment with the peers installed; see benchmarks/RESULTS.md)::
+Usage (in an environment with the peers installed; see benchmarks/results/RESULTS.md)::
 
     python -m benchmarks.peers                      # all models, prints Markdown tables
     python -m benchmarks.peers --models eqx_relu,oi --rounds 5

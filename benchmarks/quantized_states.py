@@ -104,7 +104,9 @@ def main(argv=None) -> str:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seeds", default="0")
     p.add_argument("--only", default=None, help="comma-separated variant names (see variants())")
-    p.add_argument("--out", default=os.path.dirname(os.path.abspath(__file__)))
+    p.add_argument(
+        "--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+    )
     p.add_argument("--no-timing", action="store_true", help="skip the update timings")
     p.add_argument(
         "--timing-only",

@@ -2,7 +2,7 @@
 
 Usage::
 
-    python -m benchmarks.run                       # all models, writes benchmarks/RESULTS.md
+    python -m benchmarks.run                       # all models, writes benchmarks/results/RESULTS.md
     python -m benchmarks.run --quick               # fewer repeats, no ResNet-50 compile study
     python -m benchmarks.run --models mlp,gpt      # a subset (mlp, gpt, cnn)
     python -m benchmarks.run --out /tmp/r.md       # write the report elsewhere
@@ -643,7 +643,7 @@ def main(argv: list[str] | None = None) -> str:
     gpu = jax.default_backend() == "gpu"
     big = args.scale == "gpu" or (args.scale == "auto" and gpu)
     here = os.path.dirname(os.path.abspath(__file__))
-    args.out = args.out or os.path.join(here, "RESULTS_GPU.md" if gpu else "RESULTS.md")
+    args.out = args.out or os.path.join(here, "results", "RESULTS_GPU.md" if gpu else "RESULTS.md")
     args.variants = args.variants or (
         "f32,amp,amp_bf16_stream,hand,hand_cudnn" if gpu else "f32,amp,hand,hand_acc"
     )
@@ -723,7 +723,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--out",
         default=None,
-        help="report file (default: benchmarks/RESULTS.md, or RESULTS_GPU.md on a GPU)",
+        help="report file (default: benchmarks/results/RESULTS.md, or RESULTS_GPU.md on a GPU)",
     )
     p.add_argument("--no-write", action="store_true", help="print the report, don't write it")
     p.add_argument("--no-extras", action="store_true", help="skip conv / dW / ResNet-50 studies")

@@ -1,6 +1,6 @@
 """amp's cost as the program grows: trace + lower of an unrolled decoder, float32 against amp.
 
-    python -m benchmarks.trace_cost                     # depths 4,16,32,48; writes TRACE_COST.md
+    python -m benchmarks.trace_cost                     # depths 4,16,32,48; writes benchmarks/results/TRACE_COST.md
     python -m benchmarks.trace_cost --depths 4,8 --no-write
     python -m benchmarks.trace_cost --smoke             # depth 1 and 2, 1 repeat, no write (CI)
 
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> str:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--depths", default="4,16,32,48")
     p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "TRACE_COST.md"))
+    p.add_argument("--out", default=os.path.join(_report.RESULTS, "TRACE_COST.md"))
     p.add_argument("--no-write", action="store_true")
     p.add_argument("--smoke", action="store_true", help="depths 1 and 2, 1 repeat, no write (CI)")
     args = p.parse_args(argv)

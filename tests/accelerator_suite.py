@@ -6,7 +6,7 @@ On a GPU machine: the suite runs with pytest-xdist (``-n``, default 8
 workers), without the pytest-benchmark plugin (it clashes with xdist under
 warnings-as-errors) and without JAX's GPU memory preallocation (the workers
 share one GPU). It writes ``junit.xml`` and ``log.txt`` to ``--out`` and
-prints a Markdown row for benchmarks/ACCELERATOR_RUNS.md:
+prints a Markdown row for benchmarks/results/ACCELERATOR_RUNS.md:
 
     | backend | device | JAX | passed | failed | skipped | xfailed | date |
 

@@ -412,3 +412,20 @@ def test_machine_lines_name_the_cpu_flags_and_amps_bf16_decision():
     )
     line = peers.machine()[0]
     assert f"cpu flags: {m['cpu flags']}; amp bf16 dots: " in line, line
+
+
+def test_results_live_in_their_folder_and_the_readme_indexes_them():
+    """benchmarks/ holds the scripts; every page they write (and every record kept
+    by hand) is in benchmarks/results/, and benchmarks/README.md indexes each."""
+    bench = ROOT / "benchmarks"
+    guides = {"README.md", "GPU_SESSION.md"}  # how to run them, not results
+    loose = [
+        p.name
+        for p in bench.iterdir()
+        if p.is_file() and p.suffix in (".md", ".json", ".png") and p.name not in guides
+    ]
+    assert not loose, f"result pages outside benchmarks/results/: {loose}"
+    readme = (bench / "README.md").read_text()
+    unindexed = [p.name for p in (bench / "results").iterdir() if p.name not in readme]
+    assert not unindexed, f"benchmarks/README.md does not index {unindexed}"
+    assert "](results/RESULTS.md)" in readme

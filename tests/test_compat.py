@@ -402,7 +402,7 @@ _PROGRAMS = {
 def test_higher_order_params_are_pinned(name):
     assert compat.JAX_VERSION in PARAMS, (
         f"JAX {jax.__version__} is not pinned: print each primitive's params here, add a "
-        "PARAMS row for it, and make amp_jax/_src/compat.py read whatever changed"
+        "PARAMS row for it, and make amp_jax/_src/compat/ read whatever changed"
     )
     names, open_params, inline_type = PARAMS[compat.JAX_VERSION]
     x = jnp.linspace(-1.0, 1.0, 4)

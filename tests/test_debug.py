@@ -156,7 +156,8 @@ def test_doctests_of_explain_and_debug():
     for mod in (
         "amp_jax._src.diagnostics.explain",
         "amp_jax._src.diagnostics.report",
-        "amp_jax._src.diagnostics.debug",
+        "amp_jax._src.diagnostics.nonfinite",
+        "amp_jax._src.diagnostics.underflow",
     ):
         result = doctest.testmod(importlib.import_module(mod), optionflags=doctest.ELLIPSIS)
         assert result.attempted > 0 and result.failed == 0, mod

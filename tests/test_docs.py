@@ -238,7 +238,7 @@ def test_readme_is_short_and_plain():
 # --- user pages speak of amp_jax, not of how we made it --------------------------------
 
 # a date (also inside a path), a count of our runs, our own shorthand; the run-by-run
-# record lives in benchmarks/ (benchmarks/ACCELERATOR_RUNS.md), whose files keep dates
+# record lives in benchmarks/ (benchmarks/results/ACCELERATOR_RUNS.md), whose files keep dates
 _OUR_OWN = re.compile(
     r"(?<!\d)20\d\d-\d\d-\d\d(?!\d)"
     r"|\b(?:one|first|second|third|last)\s+run\b|\b(?:two|three|four|five)\s+runs\b"

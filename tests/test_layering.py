@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import re
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -104,6 +105,8 @@ def test_private_reaches_finds_what_the_eager_step_used_to_call():
 # -- the backend travels as a record -------------------------------------------------------
 
 _BACKEND_MODULES = {"cpu", "gpu"}
+#: the policy (a user's data) and what it is made of know no backend
+_POLICY_MODULES = {f"amp_jax/_src/{m}.py" for m in ("policy", "op_classes", "policy_names")}
 
 
 def backend_lookups(root: pathlib.Path, source: dict[str, str] | None = None) -> list[str]:
@@ -122,7 +125,7 @@ def backend_lookups(root: pathlib.Path, source: dict[str, str] | None = None) ->
             ):
                 sub = node.module.split(".")[3:]
                 names = {a.name for a in node.names}
-                if rel == "amp_jax/_src/policy.py":
+                if rel in _POLICY_MODULES:
                     found.append(f"{rel}:{node.lineno}: the policy imports {node.module}")
                 if set(sub) & _BACKEND_MODULES or names & (_BACKEND_MODULES | {"backend_for"}):
                     found.append(f"{rel}:{node.lineno}: from {node.module} import {sorted(names)}")
@@ -324,42 +327,168 @@ def test_the_decision_slice_and_loop_fixed_point_live_in_planning():
             assert "Callable" not in ast.unparse(a.annotation or ast.Constant("")), (fn.name, a.arg)
 
 
-# -- a module is read in one sitting -----------------------------------------------------
+# -- the layers of amp_jax/_src, and the size of a module -----------------------------------
 
-#: the longest a module of amp_jax/_src may be
-MAX_LINES = 500
+#: The layers of amp_jax/_src, bottom first, by the first part of a module's name
+#: (a module, or a package with all it holds): a module imports only from its own
+#: layer or the ones below. The pipeline reads bottom-up: the policy and JAX's
+#: objects; the jaxpr toolkit and the backends; the records a trace is described
+#: by; the rules that bind each primitive; planning and the interpreter; the
+#: transformation; diagnostics beside it, reading what it did.
+LAYERS: tuple[frozenset[str], ...] = (
+    frozenset({"compat", "mesh", "op_classes", "policy_names", "policy", "optstate"}),
+    frozenset({"jaxprs", "mutation", "backends"}),
+    frozenset({"decision", "calling", "casting", "paths", "painting", "attention"}),
+    frozenset({"rules"}),
+    frozenset({"planning", "interpreter"}),
+    frozenset({"transform", "api"}),
+    frozenset({"diagnostics", "testing"}),
+)
 
-#: modules of amp_jax/_src still longer than `MAX_LINES`, and their length now (shrink, never
-#: grow; issue 59 splits them)
-KNOWN_LONG: dict[str, int] = {
-    "planning.py": 1069,
-    "policy.py": 880,
-    "diagnostics/explain.py": 742,
-    "diagnostics/debug.py": 633,
-    "transform.py": 623,
-    "calling.py": 606,
-    "compat.py": 577,
-    "diagnostics/compiled.py": 537,
-    "decision.py": 503,
-}
 
-
-def too_long(root: pathlib.Path, source: dict[str, str] | None = None) -> list[str]:
-    """The modules of ``amp_jax/_src`` over `MAX_LINES` lines (or over their
-    `KNOWN_LONG` length): ``path: n lines``."""
+def _src_imports(
+    root: pathlib.Path, source: dict[str, str] | None = None
+) -> dict[str, set[tuple[str, int]]]:
+    """``{module: {(imported module, line)}}`` between the modules of
+    ``amp_jax/_src`` (dotted below ``amp_jax._src``), imports inside functions too."""
     src = root / "amp_jax" / "_src"
-    texts = {str(p.relative_to(src)): p.read_text() for p in src.rglob("*.py")}
-    texts.update({k.removeprefix("amp_jax/_src/"): v for k, v in (source or {}).items()})
+    texts = {str(p.relative_to(root)): p.read_text() for p in src.rglob("*.py")}
+    texts.update(source or {})
+    out: dict[str, set[tuple[str, int]]] = {}
+    for rel, text in texts.items():
+        mod = _module_name(root / rel, src)
+        found = out.setdefault(mod, set())
+        for node in ast.walk(ast.parse(text)):
+            names = []
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("amp_jax._src"):
+                base = node.module.removeprefix("amp_jax._src").lstrip(".")
+                names = [f"{base}.{a.name}".lstrip(".") for a in node.names]
+                names = [n if _is_module(src, n) else base for n in names]
+            elif isinstance(node, ast.Import):
+                names = [
+                    a.name.removeprefix("amp_jax._src.")
+                    for a in node.names
+                    if a.name.startswith("amp_jax._src.")
+                ]
+            found.update((n, node.lineno) for n in names if n and n != mod)
+    return out
+
+
+def _layer(module: str) -> int | None:
+    head = module.split(".")[0]
+    return next((i for i, names in enumerate(LAYERS) if head in names), None)
+
+
+def layer_breaks(root: pathlib.Path, source: dict[str, str] | None = None) -> list[str]:
+    """Every module of ``amp_jax/_src`` in no layer of `LAYERS`, and every import
+    that runs up the layers: ``module:line: imports other``."""
     found = []
-    for rel, text in sorted(texts.items()):
-        n = len(text.splitlines())
-        if n > KNOWN_LONG.get(rel, MAX_LINES):
-            found.append(f"amp_jax/_src/{rel}: {n} lines")
+    for mod, imports in sorted(_src_imports(root, source).items()):
+        if not mod:
+            continue
+        own = _layer(mod)
+        if own is None:
+            found.append(f"{mod}: in no layer of LAYERS (add it where it belongs)")
+            continue
+        for other, line in sorted(imports):
+            theirs = _layer(other)
+            if theirs is not None and theirs > own:
+                found.append(f"{mod}:{line}: imports {other}, a layer above it")
     return found
 
 
-def test_no_module_grows_past_500_lines():
-    _none(too_long(ROOT), f"split it by stage (at most {MAX_LINES} lines a module)")
-    # the attention module before recognition and run time were apart
-    old = {"amp_jax/_src/attention.py": "x = 1\n" * 1029}
-    assert too_long(ROOT, old) == ["amp_jax/_src/attention.py: 1029 lines"]
+def import_cycles(root: pathlib.Path, source: dict[str, str] | None = None) -> list[list[str]]:
+    """The import cycles between the modules of ``amp_jax/_src`` (a package's
+    ``__init__`` counts as the package), each once."""
+    graph = {m: {o for o, _ in imports} for m, imports in _src_imports(root, source).items()}
+    cycles, done = [], set()
+
+    def visit(mod: str, path: list[str]) -> None:
+        for nxt in sorted(graph.get(mod, ())):
+            if nxt in path:
+                cycle = path[path.index(nxt) :]
+                if frozenset(cycle) not in done:
+                    done.add(frozenset(cycle))
+                    cycles.append(cycle)
+            elif nxt not in seen:
+                seen.add(nxt)
+                visit(nxt, [*path, nxt])
+
+    for start in sorted(graph):
+        seen = {start}
+        visit(start, [start])
+    return cycles
+
+
+def test_no_import_runs_up_the_layers_or_in_a_circle():
+    _none(layer_breaks(ROOT), "amp_jax/_src imports only downward (LAYERS)")
+    assert not import_cycles(ROOT), import_cycles(ROOT)
+    # the checks see what they guard against: the policy importing the planner,
+    # a module nobody placed, a circle
+    old = {"amp_jax/_src/policy.py": "from amp_jax._src import planning\n"}
+    assert "policy:1: imports planning, a layer above it" in layer_breaks(ROOT, old)
+    assert any(
+        "nowhere: in no layer" in f for f in layer_breaks(ROOT, {"amp_jax/_src/nowhere.py": ""})
+    )
+    circle = {
+        "amp_jax/_src/mesh.py": "from amp_jax._src import optstate\n",
+        "amp_jax/_src/optstate.py": "from amp_jax._src.mesh import partitioned_by_mesh\n",
+    }
+    assert ["mesh", "optstate"] in import_cycles(ROOT, circle)
+
+
+#: The most lines a module of amp_jax/_src may have: one responsibility a reader
+#: takes in at one sitting (issue 59).
+MAX_LINES = 500
+
+#: Modules still longer, being split (shrink, never grow): each must still be longer.
+KNOWN_LONG: frozenset[str] = frozenset({"planning.py", "decision.py", "calling.py"})
+
+
+def long_modules(root: pathlib.Path) -> dict[str, int]:
+    src = root / "amp_jax" / "_src"
+    lines = {str(p.relative_to(src)): len(p.read_text().splitlines()) for p in src.rglob("*.py")}
+    return {rel: n for rel, n in sorted(lines.items()) if n > MAX_LINES}
+
+
+def test_no_module_is_longer_than_a_sitting():
+    long = long_modules(ROOT)
+    assert set(long) <= KNOWN_LONG, (
+        f"modules of amp_jax/_src over {MAX_LINES} lines: "
+        f"{ {k: v for k, v in long.items() if k not in KNOWN_LONG} }; split them by responsibility"
+    )
+    assert not KNOWN_LONG - set(long), (
+        f"{sorted(KNOWN_LONG - set(long))} are {MAX_LINES} lines or fewer now: remove them "
+        "from KNOWN_LONG"
+    )
+
+
+def unmapped_modules(root: pathlib.Path, doc: str | None = None) -> list[str]:
+    """The modules and packages of ``amp_jax/_src`` that the pipeline map (the
+    docstring of ``amp_jax/_src/__init__.py``) does not name, and the packages
+    (``name/``) it names that do not exist."""
+    src = root / "amp_jax" / "_src"
+    if doc is None:
+        doc = ast.get_docstring(ast.parse((src / "__init__.py").read_text())) or ""
+    heads = {p.stem for p in src.glob("*.py") if p.stem != "__init__"}
+    packages = {p.parent.name for p in src.glob("*/__init__.py")}
+    found = [
+        f"{h}: not in the map" for h in sorted(heads | packages) if not re.search(rf"\b{h}\b", doc)
+    ]
+    found += [f"{p}/: no such package" for p in re.findall(r"\b(\w+)/", doc) if p not in packages]
+    return found
+
+
+def test_the_pipeline_map_names_every_module():
+    _none(unmapped_modules(ROOT), "amp_jax/_src/__init__.py maps the pipeline: name it there")
+    assert unmapped_modules(ROOT, "transform calling rules/ nowhere/") == [
+        *[
+            f"{h}: not in the map"
+            for h in sorted(
+                {p.stem for p in (ROOT / "amp_jax" / "_src").glob("*.py")}
+                | {p.parent.name for p in (ROOT / "amp_jax" / "_src").glob("*/__init__.py")}
+            )
+            if h not in ("__init__", "transform", "calling", "rules")
+        ],
+        "nowhere/: no such package",
+    ]

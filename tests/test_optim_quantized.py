@@ -237,7 +237,7 @@ def test_nu_is_rounded_so_that_its_fourth_root_is_unbiased(fmt):
     with the probability that keeps ``nu**(1/4)`` unbiased, 0.525, not 0.5:
     unbiased in ``sqrt(nu)`` the walk of ``nu`` over a long run made float8
     and 4-bit updates 2.5-3.5% larger than float32 AdamW's
-    (benchmarks/LONG_RUN.md; ``_quantized._toward``)."""
+    (benchmarks/results/LONG_RUN.md; ``_quantized._toward``)."""
     codec = _quantized._codecs(fmt)[1]
     block = _quantized.DEFAULT_BLOCK[fmt]
     v = _code_values(codec)
@@ -695,7 +695,7 @@ def test_forced_quantized_adamw_reaches_rosenbrocks_minimum(fmt):
     within 1e-2 or float32's, and beyond 1e-2 from no more starts than
     float32 AdamW; 4-bit from at most 2 (measured: 2, median 0.001). With the
     4-bit dynamic mu map (codes 0.0055, 0.0325, 0.0775, 0.2125, ...) 4-bit
-    states stopped 0.027-0.11 from (1, 1) (benchmarks/QUANTIZED_STATES.md,
+    states stopped 0.027-0.11 from (1, 1) (benchmarks/results/QUANTIZED_STATES.md,
     "4-bit states on Rosenbrock")."""
     starts, f32 = _rosenbrock_starts_and_float32_ends()
     tx = optim.adamw(0.1, state_format=fmt, min_quantized_size=1)

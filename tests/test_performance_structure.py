@@ -262,7 +262,7 @@ def test_a_transposed_dot_result_is_the_dot_with_its_operands_swapped(layout):
     operands swapped: no transpose of a bf16 dot's result is left, forward or
     backward. Left in, every elementwise op after the dot, and its backward,
     read a transposed array (``eqx.nn.MLP`` with gelu: 0.87x float32 before,
-    0.65x after; benchmarks/RESULTS.md). Values and gradients match float32."""
+    0.65x after; benchmarks/results/RESULTS.md). Values and gradients match float32."""
     apply, x_shape = _TRANSPOSED_RESULTS[layout]
     ws = [jax.random.normal(jax.random.key(i), (256, 256)) / 16 for i in range(3)]
     x = jax.random.normal(jax.random.key(9), x_shape)

@@ -1,4 +1,4 @@
-"""Prints the benchmarks/ACCELERATOR_RUNS.md row of one nox leg, from the leg's own junit file.
+"""Prints the benchmarks/results/ACCELERATOR_RUNS.md row of one nox leg, from the leg's own junit file.
 
     python tests/version_row.py build/junit/tests-3.12.xml
 

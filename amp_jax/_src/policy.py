@@ -1,377 +1,35 @@
-"""The mixed-precision policy: compute dtype and the classification of primitives.
+"""The mixed-precision policy: `Policy` (a frozen dataclass: the compute dtype, the op
+classes, the scopes and rules) and `get_policy`, which reads a policy from a name.
 
-The classification is plain data (frozensets of primitive names) so that users
-can read it, print it, extend it and override it. The five classes follow
-TensorFlow's auto-mixed-precision pass:
-
-* ``allow``  -- performance-critical ops (matmuls, convolutions) that run with
-  compute-dtype operands and float32 accumulation.
-* ``deny``   -- numerically sensitive ops (exp/log/pow, accumulating
-  reductions) that always run in float32.
-* ``follow`` -- elementwise arithmetic that is fine in low precision but
-  should not start a low-precision region on its own ("infer" in TensorFlow).
-* ``clear``  -- data movement and comparisons; numerically neutral.
-* ``never``  -- ops whose operand dtypes are part of their meaning (user
-  casts, bit casts, random bits, custom reductions): never changed.
-
-Primitives absent from every list are treated as ``follow`` (or raise
-``NotImplementedError`` with ``strict=True``). Primitives that carry
-sub-jaxprs (``jit``, ``cond``, ``while``, ``scan``, ``checkpoint``,
-``custom_jvp_call``, ``custom_vjp_call``, ``shard_map``, ...) need no entry:
-they are recursed into and keep their boundary dtypes.
+The op classes themselves are data in `op_classes`; the names a policy goes by
+(presets, aliases, Keras and jmp spellings) are `policy_names`'.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import functools
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeGuard
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.typing import DTypeLike
 
-OP_CLASSES: tuple[str, ...] = ("allow", "deny", "follow", "clear", "never")
-
-#: Matmuls and convolutions: compute-dtype operands, float32 accumulation.
-DEFAULT_ALLOW: frozenset[str] = frozenset(
-    {"dot_general", "conv_general_dilated", "ragged_dot_general", "ragged_dot"}
+from amp_jax._src.op_classes import (
+    DEFAULT_ALLOW,
+    DEFAULT_CLEAR,
+    DEFAULT_DENY,
+    DEFAULT_FOLLOW,
+    DEFAULT_NEVER,
+    OP_CLASSES,
+    check_spelling,
+    name_set,
 )
-"""Matmuls and convolutions: run with compute-dtype operands and float32 accumulation."""
-
-#: Factorizations and solves of lax.linalg: denied, and what they read stays float32.
-_FACTORIZATIONS: frozenset[str] = frozenset(
-    {
-        "cholesky",
-        "triangular_solve",
-        "lu",
-        "qr",
-        "svd",
-        "eigh",
-        "eig",
-        "tridiagonal_solve",
-        "schur",
-        "hessenberg",
-    }
-)
-
-#: Numerically sensitive: always computed in float32.
-DEFAULT_DENY: frozenset[str] = frozenset(
-    {
-        # exp / log / pow family
-        "exp",
-        "exp2",
-        "expm1",
-        "log",
-        "log1p",
-        "pow",
-        "rsqrt",
-        "sinh",
-        "cosh",
-        "tan",
-        "asin",
-        "acos",
-        "acosh",
-        "asinh",
-        "atanh",
-        "erf_inv",
-        "lgamma",
-        "digamma",
-        "igamma",
-        "igammac",
-        "igamma_grad_a",
-        "random_gamma_grad",
-        "polygamma",
-        "zeta",
-        "bessel_i0e",
-        "bessel_i1e",
-        "regularized_incomplete_beta",
-        # accumulating reductions and scans
-        "reduce_sum",
-        "reduce_prod",
-        "cumsum",
-        "cumprod",
-        "cumlogsumexp",
-        "reduce_window_sum",
-        "psum",
-        "psum_invariant",
-        "psum2",
-        # linear algebra that needs the precision
-        *_FACTORIZATIONS,
-        "householder_product",
-        "fft",
-        "tridiagonal",
-    }
-)
-"""Numerically sensitive primitives (exp/log/pow, accumulating reductions, linear algebra): always computed in float32."""
-
-#: Elementwise arithmetic: follows its inputs; low between two allow ops.
-DEFAULT_FOLLOW: frozenset[str] = frozenset(
-    {
-        "add",
-        "add_any",
-        "sub",
-        "mul",
-        "div",
-        "neg",
-        "abs",
-        "sign",
-        "integer_pow",
-        "square",
-        "sqrt",
-        "cbrt",
-        "tanh",
-        "logistic",
-        "erf",
-        "erfc",
-        "sin",
-        "cos",
-        "atan",
-        "atan2",
-        "rem",
-        "nextafter",
-        "floor",
-        "ceil",
-        "round",
-        "clamp",
-        "reduce_window",
-        "select_and_scatter_add",
-        "select_and_gather_add",
-        "scatter_add",
-        "scatter_sub",
-        "scatter_mul",
-        "copysign",
-        # JAX's own spellings of the scatter primitives
-        "scatter-add",
-        "scatter-sub",
-        "scatter-mul",
-        "select_and_scatter",
-    }
-)
-"""Elementwise arithmetic: follows its inputs; runs low between two allow ops."""
-
-#: Data movement, comparisons, max/min: numerically neutral.
-DEFAULT_CLEAR: frozenset[str] = frozenset(
-    {
-        "reshape",
-        "transpose",
-        "broadcast_in_dim",
-        "squeeze",
-        "expand_dims",
-        "slice",
-        "dynamic_slice",
-        "dynamic_update_slice",
-        "gather",
-        "scatter",
-        "concatenate",
-        "pad",
-        "rev",
-        "select_n",
-        "copy",
-        "copy_p",
-        "stop_gradient",
-        "max",
-        "min",
-        "reduce_max",
-        "reduce_min",
-        "reduce_window_max",
-        "reduce_window_min",
-        "cummax",
-        "cummin",
-        "argmax",
-        "argmin",
-        "eq",
-        "ne",
-        "lt",
-        "le",
-        "gt",
-        "ge",
-        "is_finite",
-        "sort",
-        "top_k",
-        "approx_top_k",
-        "sharding_constraint",
-        "device_put",
-        "scatter_max",
-        "scatter_min",
-        "pmax",
-        "pmin",
-        "all_gather",
-        "all_to_all",
-        "ppermute",
-        "psum_scatter",
-        "reduce_scatter",
-        "optimization_barrier",
-        "real",
-        "imag",
-        "conj",
-        "name",
-        "pvary",
-        "reshard",
-        "mesh_cast",
-        "all_gather_invariant",
-        "axis_index",
-        "split",
-        "tile",
-        "eq_to",
-        "le_to",
-        "lt_to",
-        "scatter-max",
-        "scatter-min",
-        "ragged_all_to_all",
-    }
-)
-"""Data movement, comparisons, max/min: numerically neutral, follows its inputs."""
-
-#: Operand dtypes are part of the meaning: never changed.
-DEFAULT_NEVER: frozenset[str] = frozenset(
-    {
-        "convert_element_type",
-        "bitcast_convert_type",
-        "reduce_precision",
-        "random_bits",
-        "random_seed",
-        "random_wrap",
-        "random_unwrap",
-        "random_fold_in",
-        "random_split",
-        "threefry2x32",
-        "rng_bit_generator",
-        "rng_uniform",
-        "iota",
-        "reduce",
-        "reduce_and",
-        "reduce_or",
-        "reduce_xor",
-        "population_count",
-        "clz",
-        "shift_left",
-        "shift_right_logical",
-        "shift_right_arithmetic",
-        "and",
-        "or",
-        "not",
-        "xor",
-        "complex",
-        "linear_solve",
-        "custom_linear_solve",
-        # host callbacks see the dtypes the user's code declared
-        "pure_callback",
-        "io_callback",
-        "debug_callback",
-        "debug_print",
-        "ffi_call",
-        "random_gamma",
-        "mulhi",
-        "create_token",
-        "after_all",
-    }
-)
-"""Primitives whose operand dtypes are part of their meaning (casts, bit casts, random bits, custom reductions): never changed."""
-
-#: Factorizations and solves: the contractions whose results they read stay float32.
-SOLVES: frozenset[str] = _FACTORIZATIONS | {"custom_linear_solve", "linear_solve"}  # lineax
-"""Factorizations and solves: they amplify their input's rounding by the matrix's condition number, so a contraction whose result one reads stays float32."""
-
-#: Follow ops whose result can leave the range of their operands (a power, a
-#: reciprocal, a product of two activations); under a compute dtype with
-#: float16's range they run in float32 (see `widens_range`).
-RANGE_WIDENING: frozenset[str] = frozenset({"integer_pow", "square", "div", "mul"})
-"""Follow ops whose result can leave their operands' range: float32 under a compute dtype with float16's small range."""
-
-
-def has_narrow_range(dtype: DTypeLike) -> bool:
-    """True for a compute dtype whose largest finite value is small (float16: 65504)."""
-    return float(jnp.finfo(dtype).max) < 1e10
-
-
-_PRESETS: dict[str, Any] = {
-    "bfloat16": jnp.bfloat16,
-    "float16": jnp.float16,
-    "float32": jnp.float32,
-}
-_ALIASES: dict[str, str] = {
-    "bf16": "bfloat16",
-    "f16": "float16",
-    "fp16": "float16",
-    "half": "float16",
-    "f32": "float32",
-    "fp32": "float32",
-    "float": "float32",
-    "fp8": "float8",
-    "f8": "float8",
-    "fp8_rowwise": "float8_rowwise",
-    "f8_rowwise": "float8_rowwise",
-}
-_VALID_COMPUTE = (jnp.bfloat16, jnp.float16, jnp.float32)
-#: presets that set more than the compute dtype: {name: Policy fields}
-_POLICY_PRESETS: dict[str, dict[str, Any]] = {
-    "float8": {"compute_dtype": jnp.bfloat16, "float8": "tensorwise"},
-    "float8_rowwise": {"compute_dtype": jnp.bfloat16, "float8": "rowwise"},
-}
-
-#: Keras' mixed-precision policy names -> the amp preset that means the same
-_KERAS_NAMES = {"mixed_bfloat16": "bfloat16", "mixed_float16": "float16"}
-_JMP_KEYS = {"p": "params", "params": "params", "c": "compute", "compute": "compute"}
-_JMP_KEYS |= {"o": "output", "output": "output"}
-
-
-def _named_fields(name: str, argname: str) -> dict[str, Any]:
-    """The Policy fields a policy name means (a preset, an alias, a Keras name or
-    a jmp string): what ``get_policy(name)`` and ``Policy(name)`` build."""
-    key = _ALIASES.get(name.lower(), name.lower())
-    key = _jmp_or_keras_preset(name) or key
-    if key in _POLICY_PRESETS:
-        return dict(_POLICY_PRESETS[key])
-    if key not in _PRESETS:
-        valid = ", ".join(repr(n) for n in [*_PRESETS, *_POLICY_PRESETS, *_ALIASES])
-        raise ValueError(
-            f"{argname}={name!r} is not a known policy. Valid names: {valid}; Keras' "
-            f"{', '.join(map(repr, _KERAS_NAMES))}; a jmp string such as 'p=f32,c=bf16,o=f32'; "
-            "or pass an amp_jax.Policy."
-        )
-    return {"compute_dtype": _PRESETS[key]}
-
-
-def _jmp_or_keras_preset(name: str) -> str | None:
-    """The preset a jmp policy string ("p=f32,c=bf16,o=f32") or Keras name means.
-
-    None when ``name`` is neither; ValueError when it has no amp equivalent.
-    """
-    if name.lower() in _KERAS_NAMES:
-        return _KERAS_NAMES[name.lower()]
-    if "=" not in name:
-        return None
-    parts = {}
-    for part in name.replace(" ", "").lower().split(","):
-        key, _, value = part.partition("=")
-        if key not in _JMP_KEYS:
-            raise ValueError(
-                f"policy={name!r}: unknown key {key!r} in a jmp-style policy string; "
-                "use params=/compute=/output= (or p=/c=/o=), e.g. 'p=f32,c=bf16,o=f32'."
-            )
-        dtype = _ALIASES.get(value, {"full": "float32", "single": "float32"}.get(value, value))
-        if dtype not in _PRESETS:
-            raise ValueError(f"policy={name!r}: {value!r} is not a dtype amp computes in.")
-        parts[_JMP_KEYS[key]] = dtype
-    compute = parts.get("compute", "float32")
-    if parts.get("params", "float32") != "float32":
-        raise ValueError(
-            f"policy={name!r}: amp leaves parameters in the dtype you store them in. Keep "
-            f"them {parts['params']} yourself (see the pure-bf16 optimizers) and pass "
-            f"policy={compute!r}."
-        )
-    if parts.get("output", "float32") != "float32":
-        raise ValueError(
-            f"policy={name!r}: amp returns the dtypes your function returns (float32 for a "
-            f"float32 model). Cast the output yourself, or write o=f32: policy={compute!r}."
-        )
-    return compute
-
+from amp_jax._src.op_classes import RANGE_WIDENING as RANGE_WIDENING
+from amp_jax._src.op_classes import SOLVES as SOLVES
+from amp_jax._src.op_classes import has_narrow_range as has_narrow_range
+from amp_jax._src.policy_names import ALIASES, PRESETS, as_dtype, named_fields
 
 #: Named scope that [`amp_jax.full_precision`][amp_jax.full_precision] opens; eqns under it are kept.
 FULL_PRECISION_SCOPE = "amp_full_precision"
@@ -391,102 +49,6 @@ def scope_in(stack: str, scopes: Sequence[str]) -> str | None:
         if ("/" in s and f"/{s.strip('/')}/" in joined) or s in names:
             return s
     return None
-
-
-def _as_dtype(value: DTypeLike, argname: str) -> np.dtype:
-    try:
-        dtype = np.dtype(value)
-    except TypeError:
-        dtype = None
-    if dtype is None or not any(dtype == np.dtype(d) for d in _VALID_COMPUTE):
-        valid = ", ".join(repr(n) for n in _PRESETS)
-        raise ValueError(
-            f"{argname}={value!r} is not a floating compute dtype amp supports. "
-            f"Use one of {valid} (or jnp.bfloat16 / jnp.float16 / jnp.float32)."
-        )
-    return dtype
-
-
-def _name_set(value: Iterable[str] | None, argname: str) -> frozenset[str]:
-    if value is None:
-        return frozenset()
-    if isinstance(value, str):
-        raise TypeError(
-            f"{argname} must be a collection of primitive names, got the string "
-            f"{value!r}; wrap it in a tuple: ({value!r},)."
-        )
-    try:
-        names = frozenset(value)
-    except TypeError:
-        raise TypeError(
-            f"{argname}={value!r} must be a collection of primitive names, e.g. ('exp', 'log')."
-        ) from None
-    for n in names:
-        if not isinstance(n, str):
-            raise TypeError(
-                f"{argname} must contain primitive names (str), got {n!r}; "
-                "use e.g. jax.lax.exp_p.name to get a primitive's name."
-            )
-        _check_spelling(n, argname)
-    return names
-
-
-@functools.lru_cache(maxsize=1)
-def _known_primitives() -> frozenset[str]:
-    """Names of the primitives JAX exports, and of the default classes."""
-    from jax.extend.core import primitives
-
-    names = set().union(DEFAULT_ALLOW, DEFAULT_DENY, DEFAULT_FOLLOW, DEFAULT_CLEAR, DEFAULT_NEVER)
-    for module in (primitives, jax.lax):
-        for attr in dir(module):
-            prim: Any = getattr(module, attr, None)
-            if attr.endswith("_p") and isinstance(getattr(prim, "name", None), str):
-                names.add(prim.name)
-    return frozenset(names)
-
-
-def _edits(a: str, b: str) -> int:
-    """Edit distance counting a swap of two neighbours as one edit (``tahn``/``tanh``)."""
-    d = [[i + j if i * j == 0 else 0 for j in range(len(b) + 1)] for i in range(len(a) + 1)]
-    for i in range(1, len(a) + 1):
-        for j in range(1, len(b) + 1):
-            d[i][j] = min(
-                d[i - 1][j] + 1, d[i][j - 1] + 1, d[i - 1][j - 1] + (a[i - 1] != b[j - 1])
-            )
-            if i > 1 and j > 1 and a[i - 1] == b[j - 2] and a[i - 2] == b[j - 1]:
-                d[i][j] = min(d[i][j], d[i - 2][j - 2] + 1)
-    return d[-1][-1]
-
-
-def _nearest(name: str, candidates: list[str]) -> str | None:
-    """The candidate fewest edits away (then: same length, then most alike), or
-    None when even the nearest needs more than a third of the name changed."""
-    if not candidates:
-        return None
-    key = lambda c: (
-        _edits(name, c),
-        abs(len(c) - len(name)),
-        -difflib.SequenceMatcher(None, name, c).ratio(),
-    )
-    best = min(candidates, key=key)
-    return best if _edits(name, best) <= max(1, len(name) // 3) else None
-
-
-def _check_spelling(name: str, argname: str) -> None:
-    """A name JAX does not know but that is close to one it knows is a typo.
-
-    (Names far from every known one are accepted: they may be a library's
-    own primitives.)
-    """
-    known = _known_primitives()
-    if name in known:
-        return
-    close = _nearest(name, difflib.get_close_matches(name, known, n=8, cutoff=0.75))
-    if close is not None:
-        raise ValueError(
-            f"{argname}: {name!r} is not a JAX primitive; did you mean {close!r}? "
-            "(amp_jax.get_policy('bfloat16').table() lists the classified ones.)"
-        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -620,13 +182,13 @@ class Policy:
 
     def __post_init__(self) -> None:
         if isinstance(self.compute_dtype, str):  # a policy name, as amp(policy=...) takes
-            named = _named_fields(self.compute_dtype, "Policy(compute_dtype)")
+            named = named_fields(self.compute_dtype, "Policy(compute_dtype)")
             if self.float8 == "off" and "float8" in named:  # ("float8": bf16 + float8 matmuls)
                 object.__setattr__(self, "float8", named["float8"])
             object.__setattr__(self, "compute_dtype", named["compute_dtype"])
-        object.__setattr__(self, "compute_dtype", _as_dtype(self.compute_dtype, "compute_dtype"))
+        object.__setattr__(self, "compute_dtype", as_dtype(self.compute_dtype, "compute_dtype"))
         for field in OP_CLASSES:
-            object.__setattr__(self, field, _name_set(getattr(self, field), field))
+            object.__setattr__(self, field, name_set(getattr(self, field), field))
         object.__setattr__(self, "overrides", _checked_overrides(self.overrides))
         _check_disjoint(self)
         scopes = _checked_scopes(self.full_precision_scopes)
@@ -656,7 +218,7 @@ class Policy:
             default: Any
             value, default = getattr(self, field.name), field.default
             if field.name in OP_CLASSES:
-                default = _name_set(default, field.name)
+                default = name_set(default, field.name)
             if value == default:
                 continue
             if field.name in OP_CLASSES:
@@ -715,7 +277,7 @@ def _checked_overrides(
         )
     pairs = []
     for name, cls in overrides or ():
-        _check_spelling(str(name), "overrides")
+        check_spelling(str(name), "overrides")
         if cls not in OP_CLASSES:
             raise ValueError(
                 f"overrides[{name!r}]={cls!r} is not an op class; use one of {OP_CLASSES}."
@@ -759,7 +321,7 @@ def rule_fields(target: str) -> dict[str, Any]:
     """The Policy fields the matmuls of a rule with ``target`` run under: the
     preset of that name (``"float8"``: bfloat16 with tensorwise float8), float8
     off unless the target names it."""
-    return {"float8": "off", **_named_fields(target, "rules")}
+    return {"float8": "off", **named_fields(target, "rules")}
 
 
 def _checked_rules(
@@ -794,7 +356,7 @@ def _checked_rules(
                 raise ValueError(f"rules: {pattern!r} is not a regular expression: {e}") from None
         elif pattern.startswith("@") and pattern not in ("@first", "@last"):
             raise ValueError(f"rules: {pattern!r}: the '@' patterns are '@first' and '@last'.")
-        key = _ALIASES.get(target.lower(), target.lower()) if isinstance(target, str) else None
+        key = ALIASES.get(target.lower(), target.lower()) if isinstance(target, str) else None
         if key not in RULE_TARGETS:
             raise ValueError(
                 f"rules[{pattern!r}]={target!r} is not a target; rules map a pattern to one "
@@ -858,13 +420,13 @@ def get_policy(policy: Policy | str | DTypeLike) -> Policy:
     if isinstance(policy, Policy):
         return policy
     if isinstance(policy, str):
-        return Policy(**_named_fields(policy, "policy"))
+        return Policy(**named_fields(policy, "policy"))
     try:
         return Policy(policy)
     except ValueError as e:
         raise ValueError(
             f"policy={policy!r} is neither an amp_jax.Policy, a preset name "
-            f"({', '.join(map(repr, _PRESETS))}) nor a supported float dtype."
+            f"({', '.join(map(repr, PRESETS))}) nor a supported float dtype."
         ) from e
 
 

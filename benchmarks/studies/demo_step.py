@@ -1,4 +1,4 @@
-"""Frozen study; its results: benchmarks/GPU_STUDIES.md, "The demo's pure-bf16 step" (2026-11-24).
+"""Frozen study; its results: benchmarks/results/GPU_STUDIES.md, "The demo's pure-bf16 step" (2026-11-24).
 
 The demo's train steps, mode by mode, timed the way the demo times them and apart.
 

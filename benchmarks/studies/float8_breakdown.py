@@ -1,4 +1,4 @@
-"""Frozen study; its results: benchmarks/GPU_STUDIES.md, "Float8 speed" (2026-11-24).
+"""Frozen study; its results: benchmarks/results/GPU_STUDIES.md, "Float8 speed" (2026-11-24).
 
 Where an fp8 dense layer's time goes, beside bf16: GEMMs alone, quantization alone, whole layer.
 

@@ -1,4 +1,4 @@
-"""Frozen study; its results: benchmarks/GPU_STUDIES.md, "Float8: the dequantize-then-dot form ran in bf16" (2026-11-24).
+"""Frozen study; its results: benchmarks/results/GPU_STUDIES.md, "Float8: the dequantize-then-dot form ran in bf16" (2026-11-24).
 
 The two ways amp can write an fp8 product, compiled side by side on this backend.
 

@@ -1,4 +1,4 @@
-"""Frozen study; its results: benchmarks/GPU_STUDIES.md, "Pure-bf16 train steps" (2026-11-22).
+"""Frozen study; its results: benchmarks/results/GPU_STUDIES.md, "Pure-bf16 train steps" (2026-11-22).
 
 Why is a train step on pure-bf16 parameters slow on GPU? Variants side by side.
 

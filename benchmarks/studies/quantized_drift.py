@@ -1,4 +1,4 @@
-"""Frozen study; its results: benchmarks/QUANTIZED_STATES.md, the drift table under "Rounded to the nearest code".
+"""Frozen study; its results: benchmarks/results/QUANTIZED_STATES.md, the drift table under "Rounded to the nearest code".
 
 How far quantized Adam moments drift from float32 Adam's on the same gradients.
 

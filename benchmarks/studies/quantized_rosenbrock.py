@@ -1,4 +1,4 @@
-"""Frozen study; its results: benchmarks/QUANTIZED_STATES.md, "4-bit states on Rosenbrock" (2026-11-25).
+"""Frozen study; its results: benchmarks/results/QUANTIZED_STATES.md, "4-bit states on Rosenbrock" (2026-11-25).
 
 Why 4-bit AdamW states stop short of Rosenbrock's minimum, and what closes the gap.
 

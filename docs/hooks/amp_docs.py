@@ -8,7 +8,7 @@
   (``python docs/hooks/amp_docs.py`` rewrites it).
 * ``<!-- amp:backend-table -->`` ... ``<!-- /amp:backend-table -->``:
   ``amp_jax.BACKEND_SLOW_IN_LOW_PRECISION``, the same way.
-* ``<!-- amp:benchmark-results -->`` by ``benchmarks/RESULTS.md`` when it
+* ``<!-- amp:benchmark-results -->`` by ``benchmarks/results/RESULTS.md`` when it
   exists (relative links in it are turned into plain text, as they point
   outside the docs), or by a note on how to produce it.
 """
@@ -34,7 +34,7 @@ _CLASS_DOC = {
 
 def op_table() -> str:
     from amp_jax import get_policy
-    from amp_jax._src.policy import OP_CLASSES
+    from amp_jax._src.op_classes import OP_CLASSES
 
     policy = get_policy("bfloat16")
     by_class: dict[str, list[str]] = {c: [] for c in OP_CLASSES}
@@ -68,28 +68,30 @@ def _unlink_relative(text: str) -> str:
         bang, label, target = m.groups()
         if re.match(r"^[a-z]+://|^#|^mailto:", target):
             return m.group(0)
-        shown = f"benchmarks/{target}" if not target.startswith("/") else target
+        shown = f"benchmarks/results/{target}" if not target.startswith("/") else target
         return f"{label} (`{shown}`)" if label else f"`{shown}`"
 
     return _LINK.sub(repl, text)
 
 
 def benchmark_results() -> str:
-    """benchmarks/RESULTS.md (CPU) and, when present, RESULTS_GPU.md."""
+    """benchmarks/results/RESULTS.md (CPU) and, when present, RESULTS_GPU.md."""
     parts = []
     titles = {"RESULTS.md": "CPU", "RESULTS_GPU.md": "GPU"}
     for name in ("RESULTS.md", "RESULTS_GPU.md"):
-        path = ROOT / "benchmarks" / name
+        path = ROOT / "benchmarks" / "results" / name
         if path.exists():
             # each file's own title names the machine here (both are "amp_jax speed benchmark")
-            text = re.sub(r"\A# .*", f"# {titles[name]} (`benchmarks/{name}`)", path.read_text())
+            text = re.sub(
+                r"\A# .*", f"# {titles[name]} (`benchmarks/results/{name}`)", path.read_text()
+            )
             text = re.sub(
                 r"^(#+)", r"#\1", text, flags=re.M
             )  # nest its headings under this page's title
             parts.append(_unlink_relative(text))
     if not parts:
         return (
-            '!!! note "No results yet"\n    `benchmarks/RESULTS.md` has not been generated in this checkout. '
+            '!!! note "No results yet"\n    `benchmarks/results/RESULTS.md` has not been generated in this checkout. '
             "Run `python -m benchmarks.run` to produce it."
         )
     return "\n\n".join(parts)

@@ -10,7 +10,7 @@ import jax
 from jax.typing import DTypeLike
 
 from amp_jax._src import backends, compat, decision
-from amp_jax._src.diagnostics.explain import unused_eqns
+from amp_jax._src.diagnostics.measure import unused_eqns
 from amp_jax._src.diagnostics.reasons import (
     Decisions,
     SourceLines,

@@ -1,0 +1,23 @@
+"""Flax NNX's graph nodes across versions: how a node's attributes are read
+(wrapped in ``DataElem``/``StaticElem`` from Flax 0.12.8, plain before)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def nnx_node_items(nnx: Any, impl: Any, node: object) -> list[tuple[Any, Any, bool]]:
+    """``(key, value, is_data)`` for each attribute of the Flax NNX graph node
+    ``node`` (``impl``: its ``nnx.graph.get_node_impl``). Flax 0.12.8 and newer
+    wrap each in ``graph.DataElem``/``StaticElem``; older ones (0.12.2) give
+    the plain value, and the node's ``_pytree__nodes`` entry (an item too)
+    says which attributes are data."""
+    items, _ = impl.flatten(node)
+    data_elem = getattr(nnx.graph, "DataElem", None)
+    if data_elem is None:
+        return [(key, value, False) for key, value in items]
+    wrapped = (data_elem, nnx.graph.StaticElem)
+    return [
+        (key, elem.value if isinstance(elem, wrapped) else elem, isinstance(elem, data_elem))
+        for key, elem in items
+    ]
