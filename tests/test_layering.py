@@ -139,7 +139,7 @@ def backend_lookups(root: pathlib.Path, source: dict[str, str] | None = None) ->
 
 
 def test_no_module_outside_backends_looks_a_backend_up_by_name():
-    why = "the Backend record is resolved once per trace (planning.Config.backend) and "
+    why = "the Backend record is resolved once per trace (context.Config.backend) and "
     _none(backend_lookups(ROOT), why + "handed down; kernel facts live in amp_jax/_src/backends/")
 
 
@@ -291,22 +291,112 @@ def test_the_rule_base_is_a_package_with_its_table():
     assert "amp_jax/_src/elementwise.py: belongs in amp_jax/_src/rules/" in found, found
 
 
-# -- the plan is one module's: the decision slice and the loop fixed point ------------------
+# -- the planner: a module per stage, each importing only the stages below ----------------
+
+#: the planner's modules (``amp_jax/_src/<name>.py``), bottom up: the plan record, the
+#: context it is made under, classification, the painted draft, what decides control
+#: flow, the decisions. Each imports none of those after it; ``painting`` (pure graph
+#: functions) imports none of them.
+PLANNER_LAYERS = ("painting", "plans", "context", "classify", "painted", "control", "planning")
+
+#: at most this many lines in a module of amp_jax/_src
+MAX_MODULE_LINES = 500
 
 
-def test_the_decision_slice_and_loop_fixed_point_live_in_planning():
-    """painting.py is pure painting: it takes no function to call back (planning's
-    loop reads), and what decides control flow is planning's, beside its loop
+def imports_of(root: pathlib.Path, source: dict[str, str] | None = None) -> dict[str, set[str]]:
+    """The modules of ``amp_jax._src`` each module of ``root/amp_jax/_src`` imports
+    (anywhere in it: a function-level import counts), by dotted name."""
+    src = root / "amp_jax" / "_src"
+    files = {str(p.relative_to(root)): p for p in src.rglob("*.py")}
+    out: dict[str, set[str]] = {}
+    for rel in sorted({*files, *(source or {})}):
+        text = (source or {}).get(rel, None) or files[rel].read_text()
+        mod = _module_name(root / rel, root)
+        found = out.setdefault(mod, set())
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("amp_jax._src"):
+                for a in node.names:
+                    sub = f"{node.module}.{a.name}"
+                    found.add(sub if _is_module(root, sub) else node.module)
+            elif isinstance(node, ast.Import):
+                found.update(a.name for a in node.names if a.name.startswith("amp_jax._src"))
+        found.discard(mod)
+    return out
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The cycles of ``graph`` (one per strongly connected set of modules)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            part = []
+            while True:
+                w = stack.pop()
+                part.append(w)
+                if w == v:
+                    break
+            if len(part) > 1:
+                cycles.append(sorted(part))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def planner_layering(root: pathlib.Path, source: dict[str, str] | None = None) -> list[str]:
+    """Each import of a planner module (`PLANNER_LAYERS`) that runs up the table."""
+    graph = imports_of(root, source)
+    found = []
+    for k, name in enumerate(PLANNER_LAYERS):
+        above = {f"amp_jax._src.{n}" for n in PLANNER_LAYERS[k + 1 :]}
+        for m in sorted(graph.get(f"amp_jax._src.{name}", set()) & above):
+            found.append(f"amp_jax/_src/{name}.py imports {m}")
+    return found
+
+
+def test_no_import_cycle_in_the_core():
+    _none([" <-> ".join(c) for c in import_cycles(imports_of(ROOT))], "import cycles")
+    old = {"amp_jax/_src/painting.py": "from amp_jax._src import control\n"}
+    assert any("amp_jax._src.control" in c for c in import_cycles(imports_of(ROOT, old)))
+
+
+def test_the_planner_is_a_module_per_stage_each_above_the_last():
+    _none(planner_layering(ROOT), "a planner stage imports a stage above it (PLANNER_LAYERS)")
+    src = ROOT / "amp_jax" / "_src"
+    for name in PLANNER_LAYERS:
+        n = len((src / f"{name}.py").read_text().splitlines())
+        assert n <= MAX_MODULE_LINES, f"amp_jax/_src/{name}.py has {n} lines"
+    old = {"amp_jax/_src/classify.py": "from amp_jax._src.control import decision_slice\n"}
+    assert planner_layering(ROOT, old) == ["amp_jax/_src/classify.py imports amp_jax._src.control"]
+
+
+def test_the_decision_slice_and_loop_fixed_point_live_in_control():
+    """painting.py is pure painting: it takes no function to call back (the
+    loop reads), and what decides control flow is control.py's, beside its loop
     fixed point."""
     src = ROOT / "amp_jax" / "_src"
     painting = ast.parse((src / "painting.py").read_text())
-    planning_defs = _defined(ast.parse((src / "planning.py").read_text()))
-    assert {"decision_seeds", "decision_slice", "_loop_reads"} <= planning_defs
+    control_defs = _defined(ast.parse((src / "control.py").read_text()))
+    assert {"decision_seeds", "decision_slice", "_loop_reads"} <= control_defs
     assert not {"decision_seeds", "decision_slice", "_loop_reads"} & _defined(painting)
     imported = {n.module or "" for n in ast.walk(painting) if isinstance(n, ast.ImportFrom)} | {
         a.name for n in ast.walk(painting) if isinstance(n, ast.ImportFrom) for a in n.names
     }
-    assert "planning" not in imported and "amp_jax._src.planning" not in imported
+    for stage in PLANNER_LAYERS[1:]:
+        assert stage not in imported and f"amp_jax._src.{stage}" not in imported, stage
     for fn in (n for n in painting.body if isinstance(n, ast.FunctionDef)):
         for a in fn.args.args:
             assert "Callable" not in ast.unparse(a.annotation or ast.Constant("")), (fn.name, a.arg)

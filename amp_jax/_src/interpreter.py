@@ -1,7 +1,7 @@
 """Rewriting a jaxpr under a mixed-precision policy: evaluation.
 
 `rewrite` (and `evaluate`, its eager form) evaluate the
-`Plan` of a jaxpr (``planning.py``: one typed
+`Plan` of a jaxpr (``plans.py``, made by ``planning.py``: one typed
 `Decision` per eqn) under the caller's trace:
 every eqn is bound through its rule in the primitive-keyed table of
 ``rules/table.py`` (`table.rule_for`), under the named scopes that carry its
@@ -23,9 +23,10 @@ from typing import Any
 
 import jax
 
-from amp_jax._src import casting, compat, decision, jaxprs
-from amp_jax._src.decision import Color, Fused, OpClass
-from amp_jax._src.planning import Context, Plan
+from amp_jax._src import casting, compat, decision, jaxprs, planning
+from amp_jax._src.context import Context
+from amp_jax._src.decision import Color, Fused, LazyBody, OpClass
+from amp_jax._src.plans import Plan
 from amp_jax._src.rules import table
 from amp_jax._src.rules.base import CastingEnv
 
@@ -37,6 +38,12 @@ class Interpreter(Context):
     """A planning `Context` that also rewrites and evaluates: what the rules
     (`RuleContext`, ``rules/base.py``) are handed, for the rules of higher-order
     primitives (``rules/higher_order.py``) to rewrite their sub-jaxprs."""
+
+    def plan_lazy(self, body: LazyBody, closed: compat.ClosedJaxpr) -> Plan:
+        """The plan of ``closed``, the jaxpr of ``body`` traced after planning
+        (`planning.plan_lazy`), under this context or, for code JAX transposes
+        (``body.linear``), its `linear` form."""
+        return planning.plan_lazy(self.linear if body.linear else self, closed)
 
     def rewrite(self, plan_: Plan, in_avals: Sequence[Any] | None = None) -> Any:
         return rewrite(self, plan_, in_avals)

@@ -38,8 +38,10 @@ from amp_jax._src.calling import (
     unwrap_statics,
 )
 from amp_jax._src.compat import KeyPath
+from amp_jax._src.context import Config
 from amp_jax._src.interpreter import Interpreter, evaluate
-from amp_jax._src.planning import Config, Plan, plan
+from amp_jax._src.planning import plan
+from amp_jax._src.plans import Plan
 from amp_jax._src.policy import FULL_PRECISION_SCOPE, Policy, get_policy, scope_in
 
 F = TypeVar("F", bound=Callable[..., Any])

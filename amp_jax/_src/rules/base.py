@@ -20,7 +20,7 @@ from jax import lax
 
 from amp_jax._src import casting, compat, jaxprs
 from amp_jax._src.backends import Backend
-from amp_jax._src.decision import BodyHints, Color, Decision, Variant
+from amp_jax._src.decision import Color, Decision, LazyBody, Variant
 from amp_jax._src.policy import HIGH_DTYPE, Policy, is_managed_float
 
 #: ``rule(eqn, invals, compute_dtype, out_dtype) -> list of outputs``: the
@@ -52,7 +52,8 @@ class RuleContext(Protocol):
 
     def cached(self, kind: Any, obj: Any, make: Callable[[], Any]) -> Any: ...
 
-    def plan_lazy(self, closed: compat.ClosedJaxpr, hints: BodyHints = ...) -> Any: ...
+    def plan_lazy(self, body: LazyBody, closed: compat.ClosedJaxpr) -> Any:
+        """The plan of ``closed``, the jaxpr of ``body`` now that JAX traced it."""
 
     def rewrite(self, plan_: Any, in_avals: Sequence[Any] | None = None) -> Any: ...
 

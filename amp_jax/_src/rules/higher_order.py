@@ -64,11 +64,11 @@ class HigherOrderRule(EqnRule):
         def rewrite(sub: Any) -> Any:
             found = body_plan(d, sub)
             if found is None:  # a custom_vjp's forward, traced under differentiation
-                found = _lazy(d, "fwd_jaxpr_thunk", eqn).plan(ctx, sub)
+                found = ctx.plan_lazy(_lazy(d, "fwd_jaxpr_thunk", eqn), sub)
             return ctx.rewrite(found)
 
         def rewrite_jvp_rule(rule: Any) -> Any:
-            return ctx.linear.rewrite(_lazy(d, "jvp_jaxpr_fun", eqn).plan(ctx, rule))
+            return ctx.linear.rewrite(ctx.plan_lazy(_lazy(d, "jvp_jaxpr_fun", eqn), rule))
 
         params = ctx.cached(
             ("params", d.hints),  # (a body planned twice, with two hints, has two)
@@ -135,7 +135,7 @@ class ScanRule(HigherOrderRule):
             # without the scan's hints: the loop carry is not kept)
             body = masked.params["jaxpr"]
             d = dataclasses.replace(
-                d, hints=(), bodies=(BodyPlan("jaxpr", _MASKED_BODY.plan(ctx, body), body),)
+                d, hints=(), bodies=(BodyPlan("jaxpr", ctx.plan_lazy(_MASKED_BODY, body), body),)
             )
         eqn = masked
         hints = body_hints(eqn, d, eqn.params["jaxpr"])
@@ -239,7 +239,7 @@ def _custom_jvp_low(
             p_out = primal(*prims)
             up = [casting.cast(x, hi.dtype) for x, hi in zip(prims, orig_avals)]
             up += [casting.cast(t, hi.dtype) for t, (_, hi) in zip(tans, tan_in)]
-            t_out = ctx.linear.evaluate(jvp_rule.plan(ctx, rule), up)[len(out_zeros) :]
+            t_out = ctx.linear.evaluate(ctx.plan_lazy(jvp_rule, rule), up)[len(out_zeros) :]
             nz = [p for p, z in zip(p_out, out_zeros) if not z]
             return [
                 *p_out,
@@ -308,7 +308,7 @@ def _run_bwd(
         closed = compat.trace_to_closed_jaxpr(traced, avals)
         if lazy is None:
             raise AssertionError("amp_jax: a custom_vjp_call's plan holds no 'bwd' body")
-        return lazy.plan(ctx, closed), zeros, tree[0]
+        return ctx.plan_lazy(lazy, closed), zeros, tree[0]
 
     # (a Python scalar -- a cotangent ``vjp`` was handed as a float -- is baked
     # into the trace: keyed by its value, or the next call's would get this one's)
