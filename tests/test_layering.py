@@ -139,7 +139,7 @@ def backend_lookups(root: pathlib.Path, source: dict[str, str] | None = None) ->
 
 
 def test_no_module_outside_backends_looks_a_backend_up_by_name():
-    why = "the Backend record is resolved once per trace (context.Config.backend) and "
+    why = "the Backend record is resolved once per trace (context.Context.backend) and "
     _none(backend_lookups(ROOT), why + "handed down; kernel facts live in amp_jax/_src/backends/")
 
 
@@ -220,7 +220,7 @@ def test_one_env_hierarchy():
 
 #: the modules of amp_jax/_src/rules/ and the names each defines (at least)
 RULES_LAYOUT = {
-    "base.py": {"EqnRule", "AllowRule", "RuleContext", "CastingEnv", "Rule", "default_allow_rule"},
+    "base.py": {"EqnRule", "AllowRule", "CastingEnv", "Rule", "default_allow_rule"},
     "table.py": {"TABLE", "rule_for", "register_rule"},
     "elementwise.py": {"BroadcastRule", "ExpandRule", "RULES"},
     "dots.py": {"DotRule", "RULES", "plan_layouts"},

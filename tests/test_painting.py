@@ -93,7 +93,7 @@ def test_decision_slice_stops_at_matmuls():
         for e, n in zip(jaxpr.eqns, nested)
     ]
     colors = painting.paint(classes, jaxpr)
-    ctx = context.Context(context.Config(amp_jax.get_policy("bfloat16"), backends.current()))
+    ctx = context.Context(amp_jax.get_policy("bfloat16"), backends.current())
     seeds = control.decision_seeds(ctx, jaxpr, ())
     kept, f32_out, reached = control.decision_slice(jaxpr, kinds, classes, colors, seeds)
     names = {jaxpr.eqns[i].primitive.name for i in kept}

@@ -36,7 +36,7 @@ from amp_jax._src.decision import (
 
 
 def _ctx(policy="bfloat16", backend="cpu"):
-    return context.Context(context.Config(amp_jax.get_policy(policy), backend_for(backend)))
+    return context.Context(amp_jax.get_policy(policy), backend_for(backend))
 
 
 def _plan(fn, *args, policy="bfloat16", backend=None):
@@ -296,25 +296,26 @@ def test_a_plan_prints_its_decisions_and_hints():
     assert dot.split()[5:7] == ["float32", "policy_class:"], dot
 
 
-def test_the_configuration_is_frozen_data_and_linear_shares_the_trace_memo():
+def test_the_context_is_one_frozen_record_and_linear_shares_the_trace_memo():
     ctx = _ctx()
-    assert ctx.config == context.Config(amp_jax.get_policy("bfloat16"), backend_for("cpu"))
-    assert {ctx.config: 1}[context.Config(amp_jax.get_policy("bfloat16"), backend_for("cpu"))] == 1
-    with pytest.raises(AttributeError):
-        ctx.config.vjp_rules = False
+    same = context.Context(amp_jax.get_policy("bfloat16"), backend_for("cpu"))
+    assert ctx == same and {ctx: 1}[same] == 1 and ctx.memo is not same.memo  # memo: not data
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ctx.vjp_rules = False
     linear = ctx.linear
-    assert linear.config == dataclasses.replace(ctx.config, vjp_rules=False)
+    assert linear == dataclasses.replace(ctx, vjp_rules=False)
     assert linear.memo is ctx.memo and linear.linear is linear
     closed = jax.make_jaxpr(jnp.dot)(jnp.ones((64, 64)), jnp.ones((64, 64)))
     p = planning.plan(ctx, closed)
-    assert (
-        planning.plan(ctx, closed) is p and planning.plan(linear, closed) is not p
-    )  # keyed apart in one memo
+    assert planning.plan(ctx, closed) is p and planning.plan(linear, closed) is not p  # keyed apart
     assert planning.plan(ctx, closed, BodyHints(carries=frozenset({0}))) is not p
-    with pytest.raises(TypeError, match=r"Context\(Config\(policy, backend\)\)"):
-        context.Context(amp_jax.get_policy("bfloat16"), "cpu")
+    with pytest.raises(TypeError, match=r"takes a context.Memo, got dict"):
+        context.Context(amp_jax.get_policy("bfloat16"), backend_for("cpu"), memo={})
     with pytest.raises(TypeError, match=r"takes a backends.Backend record, got str 'cpu'"):
-        context.Config(amp_jax.get_policy("bfloat16"), "cpu")  # the record, not its name
+        context.Context(amp_jax.get_policy("bfloat16"), "cpu")
+    # a context that only plans says how to get one that evaluates
+    with pytest.raises(TypeError, match=r"evaluator=interpreter.EVALUATOR"):
+        ctx.rewrite(p)
 
 
 def test_a_plan_lists_its_attentions_and_the_trace_log_is_read_from_the_plans():

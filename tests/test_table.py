@@ -63,7 +63,7 @@ def test_an_unknown_primitive_in_the_allow_class_gets_the_default_allow_rule():
 
 
 def _ctx(backend="cpu", policy="bfloat16"):
-    return context.Context(context.Config(amp_jax.get_policy(policy), backend_for(backend)))
+    return context.Context(amp_jax.get_policy(policy), backend_for(backend))
 
 
 def _decisions(ctx, fn, *args):

@@ -1,7 +1,7 @@
 """Planning: one `Decision` for every eqn of a jaxpr, made into a `Plan` tree.
 
 `plan` runs, once per (trace, closed jaxpr, hints), under a `Context`
-(``context.py``: a frozen `Config` of policy and backend, and the `Memo` of
+(``context.py``: a frozen record of policy and backend, with the `Memo` of
 the trace). Its stages, a module each, bottom up:
 
 1. *Prepare* (``context.py``, `Context.prepare`): inline ``jit`` eqns that
@@ -78,7 +78,7 @@ def plan(ctx: Context, closed: compat.ClosedJaxpr, hints: BodyHints = NO_HINTS) 
     Under a policy with rules, the paths of the program's matmuls are found
     first (`paths.Paths`)."""
     if ctx.policy.rules and not ctx.identity and ctx.memo.paths is None:
-        found = ctx.memo.paths = paths.Paths(ctx.policy, ctx.config.in_paths)
+        found = ctx.memo.paths = paths.Paths(ctx.policy, ctx.in_paths)
         top = compat.jaxpr_of(ctx.prepare(closed))
         found.start(top)
         found.walk(top, ctx.prepare)
@@ -107,7 +107,7 @@ def _plan(ctx: Context, closed: compat.ClosedJaxpr, hints: BodyHints) -> Plan:
 
 def plan_lazy(ctx: Context, closed: compat.ClosedJaxpr) -> Plan:
     """The plan of a `LazyBody`'s jaxpr, traced after planning (a rule plans it
-    through ``ctx.plan_lazy``, ``interpreter.Interpreter.plan_lazy``)."""
+    through ``ctx.plan_lazy``: `Context.plan_lazy`, ``interpreter.EVALUATOR``)."""
     return _plan(ctx, closed, NO_HINTS)
 
 

@@ -38,8 +38,8 @@ from amp_jax._src.calling import (
     unwrap_statics,
 )
 from amp_jax._src.compat import KeyPath
-from amp_jax._src.context import Config
-from amp_jax._src.interpreter import Interpreter, evaluate
+from amp_jax._src.context import Context
+from amp_jax._src.interpreter import EVALUATOR, evaluate
 from amp_jax._src.planning import plan
 from amp_jax._src.plans import Plan
 from amp_jax._src.policy import FULL_PRECISION_SCOPE, Policy, get_policy, scope_in
@@ -88,7 +88,7 @@ class Traced:
 
     plan: Plan
     out_tree: compat.PyTreeDef
-    ctx: Interpreter
+    ctx: Context
     writes: mutation.Writes | None = None
     staged: Callable[..., list[Any]] | None = None
     out_aliases: mutation.Aliases = ()
@@ -339,7 +339,7 @@ class AmpFunction:
         in_paths: tuple[str, ...] = ()
         if self.policy.rules:  # (what Policy.rules match parameters by)
             in_paths = paths.input_paths(call.args, call.kwargs, call.names, call.dynamic_mask)
-        ctx = Interpreter(Config(self.policy, backends.current(), in_paths=in_paths))
+        ctx = Context(self.policy, backends.current(), in_paths=in_paths, evaluator=EVALUATOR)
         planned = plan(ctx, closed)
         if ctx.memo.paths is not None:
             ctx.memo.paths.check(fn_name(self.fn))
