@@ -1,6 +1,6 @@
 """What decides control flow, and what a loop carries: kept out of the compute dtype.
 
-`make_draft` starts from the painted draft of a jaxpr (``painted.py``) and keeps
+`make_draft` starts a `Draft` of a jaxpr's plan from its painting (``painted.py``) and keeps
 in their original precision the eqns that compute what decides control flow
 (`decision_seeds`: a while predicate, a ``cond`` index, the loop-carried
 values that feed them), what a factorization or solve reads, and what a loop
@@ -19,10 +19,38 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from amp_jax._src import casting, compat, jaxprs
+from amp_jax._src.classify import Classified
 from amp_jax._src.context import Context
 from amp_jax._src.decision import NO_HINTS, BodyHints, Color, Kind, OpClass, Reason, Why
-from amp_jax._src.painted import Draft, low_text, painted
+from amp_jax._src.painted import low_text, painted
 from amp_jax._src.policy import SOLVES, is_managed_float
+
+
+@dataclasses.dataclass
+class Draft:
+    """A plan being made: classes, colors, the reasons and outputs decided so far."""
+
+    classified: list[Classified]
+    colors: list[Color]
+    #: eqns kept in their original precision by the painting, with the reason
+    kept: dict[int, Reason] = dataclasses.field(default_factory=dict)
+    #: low allow eqns whose results decide control flow or a carry: they write float32
+    f32_out: set[int] = dataclasses.field(default_factory=set)
+    #: {eqn index: {sub-jaxpr param: its hints}} of the higher-order eqns
+    bodies: dict[int, dict[str, BodyHints]] = dataclasses.field(default_factory=dict)
+
+    def hint(self, i: int, where: str, hints: BodyHints) -> None:
+        """Adds ``hints`` to those of sub-jaxpr ``where`` of eqn ``i``."""
+        at = self.bodies.setdefault(i, {})
+        at[where] = at.get(where, NO_HINTS) | hints
+
+    @property
+    def classes(self) -> list[OpClass | None]:
+        return [c.op_class for c in self.classified]
+
+    @property
+    def kinds(self) -> list[Kind]:
+        return [c.kind for c in self.classified]
 
 
 def make_draft(ctx: Context, jaxpr: compat.Jaxpr, hints: BodyHints = NO_HINTS) -> Draft:
@@ -259,4 +287,4 @@ def _loop_reads(ctx: Context, eqn: compat.Eqn) -> LoopReads:
     return ctx.cached("loop_reads", eqn, make)
 
 
-__all__ = ("LoopReads", "decision_seeds", "decision_slice", "make_draft")
+__all__ = ("Draft", "LoopReads", "decision_seeds", "decision_slice", "make_draft")

@@ -4,14 +4,12 @@
 an op that reads a constant the compute dtype cannot represent and a matmul
 next to a factorization or solve, and paints the rest (``painting.py``,
 pure): once per jaxpr, the start of both the plan and the loop-decision fixed
-point (``control.py``). A `Draft` holds that painting while planning keeps
-more eqns out of the compute dtype and records why; `low_text` says why an
+point (``control.py``, whose `Draft` starts from it); `low_text` says why an
 eqn painted low runs in the compute dtype.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import jax.numpy as jnp
@@ -21,43 +19,13 @@ from amp_jax._src import compat, painting
 from amp_jax._src.classify import Classified, classify
 from amp_jax._src.context import Context
 from amp_jax._src.decision import (
-    NO_HINTS,
-    BodyHints,
     Color,
-    Kind,
     OpClass,
     Reason,
     Why,
     low_allow_text,
 )
 from amp_jax._src.policy import SOLVES
-
-
-@dataclasses.dataclass
-class Draft:
-    """A plan being made: classes, colors, the reasons and outputs decided so far."""
-
-    classified: list[Classified]
-    colors: list[Color]
-    #: eqns kept in their original precision by the painting, with the reason
-    kept: dict[int, Reason] = dataclasses.field(default_factory=dict)
-    #: low allow eqns whose results decide control flow or a carry: they write float32
-    f32_out: set[int] = dataclasses.field(default_factory=set)
-    #: {eqn index: {sub-jaxpr param: its hints}} of the higher-order eqns
-    bodies: dict[int, dict[str, BodyHints]] = dataclasses.field(default_factory=dict)
-
-    def hint(self, i: int, where: str, hints: BodyHints) -> None:
-        """Adds ``hints`` to those of sub-jaxpr ``where`` of eqn ``i``."""
-        at = self.bodies.setdefault(i, {})
-        at[where] = at.get(where, NO_HINTS) | hints
-
-    @property
-    def classes(self) -> list[OpClass | None]:
-        return [c.op_class for c in self.classified]
-
-    @property
-    def kinds(self) -> list[Kind]:
-        return [c.kind for c in self.classified]
 
 
 def painted(ctx: Context, jaxpr: compat.Jaxpr) -> tuple[tuple[Classified, ...], tuple[Color, ...]]:
@@ -152,4 +120,4 @@ def _reads_unrepresentable_constant(jaxpr: compat.Jaxpr, dtype: np.dtype) -> lis
     return found
 
 
-__all__ = ("Draft", "low_text", "painted")
+__all__ = ("low_text", "painted")

@@ -47,7 +47,7 @@ from amp_jax._src import attention, compat, float8, paths
 from amp_jax._src.backends import Backend
 from amp_jax._src.classify import Classified, classify, rule_policy
 from amp_jax._src.context import Context
-from amp_jax._src.control import make_draft
+from amp_jax._src.control import Draft, make_draft
 from amp_jax._src.decision import (
     NO_HINTS,
     BodyHints,
@@ -63,7 +63,7 @@ from amp_jax._src.decision import (
     Why,
     body_hints,
 )
-from amp_jax._src.painted import Draft, low_text
+from amp_jax._src.painted import low_text
 from amp_jax._src.plans import Plan
 from amp_jax._src.policy import HIGH_DTYPE, Policy
 from amp_jax._src.rules import dots
