@@ -96,9 +96,10 @@ def check_dots_low(jaxpr, min_low=1):
 def allow_out_dtype(policy="bfloat16"):
     """The dtype amp's dots and convs write on this backend (float32 on CPU, bf16 on GPU)."""
     from amp_jax import get_policy
-    from amp_jax._src import backends, planning
+    from amp_jax._src import backends
+    from amp_jax._src.rules.dots import outputs
 
-    return np.dtype(planning.allow_output_dtype(get_policy(policy), backends.current()))
+    return np.dtype(outputs.allow_output_dtype(get_policy(policy), backends.current()))
 
 
 def _open_jaxpr(j):

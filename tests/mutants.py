@@ -181,19 +181,20 @@ def _decisions_off():
 
 
 def _attention_off():
-    from amp_jax._src import attention
+    from amp_jax._src.attention import recognise
 
-    _patch(attention, "find", lambda jaxpr, consts, near=None: {})
+    _patch(recognise, "find", lambda jaxpr, consts, near=None: {})
 
 
 def _low_outputs_off():
-    from amp_jax._src import planning, policy
+    from amp_jax._src import policy
+    from amp_jax._src.rules.dots import outputs
 
-    _patch(planning, "allow_output_dtype", lambda pol, backend: policy.HIGH_DTYPE)
+    _patch(outputs, "allow_output_dtype", lambda pol, backend: policy.HIGH_DTYPE)
 
 
 def _float8_off():
-    from amp_jax._src import float8
+    from amp_jax._src.rules.dots import float8
 
     # the plan never picks the fp8 variant
     _patch(float8, "applies", lambda policy, vjp_rules, eqn: False)
@@ -202,7 +203,7 @@ def _float8_off():
 def _float8_scales_unguarded():
     import jax.numpy as jnp
 
-    from amp_jax._src import float8
+    from amp_jax._src.rules.dots import float8
 
     def scale_of(x, dtype, axes=None):  # amax / fp8_max: no floor, no inf/nan handling
         a = jnp.abs(x.astype(jnp.float32))
@@ -213,7 +214,7 @@ def _float8_scales_unguarded():
 
 
 def _float8_backward_e4m3():
-    from amp_jax._src import float8
+    from amp_jax._src.rules.dots import float8
 
     _patch(float8, "BWD_DTYPE", float8.FWD_DTYPE)
 

@@ -1,4 +1,4 @@
-"""Attention written out is recognised and run fused (amp_jax/_src/attention.py).
+"""Attention written out is recognised and run fused (amp_jax/_src/attention/).
 
 On CPU there is no cuDNN: ``Policy(attention="xla")`` forces the rewrite with
 JAX's XLA implementation, which checks the recognition, the layouts, masks,

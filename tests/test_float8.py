@@ -20,8 +20,9 @@ from _util import BF16, F32, eqns, rel
 
 import amp_jax
 from amp_jax import Policy, amp, get_policy
-from amp_jax._src import backends, decision, float8
+from amp_jax._src import backends, decision
 from amp_jax._src.backends import backend_for
+from amp_jax._src.rules.dots import float8
 
 E4M3 = np.dtype(jnp.float8_e4m3fn)
 E5M2 = np.dtype(jnp.float8_e5m2)

@@ -1,7 +1,7 @@
 """Issue 25, item 6: amp composes with forward-mode differentiation.
 
 A lowered dot is a ``custom_jvp`` whose tangent products are amp's linear
-low-precision dot (``amp_jax._src.lowdot``): ``jax.jvp``, ``jacfwd``,
+low-precision dot (``amp_jax._src.rules.dots.lowdot``): ``jax.jvp``, ``jacfwd``,
 ``linearize``, ``linear_transpose`` and Hessian-vector products work, and
 ``jax.grad`` still multiplies compute-dtype cotangents with compute-dtype
 operands (the transpose rule of the linear dot).

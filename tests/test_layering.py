@@ -145,16 +145,16 @@ def test_no_module_outside_backends_looks_a_backend_up_by_name():
 
 def test_backend_lookups_finds_what_the_modules_used_to_do():
     old = {
-        "amp_jax/_src/attention.py": "from amp_jax._src.backends import backend_for, gpu\n",
+        "amp_jax/_src/attention/plan.py": "from amp_jax._src.backends import backend_for, gpu\n",
         "amp_jax/_src/policy.py": "from amp_jax._src.backends import Backend\n",
-        "amp_jax/_src/rules/dots.py": (
+        "amp_jax/_src/rules/dots/lowering.py": (
             "from amp_jax._src import backends\nd = backends.backend_for('cpu')\n"
         ),
     }
     found = backend_lookups(ROOT, old)
-    assert any(f.startswith("amp_jax/_src/attention.py:1: from") for f in found), found
+    assert any(f.startswith("amp_jax/_src/attention/plan.py:1: from") for f in found), found
     assert any("the policy imports" in f for f in found), found
-    assert any(f.startswith("amp_jax/_src/rules/dots.py:2: .backend_for") for f in found), found
+    assert any(f.startswith("amp_jax/_src/rules/dots/lowering.py:2: .backend_for") for f in found)
 
 
 # -- one name for one thing -------------------------------------------------------------
@@ -185,7 +185,7 @@ def test_no_two_modules_define_a_class_of_one_name():
     assert twice <= set(KNOWN_TWICE), f"defined in two modules of amp_jax/_src: {twice}"
     # the check sees attention's plan as it used to be named, and the Env protocol
     # that elementwise.py held beside jaxprs.Env
-    old = {"amp_jax/_src/attention.py": "class Plan:\n    pass\n"}
+    old = {"amp_jax/_src/attention/match.py": "class Plan:\n    pass\n"}
     assert "Plan" in classes_defined_twice(ROOT, old)
     old = {"amp_jax/_src/rules/elementwise.py": "class Env:\n    pass\n"}
     assert "Env" in classes_defined_twice(ROOT, old)
@@ -218,17 +218,34 @@ def test_one_env_hierarchy():
 
 # -- the rules: a package with its base and table ------------------------------------------
 
-#: the modules of amp_jax/_src/rules/ and the names each defines (at least)
+#: the modules of amp_jax/_src/rules/ and the names each defines (at least); the dot
+#: family is one package: its rule, the tangent product, float8 and what planning asks
 RULES_LAYOUT = {
     "base.py": {"EqnRule", "AllowRule", "CastingEnv", "Rule", "default_allow_rule"},
     "table.py": {"TABLE", "rule_for", "register_rule"},
     "elementwise.py": {"BroadcastRule", "ExpandRule", "RULES"},
-    "dots.py": {"DotRule", "RULES", "plan_layouts"},
+    "dots/lowering.py": {"DotRule", "TransposeRule", "RULES", "plan_layouts"},
+    "dots/lowdot.py": {"linear_dot_p", "linear_dot", "dot_transpose"},
+    "dots/float8.py": {"applies", "reason", "variant_rule", "float8_dot_rule"},
+    "dots/outputs.py": {"allow_output_dtype", "rule_reason"},
     "higher_order.py": {"HigherOrderRule", "ScanRule", "GENERIC", "RULES"},
 }
 
+#: modules of the old layouts, now in amp_jax/_src/rules/ (path under amp_jax/_src)
+OLD_PLACES = ("rules.py", "elementwise.py", "dots.py", "higher_order.py", "lowdot.py", "float8.py")
+
 #: what runs the rules: a module of amp_jax/_src/rules/ imports none of them
-RULE_USERS = ("planning", "interpreter", "painting", "transform", "calling", "diagnostics")
+RULE_USERS = (
+    "planning",
+    "control",
+    "painted",
+    "classify",
+    "interpreter",
+    "painting",
+    "transform",
+    "calling",
+    "diagnostics",
+)
 
 
 def _defined(tree: ast.Module) -> set[str]:
@@ -258,10 +275,10 @@ def rules_layout(root: pathlib.Path, source: dict[str, str] | None = None) -> li
         missing = names - _defined(ast.parse(text or (pkg / name).read_text()))
         if missing:
             found.append(f"{rel}: does not define {sorted(missing)}")
-    for old in ("rules.py", "elementwise.py", "dots.py", "higher_order.py"):
+    for old in (*OLD_PLACES, "rules/dots.py"):
         if (root / "amp_jax" / "_src" / old).is_file() or f"amp_jax/_src/{old}" in (source or {}):
             found.append(f"amp_jax/_src/{old}: belongs in amp_jax/_src/rules/")
-    paths = {str(p.relative_to(root)): p for p in pkg.glob("*.py")}
+    paths = {str(p.relative_to(root)): p for p in pkg.rglob("*.py")}
     for rel in sorted(
         {*paths, *(r for r in (source or {}) if r.startswith(str(pkg.relative_to(root))))}
     ):
@@ -284,11 +301,16 @@ def test_the_rule_base_is_a_package_with_its_table():
     old = {
         "amp_jax/_src/rules/higher_order.py": "from amp_jax._src import planning\nGENERIC = 1\n",
         "amp_jax/_src/elementwise.py": "class EqnRule:\n    pass\n",
+        # the dot family as it was: float8 beside the planner, calling back up into it
+        "amp_jax/_src/float8.py": "def applies():\n    pass\n",
+        "amp_jax/_src/rules/dots/outputs.py": "from amp_jax._src.planning import Plan\n",
     }
     found = rules_layout(ROOT, old)
     assert "amp_jax/_src/rules/higher_order.py:1: imports amp_jax._src.planning" in found, found
     assert any("higher_order.py: does not define" in f for f in found), found
     assert "amp_jax/_src/elementwise.py: belongs in amp_jax/_src/rules/" in found, found
+    assert "amp_jax/_src/float8.py: belongs in amp_jax/_src/rules/" in found, found
+    assert "amp_jax/_src/rules/dots/outputs.py:1: imports amp_jax._src.planning" in found, found
 
 
 # -- the planner: a module per stage, each importing only the stages below ----------------
@@ -298,9 +320,6 @@ def test_the_rule_base_is_a_package_with_its_table():
 #: flow, the decisions. Each imports none of those after it; ``painting`` (pure graph
 #: functions) imports none of them.
 PLANNER_LAYERS = ("painting", "plans", "context", "classify", "painted", "control", "planning")
-
-#: at most this many lines in a module of amp_jax/_src
-MAX_MODULE_LINES = 500
 
 
 def imports_of(root: pathlib.Path, source: dict[str, str] | None = None) -> dict[str, set[str]]:
@@ -375,10 +394,6 @@ def test_no_import_cycle_in_the_core():
 
 def test_the_planner_is_a_module_per_stage_each_above_the_last():
     _none(planner_layering(ROOT), "a planner stage imports a stage above it (PLANNER_LAYERS)")
-    src = ROOT / "amp_jax" / "_src"
-    for name in PLANNER_LAYERS:
-        n = len((src / f"{name}.py").read_text().splitlines())
-        assert n <= MAX_MODULE_LINES, f"amp_jax/_src/{name}.py has {n} lines"
     old = {"amp_jax/_src/classify.py": "from amp_jax._src.control import decision_slice\n"}
     assert planner_layering(ROOT, old) == ["amp_jax/_src/classify.py imports amp_jax._src.control"]
 
@@ -400,3 +415,42 @@ def test_the_decision_slice_and_loop_fixed_point_live_in_control():
     for fn in (n for n in painting.body if isinstance(n, ast.FunctionDef)):
         for a in fn.args.args:
             assert "Callable" not in ast.unparse(a.annotation or ast.Constant("")), (fn.name, a.arg)
+
+
+# -- a module is read in one sitting -----------------------------------------------------
+
+#: the longest a module of amp_jax/_src may be
+MAX_LINES = 500
+
+#: modules of amp_jax/_src still longer than `MAX_LINES`, and their length now (shrink, never
+#: grow; issue 59 splits them)
+KNOWN_LONG: dict[str, int] = {
+    "policy.py": 880,
+    "diagnostics/explain.py": 742,
+    "diagnostics/debug.py": 633,
+    "transform.py": 623,
+    "calling.py": 606,
+    "compat.py": 577,
+    "diagnostics/compiled.py": 537,
+}
+
+
+def too_long(root: pathlib.Path, source: dict[str, str] | None = None) -> list[str]:
+    """The modules of ``amp_jax/_src`` over `MAX_LINES` lines (or over their
+    `KNOWN_LONG` length): ``path: n lines``."""
+    src = root / "amp_jax" / "_src"
+    texts = {str(p.relative_to(src)): p.read_text() for p in src.rglob("*.py")}
+    texts.update({k.removeprefix("amp_jax/_src/"): v for k, v in (source or {}).items()})
+    found = []
+    for rel, text in sorted(texts.items()):
+        n = len(text.splitlines())
+        if n > KNOWN_LONG.get(rel, MAX_LINES):
+            found.append(f"amp_jax/_src/{rel}: {n} lines")
+    return found
+
+
+def test_no_module_grows_past_500_lines():
+    _none(too_long(ROOT), f"split it by stage (at most {MAX_LINES} lines a module)")
+    # the attention module before recognition and run time were apart
+    old = {"amp_jax/_src/attention.py": "x = 1\n" * 1029}
+    assert too_long(ROOT, old) == ["amp_jax/_src/attention.py: 1029 lines"]

@@ -79,7 +79,7 @@ def test_the_jvp_rule_of_two_zero_tangents_is_a_zero_of_the_output():
     (it called a `Zero.from_primal_value` no JAX version has)."""
     from jax.interpreters import ad
 
-    from amp_jax._src import lowdot
+    from amp_jax._src.rules.dots import lowdot
 
     prim, params = _lowdot()
     zeros = tuple(ad.Zero(jax.typeof(a).to_tangent_aval()) for a in (T, O))

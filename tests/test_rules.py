@@ -13,7 +13,8 @@ import pytest
 from _util import eqns
 from jax import lax
 
-from amp_jax._src import backends, lowdot
+from amp_jax._src import backends
+from amp_jax._src.rules.dots import lowdot
 
 # name: (x shape, y shape, ((xc, yc), (xb, yb)))
 LAYOUTS = {

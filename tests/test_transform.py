@@ -11,7 +11,7 @@ from jax import lax
 
 from amp_jax import Policy, amp, full_precision
 from amp_jax._src.backends import backend_for
-from amp_jax._src.planning import allow_output_dtype
+from amp_jax._src.rules.dots.outputs import allow_output_dtype
 
 KEY = jax.random.PRNGKey(0)
 

@@ -18,7 +18,7 @@ import functools
 
 import numpy as np
 
-from amp_jax._src import casting, compat, float8, jaxprs
+from amp_jax._src import casting, compat, jaxprs
 from amp_jax._src.backends import Backend
 from amp_jax._src.context import Context
 from amp_jax._src.decision import Kind, OpClass, PathRule, Reason, Variant, Why
@@ -30,6 +30,7 @@ from amp_jax._src.policy import (
     is_managed_float,
     rule_fields,
 )
+from amp_jax._src.rules.dots import float8
 
 
 @dataclasses.dataclass(frozen=True)

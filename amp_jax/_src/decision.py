@@ -69,7 +69,7 @@ class Variant(enum.Enum):
 
 
 class Fused(enum.Enum):
-    """The eqn's part in a fused attention (``attention.py``)."""
+    """The eqn's part in a fused attention (``attention/``)."""
 
     NO = "no"
     HERE = "here"  # the fused attention is computed at this eqn (its second matmul)

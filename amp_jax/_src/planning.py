@@ -18,10 +18,11 @@ the trace). Its stages, a module each, bottom up:
    predicate, a cond index, the loop-carried values that feed them, found by
    a fixed point through a loop's carry) and what a loop carries to its next
    iteration is kept out of the compute dtype.
-5. *Attention* (``attention.py``): which attentions run fused.
+5. *Attention* (``attention/``): which attentions run fused.
 6. *Decide* (here): each eqn's `Decision` -- its reason (recorded where it is
-   made), the dtype an ``allow`` op writes (`allow_output_dtype`), the plans
-   of its sub-jaxprs -- and the backend's dot layouts (``rules/dots.py``),
+   made), the dtype an ``allow`` op writes (``rules/dots/outputs.py``), the
+   plans of its sub-jaxprs -- and the backend's dot layouts
+   (``rules/dots/lowering.py``),
    into a `Plan` (``plans.py``, with its printer `format_plan`).
 
 The `Plan` is then read by the interpreter and its rules, by ``explain`` and
@@ -41,10 +42,7 @@ import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
-
-from amp_jax._src import attention, compat, float8, paths
-from amp_jax._src.backends import Backend
+from amp_jax._src import attention, compat, paths
 from amp_jax._src.classify import Classified, classify, rule_policy
 from amp_jax._src.context import Context
 from amp_jax._src.control import Draft, make_draft
@@ -65,8 +63,8 @@ from amp_jax._src.decision import (
 )
 from amp_jax._src.painted import low_text
 from amp_jax._src.plans import Plan
-from amp_jax._src.policy import HIGH_DTYPE, Policy
-from amp_jax._src.rules import dots
+from amp_jax._src.policy import HIGH_DTYPE
+from amp_jax._src.rules.dots import float8, lowering, outputs
 
 
 def plan(ctx: Context, closed: compat.ClosedJaxpr, hints: BodyHints = NO_HINTS) -> Plan:
@@ -93,7 +91,7 @@ def _plan(ctx: Context, closed: compat.ClosedJaxpr, hints: BodyHints) -> Plan:
         draft = make_draft(ctx, compat.jaxpr_of(flat), hints)
         att = _plan_attention(ctx, flat)
         decisions = _decisions(ctx, draft, compat.jaxpr_of(flat), att)
-        layouts = dots.plan_layouts(
+        layouts = lowering.plan_layouts(
             compat.jaxpr_of(flat),
             decisions,
             backend=ctx.backend,
@@ -162,7 +160,7 @@ def all_low(ctx: Context, closed: compat.ClosedJaxpr) -> Plan:
     for c in (classify(ctx, e) for e in eqns):
         color = Color.ORIG if c.kind is Kind.NO_FLOAT else Color.LOW
         decisions.append(Decision(c.kind, c.op_class, color, reason))
-    layouts = dots.plan_layouts(
+    layouts = lowering.plan_layouts(
         compat.jaxpr_of(closed), decisions, backend=ctx.backend, vjp_rules=ctx.vjp_rules
     )
     return Plan(closed, tuple(decisions), layouts=layouts)
@@ -186,7 +184,7 @@ def _decisions(
             # (a rule's dtype other than the policy's: float32 results, which
             # the policy's low ops around it read in their own dtype)
             f32 = f32 or (c.rule is not None and c.rule.dtype != ctx.policy.compute_dtype)
-            out_dtype = HIGH_DTYPE if f32 else allow_output_dtype(ctx.policy, ctx.backend)
+            out_dtype = HIGH_DTYPE if f32 else outputs.allow_output_dtype(ctx.policy, ctx.backend)
         d = Decision(
             c.kind,
             c.op_class,
@@ -244,19 +242,7 @@ def _rule_reason(ctx: Context, eqn: compat.Eqn, c: Classified) -> Reason:
     rule = c.rule
     assert rule is not None
     sub = rule_policy(ctx.policy, rule.target)
-    fp8 = float8.reason(sub, ctx.backend, eqn, c.variant)
-    if fp8 is not None:
-        return Reason(Why.RULE, f"{rule.text}: {fp8.text}")
-    cd = sub.compute_dtype.name
-    return Reason(Why.RULE, f"{rule.text}: runs in {cd} (float32 accumulation)")
-
-
-def allow_output_dtype(policy: Policy, backend: Backend) -> np.dtype:
-    """The dtype ``allow`` ops write on ``backend`` (``Policy.allow_outputs``)."""
-    low = policy.allow_outputs == "compute" or (
-        policy.allow_outputs == "auto" and backend.low_outputs
-    )
-    return policy.compute_dtype if low else HIGH_DTYPE
+    return outputs.rule_reason(rule.text, sub, ctx.backend, eqn, c.variant)
 
 
 _NO_ATTENTION = attention.AttentionPlan({}, [], {})
@@ -279,4 +265,4 @@ def _plan_attention(ctx: Context, closed: compat.ClosedJaxpr) -> attention.Atten
     return plan_
 
 
-__all__ = ("all_low", "allow_output_dtype", "plan", "plan_lazy", "subjaxprs")
+__all__ = ("all_low", "plan", "plan_lazy", "subjaxprs")

@@ -16,7 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from amp_jax._src import attention, compat
+from amp_jax._src import compat
+from amp_jax._src.attention.match import Match
 from amp_jax._src.decision import Decision, Fused, LazyBody, Variant
 
 
@@ -30,11 +31,11 @@ class Plan:
     closed: compat.ClosedJaxpr
     decisions: tuple[Decision, ...]
     #: the fused attentions, by the index of the eqn that computes each one
-    fused: dict[int, tuple[attention.Match, str]] = dataclasses.field(default_factory=dict)
+    fused: dict[int, tuple[Match, str]] = dataclasses.field(default_factory=dict)
     #: the backend's layouts of lowered dots, by eqn index (XLA:CPU: `cpu.DotLayout`)
     layouts: dict[int, Any] = dataclasses.field(default_factory=dict)
     #: (source line of the scores matmul, implementation or None, reason) of
-    #: every attention recognised in the jaxpr (``attention.py``)
+    #: every attention recognised in the jaxpr (``attention/``)
     attentions: tuple[tuple[str, str | None, str], ...] = ()
 
     @property

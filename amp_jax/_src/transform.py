@@ -20,7 +20,7 @@ from typing import Any, Literal, TypeVar, cast, overload
 import jax
 from jax.typing import DTypeLike
 
-from amp_jax._src import backends, compat, mutation, paths
+from amp_jax._src import backends, compat, mutation, paths, plans
 from amp_jax._src.calling import (
     Call,
     CallKey,
@@ -41,7 +41,6 @@ from amp_jax._src.compat import KeyPath
 from amp_jax._src.context import Context
 from amp_jax._src.interpreter import EVALUATOR, evaluate
 from amp_jax._src.planning import plan
-from amp_jax._src.plans import Plan
 from amp_jax._src.policy import FULL_PRECISION_SCOPE, Policy, get_policy, scope_in
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -74,9 +73,8 @@ class Traced:
       out_tree: the structure of ``fn``'s output.
       statics: its static leaves (a string, a callable; `calling.is_output_value`)
         by index, returned as they are: the jaxpr's outputs are the others.
-      ctx: the interpreter the plan was made in (it holds the sub-jaxprs' plans).
-      writes: what ``fn`` writes into its arguments (their values are the
-        jaxpr's last outputs), or None.
+      ctx: the context the plan was made in (it holds the sub-jaxprs' plans).
+      writes: what ``fn`` writes into its arguments (the jaxpr's last outputs), or None.
       staged: the evaluation of the plan as a ``jax.jit``, when ``fn`` is itself
         a jitted function (its whole program one ``jit``): amp keeps that jit,
         so that an eager call compiles once, as ``jax.jit(h)(x)`` does, rather
@@ -86,7 +84,7 @@ class Traced:
         output gives back that one object, as ``fn`` did.
     """
 
-    plan: Plan
+    plan: plans.Plan
     out_tree: compat.PyTreeDef
     ctx: Context
     writes: mutation.Writes | None = None

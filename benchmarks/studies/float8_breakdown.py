@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from amp_jax import amp
-from amp_jax._src import float8
+from amp_jax._src.rules.dots import float8
 
 BF16, F32, E4M3 = jnp.bfloat16, jnp.float32, jnp.float8_e4m3fn
 DIMS = (((1,), (0,)), ((), ()))

@@ -273,7 +273,7 @@ def row_reason(
         if seen[key] > orig_keys.get(key, 0):
             return f"cast inserted by amp{unused}"
         return f"cast in the original program{unused}"
-    path = attention_from_stack(stack)  # the path each attention took (attention.py)
+    path = attention_from_stack(stack)  # the path each attention took (attention/)
     attention = path.text if path is not None else None
     if path is not None and path.impl is not None:  # run fused: amp wrote these ops
         reason = path.text

@@ -7,7 +7,7 @@ policy, the backend, and the rewriting of the plans of sub-jaxprs). An
 ``allow`` primitive runs the low-precision *function* of its `AllowRule`
 (a `Rule`: ``default_allow_rule`` unless one is registered). The table of
 rules by primitive is ``table.py``; the rules of each family are beside it
-(``elementwise.py``, ``dots.py``, ``higher_order.py``).
+(``elementwise.py``, ``dots/``, ``higher_order.py``).
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ Every eqn of a rewritten jaxpr is bound through one `EqnRule`, looked up by
 its primitive in `TABLE` (`rule_for`), as the eqn's `Decision` says. The
 table is built here, once, from the rules each module defines beside its
 primitives (the rule base is ``base.py``): first-order ops (``elementwise.py``), dots, transposes and
-convolutions (``dots.py``, with the fp8 variant of ``_src/float8.py``),
-higher-order primitives (``higher_order.py``). Primitives without an entry
+convolutions (the ``dots/`` package: ``dots/lowering.py``, with the fp8 variant of
+``dots/float8.py``), higher-order primitives (``higher_order.py``). Primitives without an entry
 get the generic rule of higher-order primitives, the default ``allow`` rule,
 or the plain bind.
 """
@@ -16,10 +16,11 @@ from typing import Any
 
 from jax.extend.core import primitives as P
 
-from amp_jax._src import compat, float8
+from amp_jax._src import compat
 from amp_jax._src.decision import OpClass, Variant
-from amp_jax._src.rules import dots, elementwise, higher_order
+from amp_jax._src.rules import elementwise, higher_order
 from amp_jax._src.rules.base import AllowRule, EqnRule, Rule
+from amp_jax._src.rules.dots import float8, lowering
 
 
 def _by_name(rules: dict[Any, EqnRule]) -> dict[str, EqnRule]:
@@ -30,8 +31,8 @@ def _by_name(rules: dict[Any, EqnRule]) -> dict[str, EqnRule]:
 TABLE: dict[str, EqnRule] = _by_name(
     {
         **elementwise.RULES,
-        **dots.RULES,
-        P.dot_general_p: dots.DotRule(variants={Variant.FLOAT8: float8.variant_rule}),
+        **lowering.RULES,
+        P.dot_general_p: lowering.DotRule(variants={Variant.FLOAT8: float8.variant_rule}),
         **higher_order.RULES,
     }
 )
@@ -61,7 +62,7 @@ def register_rule(primitive_name: str, rule: Rule) -> None:
         outputs. ``invals`` are the operands in their current dtypes;
         ``eqn.params`` are the original params; ``out_dtype`` is the dtype
         the policy wants the op to write on this backend
-        (`planning.allow_output_dtype`), e.g. its
+        (`outputs.allow_output_dtype`), e.g. its
         ``preferred_element_type``. It runs for eqns of the primitive that
         the policy puts in the ``allow`` class and amp lowers.
     """

@@ -22,7 +22,7 @@ from jax.custom_derivatives import SymbolicZero
 from jax.extend.core import primitives as P
 from jax.typing import DTypeLike
 
-from amp_jax._src import casting, compat, lowdot, mesh
+from amp_jax._src import casting, compat, mesh
 from amp_jax._src.backends import Backend
 from amp_jax._src.context import Context
 from amp_jax._src.decision import Decision, Fused, OpClass, Variant
@@ -35,6 +35,7 @@ from amp_jax._src.rules.base import (
     acc_dtype,
     default_allow_rule,
 )
+from amp_jax._src.rules.dots import lowdot
 
 
 class DotRule(AllowRule):
@@ -151,7 +152,7 @@ def _amp_dot(
 
     # A custom JVP (not VJP) rule, so forward mode works too: the tangent
     # products are lowdot's linear dots, whose transpose rule writes the
-    # cotangent products amp wants (see amp_jax._src.lowdot).
+    # cotangent products amp wants (see lowdot.py beside this module).
     f = jax.custom_jvp(amp_dot)
     lin = dict(
         dimension_numbers=dims,

@@ -32,9 +32,9 @@ from amp_jax._src import compat, jaxprs
 from amp_jax._src.backends import Backend
 from amp_jax._src.context import Context
 from amp_jax._src.decision import Decision, Reason, Variant, Why, float8_scope, float8_text
-from amp_jax._src.lowdot import DotDims, dot_transpose
 from amp_jax._src.policy import HIGH_DTYPE, Policy, is_managed_float
 from amp_jax._src.rules.base import acc_dtype
+from amp_jax._src.rules.dots.lowdot import DotDims, dot_transpose
 
 #: ``Policy(float8=...)`` values.
 RECIPES = ("off", "tensorwise", "rowwise")

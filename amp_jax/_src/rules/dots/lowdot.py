@@ -1,7 +1,7 @@
 """The tangent product of a lowered ``dot_general``, with the transpose amp wants.
 
 A lowered dot ``dot(cast(x), cast(y))`` gets a ``jax.custom_jvp`` (in
-``rules/dots.py``) whose tangent is ``P(tx, yl) + P(ty, xl)``: ``P(t, o)`` is
+``lowering.py``) whose tangent is ``P(tx, yl) + P(ty, xl)``: ``P(t, o)`` is
 `linear_dot_p`, the dot of ``cast(t)`` with the already low ``o``,
 linear in ``t`` (and in ``o``). Because a JVP rule is all JAX needs,
 forward mode (``jax.jvp``, ``jacfwd``, ``linearize``, Hessian-vector
