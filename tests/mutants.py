@@ -105,9 +105,9 @@ def _broadcast_reads_off():
 
 
 def _cache_off():
-    from amp_jax._src import planning
+    from amp_jax._src import context
 
-    _patch(planning.Context, "cached", lambda self, kind, obj, make: make())
+    _patch(context.Context, "cached", lambda self, kind, obj, make: make())
 
 
 def _cpu_layouts_off():
@@ -141,9 +141,9 @@ def _painting_off():
 
 
 def _custom_jvp_transparency_off():
-    from amp_jax._src import planning
+    from amp_jax._src import classify
 
-    _patch(planning.Context, "is_transparent", lambda self, eqn: False)
+    _patch(classify, "is_transparent", lambda ctx, eqn: False)
 
 
 def _low_backward_off():
@@ -162,22 +162,22 @@ def _explicit_rounding_off():
 
 
 def _thresholds_off():
-    from amp_jax._src import planning
+    from amp_jax._src import classify
     from amp_jax._src.decision import Why
 
-    orig = planning.stays_high
+    orig = classify.stays_high
 
     def stays_high(eqn, policy):
         why = orig(eqn, policy)
         return None if why is Why.TOO_SMALL else why
 
-    _patch(planning, "stays_high", stays_high)
+    _patch(classify, "stays_high", stays_high)
 
 
 def _decisions_off():
-    from amp_jax._src import planning
+    from amp_jax._src import control
 
-    _patch(planning, "decision_slice", lambda *args, **kwargs: (set(), set(), set()))
+    _patch(control, "decision_slice", lambda *args, **kwargs: (set(), set(), set()))
 
 
 def _attention_off():
@@ -228,10 +228,15 @@ def _casting_widens():
 
 
 def _backend_from_process():
-    from amp_jax._src import backends, planning
+    from amp_jax._src import backends, context
 
-    # the context asks the process, not the record it was configured with
-    _patch(planning.Context, "backend", property(lambda self: backends.current()))
+    # the context asks the process, not the record it was configured with (the
+    # record's field is written, and never read)
+    if "backend" not in context.Context.__dataclass_fields__:
+        raise SystemExit("mutant target Context.backend does not exist: update tests/mutants.py")
+    context.Context.backend = property(  # type: ignore[assignment]
+        lambda self: backends.current(), lambda self, value: None
+    )
 
 
 def _body_hints_off():

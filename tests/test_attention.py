@@ -206,7 +206,7 @@ WITH_GRADS = ("bias [1,N,T,S]", "padding mask as a -1e9 bias", "gqa jnp.repeat",
 
 def _match_of(fn, *args):
     from amp_jax._src import attention, compat
-    from amp_jax._src.planning import inline_jits
+    from amp_jax._src.context import inline_jits
 
     closed = inline_jits(jax.make_jaxpr(fn)(*args))
     jaxpr = compat.jaxpr_of(closed)
@@ -247,7 +247,7 @@ def test_bias_and_grouped_heads_recognised_and_close_to_float32(name):
 
 def test_constant_causal_mask_becomes_is_causal_and_a_padding_mask_is_passed():
     from amp_jax._src import attention, compat
-    from amp_jax._src.planning import inline_jits
+    from amp_jax._src.context import inline_jits
 
     pad = jnp.arange(T)[None, :] < jnp.array([[T], [T // 2]])  # [B, Tk] valid keys
 
@@ -438,7 +438,7 @@ def _plan(fn, *args, backend="gpu", mode="auto", dtype=jnp.bfloat16):
     """attention.plan_attention of ``fn``'s jaxpr as amp makes it on ``backend``."""
     from amp_jax._src import attention, compat
     from amp_jax._src.backends import backend_for
-    from amp_jax._src.planning import inline_jits
+    from amp_jax._src.context import inline_jits
 
     closed = inline_jits(jax.make_jaxpr(fn)(*args))
     jaxpr = compat.jaxpr_of(closed)

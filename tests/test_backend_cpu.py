@@ -16,7 +16,7 @@ from jax import lax
 
 import amp_jax
 from amp_jax import amp
-from amp_jax._src import compat, interpreter, planning
+from amp_jax._src import compat, context, interpreter, planning
 from amp_jax._src.backends import BACKEND_LOW_OUTPUTS, backend_for, cpu, plain_dot
 from amp_jax._src.rules import table
 
@@ -451,7 +451,7 @@ _NT = (((1,), (1,)), ((), ()))  # both operands contracting their trailing dim
 
 
 def _plan(fn, *args, backend="cpu", policy="bfloat16"):
-    ctx = planning.Context(planning.Config(amp_jax.get_policy(policy), backend_for(backend)))
+    ctx = context.Context(amp_jax.get_policy(policy), backend_for(backend))
     return planning.plan(ctx, jax.make_jaxpr(fn)(*args))
 
 
@@ -508,8 +508,8 @@ def test_evaluation_reads_the_plan_layouts():
     """The dot rule contracts W (256, 128) directly because the plan says so:
     the same plan without its records reads the transposed (128, 256) copy."""
     x, w = jnp.ones((64, 128)), jnp.ones((256, 128))
-    ctx = interpreter.Interpreter(
-        planning.Config(amp_jax.get_policy("bfloat16"), backend_for("cpu"))
+    ctx = context.Context(
+        amp_jax.get_policy("bfloat16"), backend_for("cpu"), evaluator=interpreter.EVALUATOR
     )
     p = planning.plan(ctx, jax.make_jaxpr(lambda x, w: x @ w.T)(x, w))
 
@@ -531,7 +531,7 @@ def test_sub_plans_get_layouts_but_not_custom_jvp_rules():
     records too; code JAX transposes (custom JVP rules, no custom_vjp) none."""
     x, w = jnp.ones((64, 128)), jnp.ones((256, 128))
     closed = jax.make_jaxpr(lambda x, w: x @ w.T)(x, w)
-    ctx = planning.Context(planning.Config(amp_jax.get_policy("bfloat16"), backend_for("cpu")))
+    ctx = context.Context(amp_jax.get_policy("bfloat16"), backend_for("cpu"))
     assert [lay.through for lay in planning.all_low(ctx, closed).layouts.values()] == [(None, 0)]
     assert planning.plan(ctx.linear, closed).layouts == {}
 

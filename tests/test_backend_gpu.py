@@ -70,7 +70,7 @@ def _sdpa(q, k, v):
 
 def _decisions(backend, head_dim=16):
     from amp_jax._src import compat
-    from amp_jax._src.planning import inline_jits
+    from amp_jax._src.context import inline_jits
 
     x = jnp.ones((2, 8, 2, head_dim))
     closed = inline_jits(jax.make_jaxpr(_sdpa)(x, x, x))

@@ -16,7 +16,7 @@ from _util import BF16, F32, prim_dtypes
 
 import amp_jax
 from amp_jax import Policy, amp, dtype_report
-from amp_jax._src import backends, painting, planning
+from amp_jax._src import backends, context, control, painting
 from amp_jax._src.decision import Kind, OpClass
 from amp_jax._src.painting import HIGH, LOW, ORIG
 
@@ -93,9 +93,9 @@ def test_decision_slice_stops_at_matmuls():
         for e, n in zip(jaxpr.eqns, nested)
     ]
     colors = painting.paint(classes, jaxpr)
-    ctx = planning.Context(planning.Config(amp_jax.get_policy("bfloat16"), backends.current()))
-    seeds = planning.decision_seeds(ctx, jaxpr, ())
-    kept, f32_out, reached = planning.decision_slice(jaxpr, kinds, classes, colors, seeds)
+    ctx = context.Context(amp_jax.get_policy("bfloat16"), backends.current())
+    seeds = control.decision_seeds(ctx, jaxpr, ())
+    kept, f32_out, reached = control.decision_slice(jaxpr, kinds, classes, colors, seeds)
     names = {jaxpr.eqns[i].primitive.name for i in kept}
     assert {"tanh", "reduce_max", "gt"} <= names and "dot_general" not in names
     assert [jaxpr.eqns[i].primitive.name for i in f32_out] == ["dot_general"]

@@ -19,7 +19,7 @@ from jax import lax
 
 import amp_jax
 from amp_jax import Policy, amp, dtype_report
-from amp_jax._src import compat, decision, planning
+from amp_jax._src import compat, context, decision, planning, plans
 from amp_jax._src.backends import backend_for
 from amp_jax._src.decision import (
     BodyHints,
@@ -36,7 +36,7 @@ from amp_jax._src.decision import (
 
 
 def _ctx(policy="bfloat16", backend="cpu"):
-    return planning.Context(planning.Config(amp_jax.get_policy(policy), backend_for(backend)))
+    return context.Context(amp_jax.get_policy(policy), backend_for(backend))
 
 
 def _plan(fn, *args, policy="bfloat16", backend=None):
@@ -296,23 +296,26 @@ def test_a_plan_prints_its_decisions_and_hints():
     assert dot.split()[5:7] == ["float32", "policy_class:"], dot
 
 
-def test_the_configuration_is_frozen_data_and_linear_shares_the_trace_memo():
+def test_the_context_is_one_frozen_record_and_linear_shares_the_trace_memo():
     ctx = _ctx()
-    assert ctx.config == planning.Config(amp_jax.get_policy("bfloat16"), backend_for("cpu"))
-    assert {ctx.config: 1}[planning.Config(amp_jax.get_policy("bfloat16"), backend_for("cpu"))] == 1
-    with pytest.raises(AttributeError):
-        ctx.config.vjp_rules = False
+    same = context.Context(amp_jax.get_policy("bfloat16"), backend_for("cpu"))
+    assert ctx == same and {ctx: 1}[same] == 1 and ctx.memo is not same.memo  # memo: not data
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ctx.vjp_rules = False
     linear = ctx.linear
-    assert linear.config == dataclasses.replace(ctx.config, vjp_rules=False)
+    assert linear == dataclasses.replace(ctx, vjp_rules=False)
     assert linear.memo is ctx.memo and linear.linear is linear
     closed = jax.make_jaxpr(jnp.dot)(jnp.ones((64, 64)), jnp.ones((64, 64)))
-    p = ctx.plan(closed)
-    assert ctx.plan(closed) is p and linear.plan(closed) is not p  # keyed apart in one memo
-    assert ctx.plan(closed, BodyHints(carries=frozenset({0}))) is not p
-    with pytest.raises(TypeError, match=r"Context\(Config\(policy, backend\)\)"):
-        planning.Context(amp_jax.get_policy("bfloat16"), "cpu")
+    p = planning.plan(ctx, closed)
+    assert planning.plan(ctx, closed) is p and planning.plan(linear, closed) is not p  # keyed apart
+    assert planning.plan(ctx, closed, BodyHints(carries=frozenset({0}))) is not p
+    with pytest.raises(TypeError, match=r"takes a context.Memo, got dict"):
+        context.Context(amp_jax.get_policy("bfloat16"), backend_for("cpu"), memo={})
     with pytest.raises(TypeError, match=r"takes a backends.Backend record, got str 'cpu'"):
-        planning.Config(amp_jax.get_policy("bfloat16"), "cpu")  # the record, not its name
+        context.Context(amp_jax.get_policy("bfloat16"), "cpu")
+    # a context that only plans says how to get one that evaluates
+    with pytest.raises(TypeError, match=r"evaluator=interpreter.EVALUATOR"):
+        ctx.rewrite(p)
 
 
 def test_a_plan_lists_its_attentions_and_the_trace_log_is_read_from_the_plans():
@@ -346,7 +349,7 @@ _H, _WS = jnp.ones((64, 64)), jnp.ones((3, 64, 64))
 
 def test_format_plan_prints_the_bodies_of_a_scan_and_a_cond():
     p = planning.plan(_ctx(), jax.make_jaxpr(_scan_of_cond)(_H, _WS))
-    text = planning.format_plan(p)
+    text = plans.format_plan(p)
     lines = text.splitlines()
     (scan,) = [s for s in lines if s.split()[1:2] == ["scan"]]
     body = lines[lines.index(scan) + 1 :]
@@ -368,7 +371,7 @@ def test_the_plan_trees_scan_body_is_the_plan_of_that_body():
     assert held.source is body and held.plan is decision.body_plan(d, body)
     # planned afresh, in a context of its own (no memo shared), it decides the same
     direct = planning.plan(_ctx(backend="gpu"), body, body_hints(eqn, d, body))
-    assert planning.format_plan(held.plan) == planning.format_plan(direct)
+    assert plans.format_plan(held.plan) == plans.format_plan(direct)
     assert [dataclasses.replace(x, bodies=()) for x in held.plan.decisions] == [
         dataclasses.replace(x, bodies=()) for x in direct.decisions
     ]
@@ -387,8 +390,8 @@ def test_custom_derivative_rules_are_the_only_lazy_bodies():
     ((eqn, d),) = [(e, d) for e, d in zip(p.jaxpr.eqns, p.decisions) if d.bodies]
     lazy = {b.where for b in d.bodies if isinstance(b.plan, decision.LazyBody)}
     assert lazy == {"fwd_jaxpr_thunk", "bwd"}, d.bodies
-    assert all(isinstance(b.plan, planning.Plan) for b in d.bodies if b.where not in lazy)
-    assert "bwd: planned when traced (custom_vjp backward rule" in planning.format_plan(p)
+    assert all(isinstance(b.plan, plans.Plan) for b in d.bodies if b.where not in lazy)
+    assert "bwd: planned when traced (custom_vjp backward rule" in plans.format_plan(p)
 
 
 def test_the_diagnostics_read_the_plan_tree_and_never_plan(monkeypatch):
@@ -413,5 +416,5 @@ def test_the_diagnostics_read_the_plan_tree_and_never_plan(monkeypatch):
     n = len(made)
     assert n > 1  # the top level and its bodies, planned with the trace
     reasons.decisions_of_traces([traced])
-    planning.format_plan(traced.plan)
+    plans.format_plan(traced.plan)
     assert len(made) == n

@@ -7,7 +7,7 @@ import pytest
 import amp_jax
 from amp_jax import Policy, amp, get_policy
 from amp_jax._src.backends import backend_for
-from amp_jax._src.planning import effective_class
+from amp_jax._src.classify import effective_class
 
 
 @pytest.mark.parametrize(

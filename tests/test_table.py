@@ -13,7 +13,7 @@ import pytest
 from jax import lax
 
 import amp_jax
-from amp_jax._src import compat, planning
+from amp_jax._src import compat, context, planning
 from amp_jax._src.backends import backend_for
 from amp_jax._src.decision import Color, OpClass, Variant
 from amp_jax._src.painting import LOW, ORIG
@@ -63,7 +63,7 @@ def test_an_unknown_primitive_in_the_allow_class_gets_the_default_allow_rule():
 
 
 def _ctx(backend="cpu", policy="bfloat16"):
-    return planning.Context(planning.Config(amp_jax.get_policy(policy), backend_for(backend)))
+    return context.Context(amp_jax.get_policy(policy), backend_for(backend))
 
 
 def _decisions(ctx, fn, *args):

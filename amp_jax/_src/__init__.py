@@ -6,11 +6,13 @@
   trace      ``fn`` traced once per key into a closed jaxpr; compat/: every JAX-version
              difference; jaxprs: the jaxpr toolkit and the one evaluator; mutation: what
              ``fn`` writes into its arguments, carried out; mesh: is the trace sharded
-  plan       planning: one Decision per eqn (decision: the typed record and its reason),
-             in stages: classify by the policy (policy, op_classes, policy_names) and the
-             Backend record (backends/), paint the followers (painting), control flow and
-             loops, fused attention (attention/: recognised at plan time, run by a Match),
-             rules by path (paths)
+  plan       planning: one Decision per eqn (decision: the typed record and its reason;
+             plans: the Plan tree and its printer), under one context (context: policy,
+             backend, memo), in stages: classify by the policy (policy, op_classes,
+             policy_names) and the Backend record (backends/); paint the followers
+             (painting: the pure graph pass; painted: it run over a jaxpr's classes);
+             control flow and loops (control); fused attention (attention/: recognised at
+             plan time, run by a Match); rules by path (paths)
   evaluate   interpreter: the plan run under the caller's trace, each eqn bound by its
              rule (rules/: table, base, elementwise, higher_order, and the matmul family in
              dots: lowering, lowdot the lowered dot and its tangent, float8, outputs; casting:

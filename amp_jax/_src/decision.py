@@ -7,10 +7,10 @@ its `Color` (the dtype its operands are read in), the dtype an
 ``allow`` op writes and the function it runs (`Variant`), the
 attention it belongs to, and the `Reason` for all of it, recorded
 where the decision is made. A higher-order eqn's decision holds the plans
-of its sub-jaxprs (`BodyPlan`): a plan is a tree, complete when it is made;
-only a body that JAX traces later (a custom derivative rule) is a
-`LazyBody`, planned when its rule has its jaxpr. The rules (``rules/``) bind the eqn as its
-decision says, and ``explain`` shows the reason: neither decides again.
+of its sub-jaxprs (`BodyPlan`): a plan (``plans.py``) is a tree, complete
+when made; only a body JAX traces later (a custom derivative rule) is a
+`LazyBody`, planned when its rule has its jaxpr. The rules (``rules/``) bind
+the eqn as its decision says, ``explain`` shows the reason: neither decides again.
 
 A reason also travels with the ops amp emits, through ``jax.grad`` into the
 backward pass, as a ``jax.named_scope``: this module is the only one that
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
@@ -239,38 +239,22 @@ class BodyHints:
 NO_HINTS = BodyHints()
 
 
-class PlansBodies(Protocol):
-    """What a `LazyBody` plans under: a planning context (``planning.Context``,
-    or the rules' ``RuleContext``)."""
-
-    @property
-    def linear(self) -> PlansBodies: ...
-
-    def plan_lazy(self, closed: compat.ClosedJaxpr, hints: BodyHints = ...) -> Any: ...
-
-
 @dataclasses.dataclass(frozen=True)
 class LazyBody:
     """A sub-jaxpr of a higher-order eqn that exists only when JAX traces it,
     after planning: a ``custom_jvp`` rule (traced when JAX differentiates the
     call), a ``custom_vjp``'s forward under differentiation and its backward
     rule, a ``scan`` body retraced with the loop's concrete masks. Its rule
-    plans it then (`plan`), under the same context; the only body a plan does
-    not hold.
+    plans it then (``ctx.plan_lazy``: ``planning.plan_lazy``), under the same
+    context; the only body a plan does not hold.
 
     Attributes:
-      what: what the body is, for `planning.format_plan`.
+      what: what the body is, for `plans.format_plan`.
       linear: planned without the custom_vjp rules (code JAX transposes).
     """
 
     what: str
     linear: bool = False
-
-    def plan(
-        self, ctx: PlansBodies, closed: compat.ClosedJaxpr, hints: BodyHints = NO_HINTS
-    ) -> Any:
-        """The plan of ``closed``, this body's jaxpr now that it is traced."""
-        return (ctx.linear if self.linear else ctx).plan_lazy(closed, hints)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -280,7 +264,7 @@ class BodyPlan:
     Attributes:
       where: the param that holds it (``"body_jaxpr"``, ``"branches[1]"``,
         ``"jvp_jaxpr_fun"``, ...).
-      plan: its ``planning.Plan`` (a tree: its own decisions hold their
+      plan: its ``plans.Plan`` (a tree: its own decisions hold their
         bodies), or a `LazyBody` for one traced after planning.
       source: the closed jaxpr planned (the param's, or the open one closed),
         to find the plan of a sub-jaxpr by (`body_plan`); None for a lazy body.

@@ -1,7 +1,7 @@
 """Rewriting a jaxpr under a mixed-precision policy: evaluation.
 
 `rewrite` (and `evaluate`, its eager form) evaluate the
-`Plan` of a jaxpr (``planning.py``: one typed
+`Plan` of a jaxpr (``plans.py``, made by ``planning.py``: one typed
 `Decision` per eqn) under the caller's trace:
 every eqn is bound through its rule in the primitive-keyed table of
 ``rules/table.py`` (`table.rule_for`), under the named scopes that carry its
@@ -10,46 +10,30 @@ each (value, dtype) cast is made once and shared) and says which operands it
 reads only in the compute dtype. Higher-order primitives get their
 sub-jaxprs rewritten with the same policy and keep their boundary dtypes:
 their rules (``rules/higher_order.py``) rewrite the plans of those bodies
-that the eqn's decision holds (the plan is a tree) through the
-`Interpreter` (``ctx.rewrite``, ``ctx.evaluate``).
+that the eqn's decision holds (the plan is a tree) through the context
+(``ctx.rewrite``, ``ctx.evaluate``), which hands them to this module's
+functions (`EVALUATOR`, the context's `Evaluator`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 
-from amp_jax._src import casting, compat, decision, jaxprs
-from amp_jax._src.decision import Color, Fused, OpClass
-from amp_jax._src.planning import Context, Plan
+from amp_jax._src import casting, compat, decision, jaxprs, planning
+from amp_jax._src.context import Context, Evaluator
+from amp_jax._src.decision import Color, Fused
+from amp_jax._src.plans import Plan
 from amp_jax._src.rules import table
 from amp_jax._src.rules.base import CastingEnv
 
 # -- evaluation -----------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class Interpreter(Context):
-    """A planning `Context` that also rewrites and evaluates: what the rules
-    (`RuleContext`, ``rules/base.py``) are handed, for the rules of higher-order
-    primitives (``rules/higher_order.py``) to rewrite their sub-jaxprs."""
-
-    def rewrite(self, plan_: Plan, in_avals: Sequence[Any] | None = None) -> Any:
-        return rewrite(self, plan_, in_avals)
-
-    def evaluate(self, plan_: Plan, args: Sequence[Any], cast_outputs: bool = True) -> list[Any]:
-        return evaluate(self, plan_, args, cast_outputs)
-
-    def rule_for(self, eqn: compat.Eqn, op_class: OpClass | None) -> Any:
-        """The rule that binds ``eqn`` (`table.rule_for`)."""
-        return table.rule_for(eqn, op_class)
-
-
-def rewrite(ctx: Interpreter, plan_: Plan, in_avals: Sequence[Any] | None = None) -> Any:
+def rewrite(ctx: Context, plan_: Plan, in_avals: Sequence[Any] | None = None) -> Any:
     """The jaxpr ``plan_`` is of (a body's, from its eqn's decision) rewritten
     under ``ctx``: a closed jaxpr with the same output avals, taking
     ``in_avals`` (default: the jaxpr's own). Once per plan and context."""
@@ -63,7 +47,7 @@ def rewrite(ctx: Interpreter, plan_: Plan, in_avals: Sequence[Any] | None = None
 
 
 def evaluate(
-    ctx: Interpreter, plan_: Plan, args: Sequence[Any], cast_outputs: bool = True
+    ctx: Context, plan_: Plan, args: Sequence[Any], cast_outputs: bool = True
 ) -> list[Any]:
     """Evaluates a planned jaxpr on ``args`` under the caller's trace; outputs
     keep their dtypes (unless ``cast_outputs`` is false: then as computed)."""
@@ -96,3 +80,9 @@ def evaluate(
 
     consts = compat.consts_of(plan_.closed)
     return jaxprs.eval_jaxpr(jaxpr, consts, args, by_decision, env, output)
+
+
+#: the interpreter's functions, handed down in the `Context` of a trace that
+#: evaluates (``transform.py``): how a rule of a higher-order primitive
+#: rewrites, evaluates or plans the bodies of its eqn (`Context.rewrite`, ...)
+EVALUATOR = Evaluator(rewrite, evaluate, planning.plan_lazy, table.rule_for)

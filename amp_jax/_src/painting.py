@@ -5,8 +5,9 @@ of a jaxpr's graph and the classes of its eqns (no tracing, no policy).
 deny ops are high; deny propagates forward through follow ops (and through
 clear ops that lead to one); follow/clear ops on a path between two allow ops
 are low; clear ops next to a low op are low. ``matmuls_around`` finds the
-matmuls next to given eqns (a solve's). What decides control flow, and the
-loop fixed point, are planning's (``planning.decision_slice``).
+matmuls next to given eqns (a solve's). Planning calls them from
+``painted.py``; what decides control flow, and the loop fixed point, are
+``control.py``'s (`control.decision_slice`).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from typing import Any
 
 import jax
 
-from amp_jax._src import backends, compat, mutation, paths
+from amp_jax._src import backends, compat, mutation, paths, plans
 from amp_jax._src.calling import (
     Call,
     CallKey,
@@ -37,8 +37,9 @@ from amp_jax._src.calling import (
     unwrap_statics,
 )
 from amp_jax._src.compat import KeyPath
-from amp_jax._src.interpreter import Interpreter, evaluate
-from amp_jax._src.planning import Config, Plan, plan
+from amp_jax._src.context import Context
+from amp_jax._src.interpreter import EVALUATOR, evaluate
+from amp_jax._src.planning import plan
 from amp_jax._src.policy import FULL_PRECISION_SCOPE, Policy, scope_in
 
 #: the traces amp functions evaluate while `recording_traces` is open (diagnostics)
@@ -69,9 +70,8 @@ class Traced:
       out_tree: the structure of ``fn``'s output.
       statics: its static leaves (a string, a callable; `calling.is_output_value`)
         by index, returned as they are: the jaxpr's outputs are the others.
-      ctx: the interpreter the plan was made in (it holds the sub-jaxprs' plans).
-      writes: what ``fn`` writes into its arguments (their values are the
-        jaxpr's last outputs), or None.
+      ctx: the context the plan was made in (it holds the sub-jaxprs' plans).
+      writes: what ``fn`` writes into its arguments (the jaxpr's last outputs), or None.
       staged: the evaluation of the plan as a ``jax.jit``, when ``fn`` is itself
         a jitted function (its whole program one ``jit``): amp keeps that jit,
         so that an eager call compiles once, as ``jax.jit(h)(x)`` does, rather
@@ -81,9 +81,9 @@ class Traced:
         output gives back that one object, as ``fn`` did.
     """
 
-    plan: Plan
+    plan: plans.Plan
     out_tree: compat.PyTreeDef
-    ctx: Interpreter
+    ctx: Context
     writes: mutation.Writes | None = None
     staged: Callable[..., list[Any]] | None = None
     out_aliases: mutation.Aliases = ()
@@ -334,7 +334,7 @@ class AmpFunction:
         in_paths: tuple[str, ...] = ()
         if self.policy.rules:  # (what Policy.rules match parameters by)
             in_paths = paths.input_paths(call.args, call.kwargs, call.names, call.dynamic_mask)
-        ctx = Interpreter(Config(self.policy, backends.current(), in_paths=in_paths))
+        ctx = Context(self.policy, backends.current(), in_paths=in_paths, evaluator=EVALUATOR)
         planned = plan(ctx, closed)
         if ctx.memo.paths is not None:
             ctx.memo.paths.check(fn_name(self.fn))

@@ -2,7 +2,7 @@
 
 An `EqnRule` binds one primitive (the default: on operands cast to its
 color's dtype), reading its operands from a `CastingEnv` (the values of the
-jaxpr being rewritten, each cast made once), under a `RuleContext` (the
+jaxpr being rewritten, each cast made once), under a `Context` (the
 policy, the backend, and the rewriting of the plans of sub-jaxprs). An
 ``allow`` primitive runs the low-precision *function* of its `AllowRule`
 (a `Rule`: ``default_allow_rule`` unless one is registered). The table of
@@ -13,52 +13,19 @@ rules by primitive is ``table.py``; the rules of each family are beside it
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol, cast
+from typing import Any, cast
 
 import numpy as np
 from jax import lax
 
 from amp_jax._src import casting, compat, jaxprs
-from amp_jax._src.backends import Backend
-from amp_jax._src.decision import BodyHints, Color, Decision, Variant
-from amp_jax._src.policy import HIGH_DTYPE, Policy, is_managed_float
+from amp_jax._src.context import Context
+from amp_jax._src.decision import Color, Decision, Variant
+from amp_jax._src.policy import HIGH_DTYPE, is_managed_float
 
 #: ``rule(eqn, invals, compute_dtype, out_dtype) -> list of outputs``: the
 #: low-precision function of an ``allow`` primitive ([`register_rule`][amp_jax.register_rule]).
 Rule = Callable[[Any, Sequence[Any], np.dtype, np.dtype], list[Any]]
-
-
-class RuleContext(Protocol):
-    """What a rule reads of the context it binds under (``interpreter.Interpreter``):
-    the configuration, the trace's memo, and the rewriting and evaluation of
-    the plans of sub-jaxprs (for the rules of higher-order primitives, whose
-    decisions hold those plans); a body JAX traces after planning is planned
-    through its `LazyBody` (``plan_lazy``)."""
-
-    @property
-    def policy(self) -> Policy: ...
-
-    @property
-    def backend(self) -> Backend:
-        """The backend record planned for (resolved once per trace)."""
-
-    @property
-    def vjp_rules(self) -> bool:
-        """Whether allow ops use their own rules (off in code JAX will transpose)."""
-
-    @property
-    def linear(self) -> RuleContext:
-        """This context without the custom_vjp rules."""
-
-    def cached(self, kind: Any, obj: Any, make: Callable[[], Any]) -> Any: ...
-
-    def plan_lazy(self, closed: compat.ClosedJaxpr, hints: BodyHints = ...) -> Any: ...
-
-    def rewrite(self, plan_: Any, in_avals: Sequence[Any] | None = None) -> Any: ...
-
-    def evaluate(self, plan_: Any, args: Sequence[Any], cast_outputs: bool = True) -> list[Any]: ...
-
-    def rule_for(self, eqn: compat.Eqn, op_class: Any) -> EqnRule: ...
 
 
 class CastingEnv(jaxprs.Env):
@@ -123,9 +90,7 @@ class EqnRule:
     """How amp binds one primitive. The default: bind it with every operand
     cast to the dtype of the eqn's color (`casting.target`)."""
 
-    def evaluate(
-        self, ctx: RuleContext, eqn: compat.Eqn, d: Decision, env: CastingEnv
-    ) -> list[Any]:
+    def evaluate(self, ctx: Context, eqn: compat.Eqn, d: Decision, env: CastingEnv) -> list[Any]:
         """The outputs of ``eqn`` as decided by ``d``, under ``ctx`` (policy,
         backend), reading operands from ``env``."""
         cd = ctx.policy.compute_dtype
@@ -133,7 +98,7 @@ class EqnRule:
             eqn, [env.read(v, casting.target(casting.dtype_of(v), d.color, cd)) for v in eqn.invars]
         )
 
-    def reads_low(self, ctx: RuleContext, eqn: compat.Eqn, d: Decision, atom: compat.Atom) -> bool:
+    def reads_low(self, ctx: Context, eqn: compat.Eqn, d: Decision, atom: compat.Atom) -> bool:
         """Whether ``evaluate`` reads operand ``atom`` only in the compute dtype."""
         return d.color is Color.LOW
 
@@ -154,14 +119,12 @@ class AllowRule(EqnRule):
         #: variant -> ``make(ctx, decision) -> Rule``
         self.variants: dict[Variant, Callable[[Any, Decision], Rule]] = dict(variants or {})
 
-    def low_fn(self, ctx: RuleContext, eqn: compat.Eqn) -> Rule:
+    def low_fn(self, ctx: Context, eqn: compat.Eqn) -> Rule:
         """The function of a lowered eqn. Inside custom JVP rules (which JAX
         transposes: no custom_vjp may appear) the plain default."""
         return self.fn if self.fn is not None and ctx.vjp_rules else default_allow_rule
 
-    def evaluate(
-        self, ctx: RuleContext, eqn: compat.Eqn, d: Decision, env: CastingEnv
-    ) -> list[Any]:
+    def evaluate(self, ctx: Context, eqn: compat.Eqn, d: Decision, env: CastingEnv) -> list[Any]:
         if not d.lowered:
             return super().evaluate(ctx, eqn, d, env)
         cd = ctx.policy.compute_dtype
@@ -180,7 +143,7 @@ class AllowRule(EqnRule):
         # (a lowered allow op's decision names what its rule writes)
         return fn(eqn, invals, cd, cast(np.dtype, d.out_dtype))
 
-    def reads_low(self, ctx: RuleContext, eqn: compat.Eqn, d: Decision, atom: compat.Atom) -> bool:
+    def reads_low(self, ctx: Context, eqn: compat.Eqn, d: Decision, atom: compat.Atom) -> bool:
         own = d.rule is None or d.rule.dtype == ctx.policy.compute_dtype
         return d.color is Color.LOW and d.variant is not Variant.FLOAT32 and own
 

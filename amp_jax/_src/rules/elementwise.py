@@ -14,9 +14,10 @@ from typing import Any
 import numpy as np
 
 from amp_jax._src import casting, compat, jaxprs
+from amp_jax._src.context import Context
 from amp_jax._src.decision import Color, Decision
 from amp_jax._src.policy import is_managed_float
-from amp_jax._src.rules.base import CastingEnv, EqnRule, RuleContext
+from amp_jax._src.rules.base import CastingEnv, EqnRule
 
 
 class BroadcastRule(EqnRule):
@@ -32,9 +33,7 @@ class BroadcastRule(EqnRule):
     reads a size-1-broadcast operand (a bias of shape [1, n] added to
     [b, n]) broadcast *before* the cast, for the same reason."""
 
-    def evaluate(
-        self, ctx: RuleContext, eqn: compat.Eqn, d: Decision, env: CastingEnv
-    ) -> list[Any]:
+    def evaluate(self, ctx: Context, eqn: compat.Eqn, d: Decision, env: CastingEnv) -> list[Any]:
         if d.color is not Color.LOW:
             return super().evaluate(ctx, eqn, d, env)
         cd = ctx.policy.compute_dtype
@@ -50,7 +49,7 @@ class BroadcastRule(EqnRule):
             ],
         )
 
-    def reads_low(self, ctx: RuleContext, eqn: compat.Eqn, d: Decision, atom: compat.Atom) -> bool:
+    def reads_low(self, ctx: Context, eqn: compat.Eqn, d: Decision, atom: compat.Atom) -> bool:
         # (an operand wider than the compute dtype makes the op compute in it)
         dtype = casting.dtype_of(atom)
         narrow = casting.target(dtype, Color.LOW, ctx.policy.compute_dtype) in (None, dtype)
@@ -101,9 +100,7 @@ class ExpandRule(EqnRule):
         }
     )
 
-    def evaluate(
-        self, ctx: RuleContext, eqn: compat.Eqn, d: Decision, env: CastingEnv
-    ) -> list[Any]:
+    def evaluate(self, ctx: Context, eqn: compat.Eqn, d: Decision, env: CastingEnv) -> list[Any]:
         if d.color is not Color.LOW or not self.sums_in_transpose(eqn):
             return super().evaluate(ctx, eqn, d, env)
         cd = ctx.policy.compute_dtype
@@ -119,7 +116,7 @@ class ExpandRule(EqnRule):
         x, out = jaxprs.shape_of(eqn.invars[0]), jaxprs.shape_of(eqn.outvars[0])
         return int(np.prod(out)) > int(np.prod(x))
 
-    def reads_low(self, ctx: RuleContext, eqn: compat.Eqn, d: Decision, atom: compat.Atom) -> bool:
+    def reads_low(self, ctx: Context, eqn: compat.Eqn, d: Decision, atom: compat.Atom) -> bool:
         return d.color is Color.LOW and not self.sums_in_transpose(eqn)
 
 

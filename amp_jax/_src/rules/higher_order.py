@@ -3,7 +3,7 @@
 
 The plans of their sub-jaxprs are in their eqn's decision (`Decision.bodies`,
 made when the eqn was planned); the rules rewrite and evaluate them through
-the context (``ctx.rewrite``, ``ctx.evaluate``: ``interpreter.Interpreter``).
+the context (``ctx.rewrite``, ``ctx.evaluate``: ``context.Context``, which calls the interpreter).
 Only a body JAX traces later -- a custom derivative rule, a ``scan`` body
 retraced with its concrete masks -- is planned here, through its `LazyBody`.
 A ``scan``'s casts of stacked weights are hoisted out of the loop, a
@@ -23,6 +23,7 @@ import numpy as np
 from jax.extend.core import primitives as P
 
 from amp_jax._src import casting, compat
+from amp_jax._src.context import Context
 from amp_jax._src.decision import (
     BodyPlan,
     Color,
@@ -34,7 +35,7 @@ from amp_jax._src.decision import (
     body_plan,
     lazy_body,
 )
-from amp_jax._src.rules.base import CastingEnv, EqnRule, RuleContext
+from amp_jax._src.rules.base import CastingEnv, EqnRule
 
 
 class HigherOrderRule(EqnRule):
@@ -43,9 +44,7 @@ class HigherOrderRule(EqnRule):
     full_precision scope, the float32 policy), its operands keep their dtypes
     and its sub-jaxprs are rewritten with the same policy."""
 
-    def evaluate(
-        self, ctx: RuleContext, eqn: compat.Eqn, d: Decision, env: CastingEnv
-    ) -> list[Any]:
+    def evaluate(self, ctx: Context, eqn: compat.Eqn, d: Decision, env: CastingEnv) -> list[Any]:
         if d.kind is Kind.AS_WRITTEN or d.color is not Color.ORIG:
             return super().evaluate(ctx, eqn, d, env)
         cd = ctx.policy.compute_dtype
@@ -55,7 +54,7 @@ class HigherOrderRule(EqnRule):
         return self.bind_rewritten(ctx, eqn, d, invals)
 
     def bind_rewritten(
-        self, ctx: RuleContext, eqn: compat.Eqn, d: Decision, invals: list[Any]
+        self, ctx: Context, eqn: compat.Eqn, d: Decision, invals: list[Any]
     ) -> list[Any]:
         """Binds ``eqn`` on ``invals`` with its sub-jaxprs rewritten as their
         plans in ``d`` say (`decision.body_plan`); the bodies of a custom
@@ -64,11 +63,11 @@ class HigherOrderRule(EqnRule):
         def rewrite(sub: Any) -> Any:
             found = body_plan(d, sub)
             if found is None:  # a custom_vjp's forward, traced under differentiation
-                found = _lazy(d, "fwd_jaxpr_thunk", eqn).plan(ctx, sub)
+                found = ctx.plan_lazy(_lazy(d, "fwd_jaxpr_thunk", eqn), sub)
             return ctx.rewrite(found)
 
         def rewrite_jvp_rule(rule: Any) -> Any:
-            return ctx.linear.rewrite(_lazy(d, "jvp_jaxpr_fun", eqn).plan(ctx, rule))
+            return ctx.linear.rewrite(ctx.plan_lazy(_lazy(d, "jvp_jaxpr_fun", eqn), rule))
 
         params = ctx.cached(
             ("params", d.hints),  # (a body planned twice, with two hints, has two)
@@ -82,7 +81,7 @@ class HigherOrderRule(EqnRule):
         )
         return _bind(eqn, invals, params)
 
-    def reads_low(self, ctx: RuleContext, eqn: compat.Eqn, d: Decision, atom: compat.Atom) -> bool:
+    def reads_low(self, ctx: Context, eqn: compat.Eqn, d: Decision, atom: compat.Atom) -> bool:
         return False
 
 
@@ -127,7 +126,7 @@ class ScanRule(HigherOrderRule):
     dtype are hoisted out of the loop (`_plan_hoisted_casts`)."""
 
     def bind_rewritten(
-        self, ctx: RuleContext, eqn: compat.Eqn, d: Decision, invals: list[Any]
+        self, ctx: Context, eqn: compat.Eqn, d: Decision, invals: list[Any]
     ) -> list[Any]:
         masked = ctx.cached("masks", eqn, lambda: _with_constant_masks(eqn, invals))
         if masked is not eqn:
@@ -135,7 +134,7 @@ class ScanRule(HigherOrderRule):
             # without the scan's hints: the loop carry is not kept)
             body = masked.params["jaxpr"]
             d = dataclasses.replace(
-                d, hints=(), bodies=(BodyPlan("jaxpr", _MASKED_BODY.plan(ctx, body), body),)
+                d, hints=(), bodies=(BodyPlan("jaxpr", ctx.plan_lazy(_MASKED_BODY, body), body),)
             )
         eqn = masked
         hints = body_hints(eqn, d, eqn.params["jaxpr"])
@@ -175,7 +174,7 @@ class ShardMapRule(HigherOrderRule):
     evaluated under the policy (collectives need the manual-axes context)."""
 
     def bind_rewritten(
-        self, ctx: RuleContext, eqn: compat.Eqn, d: Decision, invals: list[Any]
+        self, ctx: Context, eqn: compat.Eqn, d: Decision, invals: list[Any]
     ) -> list[Any]:
         return ctx.cached("shard_map", eqn, lambda: _shard_map_fn(ctx, eqn, d))(*invals)
 
@@ -185,9 +184,7 @@ class CustomJvpRule(HigherOrderRule):
     and clear ops) painted low runs its body in the compute dtype and keeps
     the user's JVP rule (`_custom_jvp_low`)."""
 
-    def evaluate(
-        self, ctx: RuleContext, eqn: compat.Eqn, d: Decision, env: CastingEnv
-    ) -> list[Any]:
+    def evaluate(self, ctx: Context, eqn: compat.Eqn, d: Decision, env: CastingEnv) -> list[Any]:
         if d.color is not Color.LOW:
             return super().evaluate(ctx, eqn, d, env)
         cd = ctx.policy.compute_dtype
@@ -200,12 +197,12 @@ class CustomJvpRule(HigherOrderRule):
         )
         return _bind(eqn, invals, params)
 
-    def reads_low(self, ctx: RuleContext, eqn: compat.Eqn, d: Decision, atom: compat.Atom) -> bool:
+    def reads_low(self, ctx: Context, eqn: compat.Eqn, d: Decision, atom: compat.Atom) -> bool:
         return d.color is Color.LOW
 
 
 def _custom_jvp_low(
-    ctx: RuleContext, eqn: compat.Eqn, d: Decision, low_avals: Sequence[Any]
+    ctx: Context, eqn: compat.Eqn, d: Decision, low_avals: Sequence[Any]
 ) -> dict[str, Any]:
     """Params to bind a transparent ``custom_jvp_call`` on compute-dtype operands.
 
@@ -239,7 +236,7 @@ def _custom_jvp_low(
             p_out = primal(*prims)
             up = [casting.cast(x, hi.dtype) for x, hi in zip(prims, orig_avals)]
             up += [casting.cast(t, hi.dtype) for t, (_, hi) in zip(tans, tan_in)]
-            t_out = ctx.linear.evaluate(jvp_rule.plan(ctx, rule), up)[len(out_zeros) :]
+            t_out = ctx.linear.evaluate(ctx.plan_lazy(jvp_rule, rule), up)[len(out_zeros) :]
             nz = [p for p, z in zip(p_out, out_zeros) if not z]
             return [
                 *p_out,
@@ -260,9 +257,7 @@ _ARRAYS = (jax.Array, compat.Tracer, np.ndarray, np.generic)
 _SCALARS = (bool, int, float, complex)
 
 
-def _run_bwd(
-    ctx: RuleContext, lazy: LazyBody | None, key: Any, bwd: Any, args: Sequence[Any]
-) -> Any:
+def _run_bwd(ctx: Context, lazy: LazyBody | None, key: Any, bwd: Any, args: Sequence[Any]) -> Any:
     """A ``custom_vjp`` backward rule ``bwd(*args)`` run under ``ctx``'s policy,
     planned (``lazy``: the decision's `LazyBody` of it) when JAX runs it.
 
@@ -308,7 +303,7 @@ def _run_bwd(
         closed = compat.trace_to_closed_jaxpr(traced, avals)
         if lazy is None:
             raise AssertionError("amp_jax: a custom_vjp_call's plan holds no 'bwd' body")
-        return lazy.plan(ctx, closed), zeros, tree[0]
+        return ctx.plan_lazy(lazy, closed), zeros, tree[0]
 
     # (a Python scalar -- a cotangent ``vjp`` was handed as a float -- is baked
     # into the trace: keyed by its value, or the next call's would get this one's)
@@ -325,7 +320,7 @@ def _run_bwd(
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
-def _shard_map_fn(ctx: RuleContext, eqn: compat.Eqn, d: Decision) -> Any:
+def _shard_map_fn(ctx: Context, eqn: compat.Eqn, d: Decision) -> Any:
     """The public ``jax.shard_map`` of ``eqn``'s body, evaluated under the
     policy as its plan in ``d`` says."""
     plan_ = body_at(d, "jaxpr")  # (the body compat.shard_map_body closes, as planned)
@@ -333,7 +328,7 @@ def _shard_map_fn(ctx: RuleContext, eqn: compat.Eqn, d: Decision) -> Any:
 
 
 def _plan_hoisted_casts(
-    ctx: RuleContext, eqn: compat.Eqn, d: Decision
+    ctx: Context, eqn: compat.Eqn, d: Decision
 ) -> tuple[list[int], dict[str, Any]] | None:
     """For a ``scan`` whose scanned-over inputs are read only in the compute
     dtype (stacked per-layer weights): the indices of those inputs, to be cast

@@ -30,9 +30,10 @@ from jax.typing import DTypeLike
 
 from amp_jax._src import compat, jaxprs
 from amp_jax._src.backends import Backend
+from amp_jax._src.context import Context
 from amp_jax._src.decision import Decision, Reason, Variant, Why, float8_scope, float8_text
 from amp_jax._src.policy import HIGH_DTYPE, Policy, is_managed_float
-from amp_jax._src.rules.base import RuleContext, acc_dtype
+from amp_jax._src.rules.base import acc_dtype
 from amp_jax._src.rules.dots.lowdot import DotDims, dot_transpose
 
 #: ``Policy(float8=...)`` values.
@@ -104,7 +105,7 @@ def reason(policy: Policy, backend: Backend, eqn: compat.Eqn, variant: Variant) 
     return Reason(Why.POLICY_CLASS, f"allow class, the bfloat16 policy's rule; not float8: {why}")
 
 
-def variant_rule(ctx: RuleContext, d: Decision) -> Callable[..., list[Any]]:
+def variant_rule(ctx: Context, d: Decision) -> Callable[..., list[Any]]:
     """The fp8 rule of ``dot_general`` under ``ctx``'s policy and backend (its
     ``FLOAT8`` variant), of the recipe of the rule of ``Policy.rules`` that
     decided it (``d.rule``), if one did."""

@@ -24,6 +24,7 @@ from jax.typing import DTypeLike
 
 from amp_jax._src import casting, compat, mesh
 from amp_jax._src.backends import Backend
+from amp_jax._src.context import Context
 from amp_jax._src.decision import Decision, Fused, OpClass, Variant
 from amp_jax._src.policy import HIGH_DTYPE, is_managed_float
 from amp_jax._src.rules.base import (
@@ -31,7 +32,6 @@ from amp_jax._src.rules.base import (
     CastingEnv,
     EqnRule,
     Rule,
-    RuleContext,
     acc_dtype,
     default_allow_rule,
 )
@@ -49,15 +49,13 @@ class DotRule(AllowRule):
     so that the weight gradient comes out in the weight's own layout.
     """
 
-    def evaluate(
-        self, ctx: RuleContext, eqn: compat.Eqn, d: Decision, env: CastingEnv
-    ) -> list[Any]:
+    def evaluate(self, ctx: Context, eqn: compat.Eqn, d: Decision, env: CastingEnv) -> list[Any]:
         lay = _layout(eqn, env)
         if lay is not None:
             return _layout_dot(ctx, lay, env)
         return super().evaluate(ctx, eqn, d, env)
 
-    def low_fn(self, ctx: RuleContext, eqn: compat.Eqn) -> Rule:
+    def low_fn(self, ctx: Context, eqn: compat.Eqn) -> Rule:
         if not ctx.vjp_rules:
             return default_allow_rule
         return functools.partial(dot_general_rule, backend=ctx.backend)
@@ -68,9 +66,7 @@ class TransposeRule(EqnRule):
     dot with its operands swapped (`Plan.layouts`: the transpose of the dot's
     result, on XLA:CPU) and amp's own rule binds that dot."""
 
-    def evaluate(
-        self, ctx: RuleContext, eqn: compat.Eqn, d: Decision, env: CastingEnv
-    ) -> list[Any]:
+    def evaluate(self, ctx: Context, eqn: compat.Eqn, d: Decision, env: CastingEnv) -> list[Any]:
         lay = _layout(eqn, env)
         if lay is None or not isinstance(ctx.rule_for(lay.eqn, OpClass.ALLOW), DotRule):
             return super().evaluate(ctx, eqn, d, env)  # (or the user's own dot rule)
@@ -87,7 +83,7 @@ def _layout(eqn: compat.Eqn, env: CastingEnv) -> Any:
     return None if lay is None or mesh.partitioned_by_mesh() else lay
 
 
-def _layout_dot(ctx: RuleContext, lay: Any, env: CastingEnv) -> list[Any]:
+def _layout_dot(ctx: Context, lay: Any, env: CastingEnv) -> list[Any]:
     """The lowered dot of layout record ``lay``: an operand read through a
     transpose is the transpose's operand, or its compute-dtype cast if one was
     made (each cast once)."""
