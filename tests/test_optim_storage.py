@@ -1,6 +1,9 @@
 """Moment storage as a part: `MomentStorage`, and the transformations built on it
 (`scale_by_adam`, `scale_by_lion`, `ema`), with `adamw` a chain of them."""
 
+import doctest
+import importlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -244,3 +247,9 @@ def test_storage_is_a_frozen_hashable_record():
     assert hash(s) == hash(optim.MomentStorage(format="8bit"))
     with pytest.raises(AttributeError):
         s.format = "4bit"  # type: ignore[misc]
+
+
+def test_the_parts_doctests_pass():
+    for mod in ("_storage", "_moments", "_quantized", "_codes"):
+        module = importlib.import_module(f"amp_jax.optim.{mod}")
+        assert doctest.testmod(module, optionflags=doctest.ELLIPSIS).failed == 0, mod

@@ -242,6 +242,11 @@ def ema(
       >>> tx = optim.ema(0.9, storage=optim.MomentStorage(dtype=jnp.bfloat16))
       >>> tx.init(jnp.zeros(3)).ema.dtype
       dtype(bfloat16)
+
+    References:
+      Polyak & Juditsky, "Acceleration of Stochastic Approximation by
+      Averaging", SIAM J. Control Optim. 30(4), 1992,
+      https://doi.org/10.1137/0330046.
     """
     caller = "ema"
     _check.hyperparameter(decay, caller, "decay", "0.9")
