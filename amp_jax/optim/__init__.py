@@ -2,7 +2,9 @@
 
 Loss scaling, float32 master weights, Kahan-compensated and stochastically
 rounded parameter updates, and an any-precision AdamW (moments in any
-float dtype, or block-wise quantized to 8 or 4 bits or float8); every factory returns an
+float dtype, or block-wise quantized to 8 or 4 bits or float8) built from parts that
+store any optimizer's moments (`MomentStorage`, `scale_by_adam`, `scale_by_lion`,
+`ema`); every factory returns an
 ``optax.GradientTransformationExtraArgs`` with NamedTuple state.
 """
 
@@ -24,11 +26,15 @@ from amp_jax.optim._loss_scale import static_loss_scale as static_loss_scale
 from amp_jax.optim._master import MasterWeightsState as MasterWeightsState
 from amp_jax.optim._master import master_params as master_params
 from amp_jax.optim._master import master_weights as master_weights
+from amp_jax.optim._moments import ema as ema
+from amp_jax.optim._moments import scale_by_adam as scale_by_adam
+from amp_jax.optim._moments import scale_by_lion as scale_by_lion
 from amp_jax.optim._quantized import QuantizedArray as QuantizedArray
 from amp_jax.optim._quantized import ScaleByQuantizedAdamState as ScaleByQuantizedAdamState
 from amp_jax.optim._quantized import scale_by_quantized_adam as scale_by_quantized_adam
 from amp_jax.optim._stochastic import StochasticRoundingState as StochasticRoundingState
 from amp_jax.optim._stochastic import stochastic_rounding as stochastic_rounding
+from amp_jax.optim._storage import MomentStorage as MomentStorage
 from amp_jax.optim._tree import state_bytes as state_bytes
 
 __all__ = [
@@ -37,6 +43,7 @@ __all__ = [
     "KahanSummationState",
     "LossScaleRule",
     "MasterWeightsState",
+    "MomentStorage",
     "RoundedAwayWarning",
     "QuantizedArray",
     "ScaleByQuantizedAdamState",
@@ -45,12 +52,15 @@ __all__ = [
     "StochasticRoundingState",
     "adamw",
     "dynamic_loss_scale",
+    "ema",
     "kahan_summation",
     "loss_scale",
     "loss_scale_stats",
     "master_params",
     "master_weights",
+    "scale_by_adam",
     "scale_by_any_precision_adam",
+    "scale_by_lion",
     "scale_by_quantized_adam",
     "scaled_value_and_grad",
     "state_bytes",

@@ -5,12 +5,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import optax
 from jax.typing import DTypeLike
 
-from amp_jax.optim import _check, _kahan, _quantized, _rounding, _stochastic, _tree
+from amp_jax.optim import _check, _kahan, _moments, _quantized, _tree
+from amp_jax.optim._storage import MomentStorage, Rounding
 
 
 def _check_dtype(name: str, dtype: Any, caller: str) -> Any:
@@ -35,27 +35,6 @@ def _check_dtype(name: str, dtype: Any, caller: str) -> Any:
             "mu_dtype=jnp.float16 is fine."
         )
     return dtype
-
-
-def nu_storage(param_dtype: Any, nu_dtype: Any) -> Any:
-    """The dtype ``nu`` is stored in for a parameter of ``param_dtype``:
-    ``nu_dtype`` when given, else the parameter's dtype (as optax) except
-    float16, whose range cannot hold ``nu`` (`_check_dtype`): bfloat16."""
-    if nu_dtype is not None:
-        return nu_dtype
-    return jnp.dtype(jnp.bfloat16) if param_dtype == jnp.float16 else param_dtype
-
-
-def _store(x: jax.Array, dtype: Any, key: jax.Array | None) -> jax.Array:
-    """A moment ``x`` (computed in float32 or wider) in its storage ``dtype``:
-    rounded stochastically where ``key`` is given and ``dtype`` is a narrower
-    float, with bits hashed from the value and the step's key
-    (`_rounding.uniform_bits`); otherwise the cast."""
-    dtype = jnp.dtype(dtype)
-    if key is None or not jnp.issubdtype(dtype, jnp.floating) or dtype.itemsize >= 4:
-        return x.astype(dtype)
-    x32 = x.astype(jnp.float32)
-    return _stochastic.round_with_bits(x32, _rounding.uniform_bits(x32, key), dtype)
 
 
 def scale_by_any_precision_adam(
@@ -131,51 +110,15 @@ def scale_by_any_precision_adam(
     mu_dtype = _check_dtype("mu_dtype", mu_dtype, caller)
     nu_dtype = _check_dtype("nu_dtype", nu_dtype, caller)
     _quantized.check_rounding(state_rounding, caller)
-
-    def init_fn(params):
-        return optax.ScaleByAdamState(
-            count=jnp.zeros([], jnp.int32),
-            mu=optax.tree_utils.tree_zeros_like(params, dtype=mu_dtype),
-            nu=jax.tree.map(
-                lambda p: jnp.zeros_like(p, dtype=nu_storage(jnp.result_type(p), nu_dtype)),
-                params,
-            ),
-        )
-
-    def update_fn(updates, state, params=None):
-        del params
-        count_inc, bc1, bc2 = _tree.adam_counts(state.count, b1, b2)
-        mu_key, nu_key = _quantized.rounding_keys(count_inc, b1, b2, state_rounding)
-        # float16's subnormals (below 6e-5) stall a fast moment too: a float16
-        # moment is always rounded stochastically (with "stochastic")
-        f16_key = _quantized._step_keys(count_inc)[0] if state_rounding == "stochastic" else None
-
-        def key_for(key, dtype):
-            return f16_key if key is None and dtype == jnp.float16 else key
-
-        def one(g, m, v):
-            if g is None:
-                return None, m, v
-            wd = _tree.work_dtype(jnp.promote_types(g.dtype, m.dtype))
-            g32, m32 = g.astype(wd), m.astype(wd)
-            v32 = v.astype(_tree.work_dtype(v.dtype))
-            m_new = (1 - b1) * g32 + b1 * m32
-            v_new = (1 - b2) * _tree.abs_sq(g32) + b2 * v32
-            m_hat = m_new / bc1.astype(wd)
-            v_hat = v_new / bc2.astype(v_new.dtype)
-            u = m_hat / (jnp.sqrt(v_hat + eps_root) + eps)
-            return (
-                u.astype(g.dtype),
-                _store(m_new, m.dtype, key_for(mu_key, m.dtype)),
-                _store(v_new, v.dtype, nu_key),
-            )
-
-        new_updates, mu, nu = _tree.map_unzip(
-            one, 3, updates, state.mu, state.nu, is_leaf=lambda x: x is None
-        )
-        return new_updates, optax.ScaleByAdamState(count=count_inc, mu=mu, nu=nu)
-
-    return optax.GradientTransformation(init_fn, update_fn)
+    rounding: Rounding = "auto" if state_rounding == "stochastic" else "nearest"
+    return _moments.scale_by_adam(
+        b1,
+        b2,
+        eps,
+        eps_root,
+        mu_storage=MomentStorage(dtype=mu_dtype, rounding=rounding),
+        nu_storage=MomentStorage(dtype=nu_dtype, rounding=rounding),
+    )
 
 
 def adamw(

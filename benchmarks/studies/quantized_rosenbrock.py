@@ -30,7 +30,7 @@ import numpy as np
 import optax
 
 from amp_jax import optim
-from amp_jax.optim import _quantized
+from amp_jax.optim import _codes, _quantized
 
 STARTS = ((0.0, 0.0), (-0.5, 0.5), (-1.2, 1.0), (2.0, 2.0))
 
@@ -60,15 +60,16 @@ NU_SQRT2 = _TableCodec("dynamic", 4, sqrt=True, signed=False, values=tuple(_SQRT
 @contextlib.contextmanager
 def _patched(codecs=None, slow_decay=None):
     """Construct an optimizer with other codecs / the stochastic-rounding threshold."""
-    old = _quantized._codecs, _quantized.SLOW_DECAY
+    # (the storage looks both up in amp_jax.optim._codes when it is traced)
+    old = _codes.codecs, _codes.SLOW_DECAY
     if codecs is not None:
-        _quantized._codecs = lambda fmt: codecs
+        _codes.codecs = lambda fmt: codecs
     if slow_decay is not None:
-        _quantized.SLOW_DECAY = slow_decay
+        _codes.SLOW_DECAY = slow_decay
     try:
         yield
     finally:
-        _quantized._codecs, _quantized.SLOW_DECAY = old
+        _codes.codecs, _codes.SLOW_DECAY = old
 
 
 def _variants():
