@@ -121,6 +121,80 @@ def test_float32_policy_returns_static_outputs_too():
     assert out[1] == "s" and out[2] is None and isinstance(out[0], jax.Array)
 
 
+_SCALARS = (3, 2.5, True, 1 - 2j)
+
+
+@pytest.mark.parametrize("policy", ["bfloat16", "float32"])
+def test_python_scalar_outputs_come_back_as_f_returns_them(policy):
+    # a Python scalar cannot depend on a traced value: a trace-time constant,
+    # returned as it is, as f and eqx.filter_jit return it (jax.jit: an Array)
+    def f(x, n):
+        return x @ x.T, n + 1, *_SCALARS
+
+    out = amp(f, policy=policy)(X, 1)
+    for ref in (f(X, 1), eqx.filter_jit(f)(X, 1)):
+        for got, want in zip(out[1:], ref[1:]):
+            assert type(got) is type(want) and got == want
+    assert isinstance(out[0], jax.Array) and out[0].dtype == jnp.float32
+    if policy == "bfloat16":  # (the array beside them is still the rewritten matmul)
+        jaxpr = jax.make_jaxpr(amp(f), static_argnums=1)(X, 1)
+        assert [ins for ins, _, _ in prim_dtypes(jaxpr, "dot_general")] == [(BF16, BF16)]
+        # the scalars are no outputs of amp's program: kept with its trace
+        (traced,) = amp(f).traces()
+        assert traced.num_outputs == 1
+        assert [v for _, v in traced.statics] == [2, *_SCALARS]
+
+
+def test_numpy_outputs_come_back_as_arrays_as_filter_jit_returns_them():
+    # eqx.filter_jit takes NumPy arrays and scalars as arrays: jax Arrays, as jax.jit
+    # gives them (float64 as float32 without x64, silently, strongly typed)
+    def f(x):
+        return x @ x.T, np.ones(2), np.float64(1.5), np.int32(2)
+
+    for policy in ("bfloat16", "float32"):
+        out = amp(f, policy=policy)(X)
+        ref = jax.jit(f)(X)
+        for got, want in zip(out[1:], ref[1:]):
+            assert isinstance(got, jax.Array) and got.dtype == want.dtype
+            assert got.weak_type == want.weak_type
+            np.testing.assert_array_equal(got, want)
+
+
+def test_python_scalar_outputs_under_outer_transformations_as_f_gives_them():
+    def f(x):
+        return jnp.sin(x) @ x.T, 3, 0.5
+
+    # jax.jit and jax.vmap make them Arrays (a broadcast one under vmap), as for f
+    for outer in (jax.jit, jax.vmap):
+        xs = X if outer is jax.jit else X[None]
+        got, want = outer(amp(f))(xs), outer(f)(xs)
+        assert jax.tree.structure(got) == jax.tree.structure(want)
+        for a, b in zip(got[1:], want[1:]):
+            assert type(a) is type(b) and a.dtype == b.dtype and a.shape == b.shape
+            assert a.weak_type == b.weak_type
+            np.testing.assert_array_equal(a, b)
+    # Equinox's filter transformations give them back as they are, as for f
+    for outer in (eqx.filter_jit, functools.partial(eqx.filter_vmap, out_axes=(0, None, None))):
+        xs = X if outer is eqx.filter_jit else X[None]
+        got, want = outer(amp(f))(xs), outer(f)(xs)
+        assert got[1:] == want[1:] == (3, 0.5) and type(got[1]) is int
+
+
+def test_python_scalar_outputs_of_a_cached_trace():
+    traced = []
+
+    def f(x, scale):  # (a local function: equal amp wrappers of one function share traces)
+        traced.append(1)
+        return x * scale, scale * 2, "tag"
+
+    g = amp(f)
+    first, second = g(X, 3), g(X + 1, 3)
+    assert len(traced) == 1 and g.trace_count == 1
+    for out in (first, second):
+        assert type(out[1]) is int and out[1] == 6 and out[2] == "tag"
+    assert g(X, 4)[1] == 8 and len(traced) == 2  # (another static: another trace)
+
+
 # -- item 4: equal wrappers, one trace ----------------------------------------------
 
 

@@ -133,9 +133,11 @@ def amp(
         the result is then a pytree over it, and its arrays are traced. The
         arrays bound in a ``functools.partial`` are constants of its trace,
         as under ``jax.jit`` (its arguments cannot be rebound). Two ``amp(fn)`` of an equal ``fn`` and options are equal and share
-        their traces. Output leaves that are not JAX values (a string, a
-        model's activation function) are returned as they are, as
-        ``eqx.filter_jit`` returns them. Under ``jax.disable_jit()`` amp, as
+        their traces. Output leaves that are not arrays (a string, a
+        model's activation function, a Python ``int``/``float``/``bool``/
+        ``complex``: a constant of the trace) are returned as they are, as
+        ``fn`` and ``eqx.filter_jit`` return them; NumPy arrays and scalars
+        come back as jax Arrays, as from ``jax.jit``. Under ``jax.disable_jit()`` amp, as
         ``jax.jit``, calls ``fn`` as Python: no trace and no cast.
       policy: a [`Policy`][amp_jax.Policy], a preset name (``"bfloat16"``,
         ``"float16"``, ``"float32"``) or a dtype. ``"float32"`` is the

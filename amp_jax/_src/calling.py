@@ -89,26 +89,32 @@ def name_like(wrapper: Any, fn: Callable[..., Any], self_first: bool = False) ->
 
 
 def as_output(x: object) -> Any:
-    """A returned constant (a Python ``3``, a NumPy array) as a jax Array, like
-    jit; a token (``jax.lax.create_token()``) as it is, as jit returns it."""
+    """A jaxpr output or returned constant (a literal, a NumPy array) as a jax
+    Array, like jit; a token (``jax.lax.create_token()``) as it is, as jit
+    returns it."""
     if isinstance(x, (jax.Array, compat.Tracer, compat.Token)):
         return x
     t: type[Any]
     for t in (bool, int, float, complex):  # weakly typed, as jit returns them
-        if isinstance(x, t):
+        if isinstance(x, t) and not isinstance(x, np.generic):  # (np.float64 is a float)
             return jax.numpy.asarray(t(x))
-    return jax.numpy.asarray(x, dtype=getattr(x, "dtype", None))
+    dtype = getattr(x, "dtype", None)
+    if dtype is not None:  # float64 NumPy as float32 without x64, silently as jit does
+        dtype = jax.dtypes.canonicalize_dtype(dtype)
+    return jax.numpy.asarray(x, dtype=dtype)
 
 
 def is_output_value(x: object) -> bool:
     """Whether an output leaf of ``fn`` is a JAX value, which amp returns as an
-    array as ``jax.jit`` does (a Python or NumPy scalar too), rather than a
-    static value carried out of the trace as it is (a string, a callable, an
-    Equinox model's activation function), as ``eqx.filter_jit`` does."""
-    if isinstance(x, (jax.Array, np.ndarray, np.generic, bool, int, float, complex)):
+    array as ``jax.jit`` does (a NumPy array or scalar too, as ``eqx.filter_jit``
+    returns them), rather than a static value carried out of the trace as it
+    is, as ``eqx.filter_jit`` does: a string, a callable, an Equinox model's
+    activation function, and a Python ``bool``/``int``/``float``/``complex``
+    (it cannot depend on a traced value: ``amp(f)`` returns what ``f`` does)."""
+    if isinstance(x, (jax.Array, np.ndarray, np.generic, compat.Tracer, compat.Token)):
         return True
-    if isinstance(x, (compat.Tracer, compat.Token)):
-        return True
+    if isinstance(x, (bool, int, float, complex)):
+        return False
     try:
         jax.typeof(x)
     except TypeError:

@@ -68,7 +68,8 @@ class Traced:
     Attributes:
       plan: the plan of the traced jaxpr (one decision per equation).
       out_tree: the structure of ``fn``'s output.
-      statics: its static leaves (a string, a callable; `calling.is_output_value`)
+      statics: its static leaves (a string, a callable, a Python scalar;
+        `calling.is_output_value`)
         by index, returned as they are: the jaxpr's outputs are the others.
       ctx: the context the plan was made in (it holds the sub-jaxprs' plans).
       writes: what ``fn`` writes into its arguments (the jaxpr's last outputs), or None.
