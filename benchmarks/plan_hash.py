@@ -20,6 +20,12 @@ backend's kernels), so compare runs on one machine and one JAX: write the
 baseline on the commit before the change, check on the commit after. With
 ``--check`` every differing entry is printed; ``--dump DIR`` also writes the
 texts, to diff them.
+
+``--backend gpu`` plans for the GPU's `Backend` record (``backends.backend_for
+("gpu")``, injected with ``backends.use``) on this CPU: the jaxpr, explain and
+report entries are the GPU's plans, lowered here; ``hlo`` is left out (XLA:CPU
+compiles a program planned for a GPU, which says nothing of the GPU's).
+Without a GPU this is how a change is shown to leave GPU plans alone.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ import jax
 
 import amp_jax
 from amp_jax import Policy, amp
+from amp_jax._src import backends
 from workloads.models import cnn, gpt, gpt_fp8, mlp
 
 
@@ -69,8 +76,12 @@ def _strip(hlo: str) -> str:
     )
 
 
-def texts(only: str | None = None) -> dict[str, str]:
-    """Every case's texts, keyed ``case.kind``."""
+def texts(only: str | None = None, backend: str | None = None) -> dict[str, str]:
+    """Every case's texts, keyed ``case.kind``; ``backend``: plan for that
+    platform's `Backend` record (no ``hlo`` entries), else for this process's."""
+    if backend is not None:
+        with backends.use(backends.backend_for(backend)):
+            return {k: v for k, v in texts(only).items() if not k.endswith(".hlo")}
     out: dict[str, str] = {}
     key = jax.random.PRNGKey(0)
     for name, model, policy, kwargs in _cases():
@@ -104,8 +115,11 @@ def main(argv: list[str] | None = None) -> str:
     mode.add_argument("--smoke", action="store_true", help="the mlp case, printed only (CI)")
     parser.add_argument("--only", help="comma-separated case names")
     parser.add_argument("--dump", type=pathlib.Path, help="also write each text to this folder")
+    parser.add_argument(
+        "--backend", help="plan for this platform's Backend record (e.g. gpu; no hlo entries)"
+    )
     args = parser.parse_args(argv)
-    found = texts("mlp" if args.smoke else args.only)
+    found = texts("mlp" if args.smoke else args.only, args.backend)
     hashes = {k: _digest(v) for k, v in found.items()}
     if args.dump:
         args.dump.mkdir(parents=True, exist_ok=True)
@@ -135,6 +149,7 @@ def main(argv: list[str] | None = None) -> str:
     print(text)
     if args.write:
         versions = {"jax": jax.__version__, "amp_jax": amp_jax.__file__}
+        versions["backend"] = args.backend or jax.default_backend()
         args.write.parent.mkdir(parents=True, exist_ok=True)
         args.write.write_text(json.dumps({"versions": versions, "hashes": hashes}, indent=1))
         print(f"written to {args.write}")
