@@ -22,9 +22,10 @@ baseline on the commit before the change, check on the commit after. With
 texts, to diff them.
 
 ``--backend gpu`` plans for the GPU's `Backend` record (``backends.backend_for
-("gpu")``, injected with ``backends.use``) on this CPU: the jaxpr, explain and
-report entries are the GPU's plans, lowered here; ``hlo`` is left out (XLA:CPU
-compiles a program planned for a GPU, which says nothing of the GPU's).
+("gpu")``, injected with ``backends.use``) on this CPU: a ``plan`` entry (the
+plan tree of the loss) and the jaxpr, explain and report entries lowered here
+(or the error lowering raised: a cuDNN attention needs a GPU); no ``hlo``
+(XLA:CPU compiling a program planned for a GPU says nothing of the GPU's).
 Without a GPU this is how a change is shown to leave GPU plans alone.
 """
 
@@ -43,7 +44,7 @@ import jax
 
 import amp_jax
 from amp_jax import Policy, amp
-from amp_jax._src import backends
+from amp_jax._src import backends, planning
 from workloads.models import cnn, gpt, gpt_fp8, mlp
 
 
@@ -78,10 +79,10 @@ def _strip(hlo: str) -> str:
 
 def texts(only: str | None = None, backend: str | None = None) -> dict[str, str]:
     """Every case's texts, keyed ``case.kind``; ``backend``: plan for that
-    platform's `Backend` record (no ``hlo`` entries), else for this process's."""
+    platform's `Backend` record (`_planned_for`), else for this process's."""
     if backend is not None:
         with backends.use(backends.backend_for(backend)):
-            return {k: v for k, v in texts(only).items() if not k.endswith(".hlo")}
+            return _planned_for(only)
     out: dict[str, str] = {}
     key = jax.random.PRNGKey(0)
     for name, model, policy, kwargs in _cases():
@@ -97,6 +98,37 @@ def texts(only: str | None = None, backend: str | None = None) -> dict[str, str]
         )
         report = amp_jax.dtype_report(loss, params, *batch, policy=policy, grad=True)
         out[f"{name}.report"] = amp_jax.format_dtype_report(report)
+    return out
+
+
+def _planned_for(only: str | None) -> dict[str, str]:
+    """The texts of each case planned for the injected `Backend` record: its
+    plan tree (``plan``: ``planning.format_plan`` of the loss), and the jaxpr,
+    explain and report entries lowered on this CPU, or the error that lowering
+    raised (a cuDNN attention without a GPU); no ``hlo``."""
+    out: dict[str, str] = {}
+    key = jax.random.PRNGKey(0)
+    for name, model, policy, kwargs in _cases():
+        if only and name not in only.split(","):
+            continue
+        params, batch = model.init(key), model.batch(key)
+        loss: Callable[..., Any] = lambda p, *b, _m=model, _kw=kwargs: _m.loss(p, *b, **_kw)
+        config = planning.Config(amp_jax.get_policy(policy), backends.current())
+        closed = jax.make_jaxpr(loss)(params, *batch)
+        out[f"{name}.plan"] = planning.format_plan(planning.plan(planning.Context(config), closed))
+        step = jax.value_and_grad(amp(loss, policy=policy))
+        makers: dict[str, Callable[[], Any]] = {
+            "jaxpr": lambda: jax.make_jaxpr(step)(params, *batch),
+            "explain": lambda: amp_jax.explain(loss, params, *batch, policy=policy, grad=True),
+            "report": lambda: amp_jax.format_dtype_report(
+                amp_jax.dtype_report(loss, params, *batch, policy=policy, grad=True)
+            ),
+        }
+        for kind, make in makers.items():
+            try:
+                out[f"{name}.{kind}"] = str(make())
+            except Exception as e:  # noqa: BLE001 -- the error is the entry (the same before and after)
+                out[f"{name}.{kind}"] = f"error: {type(e).__name__}: {str(e).splitlines()[0]}"
     return out
 
 

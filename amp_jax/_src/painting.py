@@ -62,7 +62,9 @@ def _classes(classes: Sequence[OpClass | None]) -> dict[OpClass, set[int]]:
     }
 
 
-def _denied(idx: dict[OpClass, set[int]], preds: list[list[int]], succs: list[list[int]]) -> set[int]:
+def _denied(
+    idx: dict[OpClass, set[int]], preds: list[list[int]], succs: list[list[int]]
+) -> set[int]:
     """Step 1: deny propagates forward through follow ops, and through clear
     ops only where a follow op is further downstream."""
     deny, follow, clear = idx[OpClass.DENY], idx[OpClass.FOLLOW], idx[OpClass.CLEAR]

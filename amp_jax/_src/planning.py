@@ -796,7 +796,9 @@ def _painted(ctx: Context, jaxpr: compat.Jaxpr) -> tuple[tuple[Classified, ...],
 
 def _backend_kept(c: Classified) -> bool:
     """A follow op the painting kept out of the compute dtype for the backend's sake."""
-    return c.op_class is OpClass.FOLLOW and c.reason is not None and c.reason.why is Why.BACKEND_CLASS
+    return (
+        c.op_class is OpClass.FOLLOW and c.reason is not None and c.reason.why is Why.BACKEND_CLASS
+    )
 
 
 def _elementwise_in_float32(ctx: Context) -> str | None:
