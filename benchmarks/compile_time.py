@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import os
 import re
 import statistics
@@ -43,6 +44,7 @@ import jax
 import jax.numpy as jnp
 
 from amp_jax import amp, explain
+from amp_jax._src import backends
 from benchmarks import _report, run
 from workloads import models as M
 
@@ -54,6 +56,20 @@ TARGET = run.TARGET_COMPILE_VS_F32
 # -- models --------------------------------------------------------------------------
 
 
+def _bf16_elementwise(make: Callable[[], Callable[..., Any]]) -> Callable[..., Any]:
+    """``make()`` (an amp function) traced for this backend with its ``follow``
+    ops painted low, as before 2026-11-29 (XLA:CPU's record now keeps them
+    float32: ``Backend.low_elementwise``), to measure both side by side."""
+    record = dataclasses.replace(backends.current(), low_elementwise=True)
+    fn = make()
+
+    def traced(*a: Any) -> Any:
+        with backends.use(record):
+            return fn(*a)
+
+    return traced
+
+
 def _own(model: M.Model) -> tuple[Callable[..., Any], tuple[Any, ...], dict[str, Callable]]:
     args = (model.init(jax.random.PRNGKey(0)), *model.batch(jax.random.PRNGKey(1)))
     loss = model.loss
@@ -63,6 +79,7 @@ def _own(model: M.Model) -> tuple[Callable[..., Any], tuple[Any, ...], dict[str,
         {
             "f32": lambda: lambda *a: loss(*a),
             "amp": lambda: amp(lambda *a: loss(*a)),
+            "amp_ew": lambda: _bf16_elementwise(lambda: amp(lambda *a: loss(*a))),
             "hand": lambda: lambda *a: loss(*a, dtype=BF16, acc=F32),
         },
     )
@@ -80,6 +97,7 @@ def _peer(name: str) -> tuple[Callable[..., Any], tuple[Any, ...], dict[str, Cal
         {
             "f32": lambda: lambda *a: loss(*a),
             "amp": lambda: amp(lambda *a: loss(*a)),
+            "amp_ew": lambda: _bf16_elementwise(lambda: amp(lambda *a: loss(*a))),
             "hand": lambda: peers.hand(loss),
         },
     )
@@ -285,7 +303,9 @@ def report(all_res, rows, load_start, reps, costs=()) -> str:
         "again). `compile`: `lowered.compile()` (XLA), wall (CPU) seconds. "
         "`loop fusions`: XLA:CPU's LLVM-compiled fusions in the optimized HLO; "
         "`distinct kernels`: those that differ (XLA:CPU compiles identical ones once). "
-        "`hand`: the model written in bf16 by hand (float32 accumulation).",
+        "`hand`: the model written in bf16 by hand (float32 accumulation). `amp_ew`: amp "
+        "with its follow ops painted bf16 between two low matmuls, as before 2026-11-29 "
+        "(XLA:CPU computes them in float32 with a convert each way: `Backend.low_elementwise`).",
         "",
     ]
     targets = ["| model | amp compile vs f32 (wall) | (CPU) | <= 1.3x |", "|---|---:|---:|:---:|"]
@@ -332,7 +352,7 @@ def main(argv: list[str] | None = None) -> str:
     """Runs the benchmark; returns the Markdown report (written unless ``--no-write``)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="mlp,gpt,cnn,eqx_relu,eqx_gelu")
-    ap.add_argument("--variants", default="f32,amp,hand")
+    ap.add_argument("--variants", default="f32,amp,amp_ew,hand")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--depths", default="50,100,200", help="'' to skip the depth study")
     ap.add_argument("--no-kernel-costs", action="store_true")

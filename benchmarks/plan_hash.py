@@ -20,6 +20,13 @@ backend's kernels), so compare runs on one machine and one JAX: write the
 baseline on the commit before the change, check on the commit after. With
 ``--check`` every differing entry is printed; ``--dump DIR`` also writes the
 texts, to diff them.
+
+``--backend gpu`` plans for the GPU's `Backend` record (``backends.backend_for
+("gpu")``, injected with ``backends.use``) on this CPU: a ``plan`` entry (the
+plan tree of the loss) and the jaxpr, explain and report entries lowered here
+(or the error lowering raised: a cuDNN attention needs a GPU); no ``hlo``
+(XLA:CPU compiling a program planned for a GPU says nothing of the GPU's).
+Without a GPU this is how a change is shown to leave GPU plans alone.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ import jax
 
 import amp_jax
 from amp_jax import Policy, amp
+from amp_jax._src import backends, planning
 from workloads.models import cnn, gpt, gpt_fp8, mlp
 
 
@@ -69,8 +77,12 @@ def _strip(hlo: str) -> str:
     )
 
 
-def texts(only: str | None = None) -> dict[str, str]:
-    """Every case's texts, keyed ``case.kind``."""
+def texts(only: str | None = None, backend: str | None = None) -> dict[str, str]:
+    """Every case's texts, keyed ``case.kind``; ``backend``: plan for that
+    platform's `Backend` record (`_planned_for`), else for this process's."""
+    if backend is not None:
+        with backends.use(backends.backend_for(backend)):
+            return _planned_for(only)
     out: dict[str, str] = {}
     key = jax.random.PRNGKey(0)
     for name, model, policy, kwargs in _cases():
@@ -89,6 +101,37 @@ def texts(only: str | None = None) -> dict[str, str]:
     return out
 
 
+def _planned_for(only: str | None) -> dict[str, str]:
+    """The texts of each case planned for the injected `Backend` record: its
+    plan tree (``plan``: ``planning.format_plan`` of the loss), and the jaxpr,
+    explain and report entries lowered on this CPU, or the error that lowering
+    raised (a cuDNN attention without a GPU); no ``hlo``."""
+    out: dict[str, str] = {}
+    key = jax.random.PRNGKey(0)
+    for name, model, policy, kwargs in _cases():
+        if only and name not in only.split(","):
+            continue
+        params, batch = model.init(key), model.batch(key)
+        loss: Callable[..., Any] = lambda p, *b, _m=model, _kw=kwargs: _m.loss(p, *b, **_kw)
+        config = planning.Config(amp_jax.get_policy(policy), backends.current())
+        closed = jax.make_jaxpr(loss)(params, *batch)
+        out[f"{name}.plan"] = planning.format_plan(planning.plan(planning.Context(config), closed))
+        step = jax.value_and_grad(amp(loss, policy=policy))
+        makers: dict[str, Callable[[], Any]] = {
+            "jaxpr": lambda: jax.make_jaxpr(step)(params, *batch),
+            "explain": lambda: amp_jax.explain(loss, params, *batch, policy=policy, grad=True),
+            "report": lambda: amp_jax.format_dtype_report(
+                amp_jax.dtype_report(loss, params, *batch, policy=policy, grad=True)
+            ),
+        }
+        for kind, make in makers.items():
+            try:
+                out[f"{name}.{kind}"] = str(make())
+            except Exception as e:  # noqa: BLE001 -- the error is the entry (the same before and after)
+                out[f"{name}.{kind}"] = f"error: {type(e).__name__}: {str(e).splitlines()[0]}"
+    return out
+
+
 def _digest(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -104,8 +147,11 @@ def main(argv: list[str] | None = None) -> str:
     mode.add_argument("--smoke", action="store_true", help="the mlp case, printed only (CI)")
     parser.add_argument("--only", help="comma-separated case names")
     parser.add_argument("--dump", type=pathlib.Path, help="also write each text to this folder")
+    parser.add_argument(
+        "--backend", help="plan for this platform's Backend record (e.g. gpu; no hlo entries)"
+    )
     args = parser.parse_args(argv)
-    found = texts("mlp" if args.smoke else args.only)
+    found = texts("mlp" if args.smoke else args.only, args.backend)
     hashes = {k: _digest(v) for k, v in found.items()}
     if args.dump:
         args.dump.mkdir(parents=True, exist_ok=True)
@@ -135,6 +181,7 @@ def main(argv: list[str] | None = None) -> str:
     print(text)
     if args.write:
         versions = {"jax": jax.__version__, "amp_jax": amp_jax.__file__}
+        versions["backend"] = args.backend or jax.default_backend()
         args.write.parent.mkdir(parents=True, exist_ok=True)
         args.write.write_text(json.dumps({"versions": versions, "hashes": hashes}, indent=1))
         print(f"written to {args.write}")

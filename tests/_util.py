@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
 import pathlib
+from collections.abc import Iterator
+from typing import Any
 
 import jax
 import numpy as np
@@ -212,3 +216,15 @@ def hand_bf16_matmul(a, b):
         b.astype(jax.numpy.bfloat16),
         preferred_element_type=jax.numpy.float32,
     )
+
+
+@contextlib.contextmanager
+def low_elementwise() -> Iterator[Any]:
+    """Plans inside the block as a GPU or TPU does: ``follow`` ops between two
+    low ops painted in the compute dtype (``Backend.low_elementwise``), which
+    XLA:CPU's record keeps float32. For tests of the painting itself on CPU."""
+    from amp_jax._src import backends
+
+    record = dataclasses.replace(backends.current(), low_elementwise=True)
+    with backends.use(record):
+        yield record

@@ -1,5 +1,7 @@
 import os
 
+import pytest
+
 # Multi-device tests (shard_map) use forced host devices; must be set before JAX starts.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
@@ -22,3 +24,14 @@ if os.environ.get("AMP_JAX_RESUME"):
         pytest_configure,
         pytest_runtest_logreport,
     )
+
+
+@pytest.fixture
+def low_elementwise():
+    """Plans as a GPU or TPU does, on this CPU: ``follow`` ops between two low
+    ops painted in the compute dtype (XLA:CPU's record keeps them float32,
+    tests/test_cpu_elementwise.py). For tests of the painting itself."""
+    from _util import low_elementwise as block
+
+    with block() as record:
+        yield record

@@ -26,6 +26,7 @@ def _converts_of(jaxpr, var):
     return [e for e in jaxpr.eqns if e.primitive.name == "convert_element_type" and var in e.invars]
 
 
+@pytest.mark.usefixtures("low_elementwise")  # (the painting: XLA:CPU keeps them float32)
 def test_a_value_read_low_twice_is_cast_once():
     def f(x, w, w2):
         h = x @ w  # written in float32 (allow_outputs), read low by two unary ops
@@ -41,6 +42,7 @@ def test_a_value_read_low_twice_is_cast_once():
     assert readers[0].invars[0] is readers[1].invars[0] is casts[0].outvars[0]
 
 
+@pytest.mark.usefixtures("low_elementwise")  # (the painting: XLA:CPU keeps them float32)
 def test_a_cast_is_shared_by_every_reader():
     def f(x, w, w2):
         h = x @ w
@@ -51,6 +53,7 @@ def test_a_cast_is_shared_by_every_reader():
     assert len(_converts_of(jaxpr, h)) == 1
 
 
+@pytest.mark.usefixtures("low_elementwise")  # (the painting: XLA:CPU keeps them float32)
 def test_an_elementwise_op_with_a_float32_operand_computes_in_float32():
     # the bias [8] (float32) added to a low [4, 8]: the add reads the widest
     # input's dtype and casts its result down, so the transpose of the bias's
@@ -96,6 +99,7 @@ def test_output_dtypes_preserved():
     assert [i for i, _, _ in dots] == [(BF16, BF16)] * 2  # (x @ x.T lowered too)
 
 
+@pytest.mark.usefixtures("low_elementwise")  # (the painting: XLA:CPU keeps them float32)
 def test_literal_operands_are_cast_as_constants():
     def f(x, w, w2):
         return ((x @ w) * 3.0) @ w2  # the dot writes bf16: the literal is read as bf16

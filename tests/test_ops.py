@@ -334,10 +334,12 @@ def _dtype_of(fn, prim):
         ("ew:custom_jvp", "max"),
     ],
 )
+@pytest.mark.usefixtures("low_elementwise")  # (the painting: XLA:CPU keeps them float32)
 def test_followers_between_dots_run_bf16(name, prim):
     assert _dtype_of(CASES[name], prim) == {BF16}
 
 
+@pytest.mark.usefixtures("low_elementwise")  # (the painting: XLA:CPU keeps them float32)
 def test_a_follower_reading_a_float32_value_computes_in_float32_and_writes_bf16():
     """``h * h`` between two dots, ``h`` a matmul's float32 result (on CPU):
     the mul computes in float32 (its widest input) and the next dot reads its

@@ -138,9 +138,9 @@ def test_the_loop_decision_fixed_point_paints_each_body_once(monkeypatch):
     painted = collections.Counter()
     paint = painting.paint
 
-    def counting(classes, jaxpr):
+    def counting(classes, jaxpr, **kw):
         painted[id(jaxpr)] += 1
-        return paint(classes, jaxpr)
+        return paint(classes, jaxpr, **kw)
 
     monkeypatch.setattr(painting, "paint", counting)
     jaxpr = jax.make_jaxpr(amp(fixed_point, policy=COMPUTE_OUT))(*_fixed_point_args())

@@ -55,6 +55,7 @@ def test_sensitive_ops_stay_float32():
     check_dots_low(jaxpr, min_low=3)  # and the matmuls beside them run low
 
 
+@pytest.mark.usefixtures("low_elementwise")  # (the painting: XLA:CPU keeps them float32)
 def test_followers_between_dots_are_low_and_no_cancelling_converts():
     jaxpr = jax.make_jaxpr(amp(mlp_loss))(_mlp_params(), X)
     tanhs = prim_dtypes(jaxpr, "tanh")
@@ -441,6 +442,7 @@ def test_conv_backend_aware_and_forced():
 # -- custom_jvp calls with only follow/clear ops are transparent -------------------
 
 
+@pytest.mark.usefixtures("low_elementwise")  # (the painting: XLA:CPU keeps them float32)
 def test_custom_jvp_follow_body_runs_low_and_keeps_its_rule():
     @jax.custom_jvp
     def ste_round(h):  # a straight-through estimator: only follow/clear ops
@@ -584,6 +586,7 @@ def test_allow_outputs_auto_is_per_backend():
 # -- tests that pin two structural features (tests/mutants.py kills them here) -----------
 
 
+@pytest.mark.usefixtures("low_elementwise")  # (the painting: XLA:CPU keeps them float32)
 def test_bias_gradient_is_reduced_in_float32():
     # The bias is broadcast *before* its cast to bf16, so the transpose of the
     # broadcast -- the sum over the batch -- runs in float32.
@@ -600,6 +603,7 @@ def test_bias_gradient_is_reduced_in_float32():
     assert prim_dtypes(jaxpr, "tanh")[0][0] == (BF16,)
 
 
+@pytest.mark.usefixtures("low_elementwise")  # (the painting: XLA:CPU keeps them float32)
 def test_size_one_operand_of_a_low_add_is_broadcast_before_its_cast():
     # An add between two matmuls runs low; its [1, n] operand (a dot written in
     # bf16, allow_outputs="compute" as on GPU) is broadcast in float32 and

@@ -22,7 +22,7 @@ from amp_jax._src import casting, compat, jaxprs
 from amp_jax._src.classify import Classified
 from amp_jax._src.context import Context
 from amp_jax._src.decision import NO_HINTS, BodyHints, Color, Kind, OpClass, Reason, Why
-from amp_jax._src.painted import low_text, painted
+from amp_jax._src.painted import backend_kept, low_text, painted
 from amp_jax._src.policy import SOLVES, is_managed_float
 
 
@@ -173,6 +173,8 @@ def _keep_slice(
     for i in kept:
         if draft.colors[i] is Color.LOW:
             draft.colors[i] = Color.ORIG
+            _keep(draft, i, why)
+        elif backend_kept(draft.classified[i]):  # (``why`` holds on every backend)
             _keep(draft, i, why)
     for i in f32_out:  # (its operands stay low: the reason says both)
         draft.f32_out.add(i)

@@ -10,6 +10,7 @@ eqn painted low runs in the compute dtype.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax.numpy as jnp
@@ -55,10 +56,32 @@ def painted(ctx: Context, jaxpr: compat.Jaxpr) -> tuple[tuple[Classified, ...], 
             if reason is None or not reason.keeps_high:
                 c = classified[i]
                 classified[i] = Classified(c.kind, OpClass.NEVER, Reason.kept(Why.FEEDS_SOLVE))
-        colors = painting.paint([c.op_class for c in classified], jaxpr)
+        classes = [c.op_class for c in classified]
+        in_f32 = _elementwise_in_float32(ctx)
+        colors = painting.paint(classes, jaxpr, low_follow=in_f32 is None)
+        if in_f32 is not None:  # (the follow ops it kept out of the compute dtype say so)
+            why = Reason(Why.BACKEND_CLASS, f"backend-aware: {in_f32}")
+            for i in painting.follows_between(classes, jaxpr):
+                if colors[i] is Color.ORIG:
+                    classified[i] = dataclasses.replace(classified[i], reason=why)
         return tuple(classified), tuple(colors)
 
     return ctx.cached("painted", jaxpr, make)
+
+
+def backend_kept(c: Classified) -> bool:
+    """A follow op the painting kept out of the compute dtype for the backend's sake."""
+    return (
+        c.op_class is OpClass.FOLLOW and c.reason is not None and c.reason.why is Why.BACKEND_CLASS
+    )
+
+
+def _elementwise_in_float32(ctx: Context) -> str | None:
+    """Why ``follow`` ops stay out of the compute dtype on this backend
+    (`Backend.low_elementwise`, ``Policy(backend_aware=True)``), or None."""
+    if not ctx.policy.backend_aware:
+        return None
+    return ctx.backend.elementwise_in_float32(ctx.policy.compute_dtype)
 
 
 def low_text(ctx: Context, eqn: compat.Eqn) -> str:

@@ -4,10 +4,12 @@ of a jaxpr's graph and the classes of its eqns (no tracing, no policy).
 ``paint`` follows TensorFlow's auto-mixed-precision passes: allow ops are low;
 deny ops are high; deny propagates forward through follow ops (and through
 clear ops that lead to one); follow/clear ops on a path between two allow ops
-are low; clear ops next to a low op are low. ``matmuls_around`` finds the
-matmuls next to given eqns (a solve's). Planning calls them from
-``painted.py``; what decides control flow, and the loop fixed point, are
-``control.py``'s (`control.decision_slice`).
+are low (follow ops only where the backend computes elementwise ops in the
+compute dtype: ``low_follow``; `follows_between` names those it kept); clear
+ops next to a low op are low. ``matmuls_around`` finds the matmuls next to
+given eqns (a solve's). Planning calls them from ``painted.py``; what decides
+control flow, and the loop fixed point, are ``control.py``'s
+(`control.decision_slice`).
 """
 
 from __future__ import annotations
@@ -54,26 +56,61 @@ def _reach(starts: Sequence[int], edges: list[list[int]], allowed: set[int]) -> 
     return seen
 
 
-def paint(classes: Sequence[OpClass | None], jaxpr: compat.Jaxpr) -> list[Color]:
-    """Colors for each eqn, from their classes (None: not painted, as written)."""
-    preds, succs = _graph(jaxpr)
-    idx = {
+def _classes(classes: Sequence[OpClass | None]) -> dict[OpClass, set[int]]:
+    return {
         c: {i for i, k in enumerate(classes) if k is c}
         for c in (OpClass.ALLOW, OpClass.DENY, OpClass.FOLLOW, OpClass.CLEAR)
     }
-    allow, deny = idx[OpClass.ALLOW], idx[OpClass.DENY]
-    follow, clear = idx[OpClass.FOLLOW], idx[OpClass.CLEAR]
-    # 1. deny propagates forward through follow ops, and through clear ops
-    #    only where a follow op is further downstream.
+
+
+def _denied(
+    idx: dict[OpClass, set[int]], preds: list[list[int]], succs: list[list[int]]
+) -> set[int]:
+    """Step 1: deny propagates forward through follow ops, and through clear
+    ops only where a follow op is further downstream."""
+    deny, follow, clear = idx[OpClass.DENY], idx[OpClass.FOLLOW], idx[OpClass.CLEAR]
     fwd = _reach(sorted(deny), succs, follow | clear)
     deny_follow = fwd & follow
     back_from_follow = _reach(sorted(deny_follow), preds, clear)
-    denied = deny | deny_follow | (fwd & clear & back_from_follow)
+    return deny | deny_follow | (fwd & clear & back_from_follow)
+
+
+def _between(
+    idx: dict[OpClass, set[int]], free: set[int], preds: list[list[int]], succs: list[list[int]]
+) -> set[int]:
+    """The ``free`` eqns on a path between two allow ops through ``free`` eqns."""
+    allow = sorted(idx[OpClass.ALLOW])
+    return _reach(allow, succs, free) & _reach(allow, preds, free)
+
+
+def follows_between(classes: Sequence[OpClass | None], jaxpr: compat.Jaxpr) -> set[int]:
+    """The follow eqns that step 2 of `paint` makes low with ``low_follow``:
+    not denied, on a path between two allow ops through follow/clear ops."""
+    preds, succs = _graph(jaxpr)
+    idx = _classes(classes)
+    free = (idx[OpClass.FOLLOW] | idx[OpClass.CLEAR]) - _denied(idx, preds, succs)
+    return _between(idx, free, preds, succs) & idx[OpClass.FOLLOW]
+
+
+def paint(
+    classes: Sequence[OpClass | None], jaxpr: compat.Jaxpr, *, low_follow: bool = True
+) -> list[Color]:
+    """Colors for each eqn, from their classes (None: not painted, as written).
+
+    ``low_follow=False``: follow ops are never painted low (a backend that
+    computes low-precision elementwise ops in float32, converting each way:
+    XLA:CPU); they keep their original dtypes, and the clear ops next to a
+    low op carry the one cast to it.
+    """
+    preds, succs = _graph(jaxpr)
+    idx = _classes(classes)
+    allow, deny = idx[OpClass.ALLOW], idx[OpClass.DENY]
+    clear = idx[OpClass.CLEAR]
+    # 1. deny propagates forward (`_denied`).
+    denied = _denied(idx, preds, succs)
     # 2. follow/clear ops on a path between two allow ops become low.
-    free = (follow | clear) - denied
-    down = _reach(sorted(allow), succs, free)
-    up = _reach(sorted(allow), preds, free)
-    low = allow | (down & up)
+    free = ((idx[OpClass.FOLLOW] if low_follow else set()) | clear) - denied
+    low = allow | _between(idx, free, preds, succs)
     # 3. clear ops connected to a low op through clear ops become low.
     #    Downwards only from ops with low outputs: an allow op accumulates and
     #    returns float32, so a reshape or max of its result stays float32 (a

@@ -86,6 +86,13 @@ class Backend:
       bf16_dots: whether a bfloat16 dot pays here (XLA:CPU: `cpu_bf16_support`,
         decided once per process and part of this record, hence of the trace
         cache key); None where it does (GPUs, TPUs).
+      low_elementwise: whether elementwise ops compute in a 16-bit float dtype
+        here (GPUs, TPUs). False on XLA:CPU, which has no bfloat16 or float16
+        elementwise kernels: it computes each such op in float32 with a
+        convert each way, which costs compile time and precision and buys no
+        speed. Where False, ``Policy(backend_aware=True)`` keeps ``follow`` ops
+        out of the compute dtype (`elementwise_in_float32`); the matmuls still
+        run low, and a value they read is cast once.
     """
 
     name: str
@@ -97,6 +104,7 @@ class Backend:
     plan_layouts: Callable[..., dict[int, Any]] = _no_layouts
     native_float8_matmul: Callable[[], bool] = _never
     bf16_dots: CpuBf16Support | None = None
+    low_elementwise: bool = True
 
     def has_low_kernel(self, eqn: compat.Eqn) -> bool:
         """Whether ``eqn`` (an ``allow`` op on managed floats) has a kernel here
@@ -118,6 +126,13 @@ class Backend:
         ):
             return self.bf16_dots.reason
         return None
+
+    def elementwise_in_float32(self, dtype: DTypeLike) -> str | None:
+        """Why elementwise ops with ``dtype`` operands are computed in float32
+        here (`low_elementwise` is False), or None where they run in ``dtype``."""
+        if self.low_elementwise:
+            return None
+        return cpu.ELEMENTWISE_IN_F32.format(dtype=np.dtype(dtype).name)
 
     def attention(
         self, head_dim: int, tq: int, tk: int, needs_even: bool, probe: Callable[[], object]
@@ -143,6 +158,7 @@ _BACKENDS = {
         runs_low=cpu.runs_low,
         dot=cpu.dot,
         plan_layouts=cpu.plan_layouts,
+        low_elementwise=False,
     ),
     "gpu": Backend(
         "gpu",

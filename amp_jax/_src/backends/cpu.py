@@ -27,6 +27,14 @@ from amp_jax._src import compat, jaxprs, mesh
 #: (one of the rows of ``amp_jax.BACKEND_SLOW_IN_LOW_PRECISION``)
 SLOW_IN_LOW_PRECISION = frozenset({"conv_general_dilated"})
 
+#: why ``follow`` ops stay float32 on XLA:CPU (`Backend.low_elementwise`): its
+#: float normalization rewrites every bfloat16 (and float16) elementwise op as
+#: convert -> float32 op -> convert, measured in the optimized HLO of
+#: benchmarks/compile_time.py (mlp: 162 converts with bf16 elementwise ops, 12 without)
+ELEMENTWISE_IN_F32 = (
+    "XLA:CPU computes {dtype} elementwise ops in float32 (a convert each way): kept as written"
+)
+
 _BF16 = np.dtype(jax.numpy.bfloat16)
 _F32 = np.dtype(np.float32)
 
