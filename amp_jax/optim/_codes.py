@@ -86,7 +86,7 @@ def pow2_map(bits: int = 4) -> np.ndarray:
     absmax jumping between codes 2.4-6x apart: forced onto a 2-element
     parameter (Rosenbrock), 4-bit AdamW stopped 0.056-0.076 from the minimum;
     with this map it reaches it within 1e-3 from four starting points
-    (benchmarks/QUANTIZED_STATES.md, "4-bit states on Rosenbrock").
+    (benchmarks/results/QUANTIZED_STATES.md, "4-bit states on Rosenbrock").
     """
     mags = [2.0**-k for k in range(2 ** (bits - 1) - 1)]
     return np.sort(np.asarray([0.0, 0.75] + mags + [-m for m in mags], np.float32))
@@ -286,7 +286,7 @@ def _toward(x: jax.Array, lo: jax.Array, hi: jax.Array) -> jax.Array:
     ``nu**a`` moves the walk's mean by ``(1 - a)`` times its variance, which
     for ``a = 1/4`` cancels that convexity in ``nu**(-1/2)`` to first order:
     updates within 1.2% and ``sqrt(nu)`` within 1.6% of float32 AdamW's over
-    10,000 steps (benchmarks/LONG_RUN.md)."""
+    10,000 steps (benchmarks/results/LONG_RUN.md)."""
     rx, rlo, rhi = jnp.sqrt(x), jnp.sqrt(lo), jnp.sqrt(hi)
     gap = rhi - rlo
     return jnp.where(gap > 0, (rx - rlo) / jnp.where(gap > 0, gap, 1.0), 0.0)

@@ -213,7 +213,7 @@ def use(backend: Backend) -> Iterator[Backend]:
 
 
 #: (primitive, backend) pairs measured slower in low precision than float32;
-#: with ``backend_aware=True`` these stay float32. See benchmarks/RESULTS.md.
+#: with ``backend_aware=True`` these stay float32. See benchmarks/results/RESULTS.md.
 BACKEND_SLOW_IN_LOW_PRECISION: frozenset[tuple[str, str]] = frozenset(
     (p, b.name) for b in _BACKENDS.values() for p in b.slow_in_low_precision
 )
@@ -222,6 +222,6 @@ BACKEND_SLOW_IN_LOW_PRECISION: frozenset[tuple[str, str]] = frozenset(
 
 #: Backends where ``allow`` ops write the compute dtype under
 #: ``Policy(allow_outputs="auto")``; elsewhere they write float32.
-#: Measured: benchmarks/RESULTS_GPU.md (H100) and benchmarks/RESULTS.md (CPU).
+#: Measured: benchmarks/results/RESULTS_GPU.md (H100) and benchmarks/results/RESULTS.md (CPU).
 BACKEND_LOW_OUTPUTS: frozenset[str] = frozenset(b.name for b in _BACKENDS.values() if b.low_outputs)
 """Backends where ``allow`` ops write the compute dtype (bf16 results, float32 accumulation inside the kernel) under ``Policy(allow_outputs="auto")``."""

@@ -7,7 +7,7 @@ trailing dims; other layouts upcast to f32 in a slower kernel, and some (a
 batched dot, a transposed lhs reaching the dot after its kernel was chosen)
 have no kernel at all ("Unsupported element type for DotThunk"). Everything
 here keeps amp's lowered dots in the layouts that run, and fast
-(measured: benchmarks/RESULTS.md).
+(measured: benchmarks/results/RESULTS.md).
 """
 
 from __future__ import annotations
