@@ -358,7 +358,7 @@ class AmpFunction:
         if traced.writes is not None:
             # (a constant written is a jaxpr literal: an Array, as jit stores it)
             after = traced.writes.after(call.leaves, [as_output(o) for o in outs[n:]])
-            mutation.write_back((call.args, call.kwargs), after)
+            mutation.write_back((call.args, call.kwargs), after, traced.writes.moves)
         # an input returned as it is (``amp(jnp.asarray)``: the jaxpr has no
         # eqn) is a new value, as jit's outputs are: under ``jax.jvp`` of a
         # Python float, that input is a tracer of a float, and ``jax.jvp``
