@@ -116,13 +116,14 @@ def is_output_value(x: object) -> bool:
     return True
 
 
-def static_outputs(leaves: Sequence[Any], name: str) -> dict[int, Any]:
+def static_outputs(leaves: Sequence[Any], name: str, kept: Collection[int] = ()) -> dict[int, Any]:
     """The static leaves among ``fn``'s output ``leaves`` (`is_output_value`),
     by index; a plain object that holds arrays is refused (the arrays would be
-    tracers of amp's trace, invalid once it ends)."""
-    statics = {i: x for i, x in enumerate(leaves) if not is_output_value(x)}
+    tracers of amp's trace, invalid once it ends), bar those whose ``id`` is in
+    ``kept`` (an NNX module ``fn`` captured: `mutation.captured_outputs`)."""
+    statics = {i: x for i, x in enumerate(leaves) if id(x) in kept or not is_output_value(x)}
     for i, x in statics.items():
-        if (held := held_array(x)) is not None:
+        if id(x) not in kept and (held := held_array(x)) is not None:
             kind = type(x).__name__
             raise TypeError(
                 f"amp({name}): output leaf {i} is a {kind} that holds arrays "

@@ -22,7 +22,9 @@ caller imported them.
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
+import types
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -137,6 +139,76 @@ def output_aliases(tree: object, out: object) -> Aliases:
     ``(tree, out)``, for `tie` to give the caller back one object per node
     (``amp(lambda m: (m, m))(m)`` returns ``(m, m)``, as ``nnx.jit`` does)."""
     return tuple(a for a in aliases((tree, out)) if a[0][0] == jax.tree_util.SequenceKey(1))
+
+
+def captured_outputs(fn: Callable[..., Any], tree: object, out: object) -> set[int]:
+    """The ``id`` of each NNX node of ``fn``'s output ``out`` that ``fn``
+    captured rather than made or was given: a module of its closure, its
+    defaults, a global it names, a ``functools.partial``'s or a bound
+    method's object (and the nodes below those), none of whose arrays is a
+    tracer. amp returns such a node as the object itself, as plain Python
+    does, not a copy rebuilt from its arrays; then an ``nnx.vmap`` or
+    ``nnx.jit`` around amp sees the captured node and raises its own error.
+    """
+    nnx = _nnx()
+    if nnx is None:
+        return set()
+    is_node = _node_test(nnx)
+    outs = [x for x in jax.tree.leaves(out, is_leaf=is_node) if is_node(x)]
+    if not outs:
+        return set()
+    given = {id(x) for _, x in _node_walk(nnx, tree)}
+    outs = [
+        x
+        for x in outs
+        if id(x) not in given and not any(isinstance(v, compat.Tracer) for v in jax.tree.leaves(x))
+    ]
+    if not outs:
+        return set()
+    try:
+        held = {id(x) for _, x in _node_walk(nnx, _captures(fn))}
+    except Exception:  # (a node that refuses a flatten: whatever its library raises)
+        return set()
+    return {id(x) for x in outs if id(x) in held}
+
+
+def _captures(fn: object, depth: int = 3) -> list[Any]:
+    """What the callable ``fn`` holds (closure cells, defaults, the globals
+    its code names, a partial's function and arguments, a bound method's
+    object), and the items of the containers among them, ``depth`` deep."""
+    found: list[Any] = []
+    todo = [(fn, depth)]
+    seen: set[int] = set()
+    while todo:
+        obj, d = todo.pop()
+        if id(obj) in seen or d < 0:
+            continue
+        seen.add(id(obj))
+        found.append(obj)
+        items: list[Any] = []
+        if isinstance(obj, functools.partial):
+            items = [obj.func, *obj.args, *obj.keywords.values()]
+        elif isinstance(obj, types.MethodType):
+            items = [obj.__func__, obj.__self__]
+        elif isinstance(obj, types.FunctionType):
+            code, named = obj.__code__, obj.__globals__
+            items = [c.cell_contents for c in obj.__closure__ or () if _filled(c)]
+            items += [*(obj.__defaults__ or ()), *(obj.__kwdefaults__ or {}).values()]
+            items += [named[n] for n in code.co_names if n in named]
+        elif isinstance(obj, (list, tuple)):
+            items = list(obj)
+        elif isinstance(obj, dict):
+            items = list(obj.values())
+        todo += [(x, d - 1) for x in items if not isinstance(x, types.ModuleType)]
+    return found
+
+
+def _filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018
+    except ValueError:  # (an empty cell)
+        return False
+    return True
 
 
 def _one_level(x: object) -> tuple[list[tuple[KeyPath, Any]], compat.PyTreeDef]:
@@ -495,9 +567,8 @@ def _sync(
         keys.add(key)
         old = had.get(key, _MISSING)
         here = (*path, key)
-        if old is _MISSING and here in placed:
-            old = placed[here]
-        new = value if old is _MISSING else _merge(nnx, old, value, seen, here, placed)
+        mine = placed.get(here, old)  # (merged: becomes the caller's node moved here)
+        new = value if mine is _MISSING else _merge(nnx, mine, value, seen, here, placed)
         if new is not old:
             impl.set_key(d, key, nnx.data(new) if data else new)
     for key in had:

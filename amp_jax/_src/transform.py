@@ -319,8 +319,12 @@ class AmpFunction:
             shared.append(mutation.output_aliases(tree, out))
             # (a non-array leaf -- a model's activation function, an aux string
             # -- is carried out of the trace as it is, as eqx.filter_jit does)
-            leaves, out_tree = jax.tree.flatten(out)
-            statics = static_outputs(leaves, fn_name(self.fn))
+            # (and a module fn captured, as itself: as plain Python returns it)
+            kept = set() if call.fn_is_argument else mutation.captured_outputs(self.fn, tree, out)
+            leaves, out_tree = jax.tree.flatten(
+                out, is_leaf=(lambda x: id(x) in kept) if kept else None
+            )
+            statics = static_outputs(leaves, fn_name(self.fn), kept)
             outputs.append((out_tree, statics))
             arrays = [x for i, x in enumerate(leaves) if i not in statics]
             return arrays if writes is None else (arrays, writes.outputs)
