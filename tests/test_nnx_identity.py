@@ -420,3 +420,29 @@ def test_a_captured_module_returned_under_nnx_vmap_raises_flaxs_error(graph_upda
     match = "different trace level" if graph_updates else "Cannot return captured Variable"
     with pytest.raises(ValueError, match=match):
         f(jnp.zeros((4,)))
+
+
+def _bump_and_make(r):
+    r[...] += 1.0
+    return jax.new_ref(r[...] * 10), r
+
+
+def test_a_ref_made_inside_amp_is_returned_as_a_new_ref():
+    # Flax's transforms_test test_mutable_array_input_output: a jaxpr cannot return a
+    # jax.Ref (jax.jit refuses: "returned a mutable array reference"); nnx.jit and plain
+    # Python return the argument's Ref itself and the new one
+    r = jax.new_ref(jnp.array(1.0))
+    f = amp(lambda r: _bump_and_make(r))
+    made, same = f(r)
+    assert same is r and isinstance(made, jax.Ref) and made is not r
+    assert float(r[...]) == 2.0 and float(made[...]) == 20.0
+    again, _ = f(r)  # from the cache: a new Ref each call, as plain Python makes one
+    assert f.trace_count == 1 and again is not made
+    assert float(made[...]) == 20.0 and float(again[...]) == 30.0
+
+
+def test_a_ref_made_inside_amp_under_nnx_jit():
+    r = jax.new_ref(jnp.array(1.0))
+    made, same = nnx.jit(amp(lambda r: _bump_and_make(r)), **_graph(True, True))(r)
+    assert same is r and isinstance(made, jax.Ref)
+    assert float(r[...]) == 2.0 and float(made[...]) == 20.0

@@ -38,7 +38,9 @@ T = TypeVar("T")
 def is_dynamic(leaf: object) -> bool:
     """Whether an argument leaf is traced (an array, a token) rather than passed
     as a static value."""
-    return isinstance(leaf, (jax.Array, np.ndarray, np.generic, compat.Tracer, compat.Token))
+    return isinstance(
+        leaf, (jax.Array, np.ndarray, np.generic, compat.Tracer, compat.Token, compat.Ref)
+    )
 
 
 def apply(fn: Callable[..., Any], *args: object, **kwargs: object) -> Any:
@@ -133,6 +135,37 @@ def static_outputs(leaves: Sequence[Any], name: str, kept: Collection[int] = ())
                 "equinox.Module), or return the arrays themselves."
             )
     return statics
+
+
+class InputRef:
+    """An output leaf that is the ``index``-th traced argument, a mutable array
+    (``jax.Ref``): amp returns the caller's Ref itself, as plain Python and
+    ``nnx.jit`` do (a jaxpr cannot return one)."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+
+def out_refs(leaves: list[Any], statics: dict[int, Any], inputs: Sequence[Any]) -> list[int]:
+    """Takes the mutable arrays (``jax.Ref``) out of ``fn``'s output ``leaves``,
+    which a jaxpr cannot return: an argument's Ref (one of ``inputs``, the
+    traced arguments) becomes an `InputRef` among ``statics``, a Ref made
+    inside ``fn`` its value in ``leaves``; gives the indexes of the latter,
+    which amp returns as new Refs (``jax.new_ref``) of that value, as
+    ``nnx.jit`` does."""
+    given = {id(x): i for i, x in enumerate(inputs)}
+    made = []
+    for i, x in enumerate(leaves):
+        if i in statics or not isinstance(x, compat.Ref):
+            continue
+        if id(x) in given:
+            statics[i] = InputRef(given[id(x)])
+        else:
+            leaves[i] = x[...]
+            made.append(i)
+    return made
 
 
 def fresh(x: object) -> Any:

@@ -283,10 +283,10 @@ def _node_walk(nnx: Any, tree: object) -> list[tuple[NodePath, Any]]:
     def visit(path: NodePath, x: object) -> None:
         if is_node(x):
             found.append((path, x))
-            if isinstance(x, nnx.Variable) or id(x) in inside:
-                return
-            inside.add(id(x))
             impl = nnx.graph.get_node_impl(x)
+            if impl is None or isinstance(x, nnx.Variable) or id(x) in inside:
+                return  # (a Variable, a jax.Ref, a node met before)
+            inside.add(id(x))
             for key, value, _ in compat.nnx_node_items(nnx, impl, x):
                 visit((*path, key), value)
             return
