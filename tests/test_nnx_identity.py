@@ -446,3 +446,13 @@ def test_a_ref_made_inside_amp_under_nnx_jit():
     made, same = nnx.jit(amp(lambda r: _bump_and_make(r)), **_graph(True, True))(r)
     assert same is r and isinstance(made, jax.Ref)
     assert float(r[...]) == 2.0 and float(made[...]) == 20.0
+
+
+def test_a_shared_param_in_nnx_containers_is_no_move():
+    # Flax's transforms_test TestGrad::test_grad: a Param at two paths before the call is
+    # not moved by it (a first cut of the move tracking wrote the nnx.List's own state back)
+    p1 = nnx.Param(10.0)
+    m = nnx.Dict(a=nnx.List([p1, nnx.Param(20.0)]), b=p1, c=7)
+    grads = nnx.grad(amp(lambda m: m["a"][0][...] + m["a"][1][...] + m["b"][...]))(m)
+    assert m.a[0] is m.b is p1
+    assert float(grads["a"][0][...]) == 2.0 and float(grads["a"][1][...]) == 1.0

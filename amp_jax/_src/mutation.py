@@ -300,29 +300,34 @@ def _node_walk(nnx: Any, tree: object) -> list[tuple[NodePath, Any]]:
     return found
 
 
-def _first_paths(nnx: Any, tree: object) -> tuple[dict[int, NodePath], list[Any]]:
-    """The first `NodePath` of each NNX node of ``tree`` by ``id``, and the
-    nodes (kept alive, so that an id is not reused while it is looked up)."""
+def _first_paths(
+    nnx: Any, tree: object
+) -> tuple[dict[int, NodePath], set[tuple[int, NodePath]], list[Any]]:
+    """The first `NodePath` of each NNX node of ``tree`` by ``id``, every
+    ``(id, path)`` of them (a shared node at each of its paths), and the nodes
+    (kept alive, so that an id is not reused while it is looked up)."""
     first: dict[int, NodePath] = {}
+    at: set[tuple[int, NodePath]] = set()
     nodes = []
     for path, node in _node_walk(nnx, tree):
+        at.add((id(node), path))
         if id(node) not in first:
             first[id(node)] = path
             nodes.append(node)
-    return first, nodes
+    return first, at, nodes
 
 
 def moves(snap: Snapshot, tree: object) -> Moves:
-    """The argument nodes that ``fn`` left at another path of ``tree`` than
-    their first before it ran (`Snapshot.node_paths`): a swap, a node
-    assigned to a second attribute."""
+    """The argument nodes that ``fn`` left at a path of ``tree`` where they
+    were not before it ran (`Snapshot.node_paths`): a swap, a node assigned
+    to a second attribute; each with its first path before."""
     nnx = _nnx()
     if nnx is None or not snap.node_paths:
         return ()
     return tuple(
         (path, snap.node_paths[id(node)])
         for path, node in _node_walk(nnx, tree)
-        if id(node) in snap.node_paths and snap.node_paths[id(node)] != path
+        if id(node) in snap.node_paths and (id(node), path) not in snap.node_at
     )
 
 
@@ -330,7 +335,16 @@ class Snapshot:
     """The leaves (by key path), structure, shared NNX nodes and NNX node
     paths (`_first_paths`) of the argument tree before ``fn`` ran."""
 
-    __slots__ = ("flat", "leaves", "treedef", "by_path", "aliases", "node_paths", "nodes")
+    __slots__ = (
+        "flat",
+        "leaves",
+        "treedef",
+        "by_path",
+        "aliases",
+        "node_paths",
+        "node_at",
+        "nodes",
+    )
 
     def __init__(self, tree: object) -> None:
         self.treedef: compat.PyTreeDef
@@ -340,9 +354,10 @@ class Snapshot:
         self.aliases = aliases(tree)
         nnx = _nnx()
         self.node_paths: dict[int, NodePath] = {}
+        self.node_at: set[tuple[int, NodePath]] = set()
         self.nodes: list[Any] = []
         if nnx is not None:
-            self.node_paths, self.nodes = _first_paths(nnx, tree)
+            self.node_paths, self.node_at, self.nodes = _first_paths(nnx, tree)
 
 
 def _refuses_flatten(x: object) -> bool:
