@@ -585,7 +585,7 @@ def _sync(
         mine = placed.get(here, old)  # (merged: becomes the caller's node moved here)
         new = value if mine is _MISSING else _merge(nnx, mine, value, seen, here, placed)
         if new is not old:
-            impl.set_key(d, key, nnx.data(new) if data else new)
+            compat.nnx_set_key(nnx, impl, d, key, old, nnx.data(new) if data else new)
     for key in had:
         if key not in keys:
             impl.pop_key(d, key)
