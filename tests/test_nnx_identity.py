@@ -323,3 +323,137 @@ def test_a_cycle_in_the_output_is_refused():
     with pytest.raises(TypeError, match=r"made a cycle: the output\[0\]\.ref is the output\[0\]"):
         amp(f)(jnp.ones(2))
     assert float((jnp.ones(3) * 2).sum()) == 6.0
+
+
+class _Two(nnx.Module):
+    def __init__(self, other: type = nnx.Linear):
+        self.a = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+        self.b = (
+            other(2, rngs=nnx.Rngs(1)) if other is nnx.BatchNorm else other(2, 2, rngs=nnx.Rngs(1))
+        )
+
+
+def _swap(m):
+    m.a, m.b = m.b, m.a
+
+
+@pytest.mark.parametrize("other", [nnx.Linear, nnx.BatchNorm])
+def test_swapped_submodules_swap_places_not_values(other):
+    # Flax's transforms_test test_graph_updates_same_type / _unflatten: plain Python and
+    # nnx.jit leave the old objects in each other's place; the write-back matched nodes
+    # by path, so the caller's objects swapped their values (or became copies)
+    m = _Two(other)
+    a, b = m.a, m.b
+    a_kernel = np.asarray(a.kernel[...])
+    f = amp(lambda m: _swap(m))
+    f(m)
+    assert m.a is b and m.b is a
+    np.testing.assert_array_equal(a.kernel[...], a_kernel)
+    f(m)  # swapped back (a new structure, Linear and BatchNorm, traces anew; as nnx.jit)
+    assert m.a is a and m.b is b and f.trace_count == (1 if other is nnx.Linear else 2)
+    f(m)
+    assert m.a is b and m.b is a and f.trace_count == (1 if other is nnx.Linear else 2)
+    np.testing.assert_array_equal(a.kernel[...], a_kernel)
+
+
+def test_swapped_variables_keep_what_the_function_wrote():
+    class P(nnx.Module):
+        def __init__(self):
+            self.a = nnx.Param(jnp.array(1.0))
+            self.b = nnx.Param(jnp.array(2.0))
+
+    def f(p):
+        p.a, p.b = p.b, p.a
+        p.a[...] = p.a[...] * 10  # writes the old p.b
+
+    want, m = P(), P()
+    f(want)
+    a, b = m.a, m.b
+    amp(f)(m)
+    assert m.a is b and m.b is a
+    assert float(m.a[...]) == float(want.a[...]) == 20.0
+    assert float(m.b[...]) == float(want.b[...]) == 1.0
+
+
+def test_a_submodule_assigned_twice_is_the_callers_object():
+    m = _Two()
+
+    def f(m):
+        m.c = m.a
+        m.c.kernel[...] = m.c.kernel[...] * 0
+
+    amp(f)(m)
+    assert m.c is m.a
+    assert not np.asarray(m.a.kernel[...]).any()
+
+
+@pytest.mark.parametrize("graph_updates", [True, False])
+def test_swapped_submodules_inside_a_container_under_nnx_jit(graph_updates):
+    # Flax's transforms_test test_objects_in_pytree, with amp inside nnx.jit
+    m = _Two()
+    a, b = m.a, m.b
+    f = nnx.jit(amp(lambda tree: _swap(tree[0]["foo"])), **_graph(True, graph_updates))
+    f(({"foo": m},))
+    assert (m.a, m.b) == ((b, a) if graph_updates else (a, b))
+
+
+class _Arange(nnx.Module):
+    def __init__(self):
+        self.a = nnx.Variable(jnp.arange(4))
+
+
+def test_a_captured_module_returned_is_the_module():
+    # plain Python returns the captured object; amp returned a copy rebuilt from its arrays
+    m = _Arange()
+    f = amp(lambda x: (m, m.a, x + 1))
+    for _ in range(2):  # traced, then from the cache
+        got, a, _ = f(jnp.zeros(4))
+        assert got is m and a is m.a
+    made = amp(lambda x: _Arange())
+    assert made(jnp.zeros(4)) is not made(jnp.zeros(4))  # made inside: a new one each call
+
+
+@pytest.mark.parametrize("graph_updates", [True, False])
+def test_a_captured_module_returned_under_nnx_vmap_raises_flaxs_error(graph_updates):
+    # Flax's transforms_test test_captured_module_in_return_error, with amp inside nnx.vmap
+    m = _Arange()
+    f = nnx.vmap(amp(lambda x: m), in_axes=0, out_axes=0, **_graph(True, graph_updates))
+    match = "different trace level" if graph_updates else "Cannot return captured Variable"
+    with pytest.raises(ValueError, match=match):
+        f(jnp.zeros((4,)))
+
+
+def _bump_and_make(r):
+    r[...] += 1.0
+    return jax.new_ref(r[...] * 10), r
+
+
+def test_a_ref_made_inside_amp_is_returned_as_a_new_ref():
+    # Flax's transforms_test test_mutable_array_input_output: a jaxpr cannot return a
+    # jax.Ref (jax.jit refuses: "returned a mutable array reference"); nnx.jit and plain
+    # Python return the argument's Ref itself and the new one
+    r = jax.new_ref(jnp.array(1.0))
+    f = amp(lambda r: _bump_and_make(r))
+    made, same = f(r)
+    assert same is r and isinstance(made, jax.Ref) and made is not r
+    assert float(r[...]) == 2.0 and float(made[...]) == 20.0
+    again, _ = f(r)  # from the cache: a new Ref each call, as plain Python makes one
+    assert f.trace_count == 1 and again is not made
+    assert float(made[...]) == 20.0 and float(again[...]) == 30.0
+
+
+def test_a_ref_made_inside_amp_under_nnx_jit():
+    r = jax.new_ref(jnp.array(1.0))
+    made, same = nnx.jit(amp(lambda r: _bump_and_make(r)), **_graph(True, True))(r)
+    assert same is r and isinstance(made, jax.Ref)
+    assert float(r[...]) == 2.0 and float(made[...]) == 20.0
+
+
+def test_a_shared_param_in_nnx_containers_is_no_move():
+    # Flax's transforms_test TestGrad::test_grad: a Param at two paths before the call is
+    # not moved by it (a first cut of the move tracking wrote the nnx.List's own state back)
+    p1 = nnx.Param(10.0)
+    m = nnx.Dict(a=nnx.List([p1, nnx.Param(20.0)]), b=p1, c=7)
+    grads = nnx.grad(amp(lambda m: m["a"][0][...] + m["a"][1][...] + m["b"][...]))(m)
+    assert m.a[0] is m.b is p1
+    assert float(grads["a"][0][...]) == 2.0 and float(grads["a"][1][...]) == 1.0

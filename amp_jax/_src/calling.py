@@ -38,7 +38,9 @@ T = TypeVar("T")
 def is_dynamic(leaf: object) -> bool:
     """Whether an argument leaf is traced (an array, a token) rather than passed
     as a static value."""
-    return isinstance(leaf, (jax.Array, np.ndarray, np.generic, compat.Tracer, compat.Token))
+    return isinstance(
+        leaf, (jax.Array, np.ndarray, np.generic, compat.Tracer, compat.Token, compat.Ref)
+    )
 
 
 def apply(fn: Callable[..., Any], *args: object, **kwargs: object) -> Any:
@@ -122,13 +124,14 @@ def is_output_value(x: object) -> bool:
     return True
 
 
-def static_outputs(leaves: Sequence[Any], name: str) -> dict[int, Any]:
+def static_outputs(leaves: Sequence[Any], name: str, kept: Collection[int] = ()) -> dict[int, Any]:
     """The static leaves among ``fn``'s output ``leaves`` (`is_output_value`),
     by index; a plain object that holds arrays is refused (the arrays would be
-    tracers of amp's trace, invalid once it ends)."""
-    statics = {i: x for i, x in enumerate(leaves) if not is_output_value(x)}
+    tracers of amp's trace, invalid once it ends), bar those whose ``id`` is in
+    ``kept`` (an NNX module ``fn`` captured: `mutation.captured_outputs`)."""
+    statics = {i: x for i, x in enumerate(leaves) if id(x) in kept or not is_output_value(x)}
     for i, x in statics.items():
-        if (held := held_array(x)) is not None:
+        if id(x) not in kept and (held := held_array(x)) is not None:
             kind = type(x).__name__
             raise TypeError(
                 f"amp({name}): output leaf {i} is a {kind} that holds arrays "
@@ -138,6 +141,37 @@ def static_outputs(leaves: Sequence[Any], name: str) -> dict[int, Any]:
                 "equinox.Module), or return the arrays themselves."
             )
     return statics
+
+
+class InputRef:
+    """An output leaf that is the ``index``-th traced argument, a mutable array
+    (``jax.Ref``): amp returns the caller's Ref itself, as plain Python and
+    ``nnx.jit`` do (a jaxpr cannot return one)."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+
+def out_refs(leaves: list[Any], statics: dict[int, Any], inputs: Sequence[Any]) -> list[int]:
+    """Takes the mutable arrays (``jax.Ref``) out of ``fn``'s output ``leaves``,
+    which a jaxpr cannot return: an argument's Ref (one of ``inputs``, the
+    traced arguments) becomes an `InputRef` among ``statics``, a Ref made
+    inside ``fn`` its value in ``leaves``; gives the indexes of the latter,
+    which amp returns as new Refs (``jax.new_ref``) of that value, as
+    ``nnx.jit`` does."""
+    given = {id(x): i for i, x in enumerate(inputs)}
+    made = []
+    for i, x in enumerate(leaves):
+        if i in statics or not isinstance(x, compat.Ref):
+            continue
+        if id(x) in given:
+            statics[i] = InputRef(given[id(x)])
+        else:
+            leaves[i] = x[...]
+            made.append(i)
+    return made
 
 
 def fresh(x: object) -> Any:

@@ -22,7 +22,9 @@ caller imported them.
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
+import types
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -139,6 +141,76 @@ def output_aliases(tree: object, out: object) -> Aliases:
     return tuple(a for a in aliases((tree, out)) if a[0][0] == jax.tree_util.SequenceKey(1))
 
 
+def captured_outputs(fn: Callable[..., Any], tree: object, out: object) -> set[int]:
+    """The ``id`` of each NNX node of ``fn``'s output ``out`` that ``fn``
+    captured rather than made or was given: a module of its closure, its
+    defaults, a global it names, a ``functools.partial``'s or a bound
+    method's object (and the nodes below those), none of whose arrays is a
+    tracer. amp returns such a node as the object itself, as plain Python
+    does, not a copy rebuilt from its arrays; then an ``nnx.vmap`` or
+    ``nnx.jit`` around amp sees the captured node and raises its own error.
+    """
+    nnx = _nnx()
+    if nnx is None:
+        return set()
+    is_node = _node_test(nnx)
+    outs = [x for x in jax.tree.leaves(out, is_leaf=is_node) if is_node(x)]
+    if not outs:
+        return set()
+    given = {id(x) for _, x in _node_walk(nnx, tree)}
+    outs = [
+        x
+        for x in outs
+        if id(x) not in given and not any(isinstance(v, compat.Tracer) for v in jax.tree.leaves(x))
+    ]
+    if not outs:
+        return set()
+    try:
+        held = {id(x) for _, x in _node_walk(nnx, _captures(fn))}
+    except Exception:  # (a node that refuses a flatten: whatever its library raises)
+        return set()
+    return {id(x) for x in outs if id(x) in held}
+
+
+def _captures(fn: object, depth: int = 3) -> list[Any]:
+    """What the callable ``fn`` holds (closure cells, defaults, the globals
+    its code names, a partial's function and arguments, a bound method's
+    object), and the items of the containers among them, ``depth`` deep."""
+    found: list[Any] = []
+    todo = [(fn, depth)]
+    seen: set[int] = set()
+    while todo:
+        obj, d = todo.pop()
+        if id(obj) in seen or d < 0:
+            continue
+        seen.add(id(obj))
+        found.append(obj)
+        items: list[Any] = []
+        if isinstance(obj, functools.partial):
+            items = [obj.func, *obj.args, *obj.keywords.values()]
+        elif isinstance(obj, types.MethodType):
+            items = [obj.__func__, obj.__self__]
+        elif isinstance(obj, types.FunctionType):
+            code, named = obj.__code__, obj.__globals__
+            items = [c.cell_contents for c in obj.__closure__ or () if _filled(c)]
+            items += [*(obj.__defaults__ or ()), *(obj.__kwdefaults__ or {}).values()]
+            items += [named[n] for n in code.co_names if n in named]
+        elif isinstance(obj, (list, tuple)):
+            items = list(obj)
+        elif isinstance(obj, dict):
+            items = list(obj.values())
+        todo += [(x, d - 1) for x in items if not isinstance(x, types.ModuleType)]
+    return found
+
+
+def _filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018
+    except ValueError:  # (an empty cell)
+        return False
+    return True
+
+
 def _one_level(x: object) -> tuple[list[tuple[KeyPath, Any]], compat.PyTreeDef]:
     """The children of the pytree node ``x`` (with their keys) and its one-level
     structure; a leaf is its own only child, at the empty path."""
@@ -190,11 +262,89 @@ class _Missing:
 _MISSING: Any = _Missing()
 
 
-class Snapshot:
-    """The leaves (by key path), structure and shared NNX nodes of the argument
-    tree before ``fn`` ran."""
+#: Where an NNX node sits in an argument tree, as `write_back` walks it: the
+#: index of the top-level node among the tree's nodes, then the NNX attribute
+#: keys and container keys below it.
+NodePath = tuple[Any, ...]
 
-    __slots__ = ("flat", "leaves", "treedef", "by_path", "aliases")
+#: ``(now, before)``: the node ``fn`` left at ``now`` was the argument's node
+#: at ``before`` (``m.a, m.b = m.b, m.a``; ``m.c = m.a``).
+Moves = tuple[tuple[NodePath, NodePath], ...]
+
+
+def _node_walk(nnx: Any, tree: object) -> list[tuple[NodePath, Any]]:
+    """Every ``(path, node)`` of the NNX nodes (modules, Variables) of ``tree``,
+    a node held at several paths once per path (its insides once), in the
+    order and with the keys `_merge` meets them."""
+    is_node = nnx.graph.is_graph_node
+    found: list[tuple[NodePath, Any]] = []
+    inside: set[int] = set()
+
+    def visit(path: NodePath, x: object) -> None:
+        if is_node(x):
+            found.append((path, x))
+            impl = nnx.graph.get_node_impl(x)
+            if impl is None or isinstance(x, nnx.Variable) or id(x) in inside:
+                return  # (a Variable, a jax.Ref, a node met before)
+            inside.add(id(x))
+            for key, value, _ in compat.nnx_node_items(nnx, impl, x):
+                visit((*path, key), value)
+            return
+        flat, treedef = _one_level(x)
+        if not jax.tree_util.treedef_is_leaf(treedef):
+            for p, child in flat:
+                visit((*path, p[0]), child)
+
+    for i, node in enumerate(x for x in jax.tree.leaves(tree, is_leaf=is_node) if is_node(x)):
+        visit((i,), node)
+    return found
+
+
+def _first_paths(
+    nnx: Any, tree: object
+) -> tuple[dict[int, NodePath], set[tuple[int, NodePath]], list[Any]]:
+    """The first `NodePath` of each NNX node of ``tree`` by ``id``, every
+    ``(id, path)`` of them (a shared node at each of its paths), and the nodes
+    (kept alive, so that an id is not reused while it is looked up)."""
+    first: dict[int, NodePath] = {}
+    at: set[tuple[int, NodePath]] = set()
+    nodes = []
+    for path, node in _node_walk(nnx, tree):
+        at.add((id(node), path))
+        if id(node) not in first:
+            first[id(node)] = path
+            nodes.append(node)
+    return first, at, nodes
+
+
+def moves(snap: Snapshot, tree: object) -> Moves:
+    """The argument nodes that ``fn`` left at a path of ``tree`` where they
+    were not before it ran (`Snapshot.node_paths`): a swap, a node assigned
+    to a second attribute; each with its first path before."""
+    nnx = _nnx()
+    if nnx is None or not snap.node_paths:
+        return ()
+    return tuple(
+        (path, snap.node_paths[id(node)])
+        for path, node in _node_walk(nnx, tree)
+        if id(node) in snap.node_paths and (id(node), path) not in snap.node_at
+    )
+
+
+class Snapshot:
+    """The leaves (by key path), structure, shared NNX nodes and NNX node
+    paths (`_first_paths`) of the argument tree before ``fn`` ran."""
+
+    __slots__ = (
+        "flat",
+        "leaves",
+        "treedef",
+        "by_path",
+        "aliases",
+        "node_paths",
+        "node_at",
+        "nodes",
+    )
 
     def __init__(self, tree: object) -> None:
         self.treedef: compat.PyTreeDef
@@ -202,6 +352,12 @@ class Snapshot:
         self.leaves = [leaf for _, leaf in self.flat]
         self.by_path = {jax.tree_util.keystr(p): i for i, (p, _) in enumerate(self.flat)}
         self.aliases = aliases(tree)
+        nnx = _nnx()
+        self.node_paths: dict[int, NodePath] = {}
+        self.node_at: set[tuple[int, NodePath]] = set()
+        self.nodes: list[Any] = []
+        if nnx is not None:
+            self.node_paths, self.node_at, self.nodes = _first_paths(nnx, tree)
 
 
 def _refuses_flatten(x: object) -> bool:
@@ -257,9 +413,10 @@ class Writes:
       outputs: the written leaves that are arrays (extra jaxpr outputs), in order.
       constants: {position: value} of the written leaves that are not arrays.
       aliases: the NNX nodes the tree after ``fn`` holds at several paths.
+      moves: the argument nodes ``fn`` moved (`moves`), for `write_back`.
     """
 
-    __slots__ = ("treedef", "sources", "outputs", "constants", "aliases")
+    __slots__ = ("treedef", "sources", "outputs", "constants", "aliases", "moves")
 
     def __init__(
         self,
@@ -268,10 +425,11 @@ class Writes:
         outputs: list[Any],
         constants: dict[int, Any],
         aliases: Aliases = (),
+        moves: Moves = (),
     ) -> None:
         self.treedef, self.sources = treedef, sources
         self.outputs, self.constants = outputs, constants
-        self.aliases = aliases
+        self.aliases, self.moves = aliases, moves
 
     def after(self, leaves: Sequence[Any], values: Sequence[Any]) -> Any:
         """The argument tree after ``fn``: unchanged ``leaves`` and written
@@ -297,7 +455,12 @@ def collect(snap: Snapshot, tree: object, describe: Callable[[KeyPath], str]) ->
         and the reason, for the message.
     """
     flat, treedef = _flatten_after(snap, tree)
-    if treedef == snap.treedef and all(a is b for (_, a), b in zip(flat, snap.leaves)):
+    moved = moves(snap, tree)
+    if (
+        treedef == snap.treedef
+        and all(a is b for (_, a), b in zip(flat, snap.leaves))
+        and not moved
+    ):
         return None
     sources: list[int | None] = []
     for path, leaf in flat:
@@ -306,10 +469,10 @@ def collect(snap: Snapshot, tree: object, describe: Callable[[KeyPath], str]) ->
     written = [i for i, s in enumerate(sources) if s is None]
     outputs = [flat[i][1] for i in written if _is_array(flat[i][1])]
     constants = {i: flat[i][1] for i in written if not _is_array(flat[i][1])}
-    writes = Writes(treedef, sources, outputs, constants, aliases(tree))
+    writes = Writes(treedef, sources, outputs, constants, aliases(tree), moved)
     # Check that the write-back reproduces the change, on a copy of the snapshot.
     copy = tie(jax.tree.unflatten(snap.treedef, snap.leaves), snap.aliases)
-    write_back(copy, tree)
+    write_back(copy, tree, moved)
     got, got_def = jax.tree_util.tree_flatten_with_path(copy)
     if got_def != treedef or any(a is not b for (_, a), (_, b) in zip(got, flat)):
         raise TypeError(_refusal(got, flat, describe))
@@ -339,7 +502,7 @@ def _refusal(
     )
 
 
-def write_back(dest: object, src: object) -> None:
+def write_back(dest: object, src: object, moved: Moves = ()) -> None:
     """Makes the NNX objects of ``dest`` (the caller's arguments) hold what
     those of ``src`` (the same tree after ``fn``, a copy) hold, in place, as
     ``nnx.jit`` carries its function's writes out.
@@ -347,8 +510,10 @@ def write_back(dest: object, src: object) -> None:
     A Variable keeps its identity and takes the value and metadata written; a
     module or ``nnx.Pytree`` keeps its identity and takes the attributes ``fn``
     set, added (``self.linear = nnx.Linear(...)`` in an ``__init__``, ``sow``)
-    or deleted; a node ``fn`` created is carried as it is. Objects that are
-    not NNX nodes are left alone (`collect` refuses a change to them).
+    or deleted; a node ``fn`` created is carried as it is; a node ``fn`` moved
+    (``moved``: ``m.a, m.b = m.b, m.a``) is the caller's node from its old
+    place, as in plain Python. Objects that are not NNX nodes are left alone
+    (`collect` refuses a change to them).
     """
     nnx = _nnx()
     if nnx is None:
@@ -358,16 +523,27 @@ def write_back(dest: object, src: object) -> None:
     srcs = jax.tree.leaves(src, is_leaf=is_node)
     if len(dests) != len(srcs):
         return  # (a container changed: collect refuses it)
+    placed: dict[NodePath, Any] = {}
+    if moved:  # (the caller's nodes by their old paths, before anything moves)
+        old = dict(reversed(_node_walk(nnx, dest)))
+        placed = {now: old[before] for now, before in moved if before in old}
     seen: set[int] = set()
+    i = 0
     for d, s in zip(dests, srcs):
         if is_node(d) and is_node(s) and type(d) is type(s):
-            _merge(nnx, d, s, seen)
+            _merge(nnx, d, s, seen, (i,), placed)
+        i += is_node(d)
 
 
-def _merge(nnx: Any, d: Any, s: Any, seen: set[int]) -> Any:
-    """What the caller's ``d`` becomes to hold ``s``: ``d`` itself, updated in
-    place where it is an NNX node of ``s``'s type, else ``s`` (or, for a plain
-    container of nodes, ``d``'s container rebuilt with its children merged)."""
+def _merge(
+    nnx: Any, d: Any, s: Any, seen: set[int], path: NodePath, placed: dict[NodePath, Any]
+) -> Any:
+    """What the caller's ``d`` (at ``path``) becomes to hold ``s``: ``d``
+    itself, updated in place where it is an NNX node of ``s``'s type, else
+    ``s`` (or, for a plain container of nodes, ``d``'s container rebuilt with
+    its children merged); where ``fn`` moved a node here, the caller's node
+    from its old place (``placed``), updated."""
+    d = placed.get(path, d)
     if d is s:
         return d
     if type(d) is not type(s):
@@ -381,30 +557,35 @@ def _merge(nnx: Any, d: Any, s: Any, seen: set[int]) -> Any:
     if nnx.graph.is_graph_node(s):
         if id(d) not in seen:
             seen.add(id(d))
-            _sync(nnx, d, s, seen)
+            _sync(nnx, d, s, seen, path, placed)
         return d
     dflat, ddef = _one_level(d)
     sflat, sdef = _one_level(s)
     if jax.tree_util.treedef_is_leaf(sdef) or ddef != sdef:
         return s
-    kids = [_merge(nnx, a, b, seen) for (_, a), (_, b) in zip(dflat, sflat)]
+    kids = [_merge(nnx, a, b, seen, (*path, p[0]), placed) for (p, a), (_, b) in zip(dflat, sflat)]
     if all(k is a for k, (_, a) in zip(kids, dflat)):
         return d
     return jax.tree.unflatten(ddef, kids)
 
 
-def _sync(nnx: Any, d: Any, s: Any, seen: set[int]) -> None:
-    """Sets, adds and deletes the attributes (entries) of the NNX node ``d`` so
-    that they are those of ``s``, merging the nodes it already holds."""
+def _sync(
+    nnx: Any, d: Any, s: Any, seen: set[int], path: NodePath, placed: dict[NodePath, Any]
+) -> None:
+    """Sets, adds and deletes the attributes (entries) of the NNX node ``d`` (at
+    ``path``) so that they are those of ``s``, merging the nodes it already
+    holds or that ``fn`` moved there (``placed``)."""
     impl = nnx.graph.get_node_impl(d)
-    had = impl.node_dict(d)
+    had = dict(impl.node_dict(d))
     keys = set()
     for key, value, data in compat.nnx_node_items(nnx, impl, s):
         keys.add(key)
         old = had.get(key, _MISSING)
-        new = value if old is _MISSING else _merge(nnx, old, value, seen)
+        here = (*path, key)
+        mine = placed.get(here, old)  # (merged: becomes the caller's node moved here)
+        new = value if mine is _MISSING else _merge(nnx, mine, value, seen, here, placed)
         if new is not old:
-            impl.set_key(d, key, nnx.data(new) if data else new)
+            compat.nnx_set_key(nnx, impl, d, key, old, nnx.data(new) if data else new)
     for key in had:
         if key not in keys:
             impl.pop_key(d, key)

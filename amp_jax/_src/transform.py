@@ -23,6 +23,7 @@ from amp_jax._src import backends, compat, mutation, paths, plans
 from amp_jax._src.calling import (
     Call,
     CallKey,
+    InputRef,
     TraceCache,
     as_output,
     check_arguments,
@@ -32,6 +33,7 @@ from amp_jax._src.calling import (
     is_output_value,
     is_tree,
     name_like,
+    out_refs,
     shared_cache,
     static_outputs,
     unwrap_statics,
@@ -77,6 +79,8 @@ class Traced:
         a jitted function (its whole program one ``jit``): amp keeps that jit,
         so that an eager call compiles once, as ``jax.jit(h)(x)`` does, rather
         than dispatching each op; None otherwise.
+      new_refs: the output leaves that are mutable arrays ``fn`` made
+        (``jax.new_ref``): the jaxpr returns their values, amp new Refs of them.
       out_aliases: the Flax NNX nodes the output holds that are an argument's
         or another output's (key paths into ``((args, kwargs), out)``): the
         output gives back that one object, as ``fn`` did.
@@ -89,6 +93,7 @@ class Traced:
     staged: Callable[..., list[Any]] | None = None
     out_aliases: mutation.Aliases = ()
     statics: tuple[tuple[int, Any], ...] = ()
+    new_refs: tuple[int, ...] = ()
 
     @property
     def num_outputs(self) -> int:
@@ -300,7 +305,7 @@ class AmpFunction:
         jax.jit does, and plans the jaxpr."""
         found: list[mutation.Writes | None] = []
         shared: list[mutation.Aliases] = []
-        outputs: list[tuple[compat.PyTreeDef, dict[int, Any]]] = []
+        outputs: list[tuple[compat.PyTreeDef, dict[int, Any], list[int]]] = []
 
         def traced_fn(*args: object, **kwargs: object) -> Any:
             tree = mutation.tie(unwrap_statics((args, kwargs)), call.aliases)
@@ -317,9 +322,14 @@ class AmpFunction:
             shared.append(mutation.output_aliases(tree, out))
             # (a non-array leaf -- a model's activation function, an aux string
             # -- is carried out of the trace as it is, as eqx.filter_jit does)
-            leaves, out_tree = jax.tree.flatten(out)
-            statics = static_outputs(leaves, fn_name(self.fn))
-            outputs.append((out_tree, statics))
+            # (and a module fn captured, as itself: as plain Python returns it)
+            kept = set() if call.fn_is_argument else mutation.captured_outputs(self.fn, tree, out)
+            leaves, out_tree = jax.tree.flatten(
+                out, is_leaf=(lambda x: id(x) in kept) if kept else None
+            )
+            statics = static_outputs(leaves, fn_name(self.fn), kept)
+            made = out_refs(leaves, statics, jax.tree.leaves((args, kwargs)))
+            outputs.append((out_tree, statics, made))
             arrays = [x for i, x in enumerate(leaves) if i not in statics]
             return arrays if writes is None else (arrays, writes.outputs)
 
@@ -331,7 +341,7 @@ class AmpFunction:
         self._shared.trace_count += 1
         self._count.n += 1
         writes = found[0]
-        out_tree, statics = outputs[0]
+        out_tree, statics, made = outputs[0]
         in_paths: tuple[str, ...] = ()
         if self.policy.rules:  # (what Policy.rules match parameters by)
             in_paths = paths.input_paths(call.args, call.kwargs, call.names, call.dynamic_mask)
@@ -348,7 +358,10 @@ class AmpFunction:
 
             run.__name__ = run.__qualname__ = name
             staged = jax.jit(run)
-        return Traced(planned, out_tree, ctx, writes, staged, shared[0], tuple(statics.items()))
+        statics = dict(sorted(statics.items()))
+        return Traced(
+            planned, out_tree, ctx, writes, staged, shared[0], tuple(statics.items()), tuple(made)
+        )
 
     def _outputs(self, call: Call, traced: Traced, outs: list[Any]) -> Any:
         """``fn``'s output from the evaluated jaxpr's; its writes carried to the arguments."""
@@ -356,7 +369,7 @@ class AmpFunction:
         if traced.writes is not None:
             # (a constant written is a jaxpr literal: an Array, as jit stores it)
             after = traced.writes.after(call.leaves, [as_output(o) for o in outs[n:]])
-            mutation.write_back((call.args, call.kwargs), after)
+            mutation.write_back((call.args, call.kwargs), after, traced.writes.moves)
         # an input returned as it is (``amp(jnp.asarray)``: the jaxpr has no
         # eqn) is a new value, as jit's outputs are: under ``jax.jvp`` of a
         # Python float, that input is a tracer of a float, and ``jax.jvp``
@@ -364,7 +377,9 @@ class AmpFunction:
         inputs = {id(x) for x in call.dynamic}
         outs = [fresh(o) if id(o) in inputs else as_output(o) for o in outs[:n]]
         for i, value in traced.statics:
-            outs.insert(i, value)
+            outs.insert(i, call.dynamic[value.index] if isinstance(value, InputRef) else value)
+        for i in traced.new_refs:  # (a Ref fn made: a new one, as nnx.jit returns it)
+            outs[i] = jax.new_ref(outs[i])
         out = jax.tree.unflatten(traced.out_tree, outs)
         if traced.out_aliases:
             out = mutation.tie(((call.args, call.kwargs), out), traced.out_aliases)[1]

@@ -38,6 +38,7 @@ from amp_jax._src.compat.context import source_line as source_line
 from amp_jax._src.compat.context import trace_context as trace_context
 from amp_jax._src.compat.context import x64_of as x64_of
 from amp_jax._src.compat.flax_nnx import nnx_node_items as nnx_node_items
+from amp_jax._src.compat.flax_nnx import nnx_set_key as nnx_set_key
 from amp_jax._src.compat.higher_order import CALL_LIKE_NAMES as CALL_LIKE_NAMES
 from amp_jax._src.compat.higher_order import CUSTOM_JVP_NAMES as CUSTOM_JVP_NAMES
 from amp_jax._src.compat.higher_order import CUSTOM_VJP_NAMES as CUSTOM_VJP_NAMES
@@ -72,6 +73,7 @@ from amp_jax._src.compat.jaxpr import KeyPath as KeyPath
 from amp_jax._src.compat.jaxpr import Literal as Literal
 from amp_jax._src.compat.jaxpr import Primitive as Primitive
 from amp_jax._src.compat.jaxpr import PyTreeDef as PyTreeDef
+from amp_jax._src.compat.jaxpr import Ref as Ref
 from amp_jax._src.compat.jaxpr import ShapedArray as ShapedArray
 from amp_jax._src.compat.jaxpr import Token as Token
 from amp_jax._src.compat.jaxpr import Tracer as Tracer

@@ -6,6 +6,20 @@ from __future__ import annotations
 from typing import Any
 
 
+def nnx_set_key(nnx: Any, impl: Any, node: object, key: Any, old: object, new: object) -> None:
+    """Sets the attribute ``key`` of the Flax NNX graph node ``node`` to ``new``
+    (``old`` the value it holds). Flax 0.12.2 assigns a Variable onto a
+    Variable attribute by value (the old object stays, with the new value):
+    there the old one is removed first, so that the attribute holds ``new``."""
+    if (
+        getattr(nnx.graph, "DataElem", None) is None
+        and isinstance(old, nnx.Variable)
+        and isinstance(new, nnx.Variable)
+    ):
+        impl.pop_key(node, key)
+    impl.set_key(node, key, new)
+
+
 def nnx_node_items(nnx: Any, impl: Any, node: object) -> list[tuple[Any, Any, bool]]:
     """``(key, value, is_data)`` for each attribute of the Flax NNX graph node
     ``node`` (``impl``: its ``nnx.graph.get_node_impl``). Flax 0.12.8 and newer

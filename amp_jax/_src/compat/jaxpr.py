@@ -42,6 +42,8 @@ Tracer: TypeAlias = jax.core.Tracer
 #: what ``jax.lax.create_token()`` returns outside a trace (effects ordering)
 Token: TypeAlias = jex_core.Token
 AbstractToken: TypeAlias = jex_core.AbstractToken
+#: a mutable array (``jax.new_ref``), concrete or a tracer of one (JAX 0.10 and 0.12)
+Ref: TypeAlias = jax.Ref
 
 #: ``(major, minor)`` of the running JAX.
 JAX_VERSION: tuple[int, int] = tuple(jax.__version_info__[:2])
