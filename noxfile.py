@@ -17,8 +17,8 @@ Each leg is one Python with one JAX, installed by uv into a fresh virtualenv:
   at their lower bounds), so that those bounds stay true.
 
 Only the newest-JAX leg (3.13) runs the tests marked ``heavy`` (the
-benchmarks' smoke runs, tests/test_benchmarks.py; the model libraries of
-tests/test_model_libraries.py, which the ``integrations`` extra installs on
+benchmarks' smoke runs, tests/repository/test_benchmarks.py; the model libraries of
+tests/behaviour/test_model_libraries.py, which the ``integrations`` extra installs on
 3.13 only); the others pass ``-m "not heavy"``.
 
 The four take 45 to 60 minutes on a 2-core CPU (README), within CI's 90;
@@ -117,7 +117,7 @@ def _run_suite(session: nox.Session, *pytest_args: str, env: dict[str, str] | No
         success_codes=[0, 1],
         env=env,
     )
-    session.run("python", "tests/version_row.py", str(junit))
+    session.run("python", "tools/version_row.py", str(junit))
 
 
 @nox.session(python=list(LEGS))

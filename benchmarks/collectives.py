@@ -16,7 +16,7 @@ SPMD partitioning (the element types a GPU or TPU moves) and in the final
 program of this backend (XLA:CPU's float normalization upcasts bf16
 collectives to f32 after partitioning). Count and bytes of each kind and
 element type; bytes are the size of each collective's result.
-tests/test_sharding.py asserts, per kind, that amp adds no collective and
+tests/behaviour/test_sharding.py asserts, per kind, that amp adds no collective and
 moves no more bytes.
 """
 

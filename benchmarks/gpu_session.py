@@ -24,7 +24,7 @@ Stages (``--stages``, comma-separated, in the order given):
 ``device``     nvidia-smi and the versions of what the tests import
 ``tests_gpu``  the test files that check GPU behaviour (cuDNN attention, float8
                GEMMs, in-place optimizer state, explicit rounding), via
-               tests/accelerator_suite.py
+               tools/accelerator_suite.py
 ``bench``      GPT (with the PyTorch peers), gpt_fp8, MLP and CNN step times
 ``quantized``  quantized AdamW states' update beside the bf16-state update
 ``profile``    device time per kernel kind: amp, hand bf16 + cuDNN, amp's bf16 stream
@@ -60,11 +60,11 @@ GPU_TESTS = (
     "tests/test_float8.py",
     "tests/test_eager.py",
     "tests/test_optim_kahan_sr.py",
-    "tests/test_performance_structure.py",
+    "tests/repository/test_performance_structure.py",
     "tests/test_lowdot.py",
-    "tests/test_forward_mode.py",
+    "tests/behaviour/test_forward_mode.py",
     "tests/test_optim_quantized.py",
-    "tests/test_random_programs.py",
+    "tests/behaviour/test_random_programs.py",
 )
 #: tests that the smoke run takes (fast on a CPU)
 SMOKE_TESTS = ("tests/test_backend_gpu.py", "tests/test_policy.py")
@@ -89,7 +89,7 @@ GRACE = 20
 
 
 def _rest_tests(first: tuple[str, ...]) -> list[str]:
-    every = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*.py"))
+    every = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py"))
     return [t for t in every if t not in first]
 
 
@@ -103,7 +103,7 @@ def _pytest_extra() -> list[str]:
 
 def commands(work: pathlib.Path, smoke: bool, workers: int) -> dict[str, list[str]]:
     py = sys.executable
-    suite = [py, "tests/accelerator_suite.py", "--workers", str(workers), *_pytest_extra()]
+    suite = [py, "tools/accelerator_suite.py", "--workers", str(workers), *_pytest_extra()]
     gpu_tests = SMOKE_TESTS[:1] if smoke else GPU_TESTS
     rest = SMOKE_TESTS[1:] if smoke else _rest_tests(GPU_TESTS)
     bench = [py, "-m", "benchmarks.run", "--no-extras", "--out", str(work / "RESULTS_GPU.md")]

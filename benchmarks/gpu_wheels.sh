@@ -4,8 +4,8 @@
 #     bash benchmarks/gpu_wheels.sh
 # The device machine (Python 3.12, x86-64, no network) has JAX, Flax, optax, Equinox,
 # chex, diffrax, optimistix, lineax, hypothesis, pytest-xdist and PyTorch, but not
-# Haiku and Keras (tests/test_integrations.py, tests/test_stateful_modules.py) or
-# pytest-examples (tests/test_docs.py: the README's and docs' code). These are
+# Haiku and Keras (tests/behaviour/test_integrations.py, tests/behaviour/test_stateful_modules.py) or
+# pytest-examples (tests/repository/test_docs.py: the README's and docs' code). These are
 # they, each with what it needs that the machine lacks (KINDS.md lists what it has).
 # benchmarks/gpu_session.py installs ./.whl/*.whl into /tmp when the folder is there.
 # Not carried: nbclient/ipykernel and mkdocs (the notebook and site tests skip).

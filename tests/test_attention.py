@@ -3,7 +3,7 @@
 On CPU there is no cuDNN: ``Policy(attention="xla")`` forces the rewrite with
 JAX's XLA implementation, which checks the recognition, the layouts, masks,
 scales and gradients. The cuDNN tests run where a GPU is the default backend
-(``python tests/accelerator_suite.py``).
+(``python tools/accelerator_suite.py``).
 """
 
 import functools

@@ -33,7 +33,7 @@ def test_rows_give_dtypes_place_count_and_reason():
     assert {r[2] for r in low} == {"float32"}  # (allow_outputs="float32")
     assert sum(r[4] for r in low) == 2  # the dot before the scan, and the one in its body
     assert any("scan" in r[3] for r in low) and any("scan" not in r[3] for r in low)
-    # lowered: the rule that lowered them (tests/test_explain_models.py checks every row)
+    # lowered: the rule that lowered them (tests/behaviour/test_explain_models.py checks every row)
     (outside,) = [r for r in low if "scan" not in r[3]]
     assert outside[5] == "allow class: runs in bfloat16 (float32 accumulation)"
     (inside,) = [r for r in low if "scan" in r[3]]  # bf16 operands, the carry's float32 output

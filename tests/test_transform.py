@@ -583,7 +583,7 @@ def test_allow_outputs_auto_is_per_backend():
         Policy(allow_outputs="bf16")
 
 
-# -- tests that pin two structural features (tests/mutants.py kills them here) -----------
+# -- tests that pin two structural features (tools/mutants.py kills them here) -----------
 
 
 @pytest.mark.usefixtures("low_elementwise")  # (the painting: XLA:CPU keeps them float32)

@@ -12,7 +12,7 @@ out. A parameter counts as ``Any`` when its annotation is exactly ``Any`` (or
 parameter without an annotation is counted apart (column ``bare``); the
 share is ``(Any + bare) / params``, as both are ``Any`` to a type checker.
 
-tests/test_typing.py holds the share in amp_jax/_src under a ceiling.
+tests/repository/test_typing.py holds the share in amp_jax/_src under a ceiling.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """An e3nn-jax equivariant message-passing network (needs ``e3nn-jax``): shared
-by tests/test_model_libraries.py and benchmarks/studies/e3nn_step.py.
+by tests/behaviour/test_model_libraries.py and benchmarks/studies/e3nn_step.py.
 
 Per layer, the node features (irreps) of each edge's source go through a
 tensor product with the edge's spherical harmonics, an irreps-wise linear,

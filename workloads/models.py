@@ -12,7 +12,7 @@ computed in float32. ``acc`` (``preferred_element_type``) can be set to
 ``jnp.float32`` to get the "expert" hand version that accumulates in float32.
 
 Shapes are module constants so that the benchmark and the structural tests
-(``tests/test_performance_structure.py``, which uses ``small=True`` sizes) agree.
+(``tests/repository/test_performance_structure.py``, which uses ``small=True`` sizes) agree.
 """
 
 from __future__ import annotations

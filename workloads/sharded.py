@@ -1,7 +1,7 @@
 """A small pre-LN transformer block in plain JAX, its sharding layouts, and an
 HLO collective counter: shared by benchmarks/collectives.py (the table on
-docs/scaling.md), tests/test_sharding.py and the multi-process worker
-(tests/_multiprocess_worker.py)."""
+docs/scaling.md), tests/behaviour/test_sharding.py and the multi-process worker
+(tests/behaviour/_multiprocess_worker.py)."""
 
 from __future__ import annotations
 

@@ -138,7 +138,7 @@ class Policy:
 
     # The fields hold what `__post_init__` stores (a numpy dtype, frozensets, sorted
     # tuples); the constructor takes more (the `__init__` below, for type checkers only:
-    # tests/test_typing.py keeps its parameters and defaults those of the fields).
+    # tests/repository/test_typing.py keeps its parameters and defaults those of the fields).
     compute_dtype: np.dtype = np.dtype(jnp.bfloat16)
     allow: frozenset[str] = DEFAULT_ALLOW
     deny: frozenset[str] = DEFAULT_DENY

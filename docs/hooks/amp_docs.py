@@ -4,7 +4,7 @@
   classification of ``amp_jax.get_policy("bfloat16")`` (``Policy.table()``),
   so the table in the docs is the table the code uses. The generated table is
   also committed between the two markers, so the page reads the same in the
-  repository view; ``tests/test_docs.py`` checks that it is current
+  repository view; ``tests/repository/test_docs.py`` checks that it is current
   (``python docs/hooks/amp_docs.py`` rewrites it).
 * ``<!-- amp:backend-table -->`` ... ``<!-- /amp:backend-table -->``:
   ``amp_jax.BACKEND_SLOW_IN_LOW_PRECISION``, the same way.

@@ -1,7 +1,7 @@
 """2 processes joined by jax.distributed on 127.0.0.1 (4 host CPU devices
 each, gloo collectives) train as 1 process with 8 devices: same skipped steps
 and loss scales exactly, parameters within the reduction-order noise of the
-same training in the same precision (tests/_multiprocess_worker.py)."""
+same training in the same precision (tests/behaviour/_multiprocess_worker.py)."""
 
 import os
 import socket

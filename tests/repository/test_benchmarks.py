@@ -20,7 +20,7 @@ import tarfile
 import jax
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 CPU = jax.default_backend() == "cpu"
 
 
@@ -339,7 +339,7 @@ def test_resume_runs_only_the_tests_a_cut_off_run_did_not_reach(tmp_path, worker
         "def test_three(): pass\n"
     )
     done = tmp_path / "done.txt"
-    env = {**os.environ, "AMP_JAX_RESUME": str(done), "PYTHONPATH": str(ROOT / "tests")}
+    env = {**os.environ, "AMP_JAX_RESUME": str(done), "PYTHONPATH": str(ROOT / "tools")}
 
     def pytest_run(*args):
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "resume", "-p", "no:cacheprovider"]

@@ -1,6 +1,6 @@
-"""One process of the multi-process test (tests/test_multiprocess.py).
+"""One process of the multi-process test (tests/behaviour/test_multiprocess.py).
 
-    PYTHONPATH=. python tests/_multiprocess_worker.py OUT.npz NUM_PROCESSES PROCESS_ID PORT
+    PYTHONPATH=. python tests/behaviour/_multiprocess_worker.py OUT.npz NUM_PROCESSES PROCESS_ID PORT
 
 from the repository root (which holds ``workloads``) trains the transformer block of workloads/sharded.py data parallel over
 all 8 devices (8 forced host CPU devices in 1 process, or 4 in each of 2

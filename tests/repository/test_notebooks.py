@@ -11,7 +11,7 @@ import pytest
 nbformat = pytest.importorskip("nbformat")
 NotebookClient = pytest.importorskip("nbclient").NotebookClient
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 
 

@@ -15,7 +15,7 @@ import zipfile
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.skipif(
     not os.environ.get("AMP_JAX_PACKAGING"),

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 #: The most of amp_jax/_src's parameters that may be ``Any``: annotated so, or
 #: not annotated (issue 50's 10%; 7.8% when set: 50 Any and 39 bare of 1,142).

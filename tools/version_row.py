@@ -1,6 +1,6 @@
 """Prints the benchmarks/results/ACCELERATOR_RUNS.md row of one nox leg, from the leg's own junit file.
 
-    python tests/version_row.py build/junit/tests-3.12.xml
+    python tools/version_row.py build/junit/tests-3.12.xml
 
 Run by ``noxfile.py`` in the leg's virtualenv after its pytest run, so the
 backend, device, Python and JAX in the row are the ones the tests ran on and

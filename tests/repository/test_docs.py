@@ -16,7 +16,7 @@ import pytest
 import amp_jax
 import amp_jax.optim
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 
 
@@ -92,7 +92,7 @@ def _check_api_renders(api_html: str) -> None:
 #
 # pytest-examples finds the ```python blocks, runs each one as a module and
 # compares what it prints with the `# > ` lines (or the quoted block) written
-# under its `print` calls; `pytest tests/test_docs.py --update-examples`
+# under its `print` calls; `pytest tests/repository/test_docs.py --update-examples`
 # rewrites them. A block whose leading comment lines include
 #   `# (continues the example above)`   runs with the names of the previous
 #                                        block that runs;

@@ -18,7 +18,7 @@ from jax import lax
 
 from amp_jax._src.testing import INTERPRETED_FLOAT32, interpreted_float32
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 W = jax.random.normal(jax.random.PRNGKey(0), (16, 16)) / 4
 X = jax.random.normal(jax.random.PRNGKey(1), (8, 16))
 

@@ -4,7 +4,7 @@ Not part of the pytest run (CI machines have no browser): run by hand after a
 change to the docs' layout, with Debian's chromium and `pip install playwright`:
 
     mkdocs build --site-dir /tmp/site
-    python tests/browser_check.py /tmp/site [--screenshots DIR]
+    python tools/browser_check.py /tmp/site [--screenshots DIR]
 
 For the home, API and benchmarks pages (and the notebooks) at 1280 x 900 it checks
 that every <img> has loaded (naturalWidth > 0) and that no table is wider than the

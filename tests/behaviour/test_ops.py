@@ -295,7 +295,7 @@ def test_op(name):
 
 
 #: a factorization or solve reads the first matmul's result, and the second
-#: matmul reads its result: both stay float32 (tests/test_sensitive_consumers.py)
+#: matmul reads its result: both stay float32 (tests/behaviour/test_sensitive_consumers.py)
 SOLVE_CASES = frozenset({"ew:cholesky", "ew:linalg_solve", "ew:qr"})
 
 

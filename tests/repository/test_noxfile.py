@@ -12,7 +12,7 @@ import types
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _fake_nox() -> types.ModuleType:

@@ -1,6 +1,6 @@
 """Runs the whole test suite on an accelerator and prints one summary row.
 
-    python tests/accelerator_suite.py [--workers N] [--out DIR] [pytest args...]
+    python tools/accelerator_suite.py [--workers N] [--out DIR] [pytest args...]
 
 On a GPU machine: the suite runs with pytest-xdist (``-n``, default 8
 workers), without the pytest-benchmark plugin (it clashes with xdist under

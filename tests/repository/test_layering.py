@@ -13,7 +13,7 @@ import ast
 import pathlib
 import re
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _module_name(path: pathlib.Path, root: pathlib.Path) -> str:

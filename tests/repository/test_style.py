@@ -7,7 +7,7 @@ import sys
 import pytest
 
 pytest.importorskip("ruff")
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("cmd", [["format", "--check"], ["check"]], ids=["format", "lint"])

@@ -1,10 +1,10 @@
 """Named mutants of amp_jax: does some test fail when a feature is gone?
 
-    python tests/mutants.py                 # every mutant, against the core test files
-    python tests/mutants.py hoisting_off    # one mutant
-    python tests/mutants.py --list          # the mutants' names
-    python tests/mutants.py --identity      # the identity check
-    python tests/mutants.py --help          # this text
+    python tools/mutants.py                 # every mutant, against the core test files
+    python tools/mutants.py hoisting_off    # one mutant
+    python tools/mutants.py --list          # the mutants' names
+    python tools/mutants.py --identity      # the identity check
+    python tools/mutants.py --help          # this text
 
 Each mutant replaces one feature by a no-op (monkeypatched at import time
 through ``tests/conftest.py`` when ``AMP_JAX_MUTANT`` is set) and runs the
@@ -31,17 +31,17 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 CORE_TESTS = [
     "tests/test_transform.py",
-    "tests/test_performance_structure.py",
+    "tests/repository/test_performance_structure.py",
     "tests/test_policy.py",
     "tests/test_compat.py",
     "tests/test_optim_kahan_sr.py",
     "tests/test_optim_master.py",
-    "tests/test_random_programs.py",
-    "tests/test_ops.py",
+    "tests/behaviour/test_random_programs.py",
+    "tests/behaviour/test_ops.py",
     "tests/test_eager.py",
     "tests/test_attention.py",
-    "tests/test_errors.py",
-    "tests/test_solver.py",
+    "tests/behaviour/test_errors.py",
+    "tests/behaviour/test_solver.py",
     "tests/test_painting.py",
     "tests/test_planning.py",
     "tests/test_casting.py",
@@ -55,10 +55,10 @@ CORE_TESTS = [
 #: `MAX_IDENTITY_SHARE` of them may pass (a test that passes without amp tests nothing of it)
 IDENTITY_TESTS = [
     "tests/test_transform.py",
-    "tests/test_ops.py",
-    "tests/test_layers.py",
-    "tests/test_random_programs.py",
-    "tests/test_performance_structure.py",
+    "tests/behaviour/test_ops.py",
+    "tests/behaviour/test_layers.py",
+    "tests/behaviour/test_random_programs.py",
+    "tests/repository/test_performance_structure.py",
 ]
 MAX_IDENTITY_SHARE = 0.2
 
@@ -70,14 +70,14 @@ def _patch(owner: object, name: str, value: object) -> None:
     and survive (or be killed) for no reason; it fails loudly instead.
     """
     if not hasattr(owner, name):
-        raise SystemExit(f"mutant target {owner!r}.{name} does not exist: update tests/mutants.py")
+        raise SystemExit(f"mutant target {owner!r}.{name} does not exist: update tools/mutants.py")
     setattr(owner, name, value)
 
 
 def _patch_item(mapping: dict, key: object, value: object) -> None:
     """``mapping[key] = value`` for a key ``mapping`` has (see `_patch`)."""
     if key not in mapping:
-        raise SystemExit(f"mutant target [{key!r}] is not in the table: update tests/mutants.py")
+        raise SystemExit(f"mutant target [{key!r}] is not in the table: update tools/mutants.py")
     mapping[key] = value
 
 
@@ -233,7 +233,7 @@ def _backend_from_process():
     # the context asks the process, not the record it was configured with (the
     # record's field is written, and never read)
     if "backend" not in context.Context.__dataclass_fields__:
-        raise SystemExit("mutant target Context.backend does not exist: update tests/mutants.py")
+        raise SystemExit("mutant target Context.backend does not exist: update tools/mutants.py")
     context.Context.backend = property(  # type: ignore[assignment]
         lambda self: backends.current(), lambda self, value: None
     )
