@@ -2,10 +2,13 @@
 
 ``amp(fn)(*args)``, in order:
   call       api: amp() and full_precision(); transform: AmpFunction, what amp returns;
-             calling: the arguments as a Call (traced and static leaves), its key, the cache
+             calling: the arguments as a Call (traced and static leaves), its key, the cache;
+             plain_objects: the refusal of plain objects that hold arrays; returning: the
+             outputs as arrays or static values
   trace      ``fn`` traced once per key into a closed jaxpr; compat/: every JAX-version
              difference; jaxprs: the jaxpr toolkit and the one evaluator; mutation: what
-             ``fn`` writes into its arguments, carried out; mesh: is the trace sharded
+             ``fn`` writes into its arguments, carried out (nnx_nodes: Flax NNX nodes kept
+             the caller's objects, and the write-back); mesh: is the trace sharded
   plan       planning: one Decision per eqn (decision: the typed record and its reason;
              plans: the Plan tree and its printer), under one context (context: policy,
              backend, memo), in stages: classify by the policy (policy, op_classes,

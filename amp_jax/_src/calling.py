@@ -4,8 +4,9 @@ A `Call` is one call's ``(args, kwargs)`` flattened into leaves: the arrays
 are traced, every other leaf (a string, a callable, ``None``, a Python
 scalar, a plain object) is passed as a static value, as it would be without
 ``amp``. `Call.key` is the `CallKey` a `TraceCache` keeps a trace under.
-The checks refuse a plain object (not a pytree) that holds arrays, which a
-cached trace would hold as stale constants.
+A plain object (not a pytree) that holds arrays, which a cached trace would
+hold as stale constants, is refused (plain_objects.py); what the call
+returns is returning.py's.
 
 Why not leave the cache to ``jax.jit`` (as Equinox's ``filter_jit`` does):
 amp evaluates its plan under the caller's trace on every call and stages out
@@ -24,13 +25,13 @@ import threading
 import types
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Generic, TypeVar
 
 import jax
 import numpy as np
 
-from amp_jax._src import backends, compat, mutation
+from amp_jax._src import backends, compat, nnx_nodes
 
 T = TypeVar("T")
 
@@ -90,99 +91,6 @@ def name_like(wrapper: Any, fn: Callable[..., Any], self_first: bool = False) ->
         wrapper.__signature__ = sig.replace(parameters=[self_param, *sig.parameters.values()])
 
 
-def as_output(x: object) -> Any:
-    """A jaxpr output or returned constant (a literal, a NumPy array) as a jax
-    Array, like jit; a token (``jax.lax.create_token()``) as it is, as jit
-    returns it."""
-    if isinstance(x, (jax.Array, compat.Tracer, compat.Token)):
-        return x
-    t: type[Any]
-    for t in (bool, int, float, complex):  # weakly typed, as jit returns them
-        if isinstance(x, t) and not isinstance(x, np.generic):  # (np.float64 is a float)
-            return jax.numpy.asarray(t(x))
-    dtype = getattr(x, "dtype", None)
-    if dtype is not None:  # float64 NumPy as float32 without x64, silently as jit does
-        dtype = jax.dtypes.canonicalize_dtype(dtype)
-    return jax.numpy.asarray(x, dtype=dtype)
-
-
-def is_output_value(x: object) -> bool:
-    """Whether an output leaf of ``fn`` is a JAX value, which amp returns as an
-    array as ``jax.jit`` does (a NumPy array or scalar too, as ``eqx.filter_jit``
-    returns them), rather than a static value carried out of the trace as it
-    is, as ``eqx.filter_jit`` does: a string, a callable, an Equinox model's
-    activation function, and a Python ``bool``/``int``/``float``/``complex``
-    (it cannot depend on a traced value: ``amp(f)`` returns what ``f`` does)."""
-    if isinstance(x, (jax.Array, np.ndarray, np.generic, compat.Tracer, compat.Token)):
-        return True
-    if isinstance(x, (bool, int, float, complex)):
-        return False
-    try:
-        jax.typeof(x)
-    except TypeError:
-        return False
-    return True
-
-
-def static_outputs(leaves: Sequence[Any], name: str, kept: Collection[int] = ()) -> dict[int, Any]:
-    """The static leaves among ``fn``'s output ``leaves`` (`is_output_value`),
-    by index; a plain object that holds arrays is refused (the arrays would be
-    tracers of amp's trace, invalid once it ends), bar those whose ``id`` is in
-    ``kept`` (an NNX module ``fn`` captured: `mutation.captured_outputs`)."""
-    statics = {i: x for i, x in enumerate(leaves) if id(x) in kept or not is_output_value(x)}
-    for i, x in statics.items():
-        if id(x) not in kept and (held := held_array(x)) is not None:
-            kind = type(x).__name__
-            raise TypeError(
-                f"amp({name}): output leaf {i} is a {kind} that holds arrays "
-                f"(`{held}`) but is not a pytree: amp returns a non-array output as a "
-                "static value, as eqx.filter_jit does, and its arrays would be tracers of "
-                f"amp's trace. Make {kind} a pytree (jax.tree_util.register_dataclass, an "
-                "equinox.Module), or return the arrays themselves."
-            )
-    return statics
-
-
-class InputRef:
-    """An output leaf that is the ``index``-th traced argument, a mutable array
-    (``jax.Ref``): amp returns the caller's Ref itself, as plain Python and
-    ``nnx.jit`` do (a jaxpr cannot return one)."""
-
-    __slots__ = ("index",)
-
-    def __init__(self, index: int) -> None:
-        self.index = index
-
-
-def out_refs(leaves: list[Any], statics: dict[int, Any], inputs: Sequence[Any]) -> list[int]:
-    """Takes the mutable arrays (``jax.Ref``) out of ``fn``'s output ``leaves``,
-    which a jaxpr cannot return: an argument's Ref (one of ``inputs``, the
-    traced arguments) becomes an `InputRef` among ``statics``, a Ref made
-    inside ``fn`` its value in ``leaves``; gives the indexes of the latter,
-    which amp returns as new Refs (``jax.new_ref``) of that value, as
-    ``nnx.jit`` does."""
-    given = {id(x): i for i, x in enumerate(inputs)}
-    made = []
-    for i, x in enumerate(leaves):
-        if i in statics or not isinstance(x, compat.Ref):
-            continue
-        if id(x) in given:
-            statics[i] = InputRef(given[id(x)])
-        else:
-            leaves[i] = x[...]
-            made.append(i)
-    return made
-
-
-def fresh(x: object) -> Any:
-    """An argument returned as it is, as a new value (a concrete tracer's
-    ``jnp.asarray``, as ``jax.jvp(jnp.asarray)`` makes it); a token, an array
-    and an abstract tracer as they are."""
-    if isinstance(x, compat.Tracer) and not isinstance(compat.aval_of(x), compat.AbstractToken):
-        return jax.numpy.asarray(x)
-    return as_output(x)
-
-
 # -- static keys ---------------------------------------------------------------------
 
 
@@ -204,7 +112,7 @@ def static_key(leaf: object, depth: int = 4) -> Hashable:
         # (dunder attributes are a wrapper's metadata -- ``functools.wraps``
         # copies ``__annotations__``, ``__wrapped__``, ``__doc__`` onto
         # ``jax.jit``'s function -- not state that changes what tracing gives)
-        attrs = {k: v for k, v in _attrs(leaf).items() if not _is_dunder(k)}
+        attrs = {k: v for k, v in instance_attrs(leaf).items() if not _is_dunder(k)}
         return (type(leaf), leaf, tuple((k, static_key(v, depth - 1)) for k, v in attrs.items()))
     return (type(leaf), leaf)
 
@@ -223,7 +131,7 @@ def _compares_by_identity(obj: object) -> bool:
     )
 
 
-def _attrs(obj: object) -> dict[str, Any]:
+def instance_attrs(obj: object) -> dict[str, Any]:
     """The instance attributes of ``obj`` (``__dict__`` and ``__slots__``)."""
     attrs: dict[str, Any] = {}
     try:
@@ -251,7 +159,7 @@ class CallKey:
       trace_context: what makes ``jax.jit`` retrace (config contexts, named
         axes and their sizes, the mesh).
       full_precision: whether the caller is inside a ``full_precision`` scope.
-      aliases: the Flax NNX nodes the arguments share (``mutation.aliases``):
+      aliases: the Flax NNX nodes the arguments share (``nnx_nodes.aliases``):
         a call with tied weights traces apart from one without.
     """
 
@@ -262,7 +170,7 @@ class CallKey:
     backend: backends.Backend
     trace_context: Hashable
     full_precision: bool
-    aliases: mutation.Aliases = ()
+    aliases: nnx_nodes.Aliases = ()
 
 
 # -- one call ------------------------------------------------------------------------
@@ -324,7 +232,7 @@ class Call:
     treedef: compat.PyTreeDef
     dynamic_mask: tuple[bool, ...]
     names: tuple[str, ...]
-    aliases: mutation.Aliases = ()
+    aliases: nnx_nodes.Aliases = ()
 
     @classmethod
     def of(cls, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:
@@ -339,7 +247,7 @@ class Call:
         # (a node held at two paths repeats its arrays among the leaves: the
         # walk for shared nodes, a Python call per node, only then)
         arrays = [id(x) for x, d in zip(leaves, mask) if d]
-        shared = mutation.aliases((args, kwargs)) if len(set(arrays)) < len(arrays) else ()
+        shared = nnx_nodes.aliases((args, kwargs)) if len(set(arrays)) < len(arrays) else ()
         return cls(target, args, kwargs, leaves, treedef, mask, names, shared)
 
     @property
@@ -530,117 +438,5 @@ def _state_key(obj: object) -> Hashable:
         return None
     if not _compares_by_identity(obj):
         return (type(obj),)  # (its value keys its cache)
-    attrs = {k: v for k, v in _attrs(obj).items() if not _is_dunder(k)}
+    attrs = {k: v for k, v in instance_attrs(obj).items() if not _is_dunder(k)}
     return (type(obj), tuple((k, static_key(v, 3)) for k, v in attrs.items()))
-
-
-# -- plain objects that hold arrays --------------------------------------------------
-
-_VALUE_TYPES = (str, bytes, int, float, complex, bool, type(None), type, np.dtype, range, slice)
-
-
-def held_array(obj: object, seen: set[int] | None = None) -> str | None:
-    """The attribute path of a jax/NumPy array held by the plain object ``obj``, or None.
-
-    Followed to any depth, through attributes, ``functools.partial`` and bound
-    methods, and every container (lists, dicts, sets, ``collections.deque``).
-    """
-    seen = set() if seen is None else seen
-    if isinstance(obj, _VALUE_TYPES) or isinstance(obj, types.ModuleType) or id(obj) in seen:
-        return None
-    if isinstance(obj, TraceCache):
-        # amp's own trace cache (of an amp function passed as an argument, or
-        # jitted): its traces hold constants of amp's making, not user state
-        return None
-    if isinstance(obj, (types.FunctionType, types.BuiltinFunctionType, type)):
-        return None
-    seen.add(id(obj))
-    if is_dynamic(obj):  # (a NumPy array of objects, e.g. a Mesh's devices, is no array)
-        return None if isinstance(obj, np.ndarray) and obj.dtype.kind == "O" else ""
-    if isinstance(obj, types.MethodType):
-        inner = held_array(obj.__self__, seen)
-        return None if inner is None else f".__self__{inner}"
-    if isinstance(obj, functools.partial):
-        items = [(f".args[{i}]", a) for i, a in enumerate(obj.args)]
-        items += [(f".keywords[{k!r}]", a) for k, a in obj.keywords.items()]
-    elif isinstance(obj, Mapping):
-        items = [(f"[{k!r}]", v) for k, v in obj.items()]
-    elif isinstance(obj, Collection) and not isinstance(obj, np.ndarray):
-        items = [(f"[{i}]", v) for i, v in enumerate(obj)]
-    else:
-        items = [(f".{k}", v) for k, v in _attrs(obj).items()]
-    for where, value in items:
-        if (inner := held_array(value, seen)) is not None:
-            return f"{where}{inner}"
-    return None
-
-
-def held_by_fn(fn: Callable[..., Any]) -> str | None:
-    """The path (under ``fn``) of an array that the callable ``fn`` holds, or
-    None. A ``functools.partial`` holds none that matter: its arguments cannot
-    be rebound, so the arrays bound in it (at any depth: a list of
-    parameters, the ``ClosedJaxpr`` of ``jax.core.jaxpr_as_fun``) are
-    constants of the trace, as a closure's are, and under ``jax.jit``; the
-    trace is kept for that partial (`static_key` keys it by identity)."""
-    if type(fn) is functools.partial:
-        return None
-    return held_array(fn)
-
-
-def check_arguments(fn: Callable[..., Any], call: Call) -> None:
-    """Refuses a callable ``fn`` or a static argument that is a plain (non-pytree)
-    object holding arrays: amp would bake the arrays into its cached trace."""
-    if not call.fn_is_argument and (held := held_by_fn(fn)) is not None:
-        kind = type(fn).__name__
-        raise TypeError(
-            f"amp({fn_name(fn)}): the function is a {kind} that holds arrays "
-            f"(`fn{held}`) but is not a pytree, so amp would bake them into its cached "
-            "trace and return stale results once they change. Pass a pytree (an "
-            "equinox.Module or Flax NNX Module as amp(model), a registered class), or "
-            "pass the arrays as arguments."
-        )
-    paths = jax.tree_util.tree_flatten_with_path((call.args, call.kwargs))[0]
-    for (path, leaf), dyn in zip(paths, call.dynamic_mask):
-        held = None if dyn else held_by_fn(leaf) if callable(leaf) else held_array(leaf)
-        if held is None:
-            continue
-        name = call.arg_name(path)
-        kind = type(leaf).__name__
-        raise TypeError(
-            f"amp({fn_name(fn)}): argument `{name}` is a {kind} that holds arrays "
-            f"(`{name}{held}`) but is not a pytree, so amp would bake them into its cached "
-            f"trace and return stale results once they change. Make {kind} a pytree "
-            "(jax.tree_util.register_dataclass or register_pytree_node_class, an "
-            "equinox.Module, a flax.struct.dataclass), or pass the arrays as arguments. "
-            "(jax.jit refuses this argument too.)"
-        )
-
-
-def check_no_leak(fn: Callable[..., Any], call: Call) -> None:
-    """Refuses an array that ``fn`` assigned, while amp traced it, to a plain
-    object (not a pytree) among its static arguments or its ``self``: the
-    object would keep a tracer of amp's trace and the caller would never see
-    the value.
-
-    Reads the static leaves `Call.of` found before ``fn`` ran (the same
-    objects ``fn`` was given), without flattening the arguments again: a
-    pytree that ``fn`` consumed may refuse to be flattened twice (Equinox's
-    ``State`` once a stateful layer has used it).
-    """
-    where = None
-    for i, (leaf, dyn) in enumerate(zip(call.leaves, call.dynamic_mask)):
-        held = None if dyn else held_by_fn(leaf) if callable(leaf) else held_array(leaf)
-        if held is not None:
-            where, kind = f"{call.leaf_name(i)}{held}", type(leaf).__name__
-            break
-    if where is None and not call.fn_is_argument and (held := held_by_fn(fn)) is not None:
-        where, kind = f"fn{held}", type(fn).__name__
-    if where is not None:
-        raise TypeError(
-            f"amp({fn_name(fn)}): the function assigned an array to `{where}`, "
-            f"inside a {kind} that is not a pytree. amp runs the function in a trace, so "
-            "the object would keep a tracer that is invalid once the trace ends, and the "
-            f"caller would never see the value. Return the value from the function, or "
-            f"make {kind} a pytree (jax.tree_util.register_dataclass, an equinox.Module, "
-            "a Flax NNX Module whose Variables amp writes back)."
-        )

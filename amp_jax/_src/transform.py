@@ -4,7 +4,7 @@ A call takes its arguments apart
 (calling.py's `Call`), finds the plan of their signature in its `TraceCache`
 (else traces ``fn`` and plans the jaxpr), and evaluates the plan under the
 caller's trace; what ``fn`` wrote into its arguments is carried back
-(mutation.py).
+(mutation.py, nnx_nodes.py).
 """
 
 from __future__ import annotations
@@ -19,30 +19,31 @@ from typing import Any
 
 import jax
 
-from amp_jax._src import backends, compat, mutation, paths, plans
+from amp_jax._src import backends, compat, mutation, nnx_nodes, paths, plans
 from amp_jax._src.calling import (
     Call,
     CallKey,
-    InputRef,
     TraceCache,
-    as_output,
-    check_arguments,
-    check_no_leak,
     fn_name,
-    fresh,
-    is_output_value,
     is_tree,
     name_like,
-    out_refs,
     shared_cache,
-    static_outputs,
     unwrap_statics,
 )
 from amp_jax._src.compat import KeyPath
 from amp_jax._src.context import Context
 from amp_jax._src.interpreter import EVALUATOR, evaluate
+from amp_jax._src.plain_objects import check_arguments, check_no_leak
 from amp_jax._src.planning import plan
 from amp_jax._src.policy import FULL_PRECISION_SCOPE, Policy, scope_in
+from amp_jax._src.returning import (
+    InputRef,
+    as_output,
+    fresh,
+    is_output_value,
+    out_refs,
+    static_outputs,
+)
 
 #: the traces amp functions evaluate while `recording_traces` is open (diagnostics)
 _RECORDED: contextvars.ContextVar[list[Traced] | None] = contextvars.ContextVar(
@@ -71,7 +72,7 @@ class Traced:
       plan: the plan of the traced jaxpr (one decision per equation).
       out_tree: the structure of ``fn``'s output.
       statics: its static leaves (a string, a callable, a Python scalar;
-        `calling.is_output_value`)
+        `returning.is_output_value`)
         by index, returned as they are: the jaxpr's outputs are the others.
       ctx: the context the plan was made in (it holds the sub-jaxprs' plans).
       writes: what ``fn`` writes into its arguments (the jaxpr's last outputs), or None.
@@ -91,7 +92,7 @@ class Traced:
     ctx: Context
     writes: mutation.Writes | None = None
     staged: Callable[..., list[Any]] | None = None
-    out_aliases: mutation.Aliases = ()
+    out_aliases: nnx_nodes.Aliases = ()
     statics: tuple[tuple[int, Any], ...] = ()
     new_refs: tuple[int, ...] = ()
 
@@ -257,8 +258,8 @@ class AmpFunction:
             out = self.fn(*args, **kwargs)
             return jax.tree.map(lambda x: as_output(x) if is_output_value(x) else x, out)
         call = Call.of(self.fn, args, kwargs)
-        if mutation.holds_hijax(call.leaves):
-            return mutation.through_lojax(
+        if nnx_nodes.holds_hijax(call.leaves):
+            return nnx_nodes.through_lojax(
                 lambda *a, **k: self._run(Call.of(call.target, a, k)), call.args, call.kwargs
             )
         return self._run(call)
@@ -304,26 +305,26 @@ class AmpFunction:
         ``__wrapped__``), so that JAX's errors name them and the arguments as
         jax.jit does, and plans the jaxpr."""
         found: list[mutation.Writes | None] = []
-        shared: list[mutation.Aliases] = []
+        shared: list[nnx_nodes.Aliases] = []
         outputs: list[tuple[compat.PyTreeDef, dict[int, Any], list[int]]] = []
 
         def traced_fn(*args: object, **kwargs: object) -> Any:
-            tree = mutation.tie(unwrap_statics((args, kwargs)), call.aliases)
+            tree = nnx_nodes.tie(unwrap_statics((args, kwargs)), call.aliases)
             snap = mutation.Snapshot(tree)
             with mutation.haiku_guard(fn_name(self.fn)):
                 out = call.target(*tree[0], **tree[1])
             check_no_leak(self.fn, call)
-            _refuse_cycle(fn_name(self.fn), call, mutation.find_cycle((tree, out)))
+            _refuse_cycle(fn_name(self.fn), call, nnx_nodes.find_cycle((tree, out)))
             try:
                 writes = mutation.collect(snap, tree, call.path_name)
             except TypeError as e:
                 raise TypeError(f"amp({fn_name(self.fn)}): the function {e}") from None
             found.append(writes)
-            shared.append(mutation.output_aliases(tree, out))
+            shared.append(nnx_nodes.output_aliases(tree, out))
             # (a non-array leaf -- a model's activation function, an aux string
             # -- is carried out of the trace as it is, as eqx.filter_jit does)
             # (and a module fn captured, as itself: as plain Python returns it)
-            kept = set() if call.fn_is_argument else mutation.captured_outputs(self.fn, tree, out)
+            kept = set() if call.fn_is_argument else nnx_nodes.captured_outputs(self.fn, tree, out)
             leaves, out_tree = jax.tree.flatten(
                 out, is_leaf=(lambda x: id(x) in kept) if kept else None
             )
@@ -369,7 +370,7 @@ class AmpFunction:
         if traced.writes is not None:
             # (a constant written is a jaxpr literal: an Array, as jit stores it)
             after = traced.writes.after(call.leaves, [as_output(o) for o in outs[n:]])
-            mutation.write_back((call.args, call.kwargs), after, traced.writes.moves)
+            nnx_nodes.write_back((call.args, call.kwargs), after, traced.writes.moves)
         # an input returned as it is (``amp(jnp.asarray)``: the jaxpr has no
         # eqn) is a new value, as jit's outputs are: under ``jax.jvp`` of a
         # Python float, that input is a tracer of a float, and ``jax.jvp``
@@ -382,7 +383,7 @@ class AmpFunction:
             outs[i] = jax.new_ref(outs[i])
         out = jax.tree.unflatten(traced.out_tree, outs)
         if traced.out_aliases:
-            out = mutation.tie(((call.args, call.kwargs), out), traced.out_aliases)[1]
+            out = nnx_nodes.tie(((call.args, call.kwargs), out), traced.out_aliases)[1]
         return out
 
 
