@@ -178,7 +178,7 @@ def test_float16_range_ops_run_in_float32(name):
     assert kept and all(set(r[1].split(",")) == {"float32"} for r in kept), rows
 
 
-def test_bfloat16_keeps_range_ops_low_between_matmuls():
+def test_bfloat16_keeps_range_ops_low_between_matmuls(low_elementwise):
     f = RANGE_PROGRAMS["x ** 2"]
     args = _range_args()
     pow16 = prim_dtypes(jax.make_jaxpr(amp(f, policy="float16"))(*args), "integer_pow")
@@ -190,7 +190,7 @@ def test_bfloat16_keeps_range_ops_low_between_matmuls():
     assert [d[0] for d in dots] == [(F16, F16), (F16, F16)]
 
 
-def test_a_product_with_a_constant_follows_its_operand_under_float16():
+def test_a_product_with_a_constant_follows_its_operand_under_float16(low_elementwise):
     def f(x, w):
         return ((x @ w) * 0.5) @ w
 
