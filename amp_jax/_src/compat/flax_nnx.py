@@ -47,13 +47,12 @@ def hijax_writable_under_jit(nnx: Any) -> bool:
     a plain (``ref=False``) hijax ``Variable`` it is given: Flax 0.12.8 does,
     newer Flax refuses it (``ImmutableVariableError``: only ``ref=True``).
     Asked of Flax itself, once: a trace of such a write."""
-    v = nnx.with_vars(nnx.Variable(jnp.zeros(())), hijax=True)
 
     def write(v: Any) -> None:
         v[...] = 1.0
 
     try:
-        jax.make_jaxpr(write)(v)
-    except Exception:  # (ImmutableVariableError; whatever this Flax raises instead)
+        jax.make_jaxpr(write)(nnx.with_vars(nnx.Variable(jnp.zeros(())), hijax=True))
+    except Exception:  # (ImmutableVariableError; a Flax without hijax; whatever it raises)
         return False
     return True
