@@ -41,7 +41,7 @@ def is_dynamic(leaf: object) -> bool:
     as a static value."""
     return isinstance(
         leaf, (jax.Array, np.ndarray, np.generic, compat.Tracer, compat.Token, compat.Ref)
-    )
+    ) or nnx_nodes.is_hijax(leaf)
 
 
 def apply(fn: Callable[..., Any], *args: object, **kwargs: object) -> Any:
@@ -292,7 +292,7 @@ class Call:
         the others as childless pytree nodes (so the jaxpr's invars are the
         traced leaves, in order); `unwrap_statics` gives the values back."""
         abstract = [
-            compat.abstractify(x) if d else _Static(x)
+            (x if nnx_nodes.is_hijax(x) else compat.abstractify(x)) if d else _Static(x)
             for x, d in zip(self.leaves, self.dynamic_mask)
         ]
         return jax.tree.unflatten(self.treedef, abstract)

@@ -7,8 +7,9 @@ paths and `tie` makes their copies one object again; `find_cycle` finds a
 node below itself; `moves` finds the argument nodes ``fn`` swapped or assigned
 elsewhere, and `captured_outputs` the nodes ``fn`` returns from its closure;
 `write_back` updates the caller's nodes in place with what ``fn`` wrote (the
-public NNX API, as ``nnx.jit`` does), and `through_lojax` runs ``fn`` on
-plain copies of hijax ``Variable``s. mutation.py finds the writes and decides
+public NNX API, as ``nnx.jit`` does); a hijax ``Variable`` is traced as
+itself (`is_hijax`), or, where Flax refuses its writes under a trace
+(`needs_lojax`), `through_lojax` runs ``fn`` on plain copies. mutation.py finds the writes and decides
 what to carry out.
 
 Flax is never imported here: its objects exist only if the caller imported it.
@@ -436,11 +437,25 @@ def _sync(
             impl.pop_key(d, key)
 
 
-def holds_hijax(leaves: Sequence[Any]) -> bool:
-    """Whether a leaf of the arguments is a Flax hijax ``Variable`` (``nnx.var_defaults(
-    hijax=True)``): one leaf whose value lives in JAX's own mutable state."""
+def is_hijax(leaf: object) -> bool:
+    """Whether an argument leaf is a Flax hijax ``Variable`` (``nnx.var_defaults(
+    hijax=True)``): a pytree leaf (a plain Variable flattens to its value) whose
+    value lives in JAX's own mutable state. amp traces it as it is, as
+    ``jax.jit`` does: ``fn`` reads and writes the Variable itself."""
     nnx = _nnx()
-    return nnx is not None and any(isinstance(x, nnx.Variable) for x in leaves)
+    return nnx is not None and isinstance(leaf, nnx.Variable)
+
+
+def needs_lojax(leaves: Sequence[Any]) -> bool:
+    """Whether a leaf of the arguments is a hijax ``Variable`` that this Flax
+    does not let a traced function write (Flax after 0.12.8): amp then runs
+    ``fn`` on plain copies of them (`through_lojax`), as it ran eagerly."""
+    nnx = _nnx()
+    return (
+        nnx is not None
+        and any(isinstance(x, nnx.Variable) for x in leaves)
+        and not compat.hijax_writable_under_jit(nnx)
+    )
 
 
 def through_lojax(run: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

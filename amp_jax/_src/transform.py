@@ -258,7 +258,7 @@ class AmpFunction:
             out = self.fn(*args, **kwargs)
             return jax.tree.map(lambda x: as_output(x) if is_output_value(x) else x, out)
         call = Call.of(self.fn, args, kwargs)
-        if nnx_nodes.holds_hijax(call.leaves):
+        if nnx_nodes.needs_lojax(call.leaves):
             return nnx_nodes.through_lojax(
                 lambda *a, **k: self._run(Call.of(call.target, a, k)), call.args, call.kwargs
             )

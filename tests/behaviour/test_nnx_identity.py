@@ -269,6 +269,87 @@ def test_a_hijax_variable_written_is_written():
     assert int(m.count[...]) == int(ref.count[...]) + 1 == 2
 
 
+def _writable_under_jit():
+    return _HIJAX and amp_jax._src.compat.hijax_writable_under_jit(nnx)
+
+
+_needs_writable_hijax = pytest.mark.skipif(
+    not _writable_under_jit(), reason="this Flax refuses a hijax Variable written under jit"
+)
+
+
+@_needs_writable_hijax
+def test_a_hijax_variable_is_traced_as_itself():
+    # (Flax's TestHijaxVariables::test_variable_to_hijax: fn gets the hijax
+    # Variable, as under jax.jit, not a plain copy of it)
+    seen = []
+
+    def f(v, x):
+        seen.append(v.hijax)
+        v[...] = x @ v[...] @ x
+        return v[...] + 1
+
+    v = nnx.with_vars(nnx.Param(jnp.eye(256)), hijax=True)
+    ref = nnx.with_vars(nnx.Param(jnp.eye(256)), hijax=True)
+    x = jax.random.normal(jax.random.key(1), (256, 256))
+    want = jax.jit(f)(ref, x)
+    got = amp(f)(v, x)
+    assert seen == [True, True] and v.hijax
+    assert got.dtype == want.dtype == v[...].dtype == jnp.float32
+    np.testing.assert_allclose(v[...], ref[...], rtol=0.05, atol=1.0)
+    np.testing.assert_allclose(got, want, rtol=0.05, atol=1.0)
+    # the jaxpr reads and writes the Variable (Flax's get/set_variable), the
+    # matmuls in bfloat16, the write in the Variable's float32
+    rows = {(r.primitive, r.dtype) for r in amp_jax.explain(amp(f), v, x).rows}
+    assert {("dot_general", "bfloat16"), ("set_variable", "float32")} <= rows, rows
+
+
+@_needs_writable_hijax
+def test_a_hijax_optimizer_step_with_a_nested_grad():
+    # (Flax's TestOptimizer::test_optimize_hijax: fn writes the hijax Variables
+    # after a jax.value_and_grad over plain copies of them)
+    optax = pytest.importorskip("optax")
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.w = nnx.Param(jax.random.uniform(rngs(), (64, 64)))
+            self.count = nnx.Variable(jnp.array(0))
+
+        def __call__(self, x):
+            self.count[...] += 1
+            return x @ self.w
+
+    def step(model, optimizer, x, y):
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+        def loss_fn(params):
+            return jnp.mean((nnx.merge(graphdef, params, rest)(x) - y) ** 2)
+
+        loss, grads = jax.value_and_grad(loss_fn)(nnx.with_vars(params, hijax=False))
+        optimizer.update(params, grads)
+        return loss
+
+    def make():
+        with nnx.var_defaults(hijax=True):
+            model = Model(nnx.Rngs(1))
+            return model, nnx.Optimizer(model, tx=optax.adam(1e-3), wrt=nnx.Param)
+
+    x = jax.random.normal(jax.random.key(0), (64, 64))
+    y = jnp.ones((64, 64))
+    (m, o), (m_ref, o_ref) = make(), make()
+    w0 = np.asarray(m.w[...])
+    want = jax.jit(step)(m_ref, o_ref, x, y)
+    got = amp(step)(m, o, x, y)
+    assert got.dtype == want.dtype == jnp.float32
+    np.testing.assert_allclose(got, want, rtol=0.05)
+    assert int(m.count[...]) == int(m_ref.count[...]) == 1
+    assert int(o.step[...]) == int(o_ref.step[...]) == 1
+    assert m.w.hijax and m.w[...].dtype == jnp.float32
+    # (Adam's first step moves each weight by about the learning rate, either way)
+    np.testing.assert_allclose(np.abs(m.w[...] - w0), 1e-3, rtol=0.05)
+    np.testing.assert_allclose(m.w[...], m_ref.w[...], atol=2.1e-3)
+
+
 @pytest.mark.parametrize(
     "diagnostic",
     [

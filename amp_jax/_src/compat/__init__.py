@@ -37,6 +37,7 @@ from amp_jax._src.compat.context import name_stack_str as name_stack_str
 from amp_jax._src.compat.context import source_line as source_line
 from amp_jax._src.compat.context import trace_context as trace_context
 from amp_jax._src.compat.context import x64_of as x64_of
+from amp_jax._src.compat.flax_nnx import hijax_writable_under_jit as hijax_writable_under_jit
 from amp_jax._src.compat.flax_nnx import nnx_node_items as nnx_node_items
 from amp_jax._src.compat.flax_nnx import nnx_set_key as nnx_set_key
 from amp_jax._src.compat.higher_order import CALL_LIKE_NAMES as CALL_LIKE_NAMES

@@ -3,7 +3,11 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
+
+import jax
+import jax.numpy as jnp
 
 
 def nnx_set_key(nnx: Any, impl: Any, node: object, key: Any, old: object, new: object) -> None:
@@ -35,3 +39,20 @@ def nnx_node_items(nnx: Any, impl: Any, node: object) -> list[tuple[Any, Any, bo
         (key, elem.value if isinstance(elem, wrapped) else elem, isinstance(elem, data_elem))
         for key, elem in items
     ]
+
+
+@functools.cache
+def hijax_writable_under_jit(nnx: Any) -> bool:
+    """Whether this Flax lets a function traced by JAX (``jax.jit``, amp) write
+    a plain (``ref=False``) hijax ``Variable`` it is given: Flax 0.12.8 does,
+    newer Flax refuses it (``ImmutableVariableError``: only ``ref=True``).
+    Asked of Flax itself, once: a trace of such a write."""
+
+    def write(v: Any) -> None:
+        v[...] = 1.0
+
+    try:
+        jax.make_jaxpr(write)(nnx.with_vars(nnx.Variable(jnp.zeros(())), hijax=True))
+    except Exception:  # (ImmutableVariableError; a Flax without hijax; whatever it raises)
+        return False
+    return True
