@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex_core
 
@@ -228,3 +229,30 @@ def low_elementwise() -> Iterator[Any]:
     record = dataclasses.replace(backends.current(), low_elementwise=True)
     with backends.use(record):
         yield record
+
+
+def ode_loss(mm, solver: str = "Tsit5", adjoint=None):
+    """A diffrax adaptive solve (PIDController) of ``y' = tanh(mm(tanh(mm(y, w1)), w2))``
+    from ``y0`` over [0, 1], as ``loss(w1, w2, y0) = sum(y(1) ** 2)``; ``mm``: the
+    matmul (plain, or cast by hand), ``solver``: a diffrax solver's name."""
+    import diffrax
+
+    def loss(w1, w2, y0):
+        def vf(t, y, args):
+            return jnp.tanh(mm(jnp.tanh(mm(y, args[0])), args[1]))
+
+        sol = diffrax.diffeqsolve(
+            diffrax.ODETerm(vf),
+            getattr(diffrax, solver)(),
+            0.0,
+            1.0,
+            0.1,
+            y0,
+            args=(w1, w2),
+            stepsize_controller=diffrax.PIDController(rtol=1e-4, atol=1e-6),
+            max_steps=64,
+            **({} if adjoint is None else {"adjoint": adjoint}),
+        )
+        return jnp.sum(sol.ys[-1] ** 2)
+
+    return loss

@@ -13,7 +13,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _util import BF16, F16, F32, eqns, hand_bf16_matmul, low_elementwise, prim_dtypes, rel
+from _util import (
+    BF16,
+    F16,
+    F32,
+    eqns,
+    hand_bf16_matmul,
+    low_elementwise,
+    ode_loss,
+    prim_dtypes,
+    rel,
+)
 
 import amp_jax
 from amp_jax import Policy, amp
@@ -113,26 +123,8 @@ def test_the_backend_field_is_part_of_the_trace_key():
 
 
 def _ode_loss(mm):
-    diffrax = pytest.importorskip("diffrax")
-
-    def loss(w1, w2, y0):
-        def vf(t, y, args):
-            return jnp.tanh(mm(jnp.tanh(mm(y, args[0])), args[1]))
-
-        sol = diffrax.diffeqsolve(
-            diffrax.ODETerm(vf),
-            diffrax.Dopri5(),
-            0.0,
-            1.0,
-            0.1,
-            y0,
-            args=(w1, w2),
-            stepsize_controller=diffrax.PIDController(rtol=1e-4, atol=1e-6),
-            max_steps=64,
-        )
-        return jnp.sum(sol.ys[-1] ** 2)
-
-    return loss
+    pytest.importorskip("diffrax")
+    return ode_loss(mm, "Dopri5")
 
 
 @pytest.mark.heavy

@@ -4,9 +4,8 @@ recomputes the forward, and must do it under the forward's policy."""
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import pytest
-from _util import BF16, hand_bf16_matmul, prim_dtypes, rel
+from _util import BF16, hand_bf16_matmul, ode_loss, prim_dtypes, rel
 
 from amp_jax import amp
 
@@ -22,25 +21,7 @@ def _mm(a, b):
 
 
 def _loss(mm, adjoint):
-    def loss(w1, w2, y0):
-        def vf(t, y, args):
-            return jnp.tanh(mm(jnp.tanh(mm(y, args[0])), args[1]))
-
-        sol = diffrax.diffeqsolve(
-            diffrax.ODETerm(vf),
-            diffrax.Tsit5(),
-            0.0,
-            1.0,
-            0.1,
-            y0,
-            args=(w1, w2),
-            stepsize_controller=diffrax.PIDController(rtol=1e-4, atol=1e-6),
-            adjoint=adjoint,
-            max_steps=64,
-        )
-        return jnp.sum(sol.ys[-1] ** 2)
-
-    return loss
+    return ode_loss(mm, "Tsit5", adjoint)
 
 
 @pytest.mark.parametrize("adjoint", ["recursive_checkpoint", "direct"])
