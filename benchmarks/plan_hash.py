@@ -44,7 +44,8 @@ import jax
 
 import amp_jax
 from amp_jax import Policy, amp
-from amp_jax._src import backends, planning
+from amp_jax._src import backends, planning, plans
+from amp_jax._src.context import Context
 from workloads.models import cnn, gpt, gpt_fp8, mlp
 
 
@@ -84,12 +85,7 @@ def texts(only: str | None = None, backend: str | None = None) -> dict[str, str]
         with backends.use(backends.backend_for(backend)):
             return _planned_for(only)
     out: dict[str, str] = {}
-    key = jax.random.PRNGKey(0)
-    for name, model, policy, kwargs in _cases():
-        if only and name not in only.split(","):
-            continue
-        params, batch = model.init(key), model.batch(key)
-        loss: Callable[..., Any] = lambda p, *b, _m=model, _kw=kwargs: _m.loss(p, *b, **_kw)
+    for name, loss, policy, params, batch in _each_case(only):
         step = jax.value_and_grad(amp(loss, policy=policy))
         out[f"{name}.hlo"] = _strip(jax.jit(step).lower(params, *batch).compile().as_text())
         out[f"{name}.jaxpr"] = str(jax.make_jaxpr(step)(params, *batch))
@@ -101,21 +97,27 @@ def texts(only: str | None = None, backend: str | None = None) -> dict[str, str]
     return out
 
 
+def _each_case(only: str | None) -> Any:
+    """``(name, loss, policy, params, batch)`` of each case (``only``: a comma-separated
+    list of the names to keep)."""
+    key = jax.random.PRNGKey(0)
+    for name, model, policy, kwargs in _cases():
+        if only and name not in only.split(","):
+            continue
+        loss: Callable[..., Any] = lambda p, *b, _m=model, _kw=kwargs: _m.loss(p, *b, **_kw)
+        yield name, loss, policy, model.init(key), model.batch(key)
+
+
 def _planned_for(only: str | None) -> dict[str, str]:
     """The texts of each case planned for the injected `Backend` record: its
     plan tree (``plan``: ``planning.format_plan`` of the loss), and the jaxpr,
     explain and report entries lowered on this CPU, or the error that lowering
     raised (a cuDNN attention without a GPU); no ``hlo``."""
     out: dict[str, str] = {}
-    key = jax.random.PRNGKey(0)
-    for name, model, policy, kwargs in _cases():
-        if only and name not in only.split(","):
-            continue
-        params, batch = model.init(key), model.batch(key)
-        loss: Callable[..., Any] = lambda p, *b, _m=model, _kw=kwargs: _m.loss(p, *b, **_kw)
-        config = planning.Config(amp_jax.get_policy(policy), backends.current())
+    for name, loss, policy, params, batch in _each_case(only):
+        ctx = Context(amp_jax.get_policy(policy), backends.current())
         closed = jax.make_jaxpr(loss)(params, *batch)
-        out[f"{name}.plan"] = planning.format_plan(planning.plan(planning.Context(config), closed))
+        out[f"{name}.plan"] = plans.format_plan(planning.plan(ctx, closed))
         step = jax.value_and_grad(amp(loss, policy=policy))
         makers: dict[str, Callable[[], Any]] = {
             "jaxpr": lambda: jax.make_jaxpr(step)(params, *batch),
