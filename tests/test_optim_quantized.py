@@ -654,8 +654,9 @@ def test_errors_name_the_argument_and_the_fix():
         optim.adamw(1e-3, state_format="8bit", mu_dtype=jnp.bfloat16)
     with pytest.raises(ValueError, match="only used with quantized"):
         optim.adamw(1e-3, block_size=128)
-    with pytest.raises(ValueError, match="quantize_mask"):
+    with pytest.raises(ValueError, match="^`quantize_mask` must be a pytree") as info:
         optim.adamw(1e-3, state_format="8bit", quantize_mask={"x": True}).init(_params())
+    assert "adamw" in str(info.value)  # names what the user called, not only one builder
 
 
 def test_docstring_examples_run():

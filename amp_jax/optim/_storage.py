@@ -232,8 +232,9 @@ def _selection(mask: Any, params: Any) -> list[bool]:
         flags = treedef.flatten_up_to(mask)
     except (ValueError, TypeError) as e:
         raise ValueError(
-            "scale_by_quantized_adam: `quantize_mask` must be a pytree of bools shaped like "
-            f"the parameters (or a function of the parameters returning one); {e}"
+            "`quantize_mask` must be a pytree of bools shaped like the parameters (or a "
+            "function of the parameters returning one), as given to adamw, scale_by_adam, "
+            f"scale_by_lion, ema, scale_by_quantized_adam or MomentStorage; {e}"
         ) from e
     return [bool(f) for f in flags]
 

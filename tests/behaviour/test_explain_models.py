@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _util import eqns_run
+from _util import eqns_run, ode_loss
 
 import amp_jax
 from amp_jax import amp
@@ -180,7 +180,7 @@ def _loop_programs():
     """A scan RNN, a fori_loop fixed point and a diffrax adaptive solve (issue 56):
     their matmuls run low inside loops, carried by the loop or inside a library's
     custom derivatives."""
-    diffrax = pytest.importorskip("diffrax")
+    pytest.importorskip("diffrax")
     k = jax.random.split(jax.random.PRNGKey(0), 4)
 
     def rnn(p, xs):
@@ -197,22 +197,7 @@ def _loop_programs():
         z = jax.lax.fori_loop(0, 20, lambda i, z: jnp.tanh(z @ w + x), jnp.zeros_like(x))
         return jnp.mean(z**2)
 
-    def ode(w1, w2, y0):
-        def vf(t, y, args):
-            return jnp.tanh(jnp.tanh(y @ args[0]) @ args[1])
-
-        sol = diffrax.diffeqsolve(
-            diffrax.ODETerm(vf),
-            diffrax.Dopri5(),
-            0.0,
-            1.0,
-            0.1,
-            y0,
-            args=(w1, w2),
-            stepsize_controller=diffrax.PIDController(rtol=1e-4, atol=1e-6),
-            max_steps=64,
-        )
-        return jnp.sum(sol.ys[-1] ** 2)
+    ode = ode_loss(lambda a, b: a @ b, "Dopri5")
 
     n = jax.random.normal
     return [
