@@ -74,13 +74,9 @@ def jit_jaxpr(eqn: Eqn) -> ClosedJaxpr:
     return eqn.params["jaxpr"]
 
 
-_CUSTOM_NAMES = CUSTOM_JVP_NAMES | CUSTOM_VJP_NAMES
-
-
 def has_subjaxprs(eqn: Eqn) -> bool:
-    """Whether ``eqn`` holds a jaxpr (or is a custom-derivative call)."""
-    return eqn.primitive.name in _CUSTOM_NAMES or any(
-        True for _ in jex_core.jaxprs_in_params(eqn.params)
+    return any(True for _ in jex_core.jaxprs_in_params(eqn.params)) or (
+        eqn.primitive.name in CUSTOM_JVP_NAMES | CUSTOM_VJP_NAMES
     )
 
 
