@@ -291,6 +291,16 @@ def test_inline_folds_each_body_eqn_and_constant_once(monkeypatch):
     assert len(traced) == 8 and str(again) == str(flat)
 
 
+def test_inline_folds_a_literal_numpy_cannot_read_without_the_memo():
+    # a literal of an extended dtype (a PRNG key) has no bytes to key the memo
+    # by: it is folded (or not) as without the memo
+    key = jax.random.key(0)
+    eqn = jax.make_jaxpr(jax.random.key_data)(key).jaxpr.eqns[0]
+    lit = compat.Literal(key, jax.typeof(key))
+    folds = jaxprs._Folds()
+    assert folds.get(eqn, [lit]) == jaxprs._folded(eqn, [lit]) and not folds.made
+
+
 def test_iter_eqns_names_no_place_for_a_jit_jax_inlines():
     # JAX 0.12 keeps a jit(inline=True) in jaxprs (Inline.JAX_LATE) and inlines
     # it when lowering; amp's dots are such jits: no "jit" place for their ops
