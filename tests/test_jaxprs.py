@@ -259,6 +259,48 @@ def test_inline_folds_a_constant_as_tracing_in_place_would():
     assert any(isinstance(v, compat.Literal) for e in flat.jaxpr.eqns for v in e.invars)
 
 
+def test_inline_folds_each_body_eqn_and_constant_once(monkeypatch):
+    # a helper's jitted body is one jaxpr at every call site (one per layer of
+    # a model): its convert of a literal is traced once per literal value, and
+    # every call site still gets its own Literal objects, with its own value
+    where = jax.jit(lambda m, s, v: jnp.where(m, s, v))
+
+    def f(m, s):
+        for _ in range(3):
+            s = where(m, s, -1e9)
+        return where(m, s, -2e9), where(m, s, -1e9)
+
+    traced = []
+    real = jaxprs._folded
+    monkeypatch.setattr(jaxprs, "_folded", lambda e, v: traced.append(e) or real(e, v))
+    m, s = jnp.array([True, False]), jnp.ones(2)
+    closed = jax.make_jaxpr(f)(m, s)
+    flat = jaxprs.inline(closed, compat.jit_is_inlinable, compat.jit_jaxpr)
+    # the convert (folded) and the broadcast of its literal (not), for -1e9 (four
+    # call sites) and -2e9: without the memo, 10
+    assert [e.primitive.name for e in traced] == ["convert_element_type", "broadcast_in_dim"] * 2
+    names = [e.primitive.name for e in flat.jaxpr.eqns]
+    assert names.count("select_n") == 5 and "convert_element_type" not in names
+    broadcasts = [e for e in flat.jaxpr.eqns if e.primitive.name == "broadcast_in_dim"]
+    lits = [v for e in broadcasts for v in e.invars if isinstance(v, compat.Literal)]
+    assert len(lits) == 5 and len({id(v) for v in lits}) == 5  # no Literal shared
+    assert [float(v.val) for v in lits] == [-1e9, -1e9, -1e9, -2e9, -1e9]
+    np.testing.assert_array_equal(jaxpr_as_fun(flat)(m, s)[0], f(m, s)[0])
+    # the memo is one inline's: inlining again traces again, to the same jaxpr
+    again = jaxprs.inline(closed, compat.jit_is_inlinable, compat.jit_jaxpr)
+    assert len(traced) == 8 and str(again) == str(flat)
+
+
+def test_inline_folds_a_literal_numpy_cannot_read_without_the_memo():
+    # a literal of an extended dtype (a PRNG key) has no bytes to key the memo
+    # by: it is folded (or not) as without the memo
+    key = jax.random.key(0)
+    eqn = jax.make_jaxpr(jax.random.key_data)(key).jaxpr.eqns[0]
+    lit = compat.Literal(key, jax.typeof(key))
+    folds = jaxprs._Folds()
+    assert folds.get(eqn, [lit]) == jaxprs._folded(eqn, [lit]) and not folds.made
+
+
 def test_iter_eqns_names_no_place_for_a_jit_jax_inlines():
     # JAX 0.12 keeps a jit(inline=True) in jaxprs (Inline.JAX_LATE) and inlines
     # it when lowering; amp's dots are such jits: no "jit" place for their ops

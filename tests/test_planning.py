@@ -132,6 +132,31 @@ def test_float16_constants_out_of_range_keep_their_op_float32():
     assert not [r for r in dtype_report(amp(masked_pool), x, w) if r[5] in kept]
 
 
+def test_each_different_constant_is_judged_once_per_jaxpr(monkeypatch):
+    # a model's constants repeat at every layer: each value is judged once,
+    # and every op that reads an unrepresentable one is still kept
+    from amp_jax._src import painted
+
+    judged = []
+    real = painted._unrepresentable
+    monkeypatch.setattr(painted, "_unrepresentable", lambda v, d: judged.append(v) or real(v, d))
+
+    def f(x, w):
+        for _ in range(4):
+            x = jnp.tanh(((x @ w) * 1e-8) @ w * 0.5)
+        return x
+
+    x = w = jnp.ones((64, 64))
+    closed = jax.make_jaxpr(f)(x, w)
+    kept = painted._reads_unrepresentable_constant(closed.jaxpr, np.dtype(jnp.float16))
+    assert sorted(float(v) for v in judged) == [float(np.float32(1e-8)), 0.5]  # without: 8
+    muls = [i for i, e in enumerate(closed.jaxpr.eqns) if e.primitive.name == "mul"]
+    assert kept == muls[::2] and len(kept) == 4  # the four * 1e-8, not the * 0.5
+    # the memo is one jaxpr's: another dtype judges afresh (bfloat16 holds 1e-8)
+    assert painted._reads_unrepresentable_constant(closed.jaxpr, np.dtype(jnp.bfloat16)) == []
+    assert len(judged) == 4
+
+
 # -- the typed plan -----------------------------------------------------------------------
 
 

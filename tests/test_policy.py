@@ -164,3 +164,20 @@ def test_an_unknown_policy_name_lists_the_keras_and_jmp_forms():
     assert "Policy(compute_dtype)='mixed_bf16'" in str(e.value)
     with pytest.raises(ValueError, match="policy='mixed_bf16' is not a known policy"):
         amp_jax.get_policy("mixed_bf16")
+
+
+def test_scope_in_matches_whole_names_once_per_stack_and_scopes():
+    # planning asks every eqn's name stack: the answer is cached by the stack
+    # and the scopes, so another policy's scopes get their own answer
+    from amp_jax._src.policy import scope_in
+
+    scope_in.cache_clear()
+    stack = "transpose(jvp(model/head))/amp_full_precision/softmax"
+    for _ in range(3):
+        assert scope_in(stack, ("amp_full_precision",)) == "amp_full_precision"
+    assert scope_in.cache_info().hits == 2 and scope_in.cache_info().misses == 1
+    assert scope_in(stack, ("head",)) == "head"
+    assert scope_in(stack, ("model/head",)) == "model/head"
+    assert scope_in(stack, ("ead",)) is None  # a whole name, not a substring
+    assert scope_in("multihead_attention", ("head",)) is None
+    assert scope_in.cache_info().misses == 5

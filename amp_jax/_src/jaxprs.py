@@ -216,6 +216,7 @@ def inline(
         return closed
     constvars, consts = list(jaxpr.constvars), list(compat.consts_of(closed))
     eqns: list[compat.Eqn] = []
+    folds = _Folds()  # (a helper's body eqn, inlined at every layer, folds once)
 
     def splice(
         src: Iterable[compat.Eqn], sub: dict[compat.Var, compat.Atom], stack: NameStack | None
@@ -261,7 +262,7 @@ def inline(
             if stack is None:  # an eqn of ``closed`` itself
                 eqns.append(e if invars == list(e.invars) else e.replace(invars=invars))
                 continue
-            folded = _folded(e, invars) if invars != list(e.invars) else None
+            folded = folds.get(e, invars) if invars != list(e.invars) else None
             if folded is not None:  # as tracing it in place folds it
                 sub.update(zip(e.outvars, folded))
                 continue
@@ -273,6 +274,39 @@ def inline(
     outvars = [v if isinstance(v, compat.Literal) else top.get(v, v) for v in jaxpr.outvars]
     new = jex_core.Jaxpr(constvars, jaxpr.invars, outvars, eqns, jaxpr.effects, jaxpr.debug_info)
     return compat.close(new, consts)
+
+
+class _Folds:
+    """`_folded` of the eqns one `inline` splices, each traced once per eqn
+    and literal operands: the body of a ``jnp`` helper is one jaxpr at every
+    call site (JAX caches its trace), so the same body eqn folds the same
+    literals at each of a model's layers. A hit gives new `Literal` objects
+    (each spliced eqn its own, as a trace in place would)."""
+
+    def __init__(self) -> None:
+        #: (id of the body eqn, its literal operands) -> (the eqn, what it folds to)
+        self.made: dict[tuple[Any, ...], tuple[compat.Eqn, list[compat.Atom] | None]] = {}
+
+    def get(self, eqn: compat.Eqn, invars: list[compat.Atom]) -> list[compat.Atom] | None:
+        """``_folded(eqn, invars)``, traced once per eqn and literal operands."""
+        if not invars or not all(isinstance(v, compat.Literal) for v in invars):
+            return None
+        try:
+            key = (id(eqn), *(_literal_key(v) for v in invars if isinstance(v, compat.Literal)))
+            hit = self.made.get(key)
+        except TypeError:  # (a literal numpy cannot read, e.g. of an extended dtype: not kept)
+            return _folded(eqn, invars)
+        if hit is None or hit[0] is not eqn:
+            hit = self.made[key] = (eqn, _folded(eqn, invars))
+        lits = cast(list[compat.Literal] | None, hit[1])  # (all literals, or None)
+        return None if lits is None else [jex_core.Literal(v.val, v.aval) for v in lits]
+
+
+def _literal_key(lit: compat.Literal) -> tuple[Any, ...]:
+    """A literal by value: its Python type, aval (dtype, weak type) and bytes."""
+    val = compat.literal_value(lit)
+    arr = np.asarray(val)
+    return (type(val), lit.aval, arr.dtype.str, arr.shape, arr.tobytes())
 
 
 def _folded(eqn: compat.Eqn, invars: list[compat.Atom]) -> list[compat.Atom] | None:

@@ -128,11 +128,18 @@ def _reads_unrepresentable_constant(jaxpr: compat.Jaxpr, dtype: np.dtype) -> lis
         return []
     bad: set[Any] = set()
     found = []
+    judged: dict[tuple[Any, ...], bool] = {}  # (a model's constants repeat at every layer)
+
+    def unrepresentable(lit: compat.Literal) -> bool:
+        value = np.asarray(compat.literal_value(lit))
+        key = (value.dtype.str, value.shape, value.tobytes())
+        if key not in judged:
+            judged[key] = _unrepresentable(value, dtype)
+        return judged[key]
+
     for i, eqn in enumerate(jaxpr.eqns):
         reads_bad = any(
-            (isinstance(v, compat.Literal) and _unrepresentable(compat.literal_value(v), dtype))
-            or (not isinstance(v, compat.Literal) and v in bad)
-            for v in eqn.invars
+            unrepresentable(v) if isinstance(v, compat.Literal) else v in bad for v in eqn.invars
         )
         if not reads_bad:
             continue

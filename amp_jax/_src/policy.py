@@ -8,8 +8,9 @@ The op classes themselves are data in `op_classes`; the names a policy goes by
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any, TypeGuard
 
 import jax.numpy as jnp
@@ -35,13 +36,15 @@ from amp_jax._src.policy_names import ALIASES, PRESETS, as_dtype, named_fields
 FULL_PRECISION_SCOPE = "amp_full_precision"
 
 
-def scope_in(stack: str, scopes: Sequence[str]) -> str | None:
+@functools.lru_cache(maxsize=1024)
+def scope_in(stack: str, scopes: tuple[str, ...]) -> str | None:
     """The first of ``scopes`` that is a whole scope name in the name stack
     ``stack`` (``"model/head"``, ``"transpose(jvp(head))"``), or None.
 
     Names are matched whole, not as substrings: ``"head"`` is not in
     ``"multihead_attention"``. A scope name with a ``/`` in it matches that
-    run of names.
+    run of names. Cached: planning asks it of every eqn, and a program's eqns
+    have few different name stacks.
     """
     names = [n for n in re.split(r"[/()]", stack) if n]
     joined = "/" + "/".join(names) + "/"
