@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Collection, Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import numpy as np
@@ -92,6 +92,8 @@ def dot(
     precision: lax.PrecisionLike,
     acc: DTypeLike | None,
     out_sharding: jax.sharding.Sharding | None = None,
+    *,
+    lhs_from: jax.Array | None = None,
 ) -> jax.Array:
     """A lowered ``dot_general`` with the operand layouts XLA:CPU runs fast.
 
@@ -103,6 +105,11 @@ def dot(
     too, but that a batched bf16 dot writing float32 (one amp lowered that an
     outer ``vmap`` batched) takes its operands upcast to float32: the same
     products and sums, in a kernel that exists.
+
+    ``lhs_from``: the value ``a`` is the compute-dtype cast of (a cotangent,
+    whose cast the other cotangent product reads too), if any: a transposed
+    copy of the lhs is made from it, the cast fused into the copy
+    (`_transposed_cast`).
     """
     (ca, cb), (ba, bb) = dims
     if (ba or bb) and np.dtype(a.dtype) == _BF16 == np.dtype(b.dtype):
@@ -121,7 +128,10 @@ def dot(
     na, nb, k = a.ndim, b.ndim, len(ca)
     if ca != tuple(range(na - k, na)):
         a_kept = [d for d in range(na) if d not in ca]
-        a = materialized_transpose(a, (*a_kept, *ca))
+        if lhs_from is None:
+            a = materialized_transpose(a, (*a_kept, *ca))
+        else:
+            a = _transposed_cast(lhs_from, (*a_kept, *ca), a.dtype)
         ca = tuple(range(na - k, na))
     elif k and not mesh.partitioned_by_mesh():
         # XLA:CPU picks a dot's kernel before its transpose folding runs: a
@@ -144,6 +154,21 @@ def dot(
     if out.shape != out_shape:
         out = lax.reshape(out, out_shape)
     return _guarded(out, a, leading)
+
+
+def _transposed_cast(x: jax.Array, perm: Sequence[int], dtype: DTypeLike) -> jax.Array:
+    """``x`` transposed by ``perm`` (`materialized_transpose`), then cast to ``dtype``.
+
+    For a weight gradient's cotangent (``g.T @ x``), whose input gradient
+    (``g @ W``) reads the cast ``g`` untransposed: XLA:CPU then fuses the
+    cast into the transposing copy, and the copy reads the float32 cotangent
+    where its producer wrote it, instead of being a bf16 copy kernel of its
+    own (one distinct LLVM kernel fewer to compile per shape; the same
+    values). The barrier keeps XLA from moving the cast ahead of the
+    transpose, where it would merge it with the other product's cast and
+    copy the bf16 result again.
+    """
+    return materialized_transpose(lax.optimization_barrier(x), perm).astype(dtype)
 
 
 def _guarded(out: jax.Array, a: jax.Array, leading: bool) -> jax.Array:
@@ -208,6 +233,8 @@ class DotLayout:
     through: tuple[int | None, ...]
     dims: lax.DotDimensionNumbers
     swapped: bool
+    #: (the eqn of this record binds a lowered dot; `ReadThrough` does not)
+    binds_dot: ClassVar[bool] = True
     operands: tuple[Any, ...] = dataclasses.field(compare=False)  # (Atom: None in tests)
     out_dtype: np.dtype | None = dataclasses.field(default=None, compare=False)
     eqn: Any = dataclasses.field(default=None, compare=False)  # an Eqn (None in tests)
@@ -220,9 +247,25 @@ class DotLayout:
         return f"DotLayout({', '.join([head, *via])}, dims={self.dims})"
 
 
+@dataclasses.dataclass(frozen=True)
+class ReadThrough:
+    """A ``transpose`` eqn whose result only lowered dots read, each through
+    it (their `DotLayout.through`): bound on its operand as stored, not cast.
+    The dots cast that operand themselves, inside their custom JVP, so that
+    its gradient leaves them in float32; a cast made for the transpose would
+    be a second cast of the same value (dead, but in the jaxpr).
+
+    Attributes:
+      dots: the indices of the dot eqns that read it.
+    """
+
+    dots: tuple[int, ...]
+    binds_dot: ClassVar[bool] = False
+
+
 def plan_layouts(
     jaxpr: compat.Jaxpr, lowered: Mapping[int, np.dtype], skip: Collection[int] = ()
-) -> dict[int, DotLayout]:
+) -> dict[int, DotLayout | ReadThrough]:
     """XLA:CPU's layout choices for the lowered dots of ``jaxpr``, by eqn index.
 
     A dot reading a ``transpose`` contracts the transpose's operand directly
@@ -239,7 +282,7 @@ def plan_layouts(
     """
     transposes: dict[compat.Var, tuple[int, compat.Var, tuple[int, ...]]] = {}
     dots: dict[compat.Atom, DotLayout] = {}
-    out: dict[int, DotLayout] = {}
+    out: dict[int, DotLayout | ReadThrough] = {}
     single_use: frozenset[compat.Var] | None = None
     for i, eqn in enumerate(jaxpr.eqns):
         if i in skip:
@@ -259,6 +302,32 @@ def plan_layouts(
                 transposes[eqn.outvars[0]] = (i, src, perm)
             else:
                 out[i] = swapped
+    return _read_through(jaxpr, out)
+
+
+def _read_through(
+    jaxpr: compat.Jaxpr, out: dict[int, DotLayout | ReadThrough]
+) -> dict[int, DotLayout | ReadThrough]:
+    """``out`` with a `ReadThrough` record for each ``transpose`` eqn that
+    only the dots of ``out`` read, through it."""
+    through = {
+        t
+        for lay in out.values()
+        if isinstance(lay, DotLayout)
+        for t in lay.through
+        if t is not None
+    }
+    if not through:
+        return out
+    _, consumers = jaxprs.def_use(jaxpr)
+    outs = {v for v in jaxpr.outvars if not isinstance(v, compat.Literal)}
+    for t in sorted(through - set(out)):
+        v = jaxpr.eqns[t].outvars[0]
+        readers = sorted(set(consumers.get(v, ())))
+        if v in outs or not readers:
+            continue
+        if all(isinstance(r := out.get(c), DotLayout) and t in r.through for c in readers):
+            out[t] = ReadThrough(tuple(readers))
     return out
 
 
