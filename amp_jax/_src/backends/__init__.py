@@ -42,12 +42,8 @@ def plain_dot(
     precision: lax.PrecisionLike,
     acc: DTypeLike | None,
     out_sharding: jax.sharding.Sharding | None = None,
-    *,
-    lhs_from: jax.Array | None = None,
 ) -> jax.Array:
-    """A lowered ``dot_general`` as written (backends without layout needs);
-    ``lhs_from`` (the value ``a`` is the cast of) is not needed here."""
-    del lhs_from
+    """A lowered ``dot_general`` as written (backends without layout needs)."""
     extra = {} if out_sharding is None else {"out_sharding": out_sharding}
     return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=acc, **extra)
 
@@ -80,10 +76,8 @@ class Backend:
       fused_attention: ``Policy(attention="auto")`` fuses attention here (cuDNN).
       runs_low: ``runs_low(eqn)``: whether a ``dot_general`` eqn with
         compute-dtype operands has a kernel; planning keeps it float32 if not.
-      dot: ``dot(a, b, dims, precision, acc, out_sharding, *, lhs_from=None)``:
-        a lowered dot written in the layouts the backend runs fast;
-        ``lhs_from``: the higher-precision value whose cast ``a`` is (a
-        cotangent), for a backend that copies the lhs to transpose it.
+      dot: ``dot(a, b, dims, precision, acc, out_sharding)``: a lowered dot
+        written in the layouts the backend runs fast.
       plan_layouts: ``plan_layouts(jaxpr, lowered, skip)``: the layout
         records of a planned jaxpr's lowered dots, by eqn index (XLA:CPU:
         ``cpu.DotLayout``), stored in the plan; none elsewhere.

@@ -92,8 +92,6 @@ def dot(
     precision: lax.PrecisionLike,
     acc: DTypeLike | None,
     out_sharding: jax.sharding.Sharding | None = None,
-    *,
-    lhs_from: jax.Array | None = None,
 ) -> jax.Array:
     """A lowered ``dot_general`` with the operand layouts XLA:CPU runs fast.
 
@@ -105,11 +103,6 @@ def dot(
     too, but that a batched bf16 dot writing float32 (one amp lowered that an
     outer ``vmap`` batched) takes its operands upcast to float32: the same
     products and sums, in a kernel that exists.
-
-    ``lhs_from``: the value ``a`` is the compute-dtype cast of (a cotangent,
-    whose cast the other cotangent product reads too), if any: a transposed
-    copy of the lhs is made from it, the cast fused into the copy
-    (`_transposed_cast`).
     """
     (ca, cb), (ba, bb) = dims
     if (ba or bb) and np.dtype(a.dtype) == _BF16 == np.dtype(b.dtype):
@@ -128,10 +121,7 @@ def dot(
     na, nb, k = a.ndim, b.ndim, len(ca)
     if ca != tuple(range(na - k, na)):
         a_kept = [d for d in range(na) if d not in ca]
-        if lhs_from is None:
-            a = materialized_transpose(a, (*a_kept, *ca))
-        else:
-            a = _transposed_cast(lhs_from, (*a_kept, *ca), a.dtype)
+        a = materialized_transpose(a, (*a_kept, *ca))
         ca = tuple(range(na - k, na))
     elif k and not mesh.partitioned_by_mesh():
         # XLA:CPU picks a dot's kernel before its transpose folding runs: a
@@ -154,21 +144,6 @@ def dot(
     if out.shape != out_shape:
         out = lax.reshape(out, out_shape)
     return _guarded(out, a, leading)
-
-
-def _transposed_cast(x: jax.Array, perm: Sequence[int], dtype: DTypeLike) -> jax.Array:
-    """``x`` transposed by ``perm`` (`materialized_transpose`), then cast to ``dtype``.
-
-    For a weight gradient's cotangent (``g.T @ x``), whose input gradient
-    (``g @ W``) reads the cast ``g`` untransposed: XLA:CPU then fuses the
-    cast into the transposing copy, and the copy reads the float32 cotangent
-    where its producer wrote it, instead of being a bf16 copy kernel of its
-    own (one distinct LLVM kernel fewer to compile per shape; the same
-    values). The barrier keeps XLA from moving the cast ahead of the
-    transpose, where it would merge it with the other product's cast and
-    copy the bf16 result again.
-    """
-    return materialized_transpose(lax.optimization_barrier(x), perm).astype(dtype)
 
 
 def _guarded(out: jax.Array, a: jax.Array, leading: bool) -> jax.Array:

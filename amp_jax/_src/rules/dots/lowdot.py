@@ -74,13 +74,11 @@ def dot_transpose(
     acc: DTypeLike | None,
     like: compat.ShapedArray | jax.Array | None = None,
     dot: Callable[..., jax.Array] = plain_dot,
-    ct_from: jax.Array | None = None,
 ) -> jax.Array:
     """Cotangent of one operand ``a`` of the dot ``dims`` (its lhs when
     ``wrt_lhs``) given the ``other`` operand. ``ct`` has dims [batch, lhs kept,
     rhs kept]; ``like``: an operand of the result's shape (explicit-sharding
-    outputs); ``dot`` writes the product (a `Backend.dot`); ``ct_from``: the
-    value ``ct`` is the cast of, if any (the dot's ``lhs_from``).
+    outputs); ``dot`` writes the product (a `Backend.dot`).
     """
     ndim, contract, batch, other_contract, other_batch = dims.side(wrt_lhs)
     other_ndim, ct_is_lhs_side = other.ndim, wrt_lhs
@@ -106,10 +104,7 @@ def dot_transpose(
     ident = tuple(range(ndim))
     if perm2 == ident and perm1 != ident:
         return dot(other, ct, dims2, precision, acc, _explicit_out(like, res2))
-    if ct_from is None:
-        out = dot(ct, other, dims1, precision, acc, _explicit_out(like, res1))
-    else:
-        out = dot(ct, other, dims1, precision, acc, _explicit_out(like, res1), lhs_from=ct_from)
+    out = dot(ct, other, dims1, precision, acc, _explicit_out(like, res1))
     return out if perm1 == ident else jax.lax.transpose(out, perm1)
 
 
@@ -214,20 +209,12 @@ def _transpose(
     lhs, rhs = (known_t, known_o) if t_is_lhs else (known_o, known_t)
     lhs_aval, rhs_aval = (t_aval, o_aval) if t_is_lhs else (o_aval, t_aval)
     dims = DotDims(dimension_numbers, lhs_aval.ndim, rhs_aval.ndim)
-    # (the other operand's cotangent product, this eqn's or the other tangent
-    # product's, reads the cast cotangent as it is; one that transposes it
-    # copies it from the float32 cotangent, the cast fused in: `cpu.dot`)
-    ct_from = None if ctl is ct else ct
 
     def d_lhs() -> jax.Array:
-        return dot_transpose(
-            ctl, cast(jax.Array, rhs), dims, True, precision, acc, lhs_aval, dot, ct_from
-        )
+        return dot_transpose(ctl, cast(jax.Array, rhs), dims, True, precision, acc, lhs_aval, dot)
 
     def d_rhs() -> jax.Array:
-        return dot_transpose(
-            ctl, cast(jax.Array, lhs), dims, False, precision, acc, rhs_aval, dot, ct_from
-        )
+        return dot_transpose(ctl, cast(jax.Array, lhs), dims, False, precision, acc, rhs_aval, dot)
 
     if t_is_lhs:
         ct_t = d_lhs() if undefined_t else None
