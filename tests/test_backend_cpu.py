@@ -594,6 +594,25 @@ def test_a_registered_dot_rule_binds_the_transposed_product(monkeypatch):
     assert "transpose" in prims and len(calls) == 1, prims
 
 
+def test_a_registered_dot_rule_reads_the_transposed_weight_cast(monkeypatch):
+    """x @ W.T under a dot rule the user registered: the transpose the plan
+    reads through (`cpu.ReadThrough`) is the rule's operand, so it is bound
+    as painted (W cast to bf16, then transposed), not on W as stored."""
+    seen = []
+
+    def rule(eqn, invals, compute_dtype, out_dtype):
+        seen.append([np.dtype(v.dtype) for v in invals])
+        a, b = (v.astype(compute_dtype) for v in invals)
+        dims = eqn.params["dimension_numbers"]
+        return [lax.dot_general(a, b, dims, preferred_element_type=out_dtype)]
+
+    monkeypatch.setitem(table.TABLE, "dot_general", table.TABLE["dot_general"])
+    amp_jax.register_rule("dot_general", rule)
+    x, w = jnp.ones((64, 128)), jnp.ones((256, 128))
+    jax.make_jaxpr(amp(lambda x, w: x @ w.T))(x, w)
+    assert seen == [[np.dtype(np.float32), np.dtype(jnp.bfloat16)]], seen
+
+
 def test_plan_has_no_layouts_for_other_backends():
     """GPUs and other platforms write dots as they are: their plans carry no records."""
     x, w = jnp.ones((64, 128)), jnp.ones((256, 128))

@@ -232,9 +232,11 @@ class ReadThrough:
 
     Attributes:
       dots: the indices of the dot eqns that read it.
+      eqns: those eqns (empty in tests).
     """
 
     dots: tuple[int, ...]
+    eqns: tuple[Any, ...] = dataclasses.field(default=(), compare=False, repr=False)
     binds_dot: ClassVar[bool] = False
 
 
@@ -302,7 +304,7 @@ def _read_through(
         if v in outs or not readers:
             continue
         if all(isinstance(r := out.get(c), DotLayout) and t in r.through for c in readers):
-            out[t] = ReadThrough(tuple(readers))
+            out[t] = ReadThrough(tuple(readers), tuple(jaxpr.eqns[c] for c in readers))
     return out
 
 

@@ -66,12 +66,15 @@ class TransposeRule(EqnRule):
     dot with its operands swapped (`Plan.layouts`: the transpose of the dot's
     result, on XLA:CPU) and amp's own rule binds that dot. A transpose that
     only lowered dots read, through it (XLA:CPU's `cpu.ReadThrough`), is
-    bound on its operand as stored: those dots cast the operand themselves."""
+    bound on its operand as stored where amp's own rule binds those dots:
+    they cast the operand themselves."""
 
     def evaluate(self, ctx: Context, eqn: compat.Eqn, d: Decision, env: CastingEnv) -> list[Any]:
         lay = _layout(eqn, env)
         if lay is not None and not lay.binds_dot:
-            return compat.bind_eqn(eqn, [env.read(eqn.invars[0], None)])
+            if all(isinstance(ctx.rule_for(e, OpClass.ALLOW), DotRule) for e in lay.eqns):
+                return compat.bind_eqn(eqn, [env.read(eqn.invars[0], None)])
+            return super().evaluate(ctx, eqn, d, env)  # (the user's own dot rule)
         if lay is None or not isinstance(ctx.rule_for(lay.eqn, OpClass.ALLOW), DotRule):
             return super().evaluate(ctx, eqn, d, env)  # (or the user's own dot rule)
         with compat.eqn_source_line(lay.eqn):  # (the dot's line, as explain shows it)
