@@ -464,16 +464,34 @@ def _index(plan, name, n=0):
 
 def test_plan_reads_a_transposed_weight_through_its_transpose():
     """x @ W.T (W stored (out, in)): the dot contracts W's own trailing dim,
-    as does the einsum spelling of the same product."""
+    as does the einsum spelling of the same product; the transpose, read
+    only through, is bound on W as stored (`cpu.ReadThrough`)."""
     x, w = jnp.ones((64, 128)), jnp.ones((256, 128))
     for f in (lambda x, w: x @ w.T, lambda x, w: jnp.einsum("bi,io->bo", x, w.T)):
         p = _plan(f, x, w)
         t, d = _index(p, "transpose"), _index(p, "dot_general")
-        assert p.layouts == {d: cpu.DotLayout(d, (None, t), _NT, False, (None, None))}
+        assert p.layouts == {
+            d: cpu.DotLayout(d, (None, t), _NT, False, (None, None)),
+            t: cpu.ReadThrough((d,)),
+        }
         lay = p.layouts[d]
         assert lay.operands == tuple(p.jaxpr.invars) and lay.out_dtype == jnp.float32
         assert repr(lay) == f"DotLayout(dot {d}, rhs via transpose {t}, dims={_NT})"
         assert f"layout: DotLayout(dot {d}, rhs via transpose {t}" in str(p)  # (the printed plan)
+
+
+def test_a_transpose_with_another_reader_is_not_only_read_through():
+    """A transpose that another eqn reads too keeps its cast (no `cpu.ReadThrough`)."""
+    x, w = jnp.ones((64, 128)), jnp.ones((256, 128))
+
+    def f(x, w):
+        wt = w.T  # (one transpose eqn, read by the dot and by the slice)
+        return x @ wt + jnp.tanh(wt[0])
+
+    p = _plan(f, x, w)
+    d = _index(p, "dot_general")
+    assert isinstance(p.layouts[d], cpu.DotLayout)
+    assert not [r for r in p.layouts.values() if isinstance(r, cpu.ReadThrough)], p.layouts
 
 
 def test_plan_writes_a_transposed_product_as_the_swapped_dot():
@@ -503,7 +521,8 @@ def test_plan_keeps_layouts_that_would_change_the_product():
     assert _plan(lambda x, w: jnp.einsum("bsd,hkd->bhsk", x, w), x3, wh).layouts == {}
     p = _plan(lambda x, w: jnp.transpose(x, (1, 0, 2)) @ w.T, x3, w)
     t = _index(p, "transpose", 1)  # (w.T; x's transpose swaps the kept dims)
-    assert [lay.through for lay in p.layouts.values()] == [(None, t)]
+    dots = [lay for lay in p.layouts.values() if isinstance(lay, cpu.DotLayout)]
+    assert [lay.through for lay in dots] == [(None, t)]
     assert _plan(lambda x, w: x @ w.T, xs, w, policy="float32").layouts == {}
 
 
@@ -535,7 +554,9 @@ def test_sub_plans_get_layouts_but_not_custom_jvp_rules():
     x, w = jnp.ones((64, 128)), jnp.ones((256, 128))
     closed = jax.make_jaxpr(lambda x, w: x @ w.T)(x, w)
     ctx = context.Context(amp_jax.get_policy("bfloat16"), backend_for("cpu"))
-    assert [lay.through for lay in planning.all_low(ctx, closed).layouts.values()] == [(None, 0)]
+    layouts = planning.all_low(ctx, closed).layouts.values()
+    dots = [lay for lay in layouts if isinstance(lay, cpu.DotLayout)]
+    assert [lay.through for lay in dots] == [(None, 0)]
     assert planning.plan(ctx.linear, closed).layouts == {}
 
 
@@ -571,6 +592,25 @@ def test_a_registered_dot_rule_binds_the_transposed_product(monkeypatch):
     f = amp(lambda w, xs: jax.vmap(lambda v: w @ v)(xs))
     prims = [e.primitive.name for e, _ in eqns(jax.make_jaxpr(f)(w, xs))]
     assert "transpose" in prims and len(calls) == 1, prims
+
+
+def test_a_registered_dot_rule_reads_the_transposed_weight_cast(monkeypatch):
+    """x @ W.T under a dot rule the user registered: the transpose the plan
+    reads through (`cpu.ReadThrough`) is the rule's operand, so it is bound
+    as painted (W cast to bf16, then transposed), not on W as stored."""
+    seen = []
+
+    def rule(eqn, invals, compute_dtype, out_dtype):
+        seen.append([np.dtype(v.dtype) for v in invals])
+        a, b = (v.astype(compute_dtype) for v in invals)
+        dims = eqn.params["dimension_numbers"]
+        return [lax.dot_general(a, b, dims, preferred_element_type=out_dtype)]
+
+    monkeypatch.setitem(table.TABLE, "dot_general", table.TABLE["dot_general"])
+    amp_jax.register_rule("dot_general", rule)
+    x, w = jnp.ones((64, 128)), jnp.ones((256, 128))
+    jax.make_jaxpr(amp(lambda x, w: x @ w.T))(x, w)
+    assert seen == [[np.dtype(np.float32), np.dtype(jnp.bfloat16)]], seen
 
 
 def test_plan_has_no_layouts_for_other_backends():

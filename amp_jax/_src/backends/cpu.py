@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Collection, Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import numpy as np
@@ -208,6 +208,8 @@ class DotLayout:
     through: tuple[int | None, ...]
     dims: lax.DotDimensionNumbers
     swapped: bool
+    #: (the eqn of this record binds a lowered dot; `ReadThrough` does not)
+    binds_dot: ClassVar[bool] = True
     operands: tuple[Any, ...] = dataclasses.field(compare=False)  # (Atom: None in tests)
     out_dtype: np.dtype | None = dataclasses.field(default=None, compare=False)
     eqn: Any = dataclasses.field(default=None, compare=False)  # an Eqn (None in tests)
@@ -220,9 +222,27 @@ class DotLayout:
         return f"DotLayout({', '.join([head, *via])}, dims={self.dims})"
 
 
+@dataclasses.dataclass(frozen=True)
+class ReadThrough:
+    """A ``transpose`` eqn whose result only lowered dots read, each through
+    it (their `DotLayout.through`): bound on its operand as stored, not cast.
+    The dots cast that operand themselves, inside their custom JVP, so that
+    its gradient leaves them in float32; a cast made for the transpose would
+    be a second cast of the same value (dead, but in the jaxpr).
+
+    Attributes:
+      dots: the indices of the dot eqns that read it.
+      eqns: those eqns (empty in tests).
+    """
+
+    dots: tuple[int, ...]
+    eqns: tuple[Any, ...] = dataclasses.field(default=(), compare=False, repr=False)
+    binds_dot: ClassVar[bool] = False
+
+
 def plan_layouts(
     jaxpr: compat.Jaxpr, lowered: Mapping[int, np.dtype], skip: Collection[int] = ()
-) -> dict[int, DotLayout]:
+) -> dict[int, DotLayout | ReadThrough]:
     """XLA:CPU's layout choices for the lowered dots of ``jaxpr``, by eqn index.
 
     A dot reading a ``transpose`` contracts the transpose's operand directly
@@ -239,7 +259,7 @@ def plan_layouts(
     """
     transposes: dict[compat.Var, tuple[int, compat.Var, tuple[int, ...]]] = {}
     dots: dict[compat.Atom, DotLayout] = {}
-    out: dict[int, DotLayout] = {}
+    out: dict[int, DotLayout | ReadThrough] = {}
     single_use: frozenset[compat.Var] | None = None
     for i, eqn in enumerate(jaxpr.eqns):
         if i in skip:
@@ -259,6 +279,32 @@ def plan_layouts(
                 transposes[eqn.outvars[0]] = (i, src, perm)
             else:
                 out[i] = swapped
+    return _read_through(jaxpr, out)
+
+
+def _read_through(
+    jaxpr: compat.Jaxpr, out: dict[int, DotLayout | ReadThrough]
+) -> dict[int, DotLayout | ReadThrough]:
+    """``out`` with a `ReadThrough` record for each ``transpose`` eqn that
+    only the dots of ``out`` read, through it."""
+    through = {
+        t
+        for lay in out.values()
+        if isinstance(lay, DotLayout)
+        for t in lay.through
+        if t is not None
+    }
+    if not through:
+        return out
+    _, consumers = jaxprs.def_use(jaxpr)
+    outs = {v for v in jaxpr.outvars if not isinstance(v, compat.Literal)}
+    for t in sorted(through - set(out)):
+        v = jaxpr.eqns[t].outvars[0]
+        readers = sorted(set(consumers.get(v, ())))
+        if v in outs or not readers:
+            continue
+        if all(isinstance(r := out.get(c), DotLayout) and t in r.through for c in readers):
+            out[t] = ReadThrough(tuple(readers), tuple(jaxpr.eqns[c] for c in readers))
     return out
 
 

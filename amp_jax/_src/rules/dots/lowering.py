@@ -64,10 +64,17 @@ class DotRule(AllowRule):
 class TransposeRule(EqnRule):
     """``transpose``: bound as written, unless the plan writes it as a lowered
     dot with its operands swapped (`Plan.layouts`: the transpose of the dot's
-    result, on XLA:CPU) and amp's own rule binds that dot."""
+    result, on XLA:CPU) and amp's own rule binds that dot. A transpose that
+    only lowered dots read, through it (XLA:CPU's `cpu.ReadThrough`), is
+    bound on its operand as stored where amp's own rule binds those dots:
+    they cast the operand themselves."""
 
     def evaluate(self, ctx: Context, eqn: compat.Eqn, d: Decision, env: CastingEnv) -> list[Any]:
         lay = _layout(eqn, env)
+        if lay is not None and not lay.binds_dot:
+            if all(isinstance(ctx.rule_for(e, OpClass.ALLOW), DotRule) for e in lay.eqns):
+                return compat.bind_eqn(eqn, [env.read(eqn.invars[0], None)])
+            return super().evaluate(ctx, eqn, d, env)  # (the user's own dot rule)
         if lay is None or not isinstance(ctx.rule_for(lay.eqn, OpClass.ALLOW), DotRule):
             return super().evaluate(ctx, eqn, d, env)  # (or the user's own dot rule)
         with compat.eqn_source_line(lay.eqn):  # (the dot's line, as explain shows it)
@@ -85,13 +92,13 @@ def _layout(eqn: compat.Eqn, env: CastingEnv) -> Any:
 
 def _layout_dot(ctx: Context, lay: Any, env: CastingEnv) -> list[Any]:
     """The lowered dot of layout record ``lay``: an operand read through a
-    transpose is the transpose's operand, or its compute-dtype cast if one was
-    made (each cast once)."""
+    transpose is the transpose's operand as stored, cast inside the dot's
+    custom JVP like any other operand (not a compute-dtype cast made outside
+    it for the transpose: the gradient would flow through that cast and come
+    out rounded to the compute dtype, and XLA:CPU would round the float32
+    weight gradient in a kernel of its own; XLA merges the two casts)."""
+    invals = [env.read(v, None) for v in lay.operands]
     cd = ctx.policy.compute_dtype
-    invals = []
-    for v, through in zip(lay.operands, lay.through):
-        cast = None if through is None else env.casts.get((v, np.dtype(cd)))
-        invals.append(env.read(v, None) if cast is None else cast)
     return dot_general_rule(lay.eqn, invals, cd, lay.out_dtype, backend=ctx.backend, dims=lay.dims)
 
 
