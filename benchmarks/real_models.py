@@ -6,6 +6,7 @@ benchmarks/results/REAL_MODELS.md for the one these results came from)::
     python -m benchmarks.real_models --out /tmp/real.md
     AMP_JAX_CPU_BF16=no python -m benchmarks.real_models --models gemma,penzai --rounds 15
     python -m benchmarks.real_models --smoke          # tiny configs, 1 round, no file (CI)
+    python -m benchmarks.real_models --small --models recurrentgemma  # tiny configs, timed
 
 The models are built by their own libraries, at a small but realistic size
 (a few layers: one compile takes seconds, not minutes):
@@ -537,6 +538,7 @@ def main(argv: list[str] | None = None) -> str:
     p.add_argument("--rounds", type=int, default=15, help="timed steps per variant")
     p.add_argument("--compile-reps", type=int, default=2, help="compiles per variant")
     p.add_argument("--out", default=None, help="also write the Markdown here")
+    p.add_argument("--small", action="store_true", help="the smoke configs, timed as asked")
     p.add_argument("--smoke", action="store_true", help="tiny configs, 1 round (CI)")
     args = p.parse_args(argv)
     names = args.models.split(",")
@@ -549,7 +551,7 @@ def main(argv: list[str] | None = None) -> str:
     body: list[str] = []
     all_res: dict[str, dict] = {}
     for name in names:
-        lines, res = _one(name, args.smoke, args.rounds, args.compile_reps)
+        lines, res = _one(name, args.smoke or args.small, args.rounds, args.compile_reps)
         body += lines
         if res is not None:
             all_res[name] = res
