@@ -108,6 +108,63 @@ def test_peers():
     assert all(row[1][0].isdigit() for row in t[1:]), t  # no variant raised
 
 
+#: the module each real model's library is imported as (benchmarks/real_models.py)
+REAL_MODEL_LIBRARIES = {
+    "gemma": "gemma.gm",
+    "penzai": "penzai",
+    "recurrentgemma": "recurrentgemma.jax",
+    "keras_llama": "keras_hub",
+    "keras_vit": "keras_hub",
+    "e3nn": "e3nn_jax",
+    "jax_md": "jax_md",
+}
+
+
+@heavy
+@pytest.mark.parametrize("name", list(REAL_MODEL_LIBRARIES))
+def test_real_models(name):
+    """Each real model that is installed runs f32, amp and hand bf16 at its smoke size
+    (the model libraries are in no CI environment: there, each skips)."""
+    from benchmarks import real_models
+
+    assert set(REAL_MODEL_LIBRARIES) == set(real_models.MODELS)
+    pytest.importorskip(REAL_MODEL_LIBRARIES[name])
+    text = run("real_models", "--models", name)
+    t = table_with(text, "variant", "step ms", "step vs f32", "step CPU vs f32")
+    assert first_column(t) == ["f32", "amp", "hand"]
+    assert all(row[1][0].isdigit() for row in t[1:]), t  # no variant raised
+    assert t[1][2] == t[1][3] == "1.00", t  # f32 against itself
+    bf16, dots = map(int, t[1][7].split("/"))
+    assert bf16 == 0 and dots > 0, t  # float32 dots counted
+    amp_row = table_with(text, "model", "amp/f32 step")[1]
+    assert amp_row[0] == name and amp_row[-2] in ("holds", "misses"), amp_row
+
+
+def test_real_models_report_a_missing_library_and_judge_by_the_cpus_plan(monkeypatch):
+    """A model whose library is absent is reported, not crashed on; amp's row is
+    judged by the targets of the plan this CPU gets (issue 57)."""
+    import types
+
+    from benchmarks import real_models
+
+    def absent(small):
+        raise ModuleNotFoundError("No module named 'gemma'")
+
+    monkeypatch.setitem(real_models.MODELS, "gemma", absent)
+    text = real_models.main(["--smoke", "--models", "gemma"])
+    assert "### gemma\n\nnot installed: ModuleNotFoundError: No module named 'gemma'" in text
+    assert "AMP_JAX_CPU_BF16=" in text and "load average at the start" in text
+    res = {
+        "f32": {"step_s": 1.0, "compile_s": 1.0},
+        "amp": {"step_s": 1.01, "compile_s": 1.31},
+    }
+    for pays, step in ((False, "holds"), (True, "misses")):
+        support = types.SimpleNamespace(pays=pays)
+        monkeypatch.setattr(real_models.amp_jax, "cpu_bf16_support", lambda s=support: s)
+        row = table_with("\n".join(real_models.targets({"m": res})), "model")[1]
+        assert row[0] == "m" and row[-2:] == [step, "misses"], (pays, row)
+
+
 @heavy
 @pytest.mark.skipif(jax.device_count() < 8, reason="8 devices (conftest forces 8 host ones)")
 def test_collectives():
