@@ -203,3 +203,54 @@ def test_the_probe_times_both_kernels_even_inside_a_trace():
     (timings,) = found
     assert [n for n, _, _ in timings] == [64, 128]
     assert all(isinstance(t, float) and 0 < t < 1 for _, b, f in timings for t in (b, f))
+
+
+def _nested(x, w1, w2):
+    """`_loss` through a jitted helper of its own, as a library writes it."""
+    return jnp.sum(jax.jit(lambda h: jnp.tanh(h @ w1))(x) @ w2)
+
+
+def _jits(closed):
+    return sum(e.primitive.name in ("pjit", "jit") for e in closed.jaxpr.eqns)
+
+
+def test_where_nothing_can_run_low_amp_keeps_the_programs_jits(machine):
+    # (a CPU without bfloat16 dots: amp's program is float32's, the helper's jit
+    # kept as a call, so that JAX differentiates and lowers it once, as fn's)
+    machine(AVX2)
+    args = _args()
+    step = jax.value_and_grad(_nested, argnums=(1, 2))
+    amp_step = jax.value_and_grad(amp(_nested), argnums=(1, 2))
+    assert _jits(jax.make_jaxpr(amp(_nested))(*args)) == _jits(jax.make_jaxpr(_nested)(*args)) == 1
+    want, got = jax.jit(step)(*args), jax.jit(amp_step)(*args)
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool((a == b).all()), want, got))
+    hlo = jax.jit(amp_step).lower(*args).compile().as_text()
+    assert hlo.count(" convert(") == 0 and "bf16[" not in hlo
+    assert all("no bfloat16 dot instructions" in r for r in _dot_reasons())
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [Policy(backend_aware=False), Policy(overrides={"dot_general": "allow"}), Policy(jnp.float16)],
+    ids=["backend_unaware", "override", "float16"],
+)
+def test_where_an_op_can_run_low_amp_inlines_the_jits_to_plan_through_them(machine, policy):
+    machine(AVX2)
+    closed = jax.make_jaxpr(amp(_nested, policy=policy))(*_args())
+    assert _jits(closed) == 0
+    assert {
+        str(np.dtype(e.invars[0].aval.dtype))
+        for e, _ in eqns(closed)
+        if e.primitive.name == "dot_general"
+    } != {"float32"}
+
+
+def test_inside_a_kept_jit_sensitive_ops_still_read_float32(machine):
+    machine(AVX2)
+    x = jnp.ones((4, 8), BF16)
+    closed = jax.make_jaxpr(amp(lambda v: jax.jit(jax.nn.softmax)(v) * 2))(x)
+    assert _jits(closed) == 1
+    exps = [e for e, _ in eqns(closed) if e.primitive.name == "exp"]
+    assert exps and all(e.invars[0].aval.dtype == jnp.float32 for e in exps)
+    machine(AVX512_BF16)  # (a CPU with bfloat16 dots: jits inlined, as before)
+    assert _jits(jax.make_jaxpr(amp(_nested))(*_args())) == 0

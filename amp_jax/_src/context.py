@@ -121,6 +121,20 @@ class Context:
         return self.policy.is_identity
 
     @functools.cached_property
+    def lowers_nothing(self) -> bool:
+        """Whether no op can run in the compute dtype in this context: a
+        backend-aware policy without float8, rules or overrides, on a backend
+        where each of its ``allow`` ops is slower low (`Backend.lowers_nothing`)."""
+        p = self.policy
+        return (
+            p.backend_aware
+            and p.float8 == "off"
+            and not p.rules
+            and not p.overrides
+            and self.backend.lowers_nothing(p.allow, p.compute_dtype)
+        )
+
+    @functools.cached_property
     def scopes(self) -> tuple[str, ...]:
         """The full-precision scope names: the user's and the policy's."""
         return (FULL_PRECISION_SCOPE, *self.policy.full_precision_scopes)
@@ -137,9 +151,12 @@ class Context:
 
     def prepare(self, closed: compat.ClosedJaxpr) -> Any:
         """Inlines sharding-free jits (not under the identity policy, which keeps
-        the structure exactly so that results stay bitwise equal). Once per
-        ``closed``: the eqns keep their identity for the per-eqn records."""
-        if self.identity:
+        the structure exactly so that results stay bitwise equal, nor where no
+        op can run low, `lowers_nothing`: there amp's program keeps the jits
+        as calls, as ``fn``'s does, and JAX differentiates and lowers each
+        once). Once per ``closed``: the eqns keep their identity for the
+        per-eqn records."""
+        if self.identity or self.lowers_nothing:
             return closed
         return self.cached("prepare", closed, lambda: inline_jits(closed))
 

@@ -127,6 +127,12 @@ class Backend:
             return self.bf16_dots.reason
         return None
 
+    def lowers_nothing(self, allow: Collection[str], dtype: DTypeLike) -> bool:
+        """Whether every primitive of ``allow`` runs slower with ``dtype``
+        operands here (`slower_low`): where so, a backend-aware policy lowers
+        no op (XLA:CPU without bfloat16 dot instructions, a bfloat16 policy)."""
+        return all(self.slower_low(name, dtype) is not None for name in allow)
+
     def elementwise_in_float32(self, dtype: DTypeLike) -> str | None:
         """Why elementwise ops with ``dtype`` operands are computed in float32
         here (`low_elementwise` is False), or None where they run in ``dtype``."""
