@@ -150,20 +150,31 @@ def _canonical(body: list[str]) -> str:
     return re.sub(r"[\w.\-]+: ", "", text)
 
 
-def hlo_structure(hlo_text: str) -> dict[str, int]:
-    """Loop fusions (XLA:CPU's LLVM kernels), distinct ones, and opcode counts."""
-    comps = _computations(hlo_text)
-    loops = [
+def _loops(hlo_text: str) -> list[str]:
+    """The called computations of the LLVM-compiled fusions (not library calls)."""
+    return [
         m.group(2)
         for line in hlo_text.splitlines()
         if (m := _FUSION.search(line)) and m.group(1) != "kCustom"
     ]
+
+
+def distinct_kernels(hlo_text: str) -> list[str]:
+    """The distinct LLVM-compiled fusions of an optimized HLO module (what
+    XLA:CPU compiles once each), as canonical texts, sorted."""
+    comps = _computations(hlo_text)
+    return sorted({_canonical(comps[c]) for c in _loops(hlo_text) if c in comps})
+
+
+def hlo_structure(hlo_text: str) -> dict[str, int]:
+    """Loop fusions (XLA:CPU's LLVM kernels), distinct ones, and opcode counts."""
+    loops = _loops(hlo_text)
     ops = collections.Counter(
         m.group(1) for line in hlo_text.splitlines() if (m := _OPCODE.match(line))
     )
     return {
         "loop_fusions": len(loops),
-        "distinct_kernels": len({_canonical(comps[c]) for c in loops if c in comps}),
+        "distinct_kernels": len(distinct_kernels(hlo_text)),
         "converts": ops["convert"],
         "copies": ops["copy"],
         "instructions": sum(ops.values()),

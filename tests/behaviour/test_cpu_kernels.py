@@ -18,39 +18,7 @@ import pytest
 from _util import BF16, F32, rel
 
 from amp_jax import amp
-
-_HEAD = re.compile(r"^(?:ENTRY )?%(\S+) \((.*)\) -> (\S+) \{$")
-_LOOP = re.compile(r"fusion\(.*kind=kLoop.*calls=%([\w.\-]+)")
-
-
-def _computations(hlo: str) -> dict[str, str]:
-    """{name: "(params) -> result\\n body"} of an HLO module, names and metadata dropped."""
-    comps: dict[str, list[str]] = {}
-    name = None
-    for line in hlo.splitlines():
-        head = _HEAD.match(line)
-        if head:
-            name = head.group(1)
-            comps[name] = [f"{head.group(2)} -> {head.group(3)}"]
-        elif name is not None and line == "}":
-            name = None
-        elif name is not None:
-            comps[name].append(re.sub(r", metadata=\{[^}]*\}", "", line))
-    return {k: _canonical("\n".join(v)) for k, v in comps.items()}
-
-
-def _canonical(text: str) -> str:
-    names: dict[str, str] = {}
-    text = re.sub(
-        r"%([\w.\-]+)", lambda m: "%" + names.setdefault(m.group(1), f"v{len(names)}"), text
-    )
-    return re.sub(r"[\w.\-]+: ", "", text)
-
-
-def _kernels(hlo: str) -> list[str]:
-    """The distinct loop fusions (XLA:CPU's LLVM kernels) of ``hlo``, canonical."""
-    comps = _computations(hlo)
-    return sorted({comps[m.group(1)] for line in hlo.splitlines() if (m := _LOOP.search(line))})
+from benchmarks.compile_time import distinct_kernels as _kernels
 
 
 def _mlp(params, x, t):
