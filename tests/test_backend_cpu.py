@@ -578,16 +578,7 @@ def test_a_transposed_integer_by_float_dot_keeps_its_dims():
 def test_a_registered_dot_rule_binds_the_transposed_product(monkeypatch):
     """Under a dot rule the user registered, the plan's swapped dot is not
     amp's to write: the transpose is bound as written, the product is the rule's."""
-    calls = []
-
-    def rule(eqn, invals, compute_dtype, out_dtype):
-        calls.append(eqn)
-        a, b = (v.astype(compute_dtype) for v in invals)
-        dims = eqn.params["dimension_numbers"]
-        return [lax.dot_general(a, b, dims, preferred_element_type=out_dtype)]
-
-    monkeypatch.setitem(table.TABLE, "dot_general", table.TABLE["dot_general"])
-    amp_jax.register_rule("dot_general", rule)
+    calls = _register_dot_rule(monkeypatch, lambda eqn, invals: eqn)
     w, xs = jnp.ones((256, 128)), jnp.ones((64, 128))
     f = amp(lambda w, xs: jax.vmap(lambda v: w @ v)(xs))
     prims = [e.primitive.name for e, _ in eqns(jax.make_jaxpr(f)(w, xs))]
@@ -598,16 +589,7 @@ def test_a_registered_dot_rule_reads_the_transposed_weight_cast(monkeypatch):
     """x @ W.T under a dot rule the user registered: the transpose the plan
     reads through (`cpu.ReadThrough`) is the rule's operand, so it is bound
     as painted (W cast to bf16, then transposed), not on W as stored."""
-    seen = []
-
-    def rule(eqn, invals, compute_dtype, out_dtype):
-        seen.append([np.dtype(v.dtype) for v in invals])
-        a, b = (v.astype(compute_dtype) for v in invals)
-        dims = eqn.params["dimension_numbers"]
-        return [lax.dot_general(a, b, dims, preferred_element_type=out_dtype)]
-
-    monkeypatch.setitem(table.TABLE, "dot_general", table.TABLE["dot_general"])
-    amp_jax.register_rule("dot_general", rule)
+    seen = _register_dot_rule(monkeypatch, lambda eqn, invals: [np.dtype(v.dtype) for v in invals])
     x, w = jnp.ones((64, 128)), jnp.ones((256, 128))
     jax.make_jaxpr(amp(lambda x, w: x @ w.T))(x, w)
     assert seen == [[np.dtype(np.float32), np.dtype(jnp.bfloat16)]], seen
@@ -619,3 +601,19 @@ def test_plan_has_no_layouts_for_other_backends():
     for backend in ("gpu", "tpu"):
         assert _plan(lambda x, w: x @ w.T, x, w, backend=backend).layouts == {}
         assert _plan(lambda x, w: jax.vmap(lambda v: w @ v)(x), x, w, backend=backend).layouts == {}
+
+
+def _register_dot_rule(monkeypatch, note):
+    """Registers a user's dot rule for this test (the table restored after it)
+    that casts both operands and records ``note(eqn, invals)`` per call: the list."""
+    notes = []
+
+    def rule(eqn, invals, compute_dtype, out_dtype):
+        notes.append(note(eqn, invals))
+        a, b = (v.astype(compute_dtype) for v in invals)
+        dims = eqn.params["dimension_numbers"]
+        return [lax.dot_general(a, b, dims, preferred_element_type=out_dtype)]
+
+    monkeypatch.setitem(table.TABLE, "dot_general", table.TABLE["dot_general"])
+    amp_jax.register_rule("dot_general", rule)
+    return notes
