@@ -41,6 +41,7 @@ import jax
 
 from amp_jax import amp, explain
 from benchmarks import _report
+from benchmarks.run import machine as _run_machine
 from workloads import models as M
 
 SIZES = dict(batch=2, seq=32, d=256, heads=4, vocab=256)
@@ -89,6 +90,7 @@ def _machine(load_start: str) -> list[str]:
     import jaxlib
 
     load_end = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    m = _run_machine()
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:
@@ -96,6 +98,8 @@ def _machine(load_start: str) -> list[str]:
     return [
         f"- machine: {platform.processor() or platform.machine()}, backend "
         f"{jax.default_backend()}, {cores} of {os.cpu_count()} cores available to the process",
+        f"- cpu: {m['cpu']}; cpu flags: {m['cpu flags']}; amp bf16 dots: "
+        f"{m['amp bf16 dots on this cpu']}",
         f"- versions: Python {platform.python_version()}, jax {jax.__version__}, "
         f"jaxlib {jaxlib.__version__}",
         f"- date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC",
