@@ -1,8 +1,9 @@
 """XLA:CPU computes 16-bit elementwise ops in float32 (``Backend.low_elementwise``):
 amp keeps the ``follow`` ops between two low matmuls out of the compute dtype
 there, with the reason in ``explain``; the matmuls still run low, each operand
-cast once. GPU plans are unchanged, and ``backend_aware=False`` still lowers
-everything."""
+cast once. The data-movement ops it computes in float32 too (a concatenate, a
+gather) stay float32 and are cast once, after them. GPU plans are unchanged,
+and ``backend_aware=False`` still lowers everything."""
 
 from __future__ import annotations
 
