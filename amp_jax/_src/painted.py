@@ -58,7 +58,8 @@ def painted(ctx: Context, jaxpr: compat.Jaxpr) -> tuple[tuple[Classified, ...], 
                 classified[i] = Classified(c.kind, OpClass.NEVER, Reason.kept(Why.FEEDS_SOLVE))
         classes = [c.op_class for c in classified]
         in_f32 = _elementwise_in_float32(ctx)
-        colors = painting.paint(classes, jaxpr, low_follow=in_f32 is None)
+        high_clear = ctx.backend.clear_in_float32 if in_f32 is not None else frozenset()
+        colors = painting.paint(classes, jaxpr, low_follow=in_f32 is None, high_clear=high_clear)
         if in_f32 is not None:  # (the follow ops it kept out of the compute dtype say so)
             why = Reason(Why.BACKEND_CLASS, f"backend-aware: {in_f32}")
             for i in painting.follows_between(classes, jaxpr):

@@ -15,7 +15,7 @@ control flow, and the loop fixed point, are ``control.py``'s
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 
 from amp_jax._src import compat, jaxprs
 from amp_jax._src.decision import Color, OpClass
@@ -93,19 +93,26 @@ def follows_between(classes: Sequence[OpClass | None], jaxpr: compat.Jaxpr) -> s
 
 
 def paint(
-    classes: Sequence[OpClass | None], jaxpr: compat.Jaxpr, *, low_follow: bool = True
+    classes: Sequence[OpClass | None],
+    jaxpr: compat.Jaxpr,
+    *,
+    low_follow: bool = True,
+    high_clear: Collection[str] = (),
 ) -> list[Color]:
     """Colors for each eqn, from their classes (None: not painted, as written).
 
     ``low_follow=False``: follow ops are never painted low (a backend that
     computes low-precision elementwise ops in float32, converting each way:
     XLA:CPU); they keep their original dtypes, and the clear ops next to a
-    low op carry the one cast to it.
+    low op carry the one cast to it. ``high_clear``: the clear primitives
+    such a backend computes in float32 too (XLA:CPU's concatenate, gather,
+    select_n, ...): never painted low, so that the one cast is made after
+    them, not on each of their inputs and back.
     """
     preds, succs = _graph(jaxpr)
     idx = _classes(classes)
     allow, deny = idx[OpClass.ALLOW], idx[OpClass.DENY]
-    clear = idx[OpClass.CLEAR]
+    clear = {i for i in idx[OpClass.CLEAR] if jaxpr.eqns[i].primitive.name not in high_clear}
     # 1. deny propagates forward (`_denied`).
     denied = _denied(idx, preds, succs)
     # 2. follow/clear ops on a path between two allow ops become low.

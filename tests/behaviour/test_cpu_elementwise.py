@@ -1,8 +1,9 @@
 """XLA:CPU computes 16-bit elementwise ops in float32 (``Backend.low_elementwise``):
 amp keeps the ``follow`` ops between two low matmuls out of the compute dtype
 there, with the reason in ``explain``; the matmuls still run low, each operand
-cast once. GPU plans are unchanged, and ``backend_aware=False`` still lowers
-everything."""
+cast once. The data-movement ops it computes in float32 too (a concatenate, a
+gather) stay float32 and are cast once, after them. GPU plans are unchanged,
+and ``backend_aware=False`` still lowers everything."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from _util import (
 import amp_jax
 from amp_jax import Policy, amp
 from amp_jax._src import backends
+from benchmarks.compile_time import distinct_kernels as _kernels
 
 REASON = "XLA:CPU computes {} elementwise ops in float32 (a convert each way)"
 
@@ -120,6 +122,81 @@ def test_the_backend_field_is_part_of_the_trace_key():
         low = jax.make_jaxpr(lambda *a: f(*a))(*_args())
     assert [i for i, _, _ in prim_dtypes(cpu, "tanh")] == [(F32,)]
     assert [i for i, _, _ in prim_dtypes(low, "tanh")] == [(BF16,)]
+
+
+def _graph_layer(w1, w2, w3, x, idx):
+    """A graph network's edge update: features of two layers, the input and a
+    gathered row concatenated, then one dot (jax-md's ``EnergyGraphNet``)."""
+    h1, h2 = jnp.tanh(x @ w1), jnp.sin(x @ w2)
+    return jnp.concatenate([h1, h2, x, h1[idx]], axis=1) @ w3
+
+
+def _graph_loss(w1, w2, w3, x, idx):
+    return jnp.sum(_graph_layer(w1, w2, w3, x, idx) ** 2)
+
+
+def _graph_args():
+    k = jax.random.split(jax.random.PRNGKey(1), 4)
+    n = jax.random.normal
+    w1, w2 = n(k[0], (64, 64)) / 8, n(k[1], (64, 64)) / 8
+    idx = jnp.arange(128)[::-1] % 128
+    return w1, w2, n(k[2], (256, 64)) / 16, n(k[3], (128, 64)), idx
+
+
+def _graph_step(argnums=(0, 1, 2, 3)):
+    # (a fresh caller each time: JAX's trace cache does not know an injected record)
+    return lambda *a: jax.value_and_grad(amp(_graph_loss), argnums=argnums)(*a)
+
+
+def _without_clear_in_float32():
+    return backends.use(dataclasses.replace(backends.current(), clear_in_float32=frozenset()))
+
+
+def test_cpu_concatenates_in_float32_and_casts_the_result_once():
+    """XLA:CPU computes a bf16 concatenate or gather in float32 (each input
+    converted up and the result down): amp keeps them float32 there and the
+    dot casts the concatenation once, where it cast each input (and XLA
+    added a float32 round trip per input, a kernel each)."""
+    args = _graph_args()
+    step = _graph_step()
+    jaxpr = jax.make_jaxpr(step)(*args)
+    assert [(i[0], o) for i, o, _ in prim_dtypes(jaxpr, "concatenate")] == [(F32, (F32,))]
+    assert [o for _, o, _ in prim_dtypes(jaxpr, "gather")] == [(F32,)]
+    dots = prim_dtypes(jaxpr, "dot_general")
+    assert dots and all(ins == (BF16, BF16) for ins, _, _ in dots), dots
+    hlo = jax.jit(step).lower(*args).compile().as_text()
+    up = re.findall(r"= f32\[[\d,]*\]\S* convert\(", hlo)  # (bf16 -> f32: round trips)
+    with _without_clear_in_float32():  # (the painting before: each input cast)
+        old = jax.make_jaxpr(_graph_step())(*args)
+        old_hlo = jax.jit(_graph_step()).lower(*args).compile().as_text()
+    assert [o for _, o, _ in prim_dtypes(old, "concatenate")] == [(BF16,)]
+    assert len(up) < len(re.findall(r"= f32\[[\d,]*\]\S* convert\(", old_hlo))
+    # (fewer distinct kernels on JAX 0.10's XLA; JAX 0.12's fuses this toy's round trips)
+    assert len(_kernels(hlo)) <= len(_kernels(old_hlo))
+
+
+def test_the_concatenation_is_split_in_float32_in_the_backward():
+    """The concatenate's transpose (a ``split`` of its cotangent) runs in
+    float32, not on a bf16 cotangent: the same forward values (one rounding
+    of the concatenation either way), and ``x``'s gradient, which reaches the
+    dot through the concatenation too, closer to float32's."""
+    args = _graph_args()
+    assert [o for _, o, _ in prim_dtypes(jax.make_jaxpr(_graph_step())(*args), "split")] == [
+        (F32,) * 4
+    ]
+    f32_loss, f32_gx = jax.jit(jax.value_and_grad(_graph_loss, argnums=3))(*args)
+    loss, gx = jax.jit(_graph_step(3))(*args)
+    with _without_clear_in_float32():
+        old_loss, old_gx = jax.jit(_graph_step(3))(*args)
+    assert float(loss) == float(old_loss)
+    assert rel(gx, f32_gx) < rel(old_gx, f32_gx), (rel(gx, f32_gx), rel(old_gx, f32_gx))
+    assert rel(loss, f32_loss) < 2e-2
+
+
+def test_gpu_plans_still_concatenate_low():
+    with backends.use(backends.backend_for("gpu")):
+        jaxpr = jax.make_jaxpr(amp(_graph_layer))(*_graph_args())
+    assert [o for _, o, _ in prim_dtypes(jaxpr, "concatenate")] == [(BF16,)]
 
 
 def _ode_loss(mm):

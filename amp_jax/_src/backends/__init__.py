@@ -93,6 +93,10 @@ class Backend:
         speed. Where False, ``Policy(backend_aware=True)`` keeps ``follow`` ops
         out of the compute dtype (`elementwise_in_float32`); the matmuls still
         run low, and a value they read is cast once.
+      clear_in_float32: the clear (data-movement, max/min, select) primitives
+        the backend computes in float32 like its elementwise ops where
+        `low_elementwise` is False (XLA:CPU: ``cpu.CLEAR_IN_F32``); they are
+        then not painted low either, so a value is cast once, after them.
     """
 
     name: str
@@ -105,6 +109,7 @@ class Backend:
     native_float8_matmul: Callable[[], bool] = _never
     bf16_dots: CpuBf16Support | None = None
     low_elementwise: bool = True
+    clear_in_float32: frozenset[str] = frozenset()
 
     def has_low_kernel(self, eqn: compat.Eqn) -> bool:
         """Whether ``eqn`` (an ``allow`` op on managed floats) has a kernel here
@@ -165,6 +170,7 @@ _BACKENDS = {
         dot=cpu.dot,
         plan_layouts=cpu.plan_layouts,
         low_elementwise=False,
+        clear_in_float32=cpu.CLEAR_IN_F32,
     ),
     "gpu": Backend(
         "gpu",

@@ -35,6 +35,33 @@ ELEMENTWISE_IN_F32 = (
     "XLA:CPU computes {dtype} elementwise ops in float32 (a convert each way): kept as written"
 )
 
+#: the clear (numerically neutral) primitives XLA:CPU computes in float32 when
+#: given bfloat16 operands, as it does elementwise ops: its float normalization
+#: converts each input up and the result back down (only layout ops, reshape,
+#: transpose, broadcast, slice, stay bfloat16). With `ELEMENTWISE_IN_F32` they are
+#: not painted low: the dot that reads one casts its float32 result once, where a
+#: low concatenate of N casts was N casts, N round trips and a cast (jax-md's
+#: EnergyGraphNet: benchmarks/results/REAL_MODELS.md)
+CLEAR_IN_F32 = frozenset(
+    {
+        "concatenate",
+        "gather",
+        "pad",
+        "dynamic_slice",
+        "dynamic_update_slice",
+        "rev",
+        "select_n",
+        "max",
+        "min",
+        "scatter",
+        "cummax",
+        "cummin",
+        "sort",
+        "reduce_window_max",
+        "reduce_window_min",
+    }
+)
+
 _BF16 = np.dtype(jax.numpy.bfloat16)
 _F32 = np.dtype(np.float32)
 
