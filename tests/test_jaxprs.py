@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax import lax
 from jax.extend.core import jaxpr_as_fun
 
@@ -310,3 +311,83 @@ def test_iter_eqns_names_no_place_for_a_jit_jax_inlines():
 
     rows = {e.primitive.name: where for e, where, *_ in jaxprs.iter_eqns(jax.make_jaxpr(f)(X))}
     assert rows == {"sin": "", "cos": "jit"}, rows
+
+
+# -- bind_jitted: amp binds an op as jnp binds its functions ------------------------
+
+_STAGED = pytest.mark.skipif(
+    not compat.inline_jits_staged(),
+    reason="JAX 0.12+ keeps inline jits in the jaxpr until lowering: amp binds each op itself",
+)
+
+
+def _deep(depth):
+    def loss(ws, x):
+        for w in ws:
+            x = jnp.tanh(x @ w) * 2.0 + 1.0  # (one line: every layer's ops share it)
+        return jnp.sum(x * x)
+
+    ws = [jnp.full((16, 16), 0.01 * (i + 1)) for i in range(depth)]
+    return loss, ws, jnp.ones((4, 16))
+
+
+def _tanh_binds(monkeypatch, depth):
+    """How often amp's trace of the depth-``depth`` model's gradient binds ``tanh``."""
+    calls = []
+    bind = compat.bind_eqn
+
+    def counting(eqn, invals, params=None):
+        calls.append(eqn.primitive.name)
+        return bind(eqn, invals, params)
+
+    monkeypatch.setattr(compat, "bind_eqn", counting)
+    jaxprs._JITTED.clear()
+    loss, ws, x = _deep(depth)
+    jax.make_jaxpr(jax.value_and_grad(amp_jax.amp(loss)))(ws, x)
+    return calls.count("tanh")
+
+
+@_STAGED
+def test_an_op_is_traced_once_per_line_and_reused_at_every_layer(monkeypatch):
+    """Under ``grad``, each layer's ``tanh`` goes through one cached inline jit
+    (JAX then linearizes it once, as it does ``jnp``'s own jitted functions),
+    not a bind per layer."""
+    assert _tanh_binds(monkeypatch, 2) == _tanh_binds(monkeypatch, 6) == 1
+
+
+@_STAGED
+def test_the_jitted_binds_leave_the_program_as_it_was(monkeypatch):
+    loss, ws, x = _deep(3)
+    step = jax.value_and_grad(amp_jax.amp(loss))
+    jaxprs._JITTED.clear()
+    jitted = str(jax.make_jaxpr(step)(ws, x))
+    assert jaxprs._JITTED  # (the feature ran)
+    monkeypatch.setattr(jaxprs, "bind_jitted", lambda eqn, invals: None)
+    step = jax.value_and_grad(amp_jax.amp(loss))
+    assert str(jax.make_jaxpr(step)(ws, x)) == jitted
+    assert "pjit" not in jitted and "jit[" not in jitted  # (inlined where JAX stages them)
+
+
+@_STAGED
+def test_a_jitted_bind_keeps_each_ops_own_source_line_and_its_literals():
+    def f(x):
+        a = jnp.tanh(x)
+        b = jnp.tanh(x * 3.0)
+        return a + b
+
+    jaxprs._JITTED.clear()
+    jaxpr = jax.make_jaxpr(jax.grad(lambda x: jnp.sum(amp_jax.amp(f)(x))))(jnp.ones(8)).jaxpr
+    eqns = [e for e, *_ in jaxprs.iter_eqns(jaxpr)]
+    tanhs = [e for e in eqns if e.primitive.name == "tanh"]
+    lines = {compat.source_line(e).split(" ")[0].rsplit(":", 1)[0] for e in tanhs}
+    assert len(tanhs) == 2 and len(lines) == 2, lines
+    muls = [e for e in eqns if e.primitive.name == "mul"]
+    lits = [
+        compat.literal_value(a) for e in muls for a in e.invars if isinstance(a, compat.Literal)
+    ]
+    assert 3.0 in lits  # (a literal stays one)
+
+
+def test_no_jitted_bind_outside_a_trace():
+    eqn = jax.make_jaxpr(jnp.tanh)(1.0).jaxpr.eqns[0]
+    assert jaxprs.bind_jitted(eqn, [np.float32(1.0)]) is None

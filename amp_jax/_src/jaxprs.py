@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol, cast
 
+import jax
 import numpy as np
 from jax.extend import core as jex_core
 
@@ -152,6 +153,59 @@ def bind(i: int, eqn: compat.Eqn, env: Env) -> list[Any]:
     """The default `Hook`: binds ``eqn`` as it is, on its operands' values."""
     del i
     return compat.bind_eqn(eqn, env.operands(eqn))
+
+
+def bind_jitted(eqn: compat.Eqn, invals: Sequence[Any]) -> list[Any] | None:
+    """``eqn`` bound on ``invals`` as `bind` binds it, but through a
+    ``jax.jit(..., inline=True)`` cached per primitive, params, literal
+    operands and caller's source line, as ``jnp``'s own functions are: under
+    ``grad`` JAX then linearizes the op once per jaxpr and reuses that at every
+    layer, instead of once per call, and inlines it where it stages it, so the
+    program is the one `bind` gives. None where that does not hold (no tracer
+    among ``invals``, a JAX that keeps such calls in the jaxpr (0.12), a
+    primitive with effects or sub-jaxprs, unhashable params): bind it there."""
+    if not (compat.inline_jits_staged() and any(isinstance(x, compat.Tracer) for x in invals)):
+        return None
+    if eqn.effects or compat.has_subjaxprs(eqn):
+        return None
+    lits = {k: a for k, a in enumerate(eqn.invars) if isinstance(a, compat.Literal)}
+    key = (
+        eqn.primitive,
+        len(eqn.invars),  # (sort: the same params on one operand or more)
+        tuple(eqn.params.items()),
+        tuple((k, _literal_key(a)) for k, a in lits.items()),
+        compat.current_source_line(),  # (a reused trace keeps its first call's lines)
+    )
+    try:
+        fn = _JITTED.get(key)
+    except TypeError:  # (unhashable params)
+        return None
+    if fn is None:
+        if len(_JITTED) >= _JITTED_MAX:
+            _JITTED.clear()
+        fixed = {k: compat.literal_value(a) for k, a in lits.items()}
+        fn = _JITTED[key] = _jitted_bind(eqn, fixed)
+    out = fn(*(x for k, x in enumerate(invals) if k not in lits))
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+#: `bind_jitted`'s functions, by primitive, params, literals and source line
+_JITTED: dict[tuple[Any, ...], Callable[..., Any]] = {}
+_JITTED_MAX = 4096
+
+
+def _jitted_bind(eqn: compat.Eqn, fixed: dict[int, Any]) -> Callable[..., Any]:
+    """``eqn``'s primitive bound with its params, its literal operands ``fixed``
+    (by position: closed over, so that they stay literals), jitted inline."""
+    n = len(eqn.invars)
+
+    def bound(*args: Any) -> Any:
+        rest = iter(args)
+        operands = [fixed[k] if k in fixed else next(rest) for k in range(n)]
+        out = compat.bind_eqn(eqn, operands)
+        return out if eqn.primitive.multiple_results else out[0]
+
+    return jax.jit(bound, inline=True)
 
 
 def _run(eqns: Iterable[compat.Eqn], env: Values, hook: Hook) -> None:

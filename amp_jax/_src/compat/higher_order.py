@@ -5,11 +5,13 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
 import jax
+import numpy as np
 from jax.extend import core as jex_core
 from jax.extend import linear_util as jex_lu
 
@@ -68,6 +70,15 @@ def jit_inlined_by_jax(eqn: Eqn) -> bool:
     JAX 0.12, which keeps it in jaxprs)."""
     inline = eqn.params.get("inline") if eqn.primitive.name in JIT_NAMES else None
     return inline is True or getattr(inline, "value", None) in ("jax_early", "jax_late")
+
+
+@functools.cache
+def inline_jits_staged() -> bool:
+    """Whether JAX inlines a ``jax.jit(..., inline=True)`` call where it stages
+    it, leaving no ``jit`` eqn (JAX 0.10-0.11), rather than keeping the call in
+    the jaxpr until lowering (``Inline.JAX_LATE``, JAX 0.12). Probed once."""
+    jaxpr = jax.make_jaxpr(jax.jit(lambda x: x + 1, inline=True))(np.float32(1))
+    return not any(e.primitive.name in JIT_NAMES for e in jaxpr.jaxpr.eqns)
 
 
 def jit_jaxpr(eqn: Eqn) -> ClosedJaxpr:

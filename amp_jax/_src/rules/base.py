@@ -94,9 +94,9 @@ class EqnRule:
         """The outputs of ``eqn`` as decided by ``d``, under ``ctx`` (policy,
         backend), reading operands from ``env``."""
         cd = ctx.policy.compute_dtype
-        return compat.bind_eqn(
-            eqn, [env.read(v, casting.target(casting.dtype_of(v), d.color, cd)) for v in eqn.invars]
-        )
+        invals = [env.read(v, casting.target(casting.dtype_of(v), d.color, cd)) for v in eqn.invars]
+        out = jaxprs.bind_jitted(eqn, invals)  # (JAX linearizes it once per jaxpr)
+        return compat.bind_eqn(eqn, invals) if out is None else out
 
     def reads_low(self, ctx: Context, eqn: compat.Eqn, d: Decision, atom: compat.Atom) -> bool:
         """Whether ``evaluate`` reads operand ``atom`` only in the compute dtype."""
