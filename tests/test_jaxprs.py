@@ -391,3 +391,14 @@ def test_a_jitted_bind_keeps_each_ops_own_source_line_and_its_literals():
 def test_no_jitted_bind_outside_a_trace():
     eqn = jax.make_jaxpr(jnp.tanh)(1.0).jaxpr.eqns[0]
     assert jaxprs.bind_jitted(eqn, [np.float32(1.0)]) is None
+
+
+def test_an_eager_grad_binds_its_ops_one_by_one():
+    """Outside ``jit`` a gradient's values are concrete: amp binds each op as
+    written (a primitive without a lowering still runs eagerly there)."""
+    loss, ws, x = _deep(2)
+    jaxprs._JITTED.clear()
+    jax.grad(amp_jax.amp(loss))(ws, x)
+    assert not jaxprs._JITTED
+    jax.make_jaxpr(jax.grad(amp_jax.amp(loss)))(ws, x)
+    assert bool(jaxprs._JITTED) == compat.inline_jits_staged()

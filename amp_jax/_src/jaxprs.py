@@ -161,10 +161,11 @@ def bind_jitted(eqn: compat.Eqn, invals: Sequence[Any]) -> list[Any] | None:
     operands and caller's source line, as ``jnp``'s own functions are: under
     ``grad`` JAX then linearizes the op once per jaxpr and reuses that at every
     layer, instead of once per call, and inlines it where it stages it, so the
-    program is the one `bind` gives. None where that does not hold (no tracer
-    among ``invals``, a JAX that keeps such calls in the jaxpr (0.12), a
+    program is the one `bind` gives. None where that does not hold (no
+    operand of a program being staged: eager values, or an eager ``grad``, whose
+    ops run one by one, as written; a JAX that keeps such calls in the jaxpr (0.12), a
     primitive with effects or sub-jaxprs, unhashable params): bind it there."""
-    if not (compat.inline_jits_staged() and any(isinstance(x, compat.Tracer) for x in invals)):
+    if not (compat.inline_jits_staged() and any(compat.is_staged(x) for x in invals)):
         return None
     if eqn.effects or compat.has_subjaxprs(eqn):
         return None

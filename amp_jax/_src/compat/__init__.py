@@ -49,8 +49,9 @@ from amp_jax._src.compat.higher_order import call_thunk as call_thunk
 from amp_jax._src.compat.higher_order import custom_jvp_params as custom_jvp_params
 from amp_jax._src.compat.higher_order import custom_jvp_parts as custom_jvp_parts
 from amp_jax._src.compat.higher_order import has_subjaxprs as has_subjaxprs
-from amp_jax._src.compat.higher_order import jit_inlined_by_jax as jit_inlined_by_jax
 from amp_jax._src.compat.higher_order import inline_jits_staged as inline_jits_staged
+from amp_jax._src.compat.higher_order import is_staged as is_staged
+from amp_jax._src.compat.higher_order import jit_inlined_by_jax as jit_inlined_by_jax
 from amp_jax._src.compat.higher_order import jit_is_inlinable as jit_is_inlinable
 from amp_jax._src.compat.higher_order import jit_jaxpr as jit_jaxpr
 from amp_jax._src.compat.higher_order import map_subjaxprs as map_subjaxprs

@@ -81,6 +81,13 @@ def inline_jits_staged() -> bool:
     return not any(e.primitive.name in JIT_NAMES for e in jaxpr.jaxpr.eqns)
 
 
+def is_staged(x: Any) -> bool:
+    """Whether ``x`` is a tracer of a program being staged (under ``jit``,
+    ``make_jaxpr``, ``vmap``), not of an eager transformation (``jax.grad``
+    outside ``jit``: its values are concrete)."""
+    return isinstance(x, Tracer) and x.to_concrete_value() is None
+
+
 def jit_jaxpr(eqn: Eqn) -> ClosedJaxpr:
     return eqn.params["jaxpr"]
 
