@@ -163,7 +163,7 @@ def bind_jitted(eqn: compat.Eqn, invals: Sequence[Any]) -> list[Any] | None:
     layer, instead of once per call, and inlines it where it stages it, so the
     program is the one `bind` gives. None where that does not hold (no
     operand of a program being staged: eager values, or an eager ``grad``, whose
-    ops run one by one, as written; a JAX that keeps such calls in the jaxpr (0.12), a
+    ops run one by one, as written; a JAX that keeps such calls in the jaxpr (0.11+), a
     primitive with effects or sub-jaxprs, unhashable params): bind it there."""
     if not (compat.inline_jits_staged() and any(compat.is_staged(x) for x in invals)):
         return None

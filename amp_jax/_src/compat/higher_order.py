@@ -75,8 +75,8 @@ def jit_inlined_by_jax(eqn: Eqn) -> bool:
 @functools.cache
 def inline_jits_staged() -> bool:
     """Whether JAX inlines a ``jax.jit(..., inline=True)`` call where it stages
-    it, leaving no ``jit`` eqn (JAX 0.10-0.11), rather than keeping the call in
-    the jaxpr until lowering (``Inline.JAX_LATE``, JAX 0.12). Probed once."""
+    it, leaving no ``jit`` eqn (JAX 0.10), rather than keeping the call in the
+    jaxpr (JAX 0.11.2; 0.12 until lowering, ``Inline.JAX_LATE``). Probed once."""
     jaxpr = jax.make_jaxpr(jax.jit(lambda x: x + 1, inline=True))(np.float32(1))
     return not any(e.primitive.name in JIT_NAMES for e in jaxpr.jaxpr.eqns)
 
